@@ -1,0 +1,1 @@
+"""Spot market knowledge: price history sources, instance catalog, billing, eviction risk."""
