@@ -12,11 +12,13 @@ class MarketError(OrchestratorError):
 class PriceDataError(UserError):
     """A price file or response is malformed, empty, or holds no usable prices."""
 
-    def __init__(self, message: str, *, fix: str = "", field: str | None = None,
-                 path: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, fix: str = "", field: str | None = None, path: str | None = None
+    ) -> None:
         super().__init__(
             message,
-            fix=fix or "pass files in the exact DescribeSpotPriceHistory response format "
+            fix=fix
+            or "pass files in the exact DescribeSpotPriceHistory response format "
             '({"SpotPriceHistory": [{"AvailabilityZone", "InstanceType", "SpotPrice", '
             '"Timestamp", "ProductDescription"}, ...]}).',
             field=field,

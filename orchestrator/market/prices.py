@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import numpy as np
 from orchestrator.market.errors import PriceDataError
 
 LINUX_PRODUCT = "Linux/UNIX"
+#: EC2-Classic's name for the same product; moto still labels its records with it.
+PRODUCT_ALIASES = {"Linux/UNIX (Amazon VPC)": LINUX_PRODUCT}
 REQUIRED_RECORD_FIELDS = ("AvailabilityZone", "InstanceType", "SpotPrice", "Timestamp")
 
 
@@ -123,6 +126,20 @@ class PriceSeries:
                 i = n - 1
         return total
 
+    def window(self, start_s: float, end_s: float) -> PriceSeries | None:
+        """This series cut to the record in effect at `start_s` through the last one at or
+        before `end_s`, ending at `end_s`; None when it has no record by `end_s`."""
+        first = max(self.index_at(start_s), 0)
+        last = self.index_at(end_s)
+        if last < first:
+            return None
+        return PriceSeries(
+            self.market,
+            self.times_s[first : last + 1],
+            self.prices_usd_per_hour[first : last + 1],
+            end_s=end_s,
+        )
+
     def __len__(self) -> int:
         return len(self._times_list)
 
@@ -132,6 +149,11 @@ class PriceHistory(Mapping[Market, PriceSeries]):
 
     def __init__(self, series: Iterable[PriceSeries]) -> None:
         self._series = {s.market: s for s in series}
+        if not self._series:
+            raise PriceDataError(
+                "no markets with prices were selected",
+                fix="check the instance types and zones against the price data",
+            )
 
     def __getitem__(self, market: Market) -> PriceSeries:
         return self._series[market]
@@ -159,7 +181,9 @@ class PriceHistory(Mapping[Market, PriceSeries]):
 
     def restrict(self, instance_types: Sequence[str] | None = None) -> PriceHistory:
         keep = set(instance_types) if instance_types is not None else None
-        return PriceHistory(s for m, s in self._series.items() if keep is None or m.instance_type in keep)
+        return PriceHistory(
+            s for m, s in self._series.items() if keep is None or m.instance_type in keep
+        )
 
 
 def series_from_records(
@@ -193,7 +217,7 @@ def series_from_records(
                 field=f"SpotPriceHistory[{index}].{missing[0]}",
             )
         product = record.get("ProductDescription", product_description)
-        if product != product_description:
+        if PRODUCT_ALIASES.get(str(product), product) != product_description:
             continue
         try:
             price = float(str(record["SpotPrice"]))
@@ -204,7 +228,7 @@ def series_from_records(
                 path=source,
                 field=f"SpotPriceHistory[{index}].SpotPrice",
             ) from None
-        if not price > 0:
+        if not (math.isfinite(price) and price > 0):
             raise PriceDataError(
                 f"{source}: SpotPriceHistory[{index}].SpotPrice={price} is not positive",
                 path=source,
@@ -234,7 +258,9 @@ def merge_series(parts: Iterable[PriceSeries]) -> list[PriceSeries]:
     by_market: dict[Market, dict[float, float]] = defaultdict(dict)
     ends: dict[Market, float] = {}
     for s in parts:
-        by_market[s.market].update(zip(s.times_s.tolist(), s.prices_usd_per_hour.tolist(), strict=True))
+        by_market[s.market].update(
+            zip(s.times_s.tolist(), s.prices_usd_per_hour.tolist(), strict=True)
+        )
         ends[s.market] = max(ends.get(s.market, s.end_s), s.end_s)
     merged = []
     for market, by_time in by_market.items():

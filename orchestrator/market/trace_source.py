@@ -41,7 +41,9 @@ def read_price_file(path: Path) -> list[PriceSeries]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise PriceDataError(f"cannot read price file {path}: {exc.strerror}", path=str(path)) from None
+        raise PriceDataError(
+            f"cannot read price file {path}: {exc.strerror}", path=str(path)
+        ) from None
     if not text.strip():
         raise PriceDataError(f"price file {path} is empty", path=str(path))
     try:
@@ -53,12 +55,17 @@ def read_price_file(path: Path) -> list[PriceSeries]:
         ) from None
     if not isinstance(body, dict) or not isinstance(body.get("SpotPriceHistory"), list):
         raise PriceDataError(
-            f"price file {path} has no SpotPriceHistory list", path=str(path), field="SpotPriceHistory"
+            f"price file {path} has no SpotPriceHistory list",
+            path=str(path),
+            field="SpotPriceHistory",
         )
     series = series_from_records(body["SpotPriceHistory"], source=str(path))
     if not series:
-        raise PriceDataError(f"price file {path} holds no Linux/UNIX prices", path=str(path),
-                             field="SpotPriceHistory")
+        raise PriceDataError(
+            f"price file {path} holds no Linux/UNIX prices",
+            path=str(path),
+            field="SpotPriceHistory",
+        )
     return series
 
 
@@ -71,29 +78,38 @@ class TracePriceSource(PriceSource):
 
     def __init__(self, paths: Sequence[Path | str]) -> None:
         if not paths:
-            raise PriceDataError("no price directories given", field="--prices",
-                                 fix="pass --prices DIR (a folder of DescribeSpotPriceHistory JSON files)")
+            raise PriceDataError(
+                "no price directories given",
+                field="--prices",
+                fix="pass --prices DIR (a folder of DescribeSpotPriceHistory JSON files)",
+            )
         files: list[Path] = []
         for raw in paths:
             p = Path(raw)
             if p.is_dir():
                 found = sorted(p.glob("*.json"))
                 if not found:
-                    raise PriceDataError(f"price directory {p} holds no *.json files", path=str(p),
-                                         field="--prices")
+                    raise PriceDataError(
+                        f"price directory {p} holds no *.json files", path=str(p), field="--prices"
+                    )
                 files.extend(found)
             elif p.is_file():
                 files.append(p)
             else:
-                raise PriceDataError(f"price path {p} does not exist", path=str(p), field="--prices",
-                                     fix="check the path; pass a folder of price JSON files")
+                raise PriceDataError(
+                    f"price path {p} does not exist",
+                    path=str(p),
+                    field="--prices",
+                    fix="check the path; pass a folder of price JSON files",
+                )
         parts: list[PriceSeries] = []
         for f in files:
             parts.extend(read_price_file(f))
         merged = merge_series(parts)
         trace_end = max(s.end_s for s in merged)
-        self._series = [PriceSeries(s.market, s.times_s, s.prices_usd_per_hour, end_s=trace_end)
-                        for s in merged]
+        self._series = [
+            PriceSeries(s.market, s.times_s, s.prices_usd_per_hour, end_s=trace_end) for s in merged
+        ]
         self.files = files
 
     def all(self) -> PriceHistory:
@@ -110,20 +126,18 @@ class TracePriceSource(PriceSource):
     ) -> PriceHistory:
         start_s, end_s = to_epoch_seconds(start), to_epoch_seconds(end)
         if end_s <= start_s:
-            raise PriceDataError(f"time range is empty: end {end} is not after start {start}",
-                                 field="end")
+            raise PriceDataError(
+                f"time range is empty: end {end} is not after start {start}", field="end"
+            )
         selected = []
         for s in self._series:
             if instance_types is not None and s.market.instance_type not in instance_types:
                 continue
             if zones is not None and s.market.zone not in zones:
                 continue
-            first = max(s.index_at(start_s), 0)
-            last = s.index_at(end_s)
-            if last < first:
-                continue
-            selected.append(PriceSeries(s.market, s.times_s[first:last + 1],
-                                        s.prices_usd_per_hour[first:last + 1], end_s=end_s))
+            cut = s.window(start_s, end_s)
+            if cut is not None:
+                selected.append(cut)
         if not selected:
             raise PriceDataError(
                 "the trace holds no prices for "
