@@ -73,7 +73,8 @@ class BillingModel(abc.ABC):
         hazard_per_s: float,
         horizon_s: float,
     ) -> float:
-        """Expected charge of `count` instances held for up to `horizon_s` at `price`.
+        """Expected charge of `count` instance slots kept filled for `horizon_s` at `price`
+        (an evicted instance is replaced at once).
 
         `hazard_per_s` is the eviction rate of one instance (constant over the horizon).
         """
@@ -86,11 +87,14 @@ class BillingModel(abc.ABC):
         return [BilledInterval(start_s, end_s, price_usd_per_hour, run_s, reason)]
 
 
-def expected_alive_s(hazard_per_s: float, horizon_s: float) -> float:
-    """E[min(T, h)] for T ~ Exp(hazard): the expected time an instance runs within `h`."""
+def charged_fraction(hazard_per_s: float) -> float:
+    """Share of an instance slot's run time that `hourly-refund` charges, when evicted
+    instances are replaced at once: each instance of life T ~ Exp(h) pays its full hours only,
+    Σ_n P(T > n hours) = q/(1-q) with q = e^{-h·1h}, over an expected life of 1/h."""
     if hazard_per_s <= 0.0:
-        return horizon_s
-    return -math.expm1(-hazard_per_s * horizon_s) / hazard_per_s
+        return 1.0
+    q = math.exp(-hazard_per_s * SECONDS_PER_HOUR)
+    return q / (1.0 - q) * hazard_per_s * SECONDS_PER_HOUR
 
 
 class PerSecondBilling(BillingModel):
@@ -128,12 +132,7 @@ class PerSecondBilling(BillingModel):
     def expected_cost_usd(
         self, price_usd_per_hour: float, count: int, hazard_per_s: float, horizon_s: float
     ) -> float:
-        return (
-            price_usd_per_hour
-            * count
-            * expected_alive_s(hazard_per_s, horizon_s)
-            / SECONDS_PER_HOUR
-        )
+        return price_usd_per_hour * count * horizon_s / SECONDS_PER_HOUR
 
 
 class HourlyRefundBilling(BillingModel):
@@ -174,9 +173,12 @@ class HourlyRefundBilling(BillingModel):
     def expected_cost_usd(
         self, price_usd_per_hour: float, count: int, hazard_per_s: float, horizon_s: float
     ) -> float:
-        """Eq. 4.1: (1 - β)·P·k·t_r, with β the chance of eviction before the hour ends."""
-        beta = -math.expm1(-hazard_per_s * horizon_s) if hazard_per_s > 0 else 0.0
-        return (1.0 - beta) * price_usd_per_hour * count * horizon_s / SECONDS_PER_HOUR
+        """Eq. 4.1, (1 - β)·P·k·t_r, taken over a slot's successive instances: only the
+        hours that end before an eviction are paid (`charged_fraction`)."""
+        return (
+            price_usd_per_hour * count * horizon_s / SECONDS_PER_HOUR
+            * charged_fraction(hazard_per_s)
+        )
 
 
 BILLING_MODELS: dict[str, type[BillingModel]] = {

@@ -278,7 +278,7 @@ class CapacityHazardModel(EvictionModel):
     """
 
     prior_rate_per_hour: float
-    prior_weight_hours: float = 24.0
+    prior_weight_hours: float = 48.0
     applies_to: Iterable[str] | None = None  # instance types with capacity risk (None: all)
     _events: dict[Market, float] = field(default_factory=dict)
     _exposure_h: dict[Market, float] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""BidBrain: cost-per-work model, acquisition policies and budgets (seed 002 §4.3)."""

@@ -1,0 +1,462 @@
+"""Acquisition policies: BidBrain and the baselines it is measured against.
+
+Every policy is one small class with one public method, `decide(DecisionInput) -> Decision`.
+Decisions are pure: the time, prices, spend and footprint come in, actions go out; nothing reads
+the wall clock. The simulator and the live controller call the same code.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.bidbrain.cost import (
+    SECONDS_PER_HOUR,
+    FootprintTerms,
+    allocation_terms,
+    cost_per_work_with,
+    footprint_terms,
+)
+from orchestrator.bidbrain.errors import UnknownPolicyError
+from orchestrator.bidbrain.model import AllocationRequest, Footprint, HeldAllocation, JobSpec
+from orchestrator.market.catalog import Catalog
+from orchestrator.market.eviction import DEFAULT_BID_DELTAS_USD, EvictionModel
+from orchestrator.market.prices import Market
+
+#: Extra grid points past the Proteus range, so a bid capped at the on-demand price (often
+#: several dollars over the market) looks up a hazard close to its real delta.
+WIDE_BID_DELTAS_USD = (1.0, 2.0, 5.0, 10.0, 20.0)
+
+
+class BidBrainSettings(BaseModel):
+    """Knobs of the decision, with the paper's values where it gave them (seed 002 §4.3-4.4)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    decision_interval_s: float = Field(120.0, gt=0, description="periodic decision (2 min)")
+    planning_horizon_s: float = Field(
+        86400.0, gt=0, description="cap on the horizon of C and W (the job's remaining time)"
+    )
+    min_horizon_s: float = Field(
+        3600.0, gt=0, description="floor of the horizon, so a nearly done job still buys a node"
+    )
+    renew_period_s: float = Field(
+        3600.0, gt=0, description="each allocation is reconsidered once per period (billing hour)"
+    )
+    renew_lead_s: float = Field(120.0, ge=0, description="renew-or-release this long before it")
+    bid_deltas_usd: tuple[float, ...] = DEFAULT_BID_DELTAS_USD
+    counts: tuple[int, ...] = (1, 2, 4, 8, 16)
+    min_improvement: float = Field(
+        0.002, ge=0, description="act only if E falls by at least this fraction"
+    )
+    max_adds_per_decision: int = Field(32, gt=0)
+
+
+@dataclass(frozen=True)
+class MarketTable:
+    """The markets a job may use, with their static facts as aligned arrays."""
+
+    markets: tuple[Market, ...]
+    work_rate: np.ndarray  # ν per instance (reference GPUs)
+    on_demand_usd_per_hour: np.ndarray
+    index: Mapping[Market, int]
+
+    @classmethod
+    def build(
+        cls,
+        markets: Sequence[Market],
+        catalog: Catalog,
+        gpu_work_rates: Mapping[str, float] | None = None,
+    ) -> MarketTable:
+        """Raises UnknownInstanceTypeError / UnknownMarketError for types the catalog lacks."""
+        ms = tuple(sorted(markets))
+        rates = np.array([catalog.work_rate(m.instance_type, gpu_work_rates) for m in ms])
+        od = np.array([catalog.get(m.instance_type).on_demand_price(m.region) for m in ms])
+        return cls(ms, rates, od, {m: i for i, m in enumerate(ms)})
+
+    def __len__(self) -> int:
+        return len(self.markets)
+
+
+@dataclass(frozen=True)
+class DecisionInput:
+    """Everything a decision may look at. `prices_usd_per_hour` aligns with the `MarketTable`
+    (NaN: no price known). `renewal_due` names allocations at their renew-or-release point."""
+
+    now_s: float
+    job: JobSpec
+    work_remaining_gpu_hours: float
+    spend_usd: float
+    footprint: Footprint
+    prices_usd_per_hour: np.ndarray
+    unavailable: frozenset[Market] = frozenset()
+    renewal_due: frozenset[str] = frozenset()
+    last_eviction_s: Mapping[Market, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do now. `expected_cost_per_work` is in $ per reference-GPU-hour of work."""
+
+    acquire: tuple[AllocationRequest, ...] = ()
+    release: tuple[str, ...] = ()
+    expected_cost_per_work: float = math.inf
+    projected_cost_usd: float = math.inf
+    budget_exhausted: bool = False
+    reason: str = ""
+
+    @property
+    def is_noop(self) -> bool:
+        return not self.acquire and not self.release and not self.budget_exhausted
+
+
+class Policy(abc.ABC):
+    """Decides which allocations a job should add or release now."""
+
+    name: ClassVar[str]
+    #: whether the job keeps its model on reliable on-demand nodes (AgileML) or checkpoints
+    uses_reliable_tier: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        table: MarketTable,
+        *,
+        billing: str,
+        price_model: EvictionModel,
+        capacity_model: EvictionModel,
+        settings: BidBrainSettings | None = None,
+        catalog: Catalog | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        self.table = table
+        self.rng = rng if rng is not None else np.random.default_rng(0)
+        self.catalog = catalog or Catalog.load()
+        self.billing = billing
+        self.price_model = price_model
+        self.capacity_model = capacity_model
+        self.settings = settings or BidBrainSettings()
+
+    @abc.abstractmethod
+    def decide(self, inp: DecisionInput) -> Decision:
+        """The actions to take at `inp.now_s`."""
+
+    # -- helpers shared by policies -------------------------------------------------------
+    def _reliable_request(self, inp: DecisionInput) -> tuple[AllocationRequest, ...]:
+        if not self.uses_reliable_tier or inp.job.reliable_count == 0:
+            return ()
+        if any(a.reliable for a in inp.footprint.allocations):
+            return ()
+        zone = self.table.markets[0].zone
+        return (
+            AllocationRequest(
+                instance_type=inp.job.reliable_type,
+                zone=zone,
+                count=inp.job.reliable_count,
+                reliable=True,
+            ),
+        )
+
+    def _usable(self, inp: DecisionInput) -> np.ndarray:
+        ok = np.isfinite(inp.prices_usd_per_hour) & (self.table.work_rate > 0)
+        for m in inp.unavailable:
+            i = self.table.index.get(m)
+            if i is not None:
+                ok[i] = False
+        return ok
+
+    def _remaining_rate(self, inp: DecisionInput) -> float:
+        return inp.job.max_work_rate - sum(
+            a.count * a.work_rate_per_instance for a in inp.footprint.allocations if not a.reliable
+        )
+
+
+class BidBrainPolicy(Policy):
+    """Proteus' BidBrain (seed 002 §4.3): add the allocation that lowers the footprint's
+    expected cost per work (`orchestrator.bidbrain.cost`) the most, again and again; at each
+    allocation's renewal point, release it if the footprint without it, refilled greedily, has
+    a lower cost per work. Reliable nodes are always held.
+
+    Candidates are every usable market × bid option (the on-demand price, then the delta grid
+    over the market price, highest first so that ties go to the safer bid) × count (the count
+    ladder plus "fill the remaining rate").
+
+    Budgets: the spend so far plus what the footprint commits until the next decision never
+    exceeds the job's budget. When the budget cannot carry the reliable tier and one more spot
+    instance, every spot allocation is released and the decision says `budget_exhausted`.
+    """
+
+    name = "bidbrain"
+
+    def __init__(self, table: MarketTable, **kwargs: object) -> None:
+        super().__init__(table, **kwargs)  # type: ignore[arg-type]
+        s = self.settings
+        self._deltas = np.array(sorted(s.bid_deltas_usd, reverse=True), dtype=np.float64)
+        self._counts = np.array(s.counts, dtype=np.float64)
+        # Price-crossing hazards of the grid deltas are static for a fitted model; the
+        # on-demand cap is looked up per decision because its delta moves with the price.
+        self._hazard_grid = np.array(
+            [[self.price_model.hazard_per_s(m, float(d)) for d in self._deltas]
+             for m in table.markets]
+        ).reshape(len(table), len(self._deltas))
+        self._cap_cache: dict[tuple[int, float], float] = {}
+
+    def decide(self, inp: DecisionInput) -> Decision:
+        job, s = inp.job, self.settings
+        phi, lam = job.app.phi, job.app.eviction_overhead_s
+        horizon = self._horizon(inp)
+        interval_h = s.decision_interval_s / SECONDS_PER_HOUR
+        reliable = self._reliable_request(inp)
+        reliable_rate = self._reliable_rate_usd_per_hour(inp, reliable)
+        reliable_terms = FootprintTerms(reliable_rate * horizon / SECONDS_PER_HOUR, 0.0, 0.0, 0.0)
+        held = self._held_arrays(inp, horizon)
+        spot = held["alloc"]
+        budget_left = math.inf if job.budget_usd is None else job.budget_usd - inp.spend_usd
+
+        # Budget guard: drop the spot allocations that cost most per work until what the
+        # footprint commits to the next decision fits.
+        releases: list[str] = []
+        commit_rate = reliable_rate + sum(a.price_usd_per_hour * a.count for a in spot)
+        for a in sorted(spot, key=lambda a: -a.price_usd_per_hour / a.work_rate_per_instance):
+            if commit_rate * interval_h <= budget_left:
+                break
+            releases.append(a.allocation_id)
+            commit_rate -= a.price_usd_per_hour * a.count
+        keep = np.array([a.allocation_id not in releases for a in spot], dtype=bool)
+        base = reliable_terms + self._terms(held, keep)
+        cand = self._candidates(inp, horizon)
+        freed = sum(a.count * a.work_rate_per_instance for a in spot if a.allocation_id in releases)
+        remaining_rate = self._remaining_rate(inp) + freed
+        budget_for_adds = budget_left - commit_rate * interval_h
+        adds, terms = self._greedy(base, cand, remaining_rate, budget_for_adds, phi, lam)
+        current_e = terms.cost_per_work(phi, lam)
+
+        # Renew or release at renewal points: would the footprint do better without it?
+        for i, a in enumerate(spot):
+            if a.allocation_id not in inp.renewal_due or not keep[i]:
+                continue
+            keep_without = keep.copy()
+            keep_without[i] = False
+            alt_adds, alt = self._greedy(
+                reliable_terms + self._terms(held, keep_without),
+                cand,
+                remaining_rate + a.count * a.work_rate_per_instance,
+                budget_for_adds + a.price_usd_per_hour * a.count * interval_h,
+                phi,
+                lam,
+            )
+            alt_e = alt.cost_per_work(phi, lam)
+            if alt_e < current_e * (1.0 - s.min_improvement):
+                releases.append(a.allocation_id)
+                keep, adds, terms, current_e = keep_without, alt_adds, alt, alt_e
+                remaining_rate += a.count * a.work_rate_per_instance
+
+        requests = reliable + tuple(self._request(cand, j, current_e) for j in adds)
+        exhausted = job.budget_usd is not None and budget_left < (
+            reliable_rate + self._cheapest_instance_rate(cand)
+        ) * interval_h
+        if exhausted:
+            releases = [a.allocation_id for a in spot]
+            requests = reliable
+        projected = inp.spend_usd + (
+            current_e * inp.work_remaining_gpu_hours * SECONDS_PER_HOUR
+            if math.isfinite(current_e)
+            else math.inf
+        )
+        return Decision(
+            acquire=requests,
+            release=tuple(releases),
+            expected_cost_per_work=current_e * SECONDS_PER_HOUR,
+            projected_cost_usd=projected,
+            budget_exhausted=exhausted,
+            reason="budget exhausted: released spot nodes, model kept on the reliable tier"
+            if exhausted
+            else "",
+        )
+
+    # -- pieces ---------------------------------------------------------------------------
+    def _horizon(self, inp: DecisionInput) -> float:
+        """The job's remaining time at full rate, within [min_horizon_s, planning_horizon_s]."""
+        shortest_s = inp.work_remaining_gpu_hours / inp.job.max_work_rate * SECONDS_PER_HOUR
+        s = self.settings
+        return max(s.min_horizon_s, min(s.planning_horizon_s, shortest_s))
+
+    def _reliable_rate_usd_per_hour(
+        self, inp: DecisionInput, reliable: tuple[AllocationRequest, ...]
+    ) -> float:
+        rate = sum(a.price_usd_per_hour * a.count for a in inp.footprint.allocations if a.reliable)
+        for r in reliable:
+            rate += self.catalog.get(r.instance_type).on_demand_price(self.table.markets[0].region) * r.count
+        return rate
+
+    def _held_arrays(self, inp: DecisionInput, horizon: float) -> dict:
+        allocs = inp.footprint.spot
+        sigma = inp.job.app.add_overhead_s
+        return {
+            "alloc": allocs,
+            "count": np.array([a.count for a in allocs], dtype=np.float64),
+            "rate": np.array([a.work_rate_per_instance for a in allocs], dtype=np.float64),
+            "price": np.array([a.price_usd_per_hour for a in allocs], dtype=np.float64),
+            "hp": np.array(
+                [self.price_model.hazard_per_s(a.market, a.bid_delta_usd) for a in allocs],
+                dtype=np.float64,
+            ),
+            "hc": np.array(
+                [self.capacity_model.hazard_per_s(a.market, a.bid_delta_usd) for a in allocs],
+                dtype=np.float64,
+            ),
+            "pending": np.array(
+                [0.0 if a.ready else max(0.0, sigma - (inp.now_s - a.started_s)) for a in allocs],
+                dtype=np.float64,
+            ),
+            "horizon": horizon,
+            "sigma": sigma,
+        }
+
+    def _terms(self, held: dict, keep: np.ndarray) -> FootprintTerms:
+        return footprint_terms(
+            billing=self.billing,
+            count=held["count"][keep],
+            work_rate=held["rate"][keep],
+            price_usd_per_hour=held["price"][keep],
+            hazard_price_per_s=held["hp"][keep],
+            hazard_capacity_per_s=held["hc"][keep],
+            horizon_s=held["horizon"],
+            add_overhead_s=held["sigma"],
+            pending_overhead_s=held["pending"][keep],
+        )
+
+    def _candidates(self, inp: DecisionInput, horizon: float) -> dict:
+        """Every (market, bid option, count) as flat arrays (see the class doc)."""
+        t = self.table
+        price = inp.prices_usd_per_hour
+        usable = self._usable(inp)
+        n_m, n_d = len(t), len(self._deltas)
+        max_price = np.empty((n_m, n_d + 1))
+        max_price[:, 0] = t.on_demand_usd_per_hour
+        max_price[:, 1:] = price[:, None] + self._deltas[None, :]
+        hp = np.zeros((n_m, n_d + 1))
+        hp[:, 1:] = self._hazard_grid
+        hc = np.zeros(n_m)
+        for i in np.flatnonzero(usable):
+            hp[i, 0] = self._cap_hazard(int(i), float(t.on_demand_usd_per_hour[i] - price[i]))
+            hc[i] = self.capacity_model.hazard_per_s(t.markets[i], math.inf)
+        valid_bid = usable[:, None] & (max_price <= t.on_demand_usd_per_hour[:, None] + 1e-9)
+        valid_bid[:, 0] = usable & (t.on_demand_usd_per_hour > price)
+        remaining = max(self._remaining_rate(inp), 0.0)
+        fill = np.floor(remaining / np.where(t.work_rate > 0, t.work_rate, 1.0) + 1e-9)
+        counts = np.concatenate(
+            [np.broadcast_to(self._counts, (n_m, len(self._counts))), fill[:, None]], axis=1
+        )
+        shape = (n_m, n_d + 1, counts.shape[1])
+        m_idx = np.broadcast_to(np.arange(n_m)[:, None, None], shape).ravel()
+        o_idx = np.broadcast_to(np.arange(n_d + 1)[None, :, None], shape).ravel()
+        k = np.broadcast_to(counts[:, None, :], shape).ravel()
+        valid = np.broadcast_to(valid_bid[:, :, None], shape).ravel() & (k > 0)
+        p = np.where(valid, price[m_idx], 0.0)
+        sigma = inp.job.app.add_overhead_s
+        cost, events, kv, busy = allocation_terms(
+            billing=self.billing,
+            count=k,
+            work_rate=t.work_rate[m_idx],
+            price_usd_per_hour=p,
+            hazard_price_per_s=hp[m_idx, o_idx],
+            hazard_capacity_per_s=hc[m_idx],
+            horizon_s=horizon,
+            add_overhead_s=sigma,
+            pending_overhead_s=np.full(k.shape, sigma),
+        )
+        return {
+            "valid": valid,
+            "market": m_idx,
+            "count": k,
+            "max_price": max_price[m_idx, o_idx],
+            "cost": cost,
+            "events": events,
+            "kv": kv,
+            "busy": busy,
+            "commit_rate": p * k,
+        }
+
+    def _cap_hazard(self, market_index: int, delta: float) -> float:
+        key = (market_index, round(delta, 4))
+        h = self._cap_cache.get(key)
+        if h is None:
+            h = self.price_model.hazard_per_s(self.table.markets[market_index], delta)
+            self._cap_cache[key] = h
+        return h
+
+    def _greedy(
+        self,
+        base: FootprintTerms,
+        cand: dict,
+        remaining_rate: float,
+        budget_usd: float,
+        phi: float,
+        lam: float,
+    ) -> tuple[list[int], FootprintTerms]:
+        """Add the best candidate while it lowers E by at least `min_improvement`."""
+        chosen: list[int] = []
+        interval_h = self.settings.decision_interval_s / SECONDS_PER_HOUR
+        for _ in range(self.settings.max_adds_per_decision):
+            feasible = cand["valid"] & (cand["kv"] <= remaining_rate + 1e-9)
+            if math.isfinite(budget_usd):
+                feasible &= cand["commit_rate"] * interval_h <= budget_usd
+            idx = np.flatnonzero(feasible)
+            if len(idx) == 0:
+                break
+            e = cost_per_work_with(
+                base,
+                phi=phi,
+                eviction_overhead_s=lam,
+                cand_cost_usd=cand["cost"][idx],
+                cand_events=cand["events"][idx],
+                cand_kv=cand["kv"][idx],
+                cand_busy_s=cand["busy"][idx],
+            )
+            best = int(np.argmin(e))
+            if not e[best] < base.cost_per_work(phi, lam) * (1.0 - self.settings.min_improvement):
+                break
+            j = int(idx[best])
+            chosen.append(j)
+            base = base + FootprintTerms(
+                float(cand["cost"][j]), float(cand["events"][j]), float(cand["kv"][j]),
+                float(cand["busy"][j]),
+            )
+            remaining_rate -= float(cand["kv"][j])
+            budget_usd -= float(cand["commit_rate"][j]) * interval_h
+        return chosen, base
+
+    def _cheapest_instance_rate(self, cand: dict) -> float:
+        valid = cand["valid"]
+        if not valid.any():
+            return 0.0
+        return float(np.min(cand["commit_rate"][valid] / cand["count"][valid]))
+
+    def _request(self, cand: dict, j: int, e_per_s: float) -> AllocationRequest:
+        m = self.table.markets[int(cand["market"][j])]
+        return AllocationRequest(
+            instance_type=m.instance_type,
+            zone=m.zone,
+            count=int(cand["count"][j]),
+            max_price_usd_per_hour=round(float(cand["max_price"][j]), 6),
+            expected_cost_per_work=e_per_s * SECONDS_PER_HOUR,
+        )
+
+
+POLICIES: dict[str, type[Policy]] = {BidBrainPolicy.name: BidBrainPolicy}
+
+
+def policy_class(name: str) -> type[Policy]:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise UnknownPolicyError(
+            f"unknown policy {name!r}", fix=f"use one of: {', '.join(sorted(POLICIES))}",
+            field="policy",
+        ) from None

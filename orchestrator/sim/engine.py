@@ -1,0 +1,523 @@
+"""One simulated job under one strategy from one start time: an event loop over replayed prices
+and evictions that calls the same policy code as the live controller and bills every instance
+through the billing model.
+
+Runtimes (how the job turns held instances into progress):
+
+* `agileml`: elastic; every ready spot instance works; a new instance is productive after σ
+  (`add_overhead_s`), others are not disturbed; each eviction instant stalls the job for λ
+  (`eviction_overhead_s`); nothing is lost (state lives on the reliable tier).
+* `checkpoint`: a fixed gang; it works only when every member is ready and restored; it writes a
+  checkpoint of `checkpoint_s` every τ = sqrt(2·checkpoint_s·MTTF) of compute (Young's
+  interval, MTTF of the gang from the eviction model); an eviction rolls the work back to the last
+  checkpoint and the gang waits for its replacement, then `restart_s` to restore.
+* `gang-checkpoint`: as `checkpoint`, but a preemption tears the whole cluster down and the policy
+  relaunches all of it (SkyPilot managed jobs).
+* `on-demand`: fixed, never evicted, no start-up cost: the reference the others are compared to.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.bidbrain.model import AllocationRequest, Footprint, HeldAllocation, JobSpec
+from orchestrator.bidbrain.policy import Decision, DecisionInput, Policy
+from orchestrator.market.billing import BilledInterval, BillingModel, EndReason
+from orchestrator.market.prices import Market
+from orchestrator.sim.world import RemovalStream, World
+
+SECONDS_PER_HOUR = 3600.0
+
+
+class RuntimeParams(BaseModel):
+    """Overheads of the runtimes, in seconds. Defaults and where they come from:
+
+    * `boot_s` 180: spot request fulfilment plus instance boot (EC2 typically 1-3 min).
+    * `checkpoint_s` 60: writing a consistent checkpoint of the model to S3; with Young's interval
+      this gives the ~17% checkpoint overhead the Proteus evaluation measured (seed 002 §4.5.2).
+    * `restart_s` 120: process start and restore from the checkpoint after the gang is back.
+    * `notice_s` 120: EC2's spot interruption notice; strategies that act on notices
+      (BidBrain) buy the replacement as soon as it arrives.
+    * AgileML's σ and λ come from the job's `AppParams` (seed 002 Table 4.2).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    boot_s: float = Field(180.0, ge=0)
+    checkpoint_s: float = Field(60.0, gt=0)
+    restart_s: float = Field(120.0, ge=0)
+    notice_s: float = Field(120.0, ge=0, description="EC2's interruption notice (2 minutes)")
+    max_runtime_factor: float = Field(
+        10.0, gt=1, description="give up when the job has run this many times its nominal time"
+    )
+
+
+@dataclass(slots=True)
+class SimInstance:
+    instance_id: str
+    allocation_id: str
+    market: Market
+    work_rate: float
+    on_demand: bool
+    max_price: float | None
+    launched_s: float
+    ready_s: float
+    evict_s: float
+    ended_s: float | None = None
+    end_reason: EndReason | None = None
+
+
+@dataclass
+class LedgerLine:
+    """One billed instance interval (`count` instances, 1 except for the oracle)."""
+
+    instance_id: str
+    instance_type: str
+    zone: str
+    start_s: float
+    end_s: float
+    price_usd_per_hour: float
+    billed_s: float
+    charged_usd: float
+    reason: str
+    market: str  # "spot" or "on-demand"
+    count: float = 1.0
+
+
+@dataclass
+class RunResult:
+    """What one run cost and did."""
+
+    start_s: float
+    completed: bool
+    runtime_s: float
+    cost_usd: float
+    work_done_gpu_hours: float
+    evictions: int
+    machine_s: float
+    free_machine_s: float
+    decisions: int
+    ledger: list[LedgerLine] = field(default_factory=list)
+
+
+class Run:
+    """The event loop of one job under one strategy."""
+
+    def __init__(
+        self,
+        world: World,
+        *,
+        policy: Policy,
+        runtime: str,
+        billing: BillingModel,
+        job: JobSpec,
+        start_s: float,
+        params: RuntimeParams,
+        removal_events: dict[Market, RemovalStream],
+        keep_ledger: bool = False,
+        periodic_decisions: bool = True,
+        acts_on_notice: bool = False,
+    ) -> None:
+        self.world = world
+        self.policy = policy
+        self.runtime = runtime
+        self.billing = billing
+        self.job = job
+        self.params = params
+        self.removals = removal_events
+        self.acts_on_notice = acts_on_notice
+        self.keep_ledger = keep_ledger
+        self.periodic = periodic_decisions
+        self.start_s = start_s
+        self.now = start_s
+        self.deadline = start_s + params.max_runtime_factor * job.work_gpu_hours / job.max_work_rate * 3600.0
+        self.work_total_s = job.work_gpu_hours * SECONDS_PER_HOUR
+        self.work_s = 0.0
+        self.instances: dict[str, SimInstance] = {}
+        self._ids = itertools.count()
+        self._alloc_ids = itertools.count()
+        self._events: list[tuple[float, int, str, str]] = []
+        self._seq = itertools.count()
+        self._decide_at: float | None = None
+        self.cost_usd = 0.0
+        self.machine_s = 0.0
+        self.free_machine_s = 0.0
+        self.evictions = 0
+        self.decisions = 0
+        self.ledger: list[LedgerLine] = []
+        self.last_eviction_s: dict[Market, float] = {}
+        self.alloc_started: dict[str, float] = {}
+        self.renewal_due: set[str] = set()
+        self._launches: dict[Market, int] = {}
+        self.doomed: set[str] = set()
+        # runtime state
+        self.stall_until = start_s
+        self.restart_until = start_s
+        self.segment: tuple[float, float, float, float] | None = None  # (s0, w0, rate, period)
+        self.saved_work_s = 0.0
+        table = world.table
+        self._series = {m: world.history[m] for m in table.markets}
+        self._prices_from = self._prices_until = math.nan
+        self._prices_cache = np.empty(0)
+        self._tau = self._raw = 0.0
+        self._price_times = np.unique(np.concatenate([s.times_s for s in self._series.values()]))
+
+    # -- event plumbing -------------------------------------------------------------------
+    def _push(self, t: float, kind: str, key: str = "") -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, key))
+
+    def _schedule_decision(self, t: float) -> None:
+        if self._decide_at is None or t < self._decide_at:
+            self._decide_at = t
+            self._push(t, "decide")
+
+    def _schedule_periodic(self) -> None:
+        if not self.periodic:
+            return
+        step = self.policy.settings.decision_interval_s
+        k = math.floor((self.now - self.start_s) / step) + 1
+        self._schedule_decision(self.start_s + k * step)
+
+    # -- main loop ------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        self._schedule_decision(self.start_s)
+        if self.periodic:
+            i = int(np.searchsorted(self._price_times, self.start_s, side="right"))
+            if i < len(self._price_times):
+                self._push(float(self._price_times[i]), "price")
+        completed = False
+        while True:
+            t_next = self._events[0][0] if self._events else math.inf
+            rate = self._rate()
+            if self.work_total_s - self.work_s <= 1e-9 * self.work_total_s:
+                completed = True
+                break
+            if rate > 0:
+                t_finish = self.now + (self.work_total_s - self.work_s) / rate
+                if t_finish <= min(t_next, self.deadline):
+                    self.now = t_finish
+                    self.work_s = self.work_total_s
+                    completed = True
+                    break
+            if t_next >= self.deadline:
+                self.work_s += rate * (self.deadline - self.now)
+                self.now = self.deadline
+                break
+            self.work_s += rate * (t_next - self.now)
+            self.now = t_next
+            while self._events and self._events[0][0] <= self.now:
+                _, _, kind, key = heapq.heappop(self._events)
+                self._handle(kind, key)
+        for inst in list(self.instances.values()):
+            self._end(inst, EndReason.JOB_FINISHED)
+        return RunResult(
+            start_s=self.start_s,
+            completed=completed,
+            runtime_s=self.now - self.start_s,
+            cost_usd=self.cost_usd,
+            work_done_gpu_hours=self.work_s / SECONDS_PER_HOUR,
+            evictions=self.evictions,
+            machine_s=self.machine_s,
+            free_machine_s=self.free_machine_s,
+            decisions=self.decisions,
+            ledger=self.ledger,
+        )
+
+    def _handle(self, kind: str, key: str) -> None:
+        if kind == "decide":
+            if self._decide_at is not None and self.now >= self._decide_at:
+                self._decide_at = None
+                self._decide()
+        elif kind == "evict":
+            inst = self.instances.get(key)
+            if inst is not None and inst.evict_s <= self.now:
+                self._evict(inst)
+        elif kind == "notice":
+            if key in self.instances:
+                self.doomed.add(key)
+                self._schedule_decision(self.now)
+        elif kind == "ready":
+            if self.runtime == "agileml":
+                self._schedule_periodic()
+            else:
+                self._maybe_restart()
+        elif kind == "restart":
+            self._start_segment()
+        elif kind == "renew":
+            alloc = key
+            if any(i.allocation_id == alloc for i in self.instances.values()):
+                self.renewal_due.add(alloc)
+                self._schedule_decision(self.now)
+                self._push(self.now + self.policy.settings.renew_period_s, "renew", alloc)
+        elif kind == "price":
+            self._schedule_periodic()
+            i = int(np.searchsorted(self._price_times, self.now, side="right"))
+            if i < len(self._price_times):
+                self._push(float(self._price_times[i]), "price")
+        # "stall-end" needs no action: the rate is recomputed after every event
+
+    # -- progress -------------------------------------------------------------------------
+    def _rate(self) -> float:
+        phi = self.job.app.phi
+        if self.runtime == "agileml":
+            if self.now < self.stall_until or not self._reliable_ready():
+                return 0.0
+            return phi * sum(
+                i.work_rate for i in self.instances.values() if i.ready_s <= self.now
+            )
+        if self.runtime == "on-demand":
+            return phi * sum(i.work_rate for i in self.instances.values())
+        if self.segment is None:
+            return 0.0
+        _, _, rate, _ = self.segment
+        return rate
+
+    def _reliable_ready(self) -> bool:
+        if not self.policy.uses_reliable_tier or self.job.reliable_count == 0:
+            return True
+        return any(i.on_demand and i.ready_s <= self.now for i in self.instances.values())
+
+    def _gang_ready(self) -> bool:
+        spot = [i for i in self.instances.values() if not i.on_demand]
+        rate = sum(i.work_rate for i in spot)
+        return bool(spot) and rate >= self.job.max_work_rate - 1e-9 and all(
+            i.ready_s <= self.now for i in spot
+        )
+
+    def _maybe_restart(self) -> None:
+        if self.segment is None and self._gang_ready():
+            self._push(self.now + self.params.restart_s, "restart")
+
+    def _start_segment(self) -> None:
+        if self.segment is not None or not self._gang_ready():
+            return
+        spot = [i for i in self.instances.values() if not i.on_demand]
+        hazard = sum(
+            self.policy.capacity_model.hazard_per_s(i.market, math.inf)
+            + self.policy.price_model.hazard_per_s(i.market, (i.max_price or 0) - self._price(i.market))
+            for i in spot
+        )
+        delta = self.params.checkpoint_s
+        mttf = 1.0 / hazard if hazard > 0 else math.inf
+        tau = max(delta, math.sqrt(2.0 * delta * mttf)) if math.isfinite(mttf) else math.inf
+        raw = self.job.app.phi * sum(i.work_rate for i in spot)
+        if math.isfinite(tau):
+            self.segment = (self.now, self.work_s, raw * tau / (tau + delta), tau + delta)
+        else:
+            self.segment = (self.now, self.work_s, raw, math.inf)
+        self._tau = tau
+        self._raw = raw
+
+    def _rollback(self) -> None:
+        """Checkpoint runtimes: lose the work since the last completed checkpoint."""
+        if self.segment is None:
+            return
+        s0, w0, _, period = self.segment
+        if math.isfinite(period):
+            done_periods = math.floor((self.now - s0) / period)
+            self.work_s = min(self.work_s, w0 + done_periods * self._raw * self._tau)
+        self.segment = None
+
+    # -- market ---------------------------------------------------------------------------
+    def _price(self, market: Market) -> float:
+        p = self._series[market].price_at(self.now)
+        return math.nan if p is None else p
+
+    def _prices(self) -> np.ndarray:
+        """Current price of every market (NaN before a market's first record), cached until
+        the next price change anywhere."""
+        if not (self._prices_from <= self.now < self._prices_until):
+            self._prices_cache = np.array([self._price(m) for m in self.world.table.markets])
+            i = int(np.searchsorted(self._price_times, self.now, side="right"))
+            self._prices_from = float(self._price_times[i - 1]) if i > 0 else -math.inf
+            self._prices_until = float(self._price_times[i]) if i < len(self._price_times) else math.inf
+        return self._prices_cache
+
+    # -- decisions ------------------------------------------------------------------------
+    def _footprint(self) -> Footprint:
+        groups: dict[str, list[SimInstance]] = defaultdict(list)
+        for inst in self.instances.values():
+            if inst.instance_id not in self.doomed:
+                groups[inst.allocation_id].append(inst)
+        allocs = []
+        for alloc_id, insts in groups.items():
+            first = insts[0]
+            price = (
+                self._on_demand_price(first.market)
+                if first.on_demand
+                else self._price(first.market)
+            )
+            allocs.append(
+                HeldAllocation(
+                    allocation_id=alloc_id,
+                    market=first.market,
+                    count=len(insts),
+                    work_rate_per_instance=first.work_rate,
+                    price_usd_per_hour=price,
+                    started_s=self.alloc_started[alloc_id],
+                    max_price_usd_per_hour=first.max_price,
+                    reliable=first.on_demand,
+                    ready=all(i.ready_s <= self.now for i in insts),
+                )
+            )
+        return Footprint(allocs)
+
+    def _spend_so_far(self) -> float:
+        running = 0.0
+        for inst in self.instances.values():
+            if inst.on_demand:
+                running += self._on_demand_price(inst.market) * (self.now - inst.launched_s) / 3600
+            else:
+                running += self._series[inst.market].cost_usd(inst.launched_s, self.now)
+        return self.cost_usd + running
+
+    def _decide(self) -> None:
+        self.decisions += 1
+        remaining = max(self.work_total_s - self.work_s, 0.0) / SECONDS_PER_HOUR
+        inp = DecisionInput(
+            now_s=self.now,
+            job=self.job,
+            work_remaining_gpu_hours=remaining,
+            spend_usd=self._spend_so_far() if self.job.budget_usd is not None else self.cost_usd,
+            footprint=self._footprint(),
+            prices_usd_per_hour=self._prices(),
+            renewal_due=frozenset(self.renewal_due),
+            last_eviction_s=self.last_eviction_s,
+        )
+        self.renewal_due.clear()
+        decision = self.policy.decide(inp)
+        self._apply(decision)
+
+    def _apply(self, decision: Decision) -> None:
+        released = set(decision.release)
+        for inst in [i for i in self.instances.values() if i.allocation_id in released]:
+            self._end(inst, EndReason.RELEASED)
+        if released and self.runtime != "agileml":
+            self._rollback()
+        for req in decision.acquire:
+            self._launch(req)
+        if decision.budget_exhausted:
+            self.deadline = self.now
+
+    def _on_demand_price(self, market: Market) -> float:
+        return self.world.catalog.get(market.instance_type).on_demand_price(market.region)
+
+    def _launch(self, req: AllocationRequest) -> None:
+        alloc_id = f"a{next(self._alloc_ids)}"
+        self.alloc_started[alloc_id] = self.now
+        market = req.market
+        on_demand = req.reliable
+        rate = self.world.catalog.work_rate(req.instance_type, self.job.gpu_work_rates)
+        if self.runtime == "on-demand":
+            ready_delay = 0.0
+        elif self.runtime == "agileml":
+            ready_delay = self.job.app.add_overhead_s
+        else:
+            ready_delay = self.params.boot_s
+        for _ in range(req.count):
+            iid = f"i{next(self._ids)}"
+            evict_s = math.inf if on_demand else self._sample_eviction(market, req.max_price_usd_per_hour)
+            inst = SimInstance(
+                instance_id=iid,
+                allocation_id=alloc_id,
+                market=market,
+                work_rate=rate,
+                on_demand=on_demand,
+                max_price=req.max_price_usd_per_hour,
+                launched_s=self.now,
+                ready_s=self.now + ready_delay,
+                evict_s=evict_s,
+            )
+            self.instances[iid] = inst
+            if math.isfinite(evict_s):
+                self._push(evict_s, "evict", iid)
+                if self.acts_on_notice:
+                    self._push(max(self.now, evict_s - self.params.notice_s), "notice", iid)
+        if ready_delay > 0:
+            self._push(self.now + ready_delay, "ready")
+        elif self.runtime not in ("agileml", "on-demand"):
+            self._maybe_restart()
+        if not on_demand:
+            self._push(self.now + self.policy.settings.renew_period_s - self.policy.settings.renew_lead_s,
+                       "renew", alloc_id)
+
+    def _sample_eviction(self, market: Market, max_price: float | None) -> float:
+        evict = math.inf
+        if max_price is not None:
+            crossing = self._series[market].first_time_above(self.now, max_price)
+            if crossing is not None:
+                evict = crossing
+        stream = self.removals.get(market)
+        if stream is not None:
+            slot = self._launches[market] = self._launches.get(market, -1) + 1
+            evict = min(evict, stream.eviction_after(self.now, slot, evict))
+        return evict
+
+    # -- instance lifecycle ---------------------------------------------------------------
+    def _evict(self, inst: SimInstance) -> None:
+        self.evictions += 1
+        noticed = inst.instance_id in self.doomed
+        self.last_eviction_s[inst.market] = self.now
+        self._end(inst, EndReason.EVICTED)
+        if self.runtime == "agileml":
+            if self.stall_until <= self.now:
+                self.stall_until = self.now + self.job.app.eviction_overhead_s
+                self._push(self.stall_until, "stall-end")
+        else:
+            self._rollback()
+            if self.runtime == "gang-checkpoint":
+                for other in [i for i in self.instances.values() if not i.on_demand]:
+                    self._end(other, EndReason.RELEASED)
+        if not noticed:  # a noticed eviction was planned for when its notice came
+            self._schedule_decision(self.now)
+
+    def _end(self, inst: SimInstance, reason: EndReason) -> None:
+        del self.instances[inst.instance_id]
+        self.doomed.discard(inst.instance_id)
+        inst.ended_s = self.now
+        inst.end_reason = reason
+        run_s = self.now - inst.launched_s
+        if not inst.on_demand:
+            self.policy.capacity_model.observe(
+                inst.market, 1 if reason is EndReason.EVICTED else 0, run_s
+            )
+        if inst.on_demand:
+            intervals = self.billing.bill_on_demand(
+                self._on_demand_price(inst.market), inst.launched_s, self.now, reason
+            )
+        else:
+            intervals = self.billing.bill_spot(
+                self._series[inst.market], inst.launched_s, self.now, reason
+            )
+        self._account(inst, intervals)
+
+    def _account(self, inst: SimInstance, intervals: list[BilledInterval]) -> None:
+        for iv in intervals:
+            charged = iv.charged_usd
+            self.cost_usd += charged
+            run = iv.end_s - iv.start_s
+            self.machine_s += run
+            if iv.billed_s < run:
+                self.free_machine_s += run - iv.billed_s
+            if self.keep_ledger:
+                self.ledger.append(
+                    LedgerLine(
+                        instance_id=inst.instance_id,
+                        instance_type=inst.market.instance_type,
+                        zone=inst.market.zone,
+                        start_s=iv.start_s,
+                        end_s=iv.end_s,
+                        price_usd_per_hour=iv.price_usd_per_hour,
+                        billed_s=iv.billed_s,
+                        charged_usd=charged,
+                        reason=str(iv.reason),
+                        market="on-demand" if inst.on_demand else "spot",
+                    )
+                )

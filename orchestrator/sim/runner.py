@@ -1,0 +1,331 @@
+"""Run many strategies from many random start times over price history and summarise them
+(the Proteus evaluation method, seed 002 §4.5.2: 1000 random start points)."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Annotated
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.bidbrain.baselines import CheapestFailoverPolicy, OnDemandPolicy
+from orchestrator.bidbrain.model import AppParams, JobSpec
+from orchestrator.bidbrain.policy import BidBrainSettings
+from orchestrator.market.billing import billing_model
+from orchestrator.market.catalog import Catalog
+from orchestrator.market.eviction import AvailabilityTrace
+from orchestrator.market.prices import to_datetime
+from orchestrator.market.trace_source import TracePriceSource
+from orchestrator.sim.engine import RunResult, Run, RuntimeParams
+from orchestrator.sim.strategies import Strategy, get_strategies, run_oracle
+from orchestrator.sim.world import World
+
+DEFAULT_STRATEGIES = (
+    "on-demand",
+    "standard-checkpoint",
+    "standard-agileml",
+    "cheapest-failover",
+    "bidbrain",
+    "oracle",
+)
+
+
+class SimConfig(BaseModel):
+    """One `orchestrator simulate` invocation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prices: tuple[Path, ...]
+    availability: Path | None = None
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    job_hours: Annotated[float, Field(gt=0, le=24 * 14)] = 20.0
+    nodes: Annotated[int, Field(gt=0, le=4096)] = 16
+    starts: Annotated[int, Field(gt=0, le=100_000)] = 1000
+    seed: int = 1
+    billing: str = "per-second"
+    reference_type: str = "p3.2xlarge"
+    max_scale: Annotated[float, Field(ge=1.0, le=16.0)] = 1.0
+    budget_usd: Annotated[float, Field(gt=0)] | None = None
+    reliable_type: str = "m5.xlarge"
+    reliable_count: Annotated[int, Field(ge=0)] = 1
+    app: AppParams = AppParams()
+    runtime: RuntimeParams = RuntimeParams()
+    bidbrain: BidBrainSettings = BidBrainSettings()
+    workers: Annotated[int, Field(ge=1, le=64)] | None = None
+
+
+@dataclass
+class StrategySummary:
+    """Aggregates of one strategy over all starts (see `summarise`)."""
+
+    cost_vs_ondemand: float
+    runtime_vs_ondemand: float
+    free_compute_fraction: float
+    evictions_mean: float
+    cost_usd_mean: float
+    cost_usd_p50: float
+    cost_usd_p95: float
+    completed_fraction: float
+    decisions_mean: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: _round(v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class SimReport:
+    config: SimConfig
+    ondemand_cost_usd: float
+    strategies: dict[str, StrategySummary]
+    paired_wins: dict[str, float] = field(default_factory=dict)
+    per_start_cost_per_work: dict[str, list[float]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "starts": self.config.starts,
+            "billing": self.config.billing,
+            "job_hours": self.config.job_hours,
+            "nodes": self.config.nodes,
+            "reference_type": self.config.reference_type,
+            "ondemand_cost_usd": _round(self.ondemand_cost_usd),
+            "strategies": {k: v.as_dict() for k, v in self.strategies.items()},
+            "bidbrain_cheaper_paired": {k: _round(v) for k, v in self.paired_wins.items()},
+        }
+
+
+def _round(v: float) -> float:
+    return round(v, 6) if math.isfinite(v) else v
+
+
+# -- world loading ------------------------------------------------------------------------
+
+
+def load_world(config: SimConfig, catalog: Catalog | None = None) -> World:
+    """Read the traces and the catalog. Raises UserError on bad input (file named)."""
+    catalog = catalog or Catalog.load()
+    source = TracePriceSource(config.prices)
+    history = source.all()
+    trace = (
+        AvailabilityTrace.read(config.availability)
+        if config.availability is not None
+        else AvailabilityTrace.bundled()
+    )
+    ref = catalog.get(config.reference_type)
+    ref_markets = [m for m in history if m.instance_type == ref.name]
+    if not ref_markets:
+        from orchestrator.errors import UserError
+
+        raise UserError(
+            f"the price data holds no {ref.name} market",
+            fix="pass --reference-type with a type present in the price files, "
+            f"e.g. one of {history.instance_types()}",
+            field="--reference-type",
+        )
+    return World.build(history, catalog, trace, primary_region=ref_markets[0].region)
+
+
+def job_for(config: SimConfig, world: World) -> JobSpec:
+    rate = world.catalog.work_rate(config.reference_type)
+    return JobSpec(
+        name="sim",
+        work_gpu_hours=config.nodes * rate * config.job_hours,
+        max_work_rate=config.nodes * rate * config.max_scale,
+        budget_usd=config.budget_usd,
+        reliable_type=config.reliable_type,
+        reliable_count=config.reliable_count,
+        app=config.app,
+    )
+
+
+def start_times(config: SimConfig, world: World) -> np.ndarray:
+    first, last = world.start_range(config.job_hours)
+    rng = np.random.default_rng(config.seed)
+    return np.sort(rng.uniform(first, last, size=config.starts)) if config.starts > 1 else np.array(
+        [rng.uniform(first, last)]
+    )
+
+
+# -- one start, every strategy -------------------------------------------------------------
+
+_WORLD: World | None = None
+_CONFIG: SimConfig | None = None
+
+
+def run_start(
+    world: World, config: SimConfig, strategies: Sequence[Strategy], index: int, start_s: float,
+    keep_ledger: bool,
+) -> dict[str, RunResult]:
+    """Every strategy from the same start time, over the same replayed capacity evictions."""
+    job = job_for(config, world)
+    billing = billing_model(config.billing)
+    horizon = config.runtime.max_runtime_factor * config.job_hours * 3600.0 + 3600.0
+    removals = world.removal_events(world.table.markets, start_s, horizon, (config.seed, index))
+    results: dict[str, RunResult] = {}
+    for k, strat in enumerate(strategies):
+        if strat.policy is None:
+            results[strat.name] = run_oracle(world, job, start_s, keep_ledger)
+            continue
+        kwargs = dict(strat.policy_kwargs)
+        if strat.policy in (OnDemandPolicy, CheapestFailoverPolicy):
+            kwargs["reference_type"] = config.reference_type
+        policy = strat.policy(
+            world.table,
+            billing=config.billing,
+            price_model=world.price_model_at(start_s),
+            capacity_model=world.capacity_model(),
+            settings=config.bidbrain,
+            catalog=world.catalog,
+            rng=np.random.default_rng([config.seed, index, 100 + k]),
+            **kwargs,
+        )
+        run = Run(
+            world,
+            policy=policy,
+            runtime=strat.runtime,
+            billing=billing,
+            job=job,
+            start_s=start_s,
+            params=config.runtime,
+            removal_events=removals,
+            keep_ledger=keep_ledger,
+            periodic_decisions=strat.periodic_decisions,
+            acts_on_notice=strat.acts_on_notice,
+        )
+        results[strat.name] = run.run()
+    return results
+
+
+def _worker(args: tuple[int, float, bool]) -> tuple[int, dict[str, RunResult]]:
+    assert _WORLD is not None and _CONFIG is not None
+    index, start_s, keep_ledger = args
+    strategies = get_strategies(list(_CONFIG.strategies))
+    return index, run_start(_WORLD, _CONFIG, strategies, index, start_s, keep_ledger)
+
+
+def iter_results(
+    config: SimConfig, world: World, *, keep_ledger: bool = False
+) -> Iterator[tuple[int, dict[str, RunResult]]]:
+    """Yield (start index, results by strategy) as they finish, in parallel over the cores."""
+    global _WORLD, _CONFIG
+    starts = start_times(config, world)
+    get_strategies(list(config.strategies))  # fail fast on a bad name
+    tasks = [(i, float(t), keep_ledger) for i, t in enumerate(starts)]
+    workers = config.workers or min(os.cpu_count() or 1, 8)
+    _WORLD, _CONFIG = world, config
+    for t in sorted({s for s in starts}):  # fit the price models once, before forking
+        world.price_model_at(float(t))
+    if workers <= 1 or len(tasks) < 4:
+        for task in tasks:
+            yield _worker(task)
+        return
+    ctx = mp.get_context("fork")
+    with ctx.Pool(workers) as pool:
+        yield from pool.imap_unordered(_worker, tasks, chunksize=max(1, len(tasks) // (workers * 8)))
+
+
+# -- summary ------------------------------------------------------------------------------
+
+
+def simulate(
+    config: SimConfig,
+    *,
+    world: World | None = None,
+    ledger_out: IO[str] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> SimReport:
+    """Run every strategy from `config.starts` start times; write the ledger if asked."""
+    world = world or load_world(config)
+    job = job_for(config, world)
+    ref = world.catalog.get(config.reference_type)
+    od_cost = config.nodes * ref.on_demand_price(world.primary_region) * config.job_hours
+    od_cost_per_work = od_cost / job.work_gpu_hours
+    names = list(config.strategies)
+    per_work: dict[str, list[float]] = {n: [math.nan] * config.starts for n in names}
+    results: dict[str, list[RunResult]] = {n: [] for n in names}
+    done = 0
+    for index, by_strategy in iter_results(config, world, keep_ledger=ledger_out is not None):
+        for name, r in by_strategy.items():
+            results[name].append(r)
+            per_work[name][index] = (
+                r.cost_usd / r.work_done_gpu_hours if r.work_done_gpu_hours > 0 else math.inf
+            )
+            if ledger_out is not None:
+                _write_ledger(ledger_out, name, index, r)
+        done += 1
+        if on_progress:
+            on_progress(done, config.starts)
+    summaries = {
+        n: summarise(results[n], per_work[n], od_cost_per_work, config.job_hours, job.work_gpu_hours)
+        for n in names
+    }
+    wins = {}
+    if "bidbrain" in per_work:
+        bb = np.array(per_work["bidbrain"])
+        for n in names:
+            if n != "bidbrain":
+                wins[n] = float(np.mean(bb < np.array(per_work[n])))
+    return SimReport(config, od_cost, summaries, wins, per_work)
+
+
+def summarise(
+    runs: list[RunResult],
+    cost_per_work: list[float],
+    od_cost_per_work: float,
+    job_hours: float,
+    work_gpu_hours: float,
+) -> StrategySummary:
+    """cost_vs_ondemand is the mean over starts of cost per unit of work relative to on-demand
+    (for a job that finished, its cost over the on-demand job's cost). A run that hit the
+    runtime cap is charged per unit of the work it did; `completed_fraction` says how many did.
+    Costs in USD are per whole job (extrapolated per unit of work for a run that gave up)."""
+    cpw = np.array(cost_per_work, dtype=np.float64)
+    job_cost = cpw * work_gpu_hours
+    machine = sum(r.machine_s for r in runs)
+    return StrategySummary(
+        cost_vs_ondemand=float(np.mean(cpw / od_cost_per_work)),
+        runtime_vs_ondemand=float(np.mean([r.runtime_s / 3600.0 / job_hours for r in runs])),
+        free_compute_fraction=sum(r.free_machine_s for r in runs) / machine if machine else 0.0,
+        evictions_mean=float(np.mean([r.evictions for r in runs])),
+        cost_usd_mean=float(np.mean(job_cost)),
+        cost_usd_p50=float(np.percentile(job_cost, 50)),
+        cost_usd_p95=float(np.percentile(job_cost, 95)),
+        completed_fraction=float(np.mean([r.completed for r in runs])),
+        decisions_mean=float(np.mean([r.decisions for r in runs])),
+    )
+
+
+def _iso(t: float) -> str:
+    return to_datetime(t).isoformat().replace("+00:00", "Z")
+
+
+def _write_ledger(out: IO[str], strategy: str, index: int, r: RunResult) -> None:
+    for line in r.ledger:
+        out.write(
+            json.dumps(
+                {
+                    "strategy": strategy,
+                    "start_index": index,
+                    "instance_id": f"{strategy}/{index}/{line.instance_id}",
+                    "instance_type": line.instance_type,
+                    "zone": line.zone,
+                    "market": line.market,
+                    "count": line.count,
+                    "start": _iso(line.start_s),
+                    "end": _iso(line.end_s),
+                    "start_s": line.start_s,
+                    "end_s": line.end_s,
+                    "price_usd_per_hour": line.price_usd_per_hour,
+                    "billed_s": line.billed_s,
+                    "charged_usd": line.charged_usd,
+                    "reason": line.reason,
+                }
+            )
+            + "\n"
+        )

@@ -1,0 +1,164 @@
+"""The simulated market a run lives in: replayed prices, replayed capacity evictions, and the
+eviction models a policy may know at a given time (fitted on the past only)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orchestrator.errors import UserError
+from orchestrator.market.catalog import Catalog
+from orchestrator.market.eviction import (
+    DEFAULT_BID_DELTAS_USD,
+    AvailabilityTrace,
+    CapacityHazardModel,
+    PriceCrossingModel,
+)
+from orchestrator.market.prices import Market, PriceHistory
+from orchestrator.bidbrain.policy import WIDE_BID_DELTAS_USD, MarketTable
+
+SECONDS_PER_DAY = 86400.0
+#: Price-crossing models are refitted at this period, each on the history before it.
+REFIT_PERIOD_S = 7 * SECONDS_PER_DAY
+#: A start needs at least this much history before it for the price model to learn from.
+MIN_HISTORY_S = 7 * SECONDS_PER_DAY
+
+
+@dataclass
+class World:
+    """Everything the simulated runs share: prices, the catalog, the capacity trace."""
+
+    history: PriceHistory
+    catalog: Catalog
+    trace: AvailabilityTrace
+    table: MarketTable
+    primary_region: str
+    gpu_work_rates: dict[str, float] | None = None
+    _price_models: dict[int, PriceCrossingModel] = field(default_factory=dict)
+    _removals: tuple[np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        history: PriceHistory,
+        catalog: Catalog,
+        trace: AvailabilityTrace,
+        *,
+        primary_region: str,
+        gpu_work_rates: dict[str, float] | None = None,
+    ) -> World:
+        """Raises UserError when a market's type is missing from the catalog or not offered."""
+        markets = [m for m in history if m.instance_type in catalog]
+        unknown = sorted({m.instance_type for m in history} - {m.instance_type for m in markets})
+        if unknown:
+            raise UserError(
+                f"the price data names instance types the catalog does not know: {unknown}",
+                fix="add them to the catalog file or drop their price files",
+                field="--prices",
+            )
+        table = MarketTable.build(markets, catalog, gpu_work_rates)
+        return cls(history, catalog, trace, table, primary_region, gpu_work_rates)
+
+    # -- time range -----------------------------------------------------------------------
+    def start_range(self, job_hours: float) -> tuple[float, float]:
+        """Where a job may start: after a week of history, and with its nominal duration
+        before the end of the price data.
+
+        Raises:
+            UserError: the data is too short for the job.
+        """
+        first = self.history.start_s + MIN_HISTORY_S
+        last = self.history.end_s - job_hours * 3600.0
+        if last <= first:
+            span_days = (self.history.end_s - self.history.start_s) / SECONDS_PER_DAY
+            raise UserError(
+                f"the price data spans {span_days:.1f} days, too short for a {job_hours} h job "
+                "after the 7 days of history the eviction model needs",
+                fix="pass longer price traces or a shorter --job-hours",
+                field="--job-hours",
+            )
+        return first, last
+
+    # -- models ---------------------------------------------------------------------------
+    def price_model_at(self, t_s: float) -> PriceCrossingModel:
+        """The price-crossing model fitted on history up to the last refit boundary before t."""
+        epoch = int((t_s - self.history.start_s) // REFIT_PERIOD_S)
+        model = self._price_models.get(epoch)
+        if model is None:
+            until = self.history.start_s + epoch * REFIT_PERIOD_S
+            until = max(until, self.history.start_s + MIN_HISTORY_S)
+            model = PriceCrossingModel(
+                self.history,
+                fit_until_s=until,
+                bid_deltas_usd=sorted(set(DEFAULT_BID_DELTAS_USD) | set(WIDE_BID_DELTAS_USD)),
+            )
+            self._price_models[epoch] = model
+        return model
+
+    def capacity_model(self) -> CapacityHazardModel:
+        """A fresh capacity model (the trace's rate as prior) for one run to update online."""
+        return CapacityHazardModel.from_trace(self.trace, applies_to=None)
+
+    # -- capacity evictions ---------------------------------------------------------------
+    def removal_events(
+        self, markets: Sequence[Market], start_s: float, horizon_s: float, seed: Sequence[int]
+    ) -> dict[Market, RemovalStream]:
+        """Per market, the capacity-removal instants over [start, start+horizon] and the chance
+        that any one live instance is among those removed at each.
+
+        Each market replays the availability trace, repeated, from its own random offset, so
+        markets are independent. Every strategy of the same start sees the same instants, and
+        the n-th instance a strategy launches in a market draws the same random numbers as
+        the n-th of any other strategy (common random numbers, for paired comparisons).
+        """
+        if self._removals is None:
+            self._removals = self.trace.removal_schedule()
+        times, probs = self._removals
+        period = max(self.trace.duration_s, float(times[-1]) + 1.0)
+        cycles = int(math.ceil(horizon_s / period)) + 1
+        rng = np.random.default_rng(list(seed))
+        out = {}
+        for k, m in enumerate(markets):
+            offset = rng.uniform(0.0, period)
+            rel = (times[None, :] + period * np.arange(cycles)[:, None]).ravel() - offset
+            p = np.tile(probs, cycles)
+            keep = (rel >= 0) & (rel <= horizon_s)
+            out[m] = RemovalStream(start_s + rel[keep], p[keep], (*seed, k))
+        return out
+
+
+#: Launch slots that draw independent random numbers; slot n and n + SLOTS share draws, which
+#: is harmless because a later instance looks at later removal instants.
+DRAW_SLOTS = 32
+_SCAN_CHUNK = 128
+
+
+@dataclass
+class RemovalStream:
+    """Capacity removals of one market: instants, per-instance removal chance, and the seed of
+    the launch slots' uniform draws."""
+
+    times_s: np.ndarray
+    probs: np.ndarray
+    seed: tuple[int, ...]
+    _draws: np.ndarray | None = None
+
+    def eviction_after(self, t_s: float, slot: int, before_s: float = math.inf) -> float:
+        """First removal instant after `t_s` (and before `before_s`) that takes the instance
+        in launch slot `slot`; inf if none."""
+        if self._draws is None:
+            rng = np.random.default_rng(list(self.seed))
+            self._draws = rng.random((DRAW_SLOTS, len(self.times_s)))
+        draws = self._draws[slot % DRAW_SLOTS]
+        i = int(np.searchsorted(self.times_s, t_s, side="right"))
+        end = int(np.searchsorted(self.times_s, before_s, side="left"))
+        while i < end:
+            j = min(i + _SCAN_CHUNK, end)
+            hits = np.flatnonzero(draws[i:j] < self.probs[i:j])
+            if len(hits):
+                return float(self.times_s[i + int(hits[0])])
+            i = j
+        return math.inf
