@@ -30,7 +30,7 @@ class OnDemandPolicy(Policy):
     name = "on-demand"
     uses_reliable_tier = False
 
-    def __init__(self, table, *, reference_type: str = "p3.2xlarge", **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, table, *, reference_type: str = "p3.2xlarge", **kwargs) -> None:
         super().__init__(table, **kwargs)
         self.reference_type = reference_type
 
@@ -56,7 +56,7 @@ class StandardPolicy(Policy):
 
     name = "standard"
 
-    def __init__(self, table, *, with_reliable_tier: bool = True, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, table, *, with_reliable_tier: bool = True, **kwargs) -> None:
         super().__init__(table, **kwargs)
         self._reliable = with_reliable_tier
 
@@ -66,8 +66,9 @@ class StandardPolicy(Policy):
         usable = self._usable(inp) & (self.table.on_demand_usd_per_hour > inp.prices_usd_per_hour)
         if remaining <= 1e-9 or not usable.any():
             return Decision(acquire=reliable)
-        per_work = np.where(usable, inp.prices_usd_per_hour / np.maximum(self.table.work_rate, 1e-9),
-                            np.inf)
+        per_work = np.where(
+            usable, inp.prices_usd_per_hour / np.maximum(self.table.work_rate, 1e-9), np.inf
+        )
         # Equal prices per work are common (p3 sizes are priced per GPU); pick among them at
         # random rather than by name, so the baseline is not lucky or unlucky by sort order.
         ties = np.flatnonzero(per_work <= per_work.min() * (1 + 1e-9))
@@ -93,7 +94,7 @@ class CheapestFailoverPolicy(Policy):
     name = "cheapest-failover"
     uses_reliable_tier = False
 
-    def __init__(self, table, *, reference_type: str = "p3.2xlarge", **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, table, *, reference_type: str = "p3.2xlarge", **kwargs) -> None:
         super().__init__(table, **kwargs)
         self.reference_type = reference_type
 

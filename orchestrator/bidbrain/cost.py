@@ -109,7 +109,9 @@ def allocation_terms(
 def footprint_terms(**kwargs: object) -> FootprintTerms:
     """Sum `allocation_terms` over a footprint (same keyword arguments)."""
     cost, events, kv, busy = allocation_terms(**kwargs)  # type: ignore[arg-type]
-    return FootprintTerms(float(cost.sum()), float(events.sum()), float(kv.sum()), float(busy.sum()))
+    return FootprintTerms(
+        float(cost.sum()), float(events.sum()), float(kv.sum()), float(busy.sum())
+    )
 
 
 def cost_per_work_with(
@@ -124,9 +126,7 @@ def cost_per_work_with(
 ) -> np.ndarray:
     """E of the footprint plus each candidate, vectorised over candidates (inf: no work)."""
     events = base.events + cand_events
-    work = phi * (
-        base.busy_s + cand_busy_s - events * eviction_overhead_s * (base.rate + cand_kv)
-    )
+    work = phi * (base.busy_s + cand_busy_s - events * eviction_overhead_s * (base.rate + cand_kv))
     cost = base.cost_usd + cand_cost_usd
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(work > 0, cost / np.where(work > 0, work, 1.0), np.inf)

@@ -24,7 +24,7 @@ from orchestrator.bidbrain.cost import (
     footprint_terms,
 )
 from orchestrator.bidbrain.errors import UnknownPolicyError
-from orchestrator.bidbrain.model import AllocationRequest, Footprint, HeldAllocation, JobSpec
+from orchestrator.bidbrain.model import AllocationRequest, Footprint, JobSpec
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import DEFAULT_BID_DELTAS_USD, EvictionModel
 from orchestrator.market.prices import Market
@@ -201,8 +201,10 @@ class BidBrainPolicy(Policy):
         # Price-crossing hazards of the grid deltas are static for a fitted model; the
         # on-demand cap is looked up per decision because its delta moves with the price.
         self._hazard_grid = np.array(
-            [[self.price_model.hazard_per_s(m, float(d)) for d in self._deltas]
-             for m in table.markets]
+            [
+                [self.price_model.hazard_per_s(m, float(d)) for d in self._deltas]
+                for m in table.markets
+            ]
         ).reshape(len(table), len(self._deltas))
         self._cap_cache: dict[tuple[int, float], float] = {}
 
@@ -257,9 +259,10 @@ class BidBrainPolicy(Policy):
                 remaining_rate += a.count * a.work_rate_per_instance
 
         requests = reliable + tuple(self._request(cand, j, current_e) for j in adds)
-        exhausted = job.budget_usd is not None and budget_left < (
-            reliable_rate + self._cheapest_instance_rate(cand)
-        ) * interval_h
+        exhausted = (
+            job.budget_usd is not None
+            and budget_left < (reliable_rate + self._cheapest_instance_rate(cand)) * interval_h
+        )
         if exhausted:
             releases = [a.allocation_id for a in spot]
             requests = reliable
@@ -291,7 +294,10 @@ class BidBrainPolicy(Policy):
     ) -> float:
         rate = sum(a.price_usd_per_hour * a.count for a in inp.footprint.allocations if a.reliable)
         for r in reliable:
-            rate += self.catalog.get(r.instance_type).on_demand_price(self.table.markets[0].region) * r.count
+            rate += (
+                self.catalog.get(r.instance_type).on_demand_price(self.table.markets[0].region)
+                * r.count
+            )
         return rate
 
     def _held_arrays(self, inp: DecisionInput, horizon: float) -> dict:
@@ -425,7 +431,9 @@ class BidBrainPolicy(Policy):
             j = int(idx[best])
             chosen.append(j)
             base = base + FootprintTerms(
-                float(cand["cost"][j]), float(cand["events"][j]), float(cand["kv"][j]),
+                float(cand["cost"][j]),
+                float(cand["events"][j]),
+                float(cand["kv"][j]),
                 float(cand["busy"][j]),
             )
             remaining_rate -= float(cand["kv"][j])
@@ -457,6 +465,7 @@ def policy_class(name: str) -> type[Policy]:
         return POLICIES[name]
     except KeyError:
         raise UnknownPolicyError(
-            f"unknown policy {name!r}", fix=f"use one of: {', '.join(sorted(POLICIES))}",
+            f"unknown policy {name!r}",
+            fix=f"use one of: {', '.join(sorted(POLICIES))}",
             field="policy",
         ) from None

@@ -176,7 +176,10 @@ class HourlyRefundBilling(BillingModel):
         """Eq. 4.1, (1 - β)·P·k·t_r, taken over a slot's successive instances: only the
         hours that end before an eviction are paid (`charged_fraction`)."""
         return (
-            price_usd_per_hour * count * horizon_s / SECONDS_PER_HOUR
+            price_usd_per_hour
+            * count
+            * horizon_s
+            / SECONDS_PER_HOUR
             * charged_fraction(hazard_per_s)
         )
 

@@ -54,7 +54,7 @@ class EvictionEstimate:
 
 
 class EvictionModel(abc.ABC):
-    """Answers the eviction hazard of an instance in `market` bid `bid_delta_usd` over the market."""
+    """Answers the eviction hazard of one instance in a market, bidding a delta over its price."""
 
     name: str
 

@@ -50,7 +50,8 @@ def read_price_file(path: Path) -> list[PriceSeries]:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PriceDataError(
-            f"price file {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
+            f"price file {path} is not valid JSON "
+            f"(line {exc.lineno}, column {exc.colno}: {exc.msg})",
             path=str(path),
         ) from None
     if not isinstance(body, dict) or not isinstance(body.get("SpotPriceHistory"), list):

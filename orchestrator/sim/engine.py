@@ -137,7 +137,9 @@ class Run:
         self.periodic = periodic_decisions
         self.start_s = start_s
         self.now = start_s
-        self.deadline = start_s + params.max_runtime_factor * job.work_gpu_hours / job.max_work_rate * 3600.0
+        self.deadline = (
+            start_s + params.max_runtime_factor * job.work_gpu_hours / job.max_work_rate * 3600.0
+        )
         self.work_total_s = job.work_gpu_hours * SECONDS_PER_HOUR
         self.work_s = 0.0
         self.instances: dict[str, SimInstance] = {}
@@ -269,9 +271,7 @@ class Run:
         if self.runtime == "agileml":
             if self.now < self.stall_until or not self._reliable_ready():
                 return 0.0
-            return phi * sum(
-                i.work_rate for i in self.instances.values() if i.ready_s <= self.now
-            )
+            return phi * sum(i.work_rate for i in self.instances.values() if i.ready_s <= self.now)
         if self.runtime == "on-demand":
             return phi * sum(i.work_rate for i in self.instances.values())
         if self.segment is None:
@@ -287,8 +287,10 @@ class Run:
     def _gang_ready(self) -> bool:
         spot = [i for i in self.instances.values() if not i.on_demand]
         rate = sum(i.work_rate for i in spot)
-        return bool(spot) and rate >= self.job.max_work_rate - 1e-9 and all(
-            i.ready_s <= self.now for i in spot
+        return (
+            bool(spot)
+            and rate >= self.job.max_work_rate - 1e-9
+            and all(i.ready_s <= self.now for i in spot)
         )
 
     def _maybe_restart(self) -> None:
@@ -301,7 +303,9 @@ class Run:
         spot = [i for i in self.instances.values() if not i.on_demand]
         hazard = sum(
             self.policy.capacity_model.hazard_per_s(i.market, math.inf)
-            + self.policy.price_model.hazard_per_s(i.market, (i.max_price or 0) - self._price(i.market))
+            + self.policy.price_model.hazard_per_s(
+                i.market, (i.max_price or 0) - self._price(i.market)
+            )
             for i in spot
         )
         delta = self.params.checkpoint_s
@@ -337,7 +341,9 @@ class Run:
             self._prices_cache = np.array([self._price(m) for m in self.world.table.markets])
             i = int(np.searchsorted(self._price_times, self.now, side="right"))
             self._prices_from = float(self._price_times[i - 1]) if i > 0 else -math.inf
-            self._prices_until = float(self._price_times[i]) if i < len(self._price_times) else math.inf
+            self._prices_until = (
+                float(self._price_times[i]) if i < len(self._price_times) else math.inf
+            )
         return self._prices_cache
 
     # -- decisions ------------------------------------------------------------------------
@@ -423,7 +429,9 @@ class Run:
             ready_delay = self.params.boot_s
         for _ in range(req.count):
             iid = f"i{next(self._ids)}"
-            evict_s = math.inf if on_demand else self._sample_eviction(market, req.max_price_usd_per_hour)
+            evict_s = (
+                math.inf if on_demand else self._sample_eviction(market, req.max_price_usd_per_hour)
+            )
             inst = SimInstance(
                 instance_id=iid,
                 allocation_id=alloc_id,
@@ -445,8 +453,11 @@ class Run:
         elif self.runtime not in ("agileml", "on-demand"):
             self._maybe_restart()
         if not on_demand:
-            self._push(self.now + self.policy.settings.renew_period_s - self.policy.settings.renew_lead_s,
-                       "renew", alloc_id)
+            self._push(
+                self.now + self.policy.settings.renew_period_s - self.policy.settings.renew_lead_s,
+                "renew",
+                alloc_id,
+            )
 
     def _sample_eviction(self, market: Market, max_price: float | None) -> float:
         evict = math.inf

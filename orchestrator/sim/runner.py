@@ -23,7 +23,7 @@ from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_datetime
 from orchestrator.market.trace_source import TracePriceSource
-from orchestrator.sim.engine import RunResult, Run, RuntimeParams
+from orchestrator.sim.engine import Run, RunResult, RuntimeParams
 from orchestrator.sim.strategies import Strategy, get_strategies, run_oracle
 from orchestrator.sim.world import World
 
@@ -70,6 +70,7 @@ class StrategySummary:
     free_compute_fraction: float
     evictions_mean: float
     cost_usd_mean: float
+    cost_usd_total: float
     cost_usd_p50: float
     cost_usd_p95: float
     completed_fraction: float
@@ -147,8 +148,10 @@ def job_for(config: SimConfig, world: World) -> JobSpec:
 def start_times(config: SimConfig, world: World) -> np.ndarray:
     first, last = world.start_range(config.job_hours)
     rng = np.random.default_rng(config.seed)
-    return np.sort(rng.uniform(first, last, size=config.starts)) if config.starts > 1 else np.array(
-        [rng.uniform(first, last)]
+    return (
+        np.sort(rng.uniform(first, last, size=config.starts))
+        if config.starts > 1
+        else np.array([rng.uniform(first, last)])
     )
 
 
@@ -159,7 +162,11 @@ _CONFIG: SimConfig | None = None
 
 
 def run_start(
-    world: World, config: SimConfig, strategies: Sequence[Strategy], index: int, start_s: float,
+    world: World,
+    config: SimConfig,
+    strategies: Sequence[Strategy],
+    index: int,
+    start_s: float,
     keep_ledger: bool,
 ) -> dict[str, RunResult]:
     """Every strategy from the same start time, over the same replayed capacity evictions."""
@@ -227,7 +234,9 @@ def iter_results(
         return
     ctx = mp.get_context("fork")
     with ctx.Pool(workers) as pool:
-        yield from pool.imap_unordered(_worker, tasks, chunksize=max(1, len(tasks) // (workers * 8)))
+        yield from pool.imap_unordered(
+            _worker, tasks, chunksize=max(1, len(tasks) // (workers * 8))
+        )
 
 
 # -- summary ------------------------------------------------------------------------------
@@ -249,8 +258,8 @@ def simulate(
     names = list(config.strategies)
     per_work: dict[str, list[float]] = {n: [math.nan] * config.starts for n in names}
     results: dict[str, list[RunResult]] = {n: [] for n in names}
-    done = 0
-    for index, by_strategy in iter_results(config, world, keep_ledger=ledger_out is not None):
+    results_iter = iter_results(config, world, keep_ledger=ledger_out is not None)
+    for done, (index, by_strategy) in enumerate(results_iter, start=1):
         for name, r in by_strategy.items():
             results[name].append(r)
             per_work[name][index] = (
@@ -258,11 +267,12 @@ def simulate(
             )
             if ledger_out is not None:
                 _write_ledger(ledger_out, name, index, r)
-        done += 1
         if on_progress:
             on_progress(done, config.starts)
     summaries = {
-        n: summarise(results[n], per_work[n], od_cost_per_work, config.job_hours, job.work_gpu_hours)
+        n: summarise(
+            results[n], per_work[n], od_cost_per_work, config.job_hours, job.work_gpu_hours
+        )
         for n in names
     }
     wins = {}
@@ -294,6 +304,7 @@ def summarise(
         free_compute_fraction=sum(r.free_machine_s for r in runs) / machine if machine else 0.0,
         evictions_mean=float(np.mean([r.evictions for r in runs])),
         cost_usd_mean=float(np.mean(job_cost)),
+        cost_usd_total=float(sum(r.cost_usd for r in runs)),
         cost_usd_p50=float(np.percentile(job_cost, 50)),
         cost_usd_p95=float(np.percentile(job_cost, 95)),
         completed_fraction=float(np.mean([r.completed for r in runs])),

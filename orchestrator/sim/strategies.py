@@ -34,20 +34,45 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
-        Strategy("on-demand", OnDemandPolicy, "on-demand",
-                 description="the reference GPUs on-demand for the whole job"),
-        Strategy("standard-checkpoint", StandardPolicy, "checkpoint",
-                 (("with_reliable_tier", False),),
-                 description="cheapest spot market per work, bid on-demand, checkpoint/restart"),
-        Strategy("standard-agileml", StandardPolicy, "agileml",
-                 description="the same bidding with the AgileML elastic runtime"),
-        Strategy("cheapest-failover", CheapestFailoverPolicy, "gang-checkpoint",
-                 description="SkyPilot managed jobs: cheapest zone, relaunch on preemption"),
-        Strategy("bidbrain", BidBrainPolicy, "agileml", periodic_decisions=True,
-                 acts_on_notice=True,
-                 description="Proteus: BidBrain cost-per-work bidding with AgileML"),
-        Strategy("oracle", None, "oracle",
-                 description="hindsight lower bound: cheapest market every instant, no overheads"),
+        Strategy(
+            "on-demand",
+            OnDemandPolicy,
+            "on-demand",
+            description="the reference GPUs on-demand for the whole job",
+        ),
+        Strategy(
+            "standard-checkpoint",
+            StandardPolicy,
+            "checkpoint",
+            (("with_reliable_tier", False),),
+            description="cheapest spot market per work, bid on-demand, checkpoint/restart",
+        ),
+        Strategy(
+            "standard-agileml",
+            StandardPolicy,
+            "agileml",
+            description="the same bidding with the AgileML elastic runtime",
+        ),
+        Strategy(
+            "cheapest-failover",
+            CheapestFailoverPolicy,
+            "gang-checkpoint",
+            description="SkyPilot managed jobs: cheapest zone, relaunch on preemption",
+        ),
+        Strategy(
+            "bidbrain",
+            BidBrainPolicy,
+            "agileml",
+            periodic_decisions=True,
+            acts_on_notice=True,
+            description="Proteus: BidBrain cost-per-work bidding with AgileML",
+        ),
+        Strategy(
+            "oracle",
+            None,
+            "oracle",
+            description="hindsight lower bound: cheapest market every instant, no overheads",
+        ),
     )
 }
 
@@ -89,8 +114,9 @@ def run_oracle(world: World, job: JobSpec, start_s: float, keep_ledger: bool) ->
     i = int(np.searchsorted(times, t, side="right"))
     while work_left_s > 1e-9:
         prices = np.array([s.price_at(t) or math.nan for s in series])
-        per_work = np.where(gpu & np.isfinite(prices), prices / np.where(gpu, table.work_rate, 1),
-                            np.inf)
+        per_work = np.where(
+            gpu & np.isfinite(prices), prices / np.where(gpu, table.work_rate, 1), np.inf
+        )
         best = int(np.argmin(per_work))
         nxt = float(times[i]) if i < len(times) else math.inf
         finish = t + work_left_s / rate
@@ -101,13 +127,25 @@ def run_oracle(world: World, job: JobSpec, start_s: float, keep_ledger: bool) ->
         cost += charged
         if keep_ledger:
             m = table.markets[best]
-            ledger.append(LedgerLine("oracle", m.instance_type, m.zone, t, end, float(prices[best]),
-                                     end - t, charged, str(EndReason.PRICE_CHANGE if end < finish
-                                                           else EndReason.JOB_FINISHED),
-                                     "spot", count))
+            ledger.append(
+                LedgerLine(
+                    "oracle",
+                    m.instance_type,
+                    m.zone,
+                    t,
+                    end,
+                    float(prices[best]),
+                    end - t,
+                    charged,
+                    str(EndReason.PRICE_CHANGE if end < finish else EndReason.JOB_FINISHED),
+                    "oracle",
+                    count,
+                )
+            )
         work_left_s -= rate * (end - t)
         t = end
         i += 1
     machine = (t - start_s) * 1.0
-    return RunResult(start_s, True, t - start_s, cost, job.work_gpu_hours, 0, machine, 0.0, 0,
-                     ledger)
+    return RunResult(
+        start_s, True, t - start_s, cost, job.work_gpu_hours, 0, machine, 0.0, 0, ledger
+    )

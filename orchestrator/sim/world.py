@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from orchestrator.bidbrain.policy import WIDE_BID_DELTAS_USD, MarketTable
 from orchestrator.errors import UserError
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import (
@@ -18,7 +19,6 @@ from orchestrator.market.eviction import (
     PriceCrossingModel,
 )
 from orchestrator.market.prices import Market, PriceHistory
-from orchestrator.bidbrain.policy import WIDE_BID_DELTAS_USD, MarketTable
 
 SECONDS_PER_DAY = 86400.0
 #: Price-crossing models are refitted at this period, each on the history before it.

@@ -1,0 +1,421 @@
+"""The `orchestrator` command line.
+
+User errors (bad files, bad options) print what is wrong and what to do, with no traceback, and
+exit with code 2; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator import __version__
+from orchestrator.errors import UserError
+
+app = typer.Typer(
+    name="orchestrator",
+    help="Elastic spot-instance training orchestrator: BidBrain bidding, AgileML runtime, "
+    "trace-driven cost simulator.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+# A pipe or a CI log gets a wide table rather than rich's 80-column default.
+out = Console() if sys.stdout.isatty() else Console(width=140)
+_DEBUG = {"on": False}
+
+#: pydantic field -> the CLI option that sets it, for error messages
+_OPTION_OF_FIELD = {
+    "prices": "--prices",
+    "availability": "--availability",
+    "job_hours": "--job-hours",
+    "nodes": "--nodes",
+    "starts": "--starts",
+    "seed": "--seed",
+    "billing": "--billing",
+    "budget_usd": "--budget",
+    "max_scale": "--max-scale",
+    "reference_type": "--reference-type",
+    "workers": "--workers",
+}
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"orchestrator {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    _DEBUG["on"] = debug
+
+
+def _validation_to_user_error(exc: ValidationError) -> UserError:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    field = loc[0] if loc else "input"
+    option = _OPTION_OF_FIELD.get(field, field)
+    return UserError(
+        f"{option}: {first.get('msg', 'invalid value')} (got {first.get('input')!r})",
+        fix=f"pass a valid value for {option}",
+        field=option,
+    )
+
+
+# -- simulate -----------------------------------------------------------------------------
+
+
+@app.command()
+def simulate(
+    prices: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--prices",
+            help="Folder of DescribeSpotPriceHistory JSON files "
+            "(repeatable). Default: the bundled us-east-1 2020 prices.",
+        ),
+    ] = None,
+    availability: Annotated[
+        Path | None,
+        typer.Option(
+            "--availability",
+            help="Availability trace CSV `ms,add|remove,node` "
+            "(default: the bundled 32-node p3 trace).",
+        ),
+    ] = None,
+    strategy: Annotated[
+        str,
+        typer.Option("--strategy", help="Comma-separated strategies to compare."),
+    ] = "on-demand,standard-checkpoint,standard-agileml,cheapest-failover,bidbrain,oracle",
+    job_hours: Annotated[
+        float, typer.Option("--job-hours", help="Job length on on-demand.")
+    ] = 20.0,
+    nodes: Annotated[
+        int, typer.Option("--nodes", help="Reference GPUs the job's work needs.")
+    ] = 16,
+    starts: Annotated[int, typer.Option("--starts", help="Random start times.")] = 1000,
+    seed: Annotated[int, typer.Option("--seed")] = 1,
+    billing: Annotated[
+        str, typer.Option("--billing", help="per-second (today) or hourly-refund (2016).")
+    ] = "per-second",
+    reference_type: Annotated[str, typer.Option("--reference-type")] = "p3.2xlarge",
+    budget: Annotated[
+        float | None, typer.Option("--budget", help="Job budget in USD (default: none).")
+    ] = None,
+    max_scale: Annotated[
+        float, typer.Option("--max-scale", help="Max throughput as a multiple of --nodes.")
+    ] = 1.0,
+    workers: Annotated[
+        int | None, typer.Option("--workers", help="Processes (default: cores).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    ledger: Annotated[
+        Path | None,
+        typer.Option(
+            "--ledger",
+            help="Write every billed interval as JSON lines "
+            "(gzip-compressed when the name ends in .gz).",
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Save a PNG of cost and runtime per strategy.")
+    ] = None,
+) -> None:
+    """Compare strategies on replayed spot prices and evictions from many start times."""
+    from orchestrator.market.trace_source import bundled_prices_dir
+    from orchestrator.sim.report import render_table, save_plot
+    from orchestrator.sim.runner import SimConfig, load_world
+    from orchestrator.sim.runner import simulate as run_simulation
+
+    try:
+        config = SimConfig(
+            prices=tuple(prices) if prices else (bundled_prices_dir("us-east-1"),),
+            availability=availability,
+            strategies=tuple(s.strip() for s in strategy.split(",") if s.strip()),
+            job_hours=job_hours,
+            nodes=nodes,
+            starts=starts,
+            seed=seed,
+            billing=billing,
+            reference_type=reference_type,
+            budget_usd=budget,
+            max_scale=max_scale,
+            workers=workers,
+        )
+    except ValidationError as exc:
+        raise _validation_to_user_error(exc) from None
+    from orchestrator.market.billing import billing_model
+    from orchestrator.sim.strategies import get_strategies
+
+    billing_model(config.billing)
+    get_strategies(list(config.strategies))
+    world = load_world(config)
+    ledger_file = _open_for_writing(ledger, "--ledger") if ledger else None
+    try:
+        report = _with_progress(
+            lambda progress: run_simulation(
+                config, world=world, ledger_out=ledger_file, on_progress=progress
+            ),
+            total=config.starts,
+            label=f"simulating {len(config.strategies)} strategies",
+        )
+    finally:
+        if ledger_file is not None:
+            ledger_file.close()
+    if as_json:
+        sys.stdout.write(json.dumps(report.as_dict()) + "\n")
+    else:
+        render_table(report, out)
+    if plot is not None:
+        save_plot(report, plot)
+        if not as_json:
+            out.print(f"plot saved to {plot}")
+
+
+def _open_for_writing(path: Path, option: str):
+    """Open for text writing; a `.gz` path is gzip-compressed."""
+    import gzip
+
+    try:
+        return gzip.open(path, "wt") if path.suffix == ".gz" else path.open("w")
+    except OSError as exc:
+        raise UserError(
+            f"cannot write {path}: {exc.strerror}",
+            field=option,
+            fix="pass a path in a folder you can write to",
+        ) from None
+
+
+def _with_progress(work, *, total: int, label: str):
+    """Run `work(progress_callback)`, showing a progress bar on an interactive stderr."""
+    if not err.is_terminal:
+        return work(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=total)
+        return work(lambda done, _total: bar.update(task, completed=done))
+
+
+# -- demo ---------------------------------------------------------------------------------
+
+
+@app.command()
+def demo(
+    starts: Annotated[int, typer.Option("--starts", help="Random start times.")] = 200,
+    plot: Annotated[Path, typer.Option("--plot", help="Where to save the chart.")] = Path(
+        "orchestrator-demo.png"
+    ),
+) -> None:
+    """The offline demo: every strategy on the bundled 2020 us-east-1 prices and the p3
+    eviction trace, a readable report and a chart. (Until the controller lands, the demo is the
+    cost simulator.)"""
+    out.print(
+        "[bold]Offline demo[/bold]: a 20-hour, 16-GPU (p3.2xlarge-equivalent) training job, "
+        f"started at {starts} random times in Jan-Mar 2020 us-east-1 spot prices, with capacity "
+        "evictions replayed from a real 32-node p3 spot trace.\n"
+    )
+    simulate(prices=None, availability=None, starts=starts, plot=plot)
+
+
+# -- risk ---------------------------------------------------------------------------------
+
+
+@app.command()
+def risk(
+    instance_type: Annotated[str, typer.Option("--type", help="Instance type, e.g. p3.2xlarge.")],
+    zone: Annotated[str, typer.Option("--zone", help="Availability zone, e.g. us-east-1b.")],
+    bid_delta: Annotated[
+        float, typer.Option("--bid-delta", help="Max price over the market price, USD/h.")
+    ] = 0.4,
+    horizon_hours: Annotated[float, typer.Option("--horizon-hours")] = 1.0,
+    prices: Annotated[list[Path] | None, typer.Option("--prices")] = None,
+    availability: Annotated[Path | None, typer.Option("--availability")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Eviction risk of one market at one bid: β within the horizon and median time to eviction."""
+    from orchestrator.market.catalog import Catalog
+    from orchestrator.market.errors import UnknownMarketError
+    from orchestrator.market.eviction import (
+        AvailabilityTrace,
+        CapacityHazardModel,
+        CombinedEvictionModel,
+        PriceCrossingModel,
+    )
+    from orchestrator.market.prices import Market, region_of_zone
+    from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
+
+    if horizon_hours <= 0 or not math.isfinite(horizon_hours):
+        raise UserError(
+            f"--horizon-hours must be positive, got {horizon_hours}",
+            field="--horizon-hours",
+            fix="pass e.g. --horizon-hours 1",
+        )
+    if bid_delta < 0:
+        raise UserError(
+            f"--bid-delta must be >= 0, got {bid_delta}",
+            field="--bid-delta",
+            fix="pass the max price over the market, e.g. --bid-delta 0.1",
+        )
+    Catalog.load().get(instance_type)
+    dirs = prices or [bundled_prices_dir(region_of_zone(zone))]
+    history = TracePriceSource(dirs).all()
+    market = Market(instance_type, zone)
+    if market not in history:
+        zones = sorted(m.zone for m in history if m.instance_type == instance_type)
+        raise UnknownMarketError(
+            f"no prices for {instance_type} in {zone}",
+            fix=f"zones with {instance_type} prices: {', '.join(zones) or 'none'}",
+            field="--zone",
+        )
+    trace = AvailabilityTrace.read(availability) if availability else AvailabilityTrace.bundled()
+    price_model = PriceCrossingModel(history)
+    capacity = CapacityHazardModel.from_trace(trace)
+    model = CombinedEvictionModel([price_model, capacity])
+    horizon_s = horizon_hours * 3600.0
+    parts = {
+        "price-crossing": price_model.estimate(market, bid_delta, horizon_s),
+        "capacity": capacity.estimate(market, bid_delta, horizon_s),
+        "combined": model.estimate(market, bid_delta, horizon_s),
+    }
+    result = {
+        "instance_type": instance_type,
+        "zone": zone,
+        "bid_delta_usd": bid_delta,
+        "horizon_hours": horizon_hours,
+        **{
+            name: {
+                "beta": round(e.beta, 6),
+                "median_hours": round(e.median_s / 3600.0, 3)
+                if math.isfinite(e.median_s)
+                else None,
+            }
+            for name, e in parts.items()
+        },
+    }
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    table = Table(title=f"Eviction risk of {market} bidding +${bid_delta}/h")
+    table.add_column("cause")
+    table.add_column(f"β within {horizon_hours:g} h", justify="right")
+    table.add_column("median time to eviction", justify="right")
+    for name, e in parts.items():
+        median = f"{e.median_s / 3600:.2f} h" if math.isfinite(e.median_s) else "never"
+        table.add_row(name, f"{e.beta:.3f}", median)
+    out.print(table)
+
+
+# -- catalog ------------------------------------------------------------------------------
+
+
+@app.command()
+def catalog(
+    region: Annotated[str, typer.Option("--region")] = "us-east-1",
+) -> None:
+    """The instance catalog: vCPUs, memory, GPUs, work rate and on-demand price in a region."""
+    from orchestrator.market.catalog import Catalog
+
+    cat = Catalog.load()
+    if region not in cat.regions():
+        raise UserError(
+            f"the catalog has no region {region!r}",
+            field="--region",
+            fix=f"use one of {', '.join(cat.regions())}",
+        )
+    table = Table(title=f"Instance catalog ({region}, on-demand Linux $/h)")
+    for col in ("type", "vCPUs", "memory GiB", "GPUs", "work rate ν", "$/h", "$/h per ν"):
+        table.add_column(col, justify="left" if col == "type" else "right")
+    for name in cat.names():
+        it = cat.get(name)
+        nu = cat.work_rate(name)
+        price = f"{it.on_demand_price(region):.3f}" if it.offered_in(region) else "not offered"
+        per = f"{cat.price_per_work(name, region):.3f}" if nu > 0 and it.offered_in(region) else "-"
+        gpus = f"{it.gpu_count}x {it.gpu_model}" if it.gpu_count else "-"
+        table.add_row(name, str(it.vcpus), f"{it.memory_gib:g}", gpus, f"{nu:g}", price, per)
+    out.print(table)
+
+
+# -- ledger-check -------------------------------------------------------------------------
+
+
+@app.command("ledger-check")
+def ledger_check(
+    ledger: Annotated[Path, typer.Argument(help="The JSON-lines ledger `simulate` wrote.")],
+    prices: Annotated[list[Path] | None, typer.Option("--prices")] = None,
+    billing: Annotated[str, typer.Option("--billing")] = "per-second",
+    report: Annotated[
+        Path | None, typer.Option("--report", help="The `simulate --json` output to compare to.")
+    ] = None,
+    tolerance: Annotated[float, typer.Option("--tolerance")] = 0.001,
+) -> None:
+    """Recompute a ledger's bill from the price files and the catalog; exit 1 on a mismatch."""
+    from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
+    from orchestrator.sim.ledger import verify_ledger
+
+    history = TracePriceSource(prices or [bundled_prices_dir("us-east-1")]).all()
+    expected = None
+    if report is not None:
+        try:
+            expected = json.loads(report.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(
+                f"cannot read report {report}: {exc}",
+                field="--report",
+                fix="pass the file `simulate --json` printed",
+            ) from None
+    result = verify_ledger(ledger, history, billing=billing, report=expected)
+    out.print(result.render())
+    if result.max_relative_error > tolerance:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    """Entry point of the console script: user errors exit 2 without a traceback."""
+    try:
+        app(standalone_mode=False)
+    except UserError as exc:
+        if _DEBUG["on"]:
+            raise
+        err.print(f"[bold red]error:[/bold red] {exc.message}", highlight=False)
+        if exc.fix:
+            err.print(f"To fix: {exc.fix}", highlight=False)
+        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Recompute a simulation ledger's bill from the price files, independently of the simulator.
+
+Each line is one billed instance interval. The check looks up the price that should apply (the
+market price in effect when the interval began, or the catalog's on-demand price), applies the
+billing rule to the interval (per-second: its length; hourly-refund: a full hour, nothing for a
+partial hour ended by an eviction, the run time for the job's last partial hour) and sums.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.errors import UserError
+from orchestrator.market.billing import SECONDS_PER_HOUR
+from orchestrator.market.catalog import Catalog
+from orchestrator.market.prices import Market, PriceHistory
+
+REQUIRED_FIELDS = (
+    "strategy",
+    "instance_type",
+    "zone",
+    "market",
+    "count",
+    "start_s",
+    "end_s",
+    "price_usd_per_hour",
+    "charged_usd",
+    "reason",
+)
+
+
+@dataclass
+class LedgerCheck:
+    """Per strategy: the ledger's own total, the recomputed total and the reported total."""
+
+    ledger_usd: dict[str, float] = field(default_factory=dict)
+    recomputed_usd: dict[str, float] = field(default_factory=dict)
+    reported_usd: dict[str, float] = field(default_factory=dict)
+    lines: int = 0
+    price_mismatches: int = 0
+
+    @property
+    def max_relative_error(self) -> float:
+        worst = 0.0
+        for name, recomputed in self.recomputed_usd.items():
+            for other in (self.ledger_usd.get(name), self.reported_usd.get(name)):
+                if other is not None and other > 0:
+                    worst = max(worst, abs(recomputed - other) / other)
+        return worst
+
+    def render(self) -> str:
+        rows = [
+            f"{self.lines} ledger lines; {self.price_mismatches} with a price that differs "
+            "from the price files"
+        ]
+        rows.append(f"{'strategy':22s} {'ledger $':>14s} {'recomputed $':>14s} {'reported $':>14s}")
+        for name in sorted(self.recomputed_usd):
+            rep = self.reported_usd.get(name)
+            rows.append(
+                f"{name:22s} {self.ledger_usd[name]:14.2f} {self.recomputed_usd[name]:14.2f} "
+                f"{'' if rep is None else f'{rep:14.2f}'}"
+            )
+        rows.append(f"max relative error: {self.max_relative_error:.2e}")
+        return "\n".join(rows)
+
+
+def recompute_billed_s(billing: str, start_s: float, end_s: float, reason: str) -> float:
+    """The seconds a billing rule charges for one interval of a spot instance."""
+    run = end_s - start_s
+    if billing != "hourly-refund":
+        return run
+    if run >= SECONDS_PER_HOUR - 1e-6:
+        return SECONDS_PER_HOUR
+    if reason == "evicted":
+        return 0.0
+    if reason == "job-finished":
+        return run
+    return SECONDS_PER_HOUR
+
+
+def verify_ledger(
+    path: Path,
+    history: PriceHistory,
+    *,
+    billing: str = "per-second",
+    report: dict | None = None,
+    catalog: Catalog | None = None,
+) -> LedgerCheck:
+    """Raises UserError when the ledger is unreadable or a line is malformed (line named)."""
+    catalog = catalog or Catalog.load()
+    check = LedgerCheck()
+    ledger: dict[str, float] = defaultdict(float)
+    recomputed: dict[str, float] = defaultdict(float)
+    try:
+        handle = gzip.open(path, "rt") if path.suffix == ".gz" else path.open()  # noqa: SIM115
+    except OSError as exc:
+        raise UserError(
+            f"cannot read ledger {path}: {exc.strerror}",
+            path=str(path),
+            fix="pass the file written by `simulate --ledger`",
+        ) from None
+    with handle:
+        for lineno, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            try:
+                line = json.loads(text)
+                missing = [f for f in REQUIRED_FIELDS if f not in line]
+            except json.JSONDecodeError:
+                missing = ["(not JSON)"]
+            if missing:
+                raise UserError(
+                    f"{path}:{lineno}: missing {', '.join(missing)}",
+                    path=str(path),
+                    fix="pass the file written by `simulate --ledger`",
+                )
+            check.lines += 1
+            start, end = float(line["start_s"]), float(line["end_s"])
+            market = Market(line["instance_type"], line["zone"])
+            if line["market"] == "oracle":  # the hindsight bound pays market prices per second
+                found = history[market].price_at(start) if market in history else None
+                price = float("nan") if found is None else found
+                billed = end - start
+            elif line["market"] == "on-demand":
+                price = catalog.get(market.instance_type).on_demand_price(market.region)
+                billed = end - start
+            else:
+                if market not in history:
+                    raise UserError(
+                        f"{path}:{lineno}: no prices for {market} in the price files",
+                        path=str(path),
+                        fix="pass the same --prices as the simulation",
+                    )
+                found = history[market].price_at(start)
+                price = float("nan") if found is None else found
+                billed = recompute_billed_s(billing, start, end, line["reason"])
+            if abs(price - float(line["price_usd_per_hour"])) > 1e-9:
+                check.price_mismatches += 1
+            name = line["strategy"]
+            recomputed[name] += price * billed / SECONDS_PER_HOUR * float(line["count"])
+            ledger[name] += float(line["charged_usd"])
+    check.ledger_usd = dict(ledger)
+    check.recomputed_usd = dict(recomputed)
+    if report is not None:
+        for name, summary in report.get("strategies", {}).items():
+            if "cost_usd_total" in summary:
+                check.reported_usd[name] = float(summary["cost_usd_total"])
+    return check
