@@ -1,0 +1,136 @@
+"""Run the simulator exactly as issue #2 specifies and check its targets.
+
+Runs `orchestrator simulate` (all six strategies, 20 h, 16 nodes, 1000 starts, seed 1) on the
+bundled us-east-1 prices and p3 trace with per-second billing (timed, with a ledger that is then
+recomputed from the price files) and with hourly-refund billing. Prints one JSON object.
+
+    python benchmarks/sim_targets.py [--starts 1000] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+from orchestrator.market.trace_source import bundled_prices_dir
+
+STRATEGIES = "on-demand,standard-checkpoint,standard-agileml,cheapest-failover,bidbrain,oracle"
+
+
+def run(args: list[str]) -> tuple[dict, float]:
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, check=True
+    )
+    return json.loads(proc.stdout), time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--starts", type=int, default=1000)
+    parser.add_argument("--out", type=Path, default=None, help="keep the reports and ledger here")
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="sim-targets-"))
+    out.mkdir(parents=True, exist_ok=True)
+    prices = str(bundled_prices_dir("us-east-1"))
+    trace = str(
+        resources.files("orchestrator.market") / "data" / "availability" / "p3-node-trace.csv"
+    )
+    common = [
+        "simulate",
+        "--prices",
+        prices,
+        "--availability",
+        trace,
+        "--strategy",
+        STRATEGIES,
+        "--job-hours",
+        "20",
+        "--nodes",
+        "16",
+        "--starts",
+        str(args.starts),
+        "--seed",
+        "1",
+        "--json",
+    ]
+    per_second, per_second_s = run([*common, "--billing", "per-second"])
+    hourly, hourly_s = run([*common, "--billing", "hourly-refund"])
+    ledger = out / "ledger.jsonl.gz"
+    report = out / "per-second.json"
+    report.write_text(json.dumps(per_second))
+    (out / "hourly-refund.json").write_text(json.dumps(hourly))
+    _, ledger_run_s = run([*common, "--billing", "per-second", "--ledger", str(ledger)])
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "ledger-check",
+            str(ledger),
+            "--prices",
+            prices,
+            "--report",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    max_error = float(check.stdout.strip().splitlines()[-1].split(":")[-1])
+
+    s = per_second["strategies"]
+    bb = s["bidbrain"]["cost_vs_ondemand"]
+    baselines = [n for n in s if n not in ("bidbrain", "oracle", "on-demand")] + ["on-demand"]
+    result = {
+        "starts": args.starts,
+        "per_second": {
+            n: {
+                k: v[k]
+                for k in (
+                    "cost_vs_ondemand",
+                    "runtime_vs_ondemand",
+                    "evictions_mean",
+                    "completed_fraction",
+                )
+            }
+            for n, v in s.items()
+        },
+        "hourly_refund": {
+            n: {k: v[k] for k in ("cost_vs_ondemand", "free_compute_fraction")}
+            for n, v in hourly["strategies"].items()
+        },
+        "bidbrain_cheaper_paired": per_second["bidbrain_cheaper_paired"],
+        "targets": {
+            "bidbrain_cost_vs_ondemand<=0.40": bb <= 0.40,
+            "bidbrain<=0.90*standard_checkpoint": bb
+            <= 0.90 * s["standard-checkpoint"]["cost_vs_ondemand"],
+            "bidbrain<=1.20*oracle": bb <= 1.20 * s["oracle"]["cost_vs_ondemand"],
+            "bidbrain_cheaper_than_every_baseline_on_mean": all(
+                bb < s[n]["cost_vs_ondemand"] for n in baselines
+            ),
+            "ledger_matches_within_0.1%": max_error <= 0.001,
+            "simulate_within_120s": per_second_s <= 120.0,
+        },
+        "bidbrain_vs": {n: round(bb / s[n]["cost_vs_ondemand"], 4) for n in s if n != "bidbrain"},
+        "free_compute_fraction_hourly_refund": hourly["strategies"]["bidbrain"][
+            "free_compute_fraction"
+        ],
+        "ledger_max_relative_error": max_error,
+        "wall_seconds": {
+            "per_second": round(per_second_s, 1),
+            "hourly_refund": round(hourly_s, 1),
+            "per_second_with_ledger": round(ledger_run_s, 1),
+        },
+        "outputs": str(out),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
