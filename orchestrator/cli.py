@@ -28,7 +28,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True)
+err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=200)
 # A pipe or a CI log gets a wide table rather than rich's 80-column default.
 out = Console() if sys.stdout.isatty() else Console(width=140)
 _DEBUG = {"on": False}
@@ -46,6 +46,7 @@ _OPTION_OF_FIELD = {
     "max_scale": "--max-scale",
     "reference_type": "--reference-type",
     "workers": "--workers",
+    "strategies": "--strategy",
 }
 
 
@@ -164,6 +165,12 @@ def simulate(
 
     billing_model(config.billing)
     get_strategies(list(config.strategies))
+    if plot is not None and not plot.parent.is_dir():
+        raise UserError(
+            f"cannot write plot {plot}: folder {plot.parent} does not exist",
+            field="--plot",
+            fix="create the folder or pass another path",
+        )
     world = load_world(config)
     ledger_file = _open_for_writing(ledger, "--ledger") if ledger else None
     try:

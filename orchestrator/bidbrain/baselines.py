@@ -52,7 +52,11 @@ class OnDemandPolicy(Policy):
 
 
 class StandardPolicy(Policy):
-    """Cheapest current spot market per unit of work, bid = on-demand price, re-pick on eviction."""
+    """Cheapest current spot market per unit of work, bid = on-demand price, re-pick on eviction.
+
+    It fills the gap to the job's max rate in one allocation, like a Spot Fleet request with
+    weighted capacity; the market is the cheapest per unit of the work it fills.
+    """
 
     name = "standard"
 
@@ -66,9 +70,10 @@ class StandardPolicy(Policy):
         usable = self._usable(inp) & (self.table.on_demand_usd_per_hour > inp.prices_usd_per_hour)
         if remaining <= 1e-9 or not usable.any():
             return Decision(acquire=reliable)
-        per_work = np.where(
-            usable, inp.prices_usd_per_hour / np.maximum(self.table.work_rate, 1e-9), np.inf
-        )
+        # Price per unit of the work the fill is for, counting what a whole instance
+        # overshoots (a 4-GPU gap filled by an 8-GPU instance pays for 8).
+        counts = np.ceil(remaining / np.maximum(self.table.work_rate, 1e-9) - 1e-9)
+        per_work = np.where(usable, inp.prices_usd_per_hour * counts / remaining, np.inf)
         # Equal prices per work are common (p3 sizes are priced per GPU); pick among them at
         # random rather than by name, so the baseline is not lucky or unlucky by sort order.
         ties = np.flatnonzero(per_work <= per_work.min() * (1 + 1e-9))

@@ -32,11 +32,9 @@ SECONDS_PER_HOUR = 3600.0
 
 def charged_fraction(hazard_per_s: np.ndarray) -> np.ndarray:
     """Vectorised `orchestrator.market.billing.charged_fraction` (tests keep them equal)."""
-    h = np.asarray(hazard_per_s, dtype=np.float64)
-    q = np.exp(-h * SECONDS_PER_HOUR)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        f = np.where(h > 0, q / (1.0 - q) * h * SECONDS_PER_HOUR, 1.0)
-    return f
+    x = np.asarray(hazard_per_s, dtype=np.float64) * SECONDS_PER_HOUR
+    safe = np.where(x > 0, x, 1.0)
+    return np.where(x > 0, safe * np.exp(-safe) / -np.expm1(-safe), 1.0)
 
 
 def expected_cost_usd(

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from orchestrator.market.errors import MarketError
 from orchestrator.market.prices import PriceSeries
 
 SECONDS_PER_HOUR = 3600.0
@@ -93,8 +94,8 @@ def charged_fraction(hazard_per_s: float) -> float:
     Σ_n P(T > n hours) = q/(1-q) with q = e^{-h·1h}, over an expected life of 1/h."""
     if hazard_per_s <= 0.0:
         return 1.0
-    q = math.exp(-hazard_per_s * SECONDS_PER_HOUR)
-    return q / (1.0 - q) * hazard_per_s * SECONDS_PER_HOUR
+    x = hazard_per_s * SECONDS_PER_HOUR
+    return x * math.exp(-x) / -math.expm1(-x)
 
 
 class PerSecondBilling(BillingModel):
@@ -109,7 +110,12 @@ class PerSecondBilling(BillingModel):
             return []
         out: list[BilledInterval] = []
         t = start_s
-        i = max(series.index_at(start_s), 0)
+        i = series.index_at(start_s)
+        if i < 0:
+            raise MarketError(
+                f"no price for {series.market} at {start_s}: it runs before "
+                "the market's first price record"
+            )
         times = series.times_s
         n = len(times)
         while t < end_s:
@@ -150,7 +156,11 @@ class HourlyRefundBilling(BillingModel):
         while hour_start < end_s:
             hour_end = hour_start + SECONDS_PER_HOUR
             price = series.price_at(hour_start)
-            assert price is not None, f"no price for {series.market} at {hour_start}"
+            if price is None:
+                raise MarketError(
+                    f"no price for {series.market} at {hour_start}: it runs "
+                    "before the market's first price record"
+                )
             if hour_end <= end_s:
                 out.append(
                     BilledInterval(

@@ -285,6 +285,10 @@ class CapacityHazardModel(EvictionModel):
 
     name = "capacity"
 
+    def __post_init__(self) -> None:
+        if self.applies_to is not None:
+            self.applies_to = frozenset(self.applies_to)
+
     @classmethod
     def from_trace(cls, trace: AvailabilityTrace, **kwargs: object) -> CapacityHazardModel:
         node_hours, removals = trace.node_hours_and_removals()
@@ -297,7 +301,7 @@ class CapacityHazardModel(EvictionModel):
         return cls(prior_rate_per_hour=removals / node_hours, **kwargs)  # type: ignore[arg-type]
 
     def hazard_per_s(self, market: Market, bid_delta_usd: float) -> float:
-        if self.applies_to is not None and market.instance_type not in set(self.applies_to):
+        if self.applies_to is not None and market.instance_type not in self.applies_to:
             return 0.0
         events = self.prior_rate_per_hour * self.prior_weight_hours + self._events.get(market, 0.0)
         hours = self.prior_weight_hours + self._exposure_h.get(market, 0.0)

@@ -237,6 +237,9 @@ class Run:
             if self._decide_at is not None and self.now >= self._decide_at:
                 self._decide_at = None
                 self._decide()
+                if self.job.budget_usd is not None:
+                    # Spend grows with time: a budgeted job is re-decided every interval.
+                    self._schedule_periodic()
         elif kind == "evict":
             inst = self.instances.get(key)
             if inst is not None and inst.evict_s <= self.now:
@@ -267,13 +270,16 @@ class Run:
 
     # -- progress -------------------------------------------------------------------------
     def _rate(self) -> float:
+        """Progress per second now; never above the job's max rate (it cannot use more)."""
         phi = self.job.app.phi
         if self.runtime == "agileml":
             if self.now < self.stall_until or not self._reliable_ready():
                 return 0.0
-            return phi * sum(i.work_rate for i in self.instances.values() if i.ready_s <= self.now)
+            held = sum(i.work_rate for i in self.instances.values() if i.ready_s <= self.now)
+            return phi * min(held, self.job.max_work_rate)
         if self.runtime == "on-demand":
-            return phi * sum(i.work_rate for i in self.instances.values())
+            held = sum(i.work_rate for i in self.instances.values())
+            return phi * min(held, self.job.max_work_rate)
         if self.segment is None:
             return 0.0
         _, _, rate, _ = self.segment
@@ -311,7 +317,7 @@ class Run:
         delta = self.params.checkpoint_s
         mttf = 1.0 / hazard if hazard > 0 else math.inf
         tau = max(delta, math.sqrt(2.0 * delta * mttf)) if math.isfinite(mttf) else math.inf
-        raw = self.job.app.phi * sum(i.work_rate for i in spot)
+        raw = self.job.app.phi * min(sum(i.work_rate for i in spot), self.job.max_work_rate)
         if math.isfinite(tau):
             self.segment = (self.now, self.work_s, raw * tau / (tau + delta), tau + delta)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,8 @@ class LedgerCheck:
     def max_relative_error(self) -> float:
         worst = 0.0
         for name, recomputed in self.recomputed_usd.items():
+            if not math.isfinite(recomputed):
+                return math.inf
             for other in (self.ledger_usd.get(name), self.reported_usd.get(name)):
                 if other is not None and other > 0:
                     worst = max(worst, abs(recomputed - other) / other)
@@ -109,9 +112,12 @@ def verify_ledger(
                 continue
             try:
                 line = json.loads(text)
-                missing = [f for f in REQUIRED_FIELDS if f not in line]
             except json.JSONDecodeError:
-                missing = ["(not JSON)"]
+                line = None
+            if not isinstance(line, dict):
+                missing = ["(not a JSON object)"]
+            else:
+                missing = [f for f in REQUIRED_FIELDS if f not in line]
             if missing:
                 raise UserError(
                     f"{path}:{lineno}: missing {', '.join(missing)}",
@@ -119,7 +125,16 @@ def verify_ledger(
                     fix="pass the file written by `simulate --ledger`",
                 )
             check.lines += 1
-            start, end = float(line["start_s"]), float(line["end_s"])
+            try:
+                start, end = float(line["start_s"]), float(line["end_s"])
+                count, charged = float(line["count"]), float(line["charged_usd"])
+                applied = float(line["price_usd_per_hour"])
+            except (TypeError, ValueError):
+                raise UserError(
+                    f"{path}:{lineno}: a time, count, price or charge is not a number",
+                    path=str(path),
+                    fix="pass the file written by `simulate --ledger`",
+                ) from None
             market = Market(line["instance_type"], line["zone"])
             if line["market"] == "oracle":  # the hindsight bound pays market prices per second
                 found = history[market].price_at(start) if market in history else None
@@ -138,11 +153,18 @@ def verify_ledger(
                 found = history[market].price_at(start)
                 price = float("nan") if found is None else found
                 billed = recompute_billed_s(billing, start, end, line["reason"])
-            if abs(price - float(line["price_usd_per_hour"])) > 1e-9:
+            if math.isnan(price):
+                raise UserError(
+                    f"{path}:{lineno}: no price for {market} at {start}: the price "
+                    "files start later",
+                    path=str(path),
+                    fix="pass the same --prices as the simulation",
+                )
+            if abs(price - applied) > 1e-9:
                 check.price_mismatches += 1
             name = line["strategy"]
-            recomputed[name] += price * billed / SECONDS_PER_HOUR * float(line["count"])
-            ledger[name] += float(line["charged_usd"])
+            recomputed[name] += price * billed / SECONDS_PER_HOUR * count
+            ledger[name] += charged
     check.ledger_usd = dict(ledger)
     check.recomputed_usd = dict(recomputed)
     if report is not None:

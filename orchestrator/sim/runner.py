@@ -44,7 +44,7 @@ class SimConfig(BaseModel):
 
     prices: tuple[Path, ...]
     availability: Path | None = None
-    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    strategies: Annotated[tuple[str, ...], Field(min_length=1)] = DEFAULT_STRATEGIES
     job_hours: Annotated[float, Field(gt=0, le=24 * 14)] = 20.0
     nodes: Annotated[int, Field(gt=0, le=4096)] = 16
     starts: Annotated[int, Field(gt=0, le=100_000)] = 1000
