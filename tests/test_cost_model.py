@@ -6,14 +6,16 @@ import numpy as np
 import pytest
 
 from orchestrator.bidbrain.cost import (
+    ZERO,
     FootprintTerms,
     allocation_terms,
+    charged_fraction,
     cost_per_work_with,
     footprint_terms,
 )
 
 H = 3600.0
-HORIZON_S = 6 * H
+WORK_S = 100 * H  # 100 reference-GPU-hours left
 SIGMA_S = 300.0  # add overhead σ
 BILLINGS = ("per-second", "hourly-refund")
 
@@ -26,7 +28,6 @@ def single(
     price: float = 0.9,
     hazard_price: float = 0.0,
     hazard_capacity: float = 0.0,
-    horizon_s: float = HORIZON_S,
     add_overhead_s: float = SIGMA_S,
     pending_s: float = SIGMA_S,
 ) -> FootprintTerms:
@@ -38,7 +39,6 @@ def single(
         price_usd_per_hour=np.array([price]),
         hazard_price_per_s=np.array([hazard_price]),
         hazard_capacity_per_s=np.array([hazard_capacity]),
-        horizon_s=horizon_s,
         add_overhead_s=add_overhead_s,
         pending_overhead_s=np.array([pending_s]),
     )
@@ -55,7 +55,7 @@ def random_allocations(rng: np.random.Generator, n: int, *, new: bool) -> dict[s
     }
 
 
-def test_empty_footprint_terms_are_zero() -> None:
+def test_empty_footprint_costs_nothing_and_never_finishes() -> None:
     empty = np.array([], dtype=np.float64)
     terms = footprint_terms(
         billing="per-second",
@@ -64,118 +64,104 @@ def test_empty_footprint_terms_are_zero() -> None:
         price_usd_per_hour=empty,
         hazard_price_per_s=empty,
         hazard_capacity_per_s=empty,
-        horizon_s=HORIZON_S,
         add_overhead_s=SIGMA_S,
         pending_overhead_s=empty,
     )
-    assert terms == FootprintTerms(0.0, 0.0, 0.0, 0.0)
-    assert terms.work(1.0, 600.0) == 0.0
-    assert terms.cost_per_work(1.0, 600.0) == float("inf")
+    assert terms == ZERO
+    assert terms.effective_rate(1.0, 600.0) == 0.0
+    assert terms.cost_per_work(WORK_S, 1.0, 600.0) == float("inf")
 
 
 @pytest.mark.parametrize("billing", BILLINGS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_adding_candidate_equals_footprint_recomputed_with_candidate(
-    billing: str, seed: int
-) -> None:
+def test_adding_a_candidate_equals_the_footprint_recomputed_with_it(billing: str, seed: int):
     rng = np.random.default_rng(seed)
-    base_alloc = random_allocations(rng, 3, new=False)
+    held = random_allocations(rng, 4, new=False)
     cands = random_allocations(rng, 25, new=True)
-    phi, lam = 0.85, 600.0
-    common = {"billing": billing, "horizon_s": HORIZON_S, "add_overhead_s": SIGMA_S}
-    base = footprint_terms(**common, **base_alloc)
-    c_cost, c_events, c_kv, c_busy = allocation_terms(**common, **cands)
-    fast = cost_per_work_with(
+    base = footprint_terms(billing=billing, add_overhead_s=SIGMA_S, **held)
+    vec = cost_per_work_with(
         base,
-        phi=phi,
-        eviction_overhead_s=lam,
-        cand_cost_usd=c_cost,
-        cand_events=c_events,
-        cand_kv=c_kv,
-        cand_busy_s=c_busy,
+        work_s=WORK_S,
+        phi=0.9,
+        eviction_overhead_s=60.0,
+        cand=allocation_terms(billing=billing, add_overhead_s=SIGMA_S, **cands),
     )
-    assert fast.shape == (25,)
     for j in range(25):
-        merged = {k: np.append(v, cands[k][j]) for k, v in base_alloc.items()}
-        slow = footprint_terms(**common, **merged).cost_per_work(phi, lam)
-        assert float(fast[j]) == pytest.approx(slow, rel=1e-12)
+        merged = {k: np.append(held[k], cands[k][j]) for k in held}
+        direct = footprint_terms(billing=billing, add_overhead_s=SIGMA_S, **merged)
+        assert vec[j] == pytest.approx(direct.cost_per_work(WORK_S, 0.9, 60.0), rel=1e-12)
 
 
-def test_candidate_that_leaves_no_work_has_infinite_cost_per_work() -> None:
-    base = FootprintTerms(cost_usd=0.0, events=0.0, rate=0.0, busy_s=0.0)
-    out = cost_per_work_with(
-        base,
-        phi=1.0,
-        eviction_overhead_s=600.0,
-        cand_cost_usd=np.array([1.0, 1.0]),
-        cand_events=np.array([0.0, 100.0]),
-        cand_kv=np.array([1.0, 1.0]),
-        cand_busy_s=np.array([H, H]),
-    )
-    assert out[0] == pytest.approx(1.0 / H)
-    assert out[1] == np.inf
-
-
-@pytest.mark.parametrize("billing", BILLINGS)
-def test_cost_per_work_rises_with_price(billing: str) -> None:
-    e = [
-        single(billing=billing, price=p, hazard_capacity=5e-5).cost_per_work(1.0, 600.0)
-        for p in (0.3, 0.9, 3.06)
-    ]
+def test_cost_per_work_rises_with_price_and_falls_with_work_rate() -> None:
+    e = [single(price=p).cost_per_work(WORK_S, 1.0, 30.0) for p in (0.5, 1.0, 2.0)]
     assert e[0] < e[1] < e[2]
-
-
-@pytest.mark.parametrize("billing", BILLINGS)
-def test_cost_per_work_falls_with_work_rate(billing: str) -> None:
-    e = [
-        single(billing=billing, work_rate=v, hazard_capacity=5e-5).cost_per_work(1.0, 600.0)
-        for v in (0.5, 1.0, 2.5)
-    ]
+    e = [single(work_rate=v).cost_per_work(WORK_S, 1.0, 30.0) for v in (0.5, 1.0, 4.0)]
     assert e[0] > e[1] > e[2]
 
 
-@pytest.mark.parametrize("billing", BILLINGS)
-def test_cost_per_work_rises_with_eviction_overhead_when_hazard_is_positive(
-    billing: str,
-) -> None:
-    terms = single(billing=billing, count=2.0, hazard_price=3e-5, hazard_capacity=2e-5)
-    e = [terms.cost_per_work(1.0, lam) for lam in (0.0, 300.0, 1200.0)]
-    assert e[0] < e[1] < e[2]
+def test_eviction_overhead_costs_only_when_evictions_happen() -> None:
+    risky = single(count=4, hazard_capacity=1e-4)
+    assert risky.cost_per_work(WORK_S, 1.0, 120.0) > risky.cost_per_work(WORK_S, 1.0, 10.0)
+    safe = single(count=4)
+    assert safe.cost_per_work(WORK_S, 1.0, 120.0) == safe.cost_per_work(WORK_S, 1.0, 10.0)
 
 
-def test_eviction_overhead_is_irrelevant_without_hazard() -> None:
-    terms = single(hazard_price=0.0, hazard_capacity=0.0)
-    assert terms.events == 0.0
-    assert terms.cost_per_work(1.0, 0.0) == terms.cost_per_work(1.0, 5000.0)
+def test_without_evictions_cost_per_work_is_price_over_rate_plus_the_one_time_overhead() -> None:
+    terms = single(count=2, work_rate=1.5, price=0.9)
+    phi = 0.8
+    rate = 2 * 1.5
+    expected_time_s = (WORK_S + phi * rate * SIGMA_S) / (phi * rate)
+    expected = 2 * 0.9 / H * expected_time_s / WORK_S
+    assert terms.cost_per_work(WORK_S, phi, 30.0) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("billing", BILLINGS)
-@pytest.mark.parametrize(
-    ("count", "rate", "price", "phi", "horizon_s"),
-    [(1.0, 1.0, 0.9, 1.0, HORIZON_S), (4.0, 2.5, 12.24, 0.8, 2 * H), (2.0, 0.3, 0.1, 1.0, 900.0)],
-)
-def test_zero_hazard_cost_per_work_is_price_over_rate_times_useful_share(
-    billing: str, count: float, rate: float, price: float, phi: float, horizon_s: float
-) -> None:
-    """One new allocation, no eviction: E = P / (3600·φ·ν·(1 - σ/t)) $ per reference-GPU-s."""
-    terms = single(billing=billing, count=count, work_rate=rate, price=price, horizon_s=horizon_s)
-    expected = price / H / (phi * rate * (1.0 - SIGMA_S / horizon_s))
-    assert terms.cost_per_work(phi, 600.0) == pytest.approx(expected, rel=1e-12)
+def test_replacing_evicted_instances_costs_sigma_per_eviction() -> None:
+    h = 1.0 / H  # one eviction per instance-hour
+    terms = single(hazard_capacity=h, pending_s=0.0)
+    # effective rate loses σ·h of work per second and λ per eviction
+    assert terms.effective_rate(1.0, 0.0) == pytest.approx(1.0 - SIGMA_S * h)
+    assert terms.effective_rate(1.0, 60.0) == pytest.approx(1.0 - SIGMA_S * h - 60.0 * h)
 
 
-def test_working_allocation_pays_no_add_overhead() -> None:
-    terms = single(pending_s=0.0, add_overhead_s=SIGMA_S)
-    assert terms.cost_per_work(1.0, 0.0) == pytest.approx(0.9 / H)
+def test_a_price_crossing_takes_the_whole_allocation_as_one_event() -> None:
+    per_allocation = single(count=8, hazard_price=1e-4)
+    per_instance = single(count=8, hazard_capacity=1e-4)
+    assert per_allocation.events_per_s == pytest.approx(1e-4)
+    assert per_instance.events_per_s == pytest.approx(8e-4)
 
 
-def test_footprint_terms_add_componentwise() -> None:
-    a = FootprintTerms(1.0, 0.5, 2.0, 100.0)
-    b = FootprintTerms(2.0, 0.25, 3.0, 50.0)
-    assert a + b == FootprintTerms(3.0, 0.75, 5.0, 150.0)
+def test_hourly_refund_charges_only_hours_that_end_before_an_eviction() -> None:
+    h = 0.6 / H
+    hourly = single(billing="hourly-refund", hazard_capacity=h)
+    per_second = single(billing="per-second", hazard_capacity=h)
+    assert hourly.cost_usd_per_s == pytest.approx(
+        per_second.cost_usd_per_s * float(charged_fraction(np.array(h)))
+    )
+    assert hourly.cost_usd_per_s < per_second.cost_usd_per_s
 
 
-def test_capacity_events_scale_with_count_and_price_events_do_not() -> None:
-    one = single(count=1.0, hazard_price=1e-5, hazard_capacity=2e-5)
-    four = single(count=4.0, hazard_price=1e-5, hazard_capacity=2e-5)
-    assert one.events == pytest.approx((1e-5 + 2e-5) * HORIZON_S)
-    assert four.events == pytest.approx((1e-5 + 4 * 2e-5) * HORIZON_S)
+def test_fixed_costs_are_amortised_over_more_work_by_a_bigger_footprint() -> None:
+    reliable = FootprintTerms(0.5 / H, 0.0, 0.0, 0.0, 0.0)
+    one = reliable + single(count=1, pending_s=0.0)
+    four = reliable + single(count=4, pending_s=0.0)
+    assert four.cost_per_work(WORK_S, 1.0, 0.0) < one.cost_per_work(WORK_S, 1.0, 0.0)
+
+
+def test_near_the_end_of_a_job_a_new_nodes_overhead_outweighs_what_it_saves() -> None:
+    reliable = FootprintTerms(0.2 / H, 0.0, 0.0, 0.0, 0.0)
+    held = reliable + single(count=1, work_rate=8, price=7.3, pending_s=0.0)
+    cand = allocation_terms(
+        billing="per-second",
+        count=np.array([1.0]),
+        work_rate=np.array([8.0]),
+        price_usd_per_hour=np.array([7.3]),
+        hazard_price_per_s=np.array([0.0]),
+        hazard_capacity_per_s=np.array([0.0]),
+        add_overhead_s=600.0,
+        pending_overhead_s=np.array([600.0]),
+    )
+    for work_h, better in ((500.0, True), (5.0, False)):
+        with_new = cost_per_work_with(
+            held, work_s=work_h * H, phi=1.0, eviction_overhead_s=0.0, cand=cand
+        )[0]
+        assert bool(with_new < held.cost_per_work(work_h * H, 1.0, 0.0)) is better

@@ -2,23 +2,26 @@
 
 The paper evaluates each allocation over the rest of its billing hour and charges the add
 overhead σ to new allocations only. With today's cheap reliable tier that myopic form never
-re-buys an evicted node (a new node's σ/ω exceeds the reliable tier's share of cost, so the
-footprint shrinks to one instance and the job takes twice as long for no saving). We keep the
-equations but take them over the job's remaining horizon t and treat every allocation as a *slot*
-that is refilled when evicted, so σ is paid once per instance life by old and new alike:
+re-buys an evicted node (a new node's σ/ω exceeds the reliable tier's share of the cost, so the
+footprint shrinks and the job runs twice as long for no saving: we measured it). We keep the
+paper's terms but evaluate them until the job is done: every allocation is a *slot* that is
+refilled when evicted, and E is the expected cost of finishing the remaining work W_rem divided
+by W_rem. For allocation i (k_i instances, work rate ν_i, price P_i, hazard h_i per instance):
 
-* hazard h_i = h^price_i + h^capacity_i of one instance (per second);
-* C_i = the billing model's expected charge of the slot over t: per-second `P_i·k_i·t`;
-  hourly-refund Eq. 4.1 summed over the slot's instances: `P_i·k_i·t·f(h_i)`, f the fraction of
-  time in hours that end before an eviction (`billing.charged_fraction`);
-* N = Σ_i (h^price_i + k_i·h^capacity_i)·t, expected eviction events (a price crossing takes an
-  allocation at once, capacity takes instances one by one); Eq. 4.2's 1-Π(1-β_j) is its
-  first-order form for short horizons and stops counting when several evictions are likely;
-* Δt_i = t - σ·(new_i + h_i·t) - N·λ (Eq. 4.2), one σ per replacement and one more if new;
-* W = φ·Σ k_i·Δt_i·ν_i (Eq. 4.3) and E = C / W (Eq. 4.4).
+* cost rate Σ_i C_i + R: C_i = P_i·k_i under per-second billing; under hourly-refund
+  Eq. 4.1 summed over the slot's successive instances, P_i·k_i·f(h_i), with f the share of time
+  in hours that end before an eviction (`billing.charged_fraction`); R the reliable tier;
+* eviction events per second N = Σ_i (h^price_i + k_i·h^capacity_i) (a price crossing takes
+  the whole allocation, capacity takes instances one by one); each stalls the job for λ
+  (Eq. 4.2's (1-Π(1-β_j))·λ, per unit of time);
+* each eviction costs its slot σ of replacement; a new (or still booting) allocation has σ
+  (or what is left of it) ahead once more (Eq. 4.2's σ);
+* effective work rate φ·(Σ k_i·ν_i·(1 - σ·h_i) - N·λ·Σ k_i·ν_i) (Eq. 4.3 per unit time);
+* time to finish T = (W_rem + φ·Σ k_i·ν_i·σ^pending_i) / effective rate;
+* E = (cost rate × T) / W_rem (Eq. 4.4); `projected cost = spend + E·W_rem`.
 
 All functions are pure and vectorised with numpy so that one decision over thousands of
-candidates stays within milliseconds.
+candidates stays within a millisecond.
 """
 
 from __future__ import annotations
@@ -54,29 +57,46 @@ def expected_cost_usd(
 
 @dataclass(frozen=True)
 class FootprintTerms:
-    """Sums over a footprint: cost Σ C_i, events N, rate Σ k_i·ν_i and
-    busy Σ k_i·ν_i·(t - σ·(new_i + h_i·t)). W = φ·(busy - N·λ·rate)."""
+    """Sums over a footprint (per second unless named otherwise).
 
-    cost_usd: float
-    events: float
+    cost_usd_per_s: Σ C_i + R. events_per_s: N. rate: Σ k·ν. renewal_loss: Σ k·ν·σ·h
+    (work rate lost to replacing evicted instances). pending_s: Σ k·ν·σ^pending (work lost once
+    to allocations not yet working).
+    """
+
+    cost_usd_per_s: float
+    events_per_s: float
     rate: float
-    busy_s: float
+    renewal_loss: float
+    pending_s: float
 
-    def work(self, phi: float, eviction_overhead_s: float) -> float:
-        return phi * (self.busy_s - self.events * eviction_overhead_s * self.rate)
+    def effective_rate(self, phi: float, eviction_overhead_s: float) -> float:
+        return phi * (
+            self.rate - self.renewal_loss - self.events_per_s * eviction_overhead_s * self.rate
+        )
 
-    def cost_per_work(self, phi: float, eviction_overhead_s: float) -> float:
-        """$ per reference-GPU-second; inf when the footprint does no work."""
-        w = self.work(phi, eviction_overhead_s)
-        return self.cost_usd / w if w > 0 else float("inf")
+    def cost_to_finish_usd(self, work_s: float, phi: float, eviction_overhead_s: float) -> float:
+        """Expected cost of doing `work_s` reference-GPU-seconds (inf if it never finishes)."""
+        eff = self.effective_rate(phi, eviction_overhead_s)
+        if eff <= 0:
+            return float("inf")
+        return self.cost_usd_per_s * (work_s + phi * self.pending_s) / eff
+
+    def cost_per_work(self, work_s: float, phi: float, eviction_overhead_s: float) -> float:
+        """E: $ per reference-GPU-second of the remaining work."""
+        return self.cost_to_finish_usd(work_s, phi, eviction_overhead_s) / work_s
 
     def __add__(self, other: FootprintTerms) -> FootprintTerms:
         return FootprintTerms(
-            self.cost_usd + other.cost_usd,
-            self.events + other.events,
+            self.cost_usd_per_s + other.cost_usd_per_s,
+            self.events_per_s + other.events_per_s,
             self.rate + other.rate,
-            self.busy_s + other.busy_s,
+            self.renewal_loss + other.renewal_loss,
+            self.pending_s + other.pending_s,
         )
+
+
+ZERO = FootprintTerms(0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def allocation_terms(
@@ -87,44 +107,44 @@ def allocation_terms(
     price_usd_per_hour: np.ndarray,
     hazard_price_per_s: np.ndarray,
     hazard_capacity_per_s: np.ndarray,
-    horizon_s: float,
     add_overhead_s: float,
     pending_overhead_s: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per allocation (or candidate): cost, events, rate k·ν and busy time, as arrays.
+) -> tuple[np.ndarray, ...]:
+    """Per allocation (or candidate), the five `FootprintTerms` fields as arrays.
 
     `pending_overhead_s` is the σ still ahead of each allocation now (σ for a candidate, what is
     left of it for an allocation still booting, 0 for a working one).
     """
     hazard = hazard_price_per_s + hazard_capacity_per_s
-    cost = expected_cost_usd(billing, price_usd_per_hour, count, hazard, horizon_s)
-    events = (hazard_price_per_s + count * hazard_capacity_per_s) * horizon_s
+    cost = expected_cost_usd(billing, price_usd_per_hour, count, hazard, 1.0)
+    events = hazard_price_per_s + count * hazard_capacity_per_s
     kv = count * work_rate
-    busy = kv * (horizon_s - pending_overhead_s - add_overhead_s * hazard * horizon_s)
-    return cost, events, kv, busy
+    return cost, events, kv, kv * add_overhead_s * hazard, kv * pending_overhead_s
 
 
 def footprint_terms(**kwargs: object) -> FootprintTerms:
     """Sum `allocation_terms` over a footprint (same keyword arguments)."""
-    cost, events, kv, busy = allocation_terms(**kwargs)  # type: ignore[arg-type]
-    return FootprintTerms(
-        float(cost.sum()), float(events.sum()), float(kv.sum()), float(busy.sum())
-    )
+    parts = allocation_terms(**kwargs)  # type: ignore[arg-type]
+    return FootprintTerms(*(float(p.sum()) for p in parts))
 
 
 def cost_per_work_with(
     base: FootprintTerms,
     *,
+    work_s: float,
     phi: float,
     eviction_overhead_s: float,
-    cand_cost_usd: np.ndarray,
-    cand_events: np.ndarray,
-    cand_kv: np.ndarray,
-    cand_busy_s: np.ndarray,
+    cand: tuple[np.ndarray, ...],
 ) -> np.ndarray:
-    """E of the footprint plus each candidate, vectorised over candidates (inf: no work)."""
-    events = base.events + cand_events
-    work = phi * (base.busy_s + cand_busy_s - events * eviction_overhead_s * (base.rate + cand_kv))
-    cost = base.cost_usd + cand_cost_usd
+    """E of the footprint plus each candidate (`allocation_terms` arrays), vectorised;
+    inf where the footprint would make no progress."""
+    cost, events, kv, loss, pending = cand
+    rate = base.rate + kv
+    eff = phi * (
+        rate
+        - (base.renewal_loss + loss)
+        - (base.events_per_s + events) * eviction_overhead_s * rate
+    )
+    total = (base.cost_usd_per_s + cost) * (work_s + phi * (base.pending_s + pending))
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(work > 0, cost / np.where(work > 0, work, 1.0), np.inf)
+        return np.where(eff > 0, total / np.where(eff > 0, eff, 1.0) / work_s, np.inf)

@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from orchestrator.market.prices import Market
 
 SECONDS_PER_HOUR = 3600.0
+#: Default value of an hour of the job's time, as a fraction of what its max throughput costs
+#: per hour on-demand. Measured on the 2020 traces: 0 lets BidBrain leave evicted nodes
+#: unreplaced in a job's last hours (runtime 1.28x on-demand for 0.1% less cost); 2% brings
+#: the runtime to ~1.03x at no measurable cost.
+DEFAULT_TIME_VALUE_FRACTION = 0.02
 
 
 class AppParams(BaseModel):
@@ -56,6 +61,12 @@ class JobSpec(BaseModel):
     budget_usd: Annotated[float, Field(gt=0)] | None = None
     reliable_type: str = "m5.xlarge"
     reliable_count: Annotated[int, Field(ge=0)] = 1
+    time_value_usd_per_hour: Annotated[float, Field(ge=0)] | None = Field(
+        None,
+        description="what finishing an hour sooner is worth; BidBrain adds it to the cost rate "
+        "of every footprint so that it keeps refilling near the end of a job. None: 2% of what "
+        "the job's max throughput costs per hour on-demand (DEFAULT_TIME_VALUE_FRACTION)",
+    )
     app: AppParams = AppParams()
     gpu_work_rates: dict[str, float] | None = None
 

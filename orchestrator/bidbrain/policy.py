@@ -24,7 +24,12 @@ from orchestrator.bidbrain.cost import (
     footprint_terms,
 )
 from orchestrator.bidbrain.errors import UnknownPolicyError
-from orchestrator.bidbrain.model import AllocationRequest, Footprint, JobSpec
+from orchestrator.bidbrain.model import (
+    DEFAULT_TIME_VALUE_FRACTION,
+    AllocationRequest,
+    Footprint,
+    JobSpec,
+)
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import DEFAULT_BID_DELTAS_USD, EvictionModel
 from orchestrator.market.prices import Market
@@ -40,12 +45,6 @@ class BidBrainSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     decision_interval_s: float = Field(120.0, gt=0, description="periodic decision (2 min)")
-    planning_horizon_s: float = Field(
-        86400.0, gt=0, description="cap on the horizon of C and W (the job's remaining time)"
-    )
-    min_horizon_s: float = Field(
-        3600.0, gt=0, description="floor of the horizon, so a nearly done job still buys a node"
-    )
     renew_period_s: float = Field(
         3600.0, gt=0, description="each allocation is reconsidered once per period (billing hour)"
     )
@@ -211,12 +210,14 @@ class BidBrainPolicy(Policy):
     def decide(self, inp: DecisionInput) -> Decision:
         job, s = inp.job, self.settings
         phi, lam = job.app.phi, job.app.eviction_overhead_s
-        horizon = self._horizon(inp)
+        work_s = max(inp.work_remaining_gpu_hours, 1e-9) * SECONDS_PER_HOUR
         interval_h = s.decision_interval_s / SECONDS_PER_HOUR
         reliable = self._reliable_request(inp)
         reliable_rate = self._reliable_rate_usd_per_hour(inp, reliable)
-        reliable_terms = FootprintTerms(reliable_rate * horizon / SECONDS_PER_HOUR, 0.0, 0.0, 0.0)
-        held = self._held_arrays(inp, horizon)
+        time_value = self._time_value_usd_per_hour(job)
+        fixed_rate = reliable_rate + time_value
+        reliable_terms = FootprintTerms(fixed_rate / SECONDS_PER_HOUR, 0.0, 0.0, 0.0, 0.0)
+        held = self._held_arrays(inp)
         spot = held["alloc"]
         budget_left = math.inf if job.budget_usd is None else job.budget_usd - inp.spend_usd
 
@@ -231,12 +232,12 @@ class BidBrainPolicy(Policy):
             commit_rate -= a.price_usd_per_hour * a.count
         keep = np.array([a.allocation_id not in releases for a in spot], dtype=bool)
         base = reliable_terms + self._terms(held, keep)
-        cand = self._candidates(inp, horizon)
+        cand = self._candidates(inp)
         freed = sum(a.count * a.work_rate_per_instance for a in spot if a.allocation_id in releases)
         remaining_rate = self._remaining_rate(inp) + freed
         budget_for_adds = budget_left - commit_rate * interval_h
-        adds, terms = self._greedy(base, cand, remaining_rate, budget_for_adds, phi, lam)
-        current_e = terms.cost_per_work(phi, lam)
+        adds, terms = self._greedy(base, cand, remaining_rate, budget_for_adds, work_s, phi, lam)
+        current_e = terms.cost_per_work(work_s, phi, lam)
 
         # Renew or release at renewal points: would the footprint do better without it?
         for i, a in enumerate(spot):
@@ -249,10 +250,11 @@ class BidBrainPolicy(Policy):
                 cand,
                 remaining_rate + a.count * a.work_rate_per_instance,
                 budget_for_adds + a.price_usd_per_hour * a.count * interval_h,
+                work_s,
                 phi,
                 lam,
             )
-            alt_e = alt.cost_per_work(phi, lam)
+            alt_e = alt.cost_per_work(work_s, phi, lam)
             if alt_e < current_e * (1.0 - s.min_improvement):
                 releases.append(a.allocation_id)
                 keep, adds, terms, current_e = keep_without, alt_adds, alt, alt_e
@@ -266,10 +268,9 @@ class BidBrainPolicy(Policy):
         if exhausted:
             releases = [a.allocation_id for a in spot]
             requests = reliable
+        time_s = terms.cost_to_finish_usd(work_s, phi, lam) / terms.cost_usd_per_s
         projected = inp.spend_usd + (
-            current_e * inp.work_remaining_gpu_hours * SECONDS_PER_HOUR
-            if math.isfinite(current_e)
-            else math.inf
+            terms.cost_to_finish_usd(work_s, phi, lam) - time_value / SECONDS_PER_HOUR * time_s
         )
         return Decision(
             acquire=requests,
@@ -283,11 +284,16 @@ class BidBrainPolicy(Policy):
         )
 
     # -- pieces ---------------------------------------------------------------------------
-    def _horizon(self, inp: DecisionInput) -> float:
-        """The job's remaining time at full rate, within [min_horizon_s, planning_horizon_s]."""
-        shortest_s = inp.work_remaining_gpu_hours / inp.job.max_work_rate * SECONDS_PER_HOUR
-        s = self.settings
-        return max(s.min_horizon_s, min(s.planning_horizon_s, shortest_s))
+    def _time_value_usd_per_hour(self, job: JobSpec) -> float:
+        if job.time_value_usd_per_hour is not None:
+            return job.time_value_usd_per_hour
+        gpu = self.table.work_rate > 0
+        if not gpu.any():
+            return 0.0
+        od_per_work = float(
+            np.min(self.table.on_demand_usd_per_hour[gpu] / self.table.work_rate[gpu])
+        )
+        return DEFAULT_TIME_VALUE_FRACTION * od_per_work * job.max_work_rate
 
     def _reliable_rate_usd_per_hour(
         self, inp: DecisionInput, reliable: tuple[AllocationRequest, ...]
@@ -300,7 +306,7 @@ class BidBrainPolicy(Policy):
             )
         return rate
 
-    def _held_arrays(self, inp: DecisionInput, horizon: float) -> dict:
+    def _held_arrays(self, inp: DecisionInput) -> dict:
         allocs = inp.footprint.spot
         sigma = inp.job.app.add_overhead_s
         return {
@@ -320,7 +326,6 @@ class BidBrainPolicy(Policy):
                 [0.0 if a.ready else max(0.0, sigma - (inp.now_s - a.started_s)) for a in allocs],
                 dtype=np.float64,
             ),
-            "horizon": horizon,
             "sigma": sigma,
         }
 
@@ -332,12 +337,11 @@ class BidBrainPolicy(Policy):
             price_usd_per_hour=held["price"][keep],
             hazard_price_per_s=held["hp"][keep],
             hazard_capacity_per_s=held["hc"][keep],
-            horizon_s=held["horizon"],
             add_overhead_s=held["sigma"],
             pending_overhead_s=held["pending"][keep],
         )
 
-    def _candidates(self, inp: DecisionInput, horizon: float) -> dict:
+    def _candidates(self, inp: DecisionInput) -> dict:
         """Every (market, bid option, count) as flat arrays (see the class doc)."""
         t = self.table
         price = inp.prices_usd_per_hour
@@ -366,14 +370,13 @@ class BidBrainPolicy(Policy):
         valid = np.broadcast_to(valid_bid[:, :, None], shape).ravel() & (k > 0)
         p = np.where(valid, price[m_idx], 0.0)
         sigma = inp.job.app.add_overhead_s
-        cost, events, kv, busy = allocation_terms(
+        terms = allocation_terms(
             billing=self.billing,
             count=k,
             work_rate=t.work_rate[m_idx],
             price_usd_per_hour=p,
             hazard_price_per_s=hp[m_idx, o_idx],
             hazard_capacity_per_s=hc[m_idx],
-            horizon_s=horizon,
             add_overhead_s=sigma,
             pending_overhead_s=np.full(k.shape, sigma),
         )
@@ -382,10 +385,8 @@ class BidBrainPolicy(Policy):
             "market": m_idx,
             "count": k,
             "max_price": max_price[m_idx, o_idx],
-            "cost": cost,
-            "events": events,
-            "kv": kv,
-            "busy": busy,
+            "terms": terms,
+            "kv": terms[2],
             "commit_rate": p * k,
         }
 
@@ -403,6 +404,7 @@ class BidBrainPolicy(Policy):
         cand: dict,
         remaining_rate: float,
         budget_usd: float,
+        work_s: float,
         phi: float,
         lam: float,
     ) -> tuple[list[int], FootprintTerms]:
@@ -418,24 +420,18 @@ class BidBrainPolicy(Policy):
                 break
             e = cost_per_work_with(
                 base,
+                work_s=work_s,
                 phi=phi,
                 eviction_overhead_s=lam,
-                cand_cost_usd=cand["cost"][idx],
-                cand_events=cand["events"][idx],
-                cand_kv=cand["kv"][idx],
-                cand_busy_s=cand["busy"][idx],
+                cand=tuple(arr[idx] for arr in cand["terms"]),
             )
             best = int(np.argmin(e))
-            if not e[best] < base.cost_per_work(phi, lam) * (1.0 - self.settings.min_improvement):
+            current = base.cost_per_work(work_s, phi, lam)
+            if not e[best] < current * (1.0 - self.settings.min_improvement):
                 break
             j = int(idx[best])
             chosen.append(j)
-            base = base + FootprintTerms(
-                float(cand["cost"][j]),
-                float(cand["events"][j]),
-                float(cand["kv"][j]),
-                float(cand["busy"][j]),
-            )
+            base = base + FootprintTerms(*(float(arr[j]) for arr in cand["terms"]))
             remaining_rate -= float(cand["kv"][j])
             budget_usd -= float(cand["commit_rate"][j]) * interval_h
         return chosen, base

@@ -55,6 +55,7 @@ class SimConfig(BaseModel):
     budget_usd: Annotated[float, Field(gt=0)] | None = None
     reliable_type: str = "m5.xlarge"
     reliable_count: Annotated[int, Field(ge=0)] = 1
+    time_value_usd_per_hour: Annotated[float, Field(ge=0)] | None = None
     app: AppParams = AppParams()
     runtime: RuntimeParams = RuntimeParams()
     bidbrain: BidBrainSettings = BidBrainSettings()
@@ -141,6 +142,7 @@ def job_for(config: SimConfig, world: World) -> JobSpec:
         budget_usd=config.budget_usd,
         reliable_type=config.reliable_type,
         reliable_count=config.reliable_count,
+        time_value_usd_per_hour=config.time_value_usd_per_hour,
         app=config.app,
     )
 
