@@ -12,8 +12,8 @@ import bisect
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,9 +25,8 @@ PRODUCT_ALIASES = {"Linux/UNIX (Amazon VPC)": LINUX_PRODUCT}
 REQUIRED_RECORD_FIELDS = ("AvailabilityZone", "InstanceType", "SpotPrice", "Timestamp")
 
 
-@dataclass(frozen=True, order=True, slots=True)
-class Market:
-    """One spot market: an instance type in an availability zone."""
+class Market(NamedTuple):
+    """One spot market: an instance type in an availability zone (a tuple: cheap to hash)."""
 
     instance_type: str
     zone: str
@@ -69,7 +68,7 @@ class PriceSeries:
     `[times_s[i], times_s[i+1])`. The last price holds until the series' `end_s`.
     """
 
-    __slots__ = ("market", "times_s", "prices_usd_per_hour", "end_s", "_times_list")
+    __slots__ = ("market", "times_s", "prices_usd_per_hour", "end_s", "_times_list", "_suffix_max")
 
     def __init__(
         self, market: Market, times_s: np.ndarray, prices: np.ndarray, end_s: float | None = None
@@ -81,6 +80,10 @@ class PriceSeries:
         self.prices_usd_per_hour = np.asarray(prices, dtype=np.float64)
         self.end_s = float(end_s if end_s is not None else self.times_s[-1])
         self._times_list: list[float] = self.times_s.tolist()
+        # highest price from each record on, so a bid above it answers "never" at once
+        self._suffix_max: list[float] = np.maximum.accumulate(self.prices_usd_per_hour[::-1])[
+            ::-1
+        ].tolist()
 
     @property
     def start_s(self) -> float:
@@ -103,6 +106,8 @@ class PriceSeries:
     def first_time_above(self, t_s: float, threshold: float) -> float | None:
         """First time >= t_s at which the price is strictly above `threshold` (None if never)."""
         i = max(self.index_at(t_s), 0)
+        if self._suffix_max[i] <= threshold:
+            return None
         above = np.flatnonzero(self.prices_usd_per_hour[i:] > threshold)
         if len(above) == 0:
             return None

@@ -29,11 +29,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.bidbrain.model import AllocationRequest, Footprint, HeldAllocation, JobSpec
 from orchestrator.bidbrain.policy import Decision, DecisionInput, Policy
+from orchestrator.errors import OrchestratorError
 from orchestrator.market.billing import BilledInterval, BillingModel, EndReason
 from orchestrator.market.prices import Market
 from orchestrator.sim.world import RemovalStream, World
 
 SECONDS_PER_HOUR = 3600.0
+#: A run handles a few thousand events; far more means a loop that makes no progress.
+MAX_EVENTS_PER_RUN = 2_000_000
+
+
+class SimulationError(OrchestratorError):
+    """The simulator reached a state it should not (a bug, not bad input)."""
 
 
 class RuntimeParams(BaseModel):
@@ -195,6 +202,7 @@ class Run:
             if i < len(self._price_times):
                 self._push(float(self._price_times[i]), "price")
         completed = False
+        handled = 0
         while True:
             t_next = self._events[0][0] if self._events else math.inf
             rate = self._rate()
@@ -217,6 +225,12 @@ class Run:
             while self._events and self._events[0][0] <= self.now:
                 _, _, kind, key = heapq.heappop(self._events)
                 self._handle(kind, key)
+                handled += 1
+                if handled > MAX_EVENTS_PER_RUN:
+                    raise SimulationError(
+                        f"run from {self.start_s} handled {handled} events without finishing "
+                        f"(last: {kind} at {self.now}); this is a simulator bug"
+                    )
         for inst in list(self.instances.values()):
             self._end(inst, EndReason.JOB_FINISHED)
         return RunResult(
@@ -307,12 +321,16 @@ class Run:
         if self.segment is not None or not self._gang_ready():
             return
         spot = [i for i in self.instances.values() if not i.on_demand]
+        by_market: dict[tuple[Market, float | None], int] = defaultdict(int)
+        for i in spot:
+            by_market[(i.market, i.max_price)] += 1
         hazard = sum(
-            self.policy.capacity_model.hazard_per_s(i.market, math.inf)
-            + self.policy.price_model.hazard_per_s(
-                i.market, (i.max_price or 0) - self._price(i.market)
+            n
+            * (
+                self.policy.capacity_model.hazard_per_s(m, math.inf)
+                + self.policy.price_model.hazard_per_s(m, (bid or 0) - self._price(m))
             )
-            for i in spot
+            for (m, bid), n in by_market.items()
         )
         delta = self.params.checkpoint_s
         mttf = 1.0 / hazard if hazard > 0 else math.inf
