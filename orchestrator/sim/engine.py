@@ -52,6 +52,8 @@ class RuntimeParams(BaseModel):
     * `restart_s` 120: process start and restore from the checkpoint after the gang is back.
     * `notice_s` 120: EC2's spot interruption notice; strategies that act on notices
       (BidBrain) buy the replacement as soon as it arrives.
+    * `capacity_cooldown_s` 600: a node noticed before it was even ready means the market is out
+      of capacity; it is avoided this long.
     * AgileML's σ and λ come from the job's `AppParams` (seed 002 Table 4.2).
     """
 
@@ -61,6 +63,9 @@ class RuntimeParams(BaseModel):
     checkpoint_s: float = Field(60.0, gt=0)
     restart_s: float = Field(120.0, ge=0)
     notice_s: float = Field(120.0, ge=0, description="EC2's interruption notice (2 minutes)")
+    capacity_cooldown_s: float = Field(
+        600.0, gt=0, description="a market whose new node is reclaimed at once is avoided this long"
+    )
     max_runtime_factor: float = Field(
         10.0, gt=1, description="give up when the job has run this many times its nominal time"
     )
@@ -108,8 +113,8 @@ class RunResult:
     cost_usd: float
     work_done_gpu_hours: float
     evictions: int
-    machine_s: float
-    free_machine_s: float
+    compute_s: float  # reference-GPU-seconds of instances held
+    free_compute_s: float  # of those, the ones that were not billed
     decisions: int
     ledger: list[LedgerLine] = field(default_factory=list)
 
@@ -156,8 +161,8 @@ class Run:
         self._seq = itertools.count()
         self._decide_at: float | None = None
         self.cost_usd = 0.0
-        self.machine_s = 0.0
-        self.free_machine_s = 0.0
+        self.compute_s = 0.0
+        self.free_compute_s = 0.0
         self.evictions = 0
         self.decisions = 0
         self.ledger: list[LedgerLine] = []
@@ -166,6 +171,7 @@ class Run:
         self.renewal_due: set[str] = set()
         self._launches: dict[Market, int] = {}
         self.doomed: set[str] = set()
+        self.unavailable_until: dict[Market, float] = {}
         # runtime state
         self.stall_until = start_s
         self.restart_until = start_s
@@ -240,8 +246,8 @@ class Run:
             cost_usd=self.cost_usd,
             work_done_gpu_hours=self.work_s / SECONDS_PER_HOUR,
             evictions=self.evictions,
-            machine_s=self.machine_s,
-            free_machine_s=self.free_machine_s,
+            compute_s=self.compute_s,
+            free_compute_s=self.free_compute_s,
             decisions=self.decisions,
             ledger=self.ledger,
         )
@@ -259,9 +265,18 @@ class Run:
             if inst is not None and inst.evict_s <= self.now:
                 self._evict(inst)
         elif kind == "notice":
-            if key in self.instances:
+            inst = self.instances.get(key)
+            if inst is not None:
                 self.doomed.add(key)
+                if self.now < inst.ready_s:
+                    # Reclaimed before it even worked: the market is short of capacity, so it
+                    # is left alone for a while (as the controller does on capacity errors).
+                    until = self.now + self.params.capacity_cooldown_s
+                    self.unavailable_until[inst.market] = until
+                    self._push(until, "decide-after-cooldown")
                 self._schedule_decision(self.now)
+        elif kind == "decide-after-cooldown":
+            self._schedule_decision(self.now)
         elif kind == "ready":
             if self.runtime == "agileml":
                 self._schedule_periodic()
@@ -419,6 +434,7 @@ class Run:
             footprint=self._footprint(),
             prices_usd_per_hour=self._prices(),
             renewal_due=frozenset(self.renewal_due),
+            unavailable=frozenset(m for m, t in self.unavailable_until.items() if t > self.now),
             last_eviction_s=self.last_eviction_s,
         )
         self.renewal_due.clear()
@@ -538,9 +554,10 @@ class Run:
             charged = iv.charged_usd
             self.cost_usd += charged
             run = iv.end_s - iv.start_s
-            self.machine_s += run
+            # compute = run time weighted by work rate (a CPU-only reliable node adds none)
+            self.compute_s += run * inst.work_rate
             if iv.billed_s < run:
-                self.free_machine_s += run - iv.billed_s
+                self.free_compute_s += (run - iv.billed_s) * inst.work_rate
             if self.keep_ledger:
                 self.ledger.append(
                     LedgerLine(

@@ -296,14 +296,16 @@ def summarise(
     """cost_vs_ondemand is the mean over starts of cost per unit of work relative to on-demand
     (for a job that finished, its cost over the on-demand job's cost). A run that hit the
     runtime cap is charged per unit of the work it did; `completed_fraction` says how many did.
-    Costs in USD are per whole job (extrapolated per unit of work for a run that gave up)."""
+    Costs in USD are per whole job (extrapolated per unit of work for a run that gave up).
+    free_compute_fraction is the share of the compute held (instance time × work rate) that was
+    not billed: under hourly-refund, the partial hours that evictions made free."""
     cpw = np.array(cost_per_work, dtype=np.float64)
     job_cost = cpw * work_gpu_hours
-    machine = sum(r.machine_s for r in runs)
+    compute = sum(r.compute_s for r in runs)
     return StrategySummary(
         cost_vs_ondemand=float(np.mean(cpw / od_cost_per_work)),
         runtime_vs_ondemand=float(np.mean([r.runtime_s / 3600.0 / job_hours for r in runs])),
-        free_compute_fraction=sum(r.free_machine_s for r in runs) / machine if machine else 0.0,
+        free_compute_fraction=sum(r.free_compute_s for r in runs) / compute if compute else 0.0,
         evictions_mean=float(np.mean([r.evictions for r in runs])),
         cost_usd_mean=float(np.mean(job_cost)),
         cost_usd_total=float(sum(r.cost_usd for r in runs)),

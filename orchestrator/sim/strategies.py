@@ -145,7 +145,7 @@ def run_oracle(world: World, job: JobSpec, start_s: float, keep_ledger: bool) ->
         work_left_s -= rate * (end - t)
         t = end
         i += 1
-    machine = (t - start_s) * 1.0
+    compute_s = (t - start_s) * rate
     return RunResult(
-        start_s, True, t - start_s, cost, job.work_gpu_hours, 0, machine, 0.0, 0, ledger
+        start_s, True, t - start_s, cost, job.work_gpu_hours, 0, compute_s, 0.0, 0, ledger
     )
