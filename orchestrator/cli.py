@@ -66,16 +66,47 @@ def _root(
     _DEBUG["on"] = debug
 
 
-def _validation_to_user_error(exc: ValidationError) -> UserError:
+def _validation_to_user_error(exc: ValidationError, config_file: Path | None = None) -> UserError:
     first = exc.errors()[0]
     loc = [str(p) for p in first.get("loc", ())]
     field = loc[0] if loc else "input"
-    option = _OPTION_OF_FIELD.get(field, field)
+    option = _OPTION_OF_FIELD.get(field, ".".join(loc) or "input")
+    where = f" (from {config_file} or the command line)" if config_file else ""
+    fix = f"pass a valid value for {option}"
+    if first.get("type") == "extra_forbidden":
+        fix = f"remove {option}: it is not a setting (the README lists them under Configuration)"
     return UserError(
-        f"{option}: {first.get('msg', 'invalid value')} (got {first.get('input')!r})",
-        fix=f"pass a valid value for {option}",
+        f"{option}: {first.get('msg', 'invalid value')} (got {first.get('input')!r}){where}",
+        fix=fix,
         field=option,
     )
+
+
+def _read_config_file(path: Path) -> dict:
+    """A YAML/JSON mapping of SimConfig fields. Raises UserError naming the file."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise UserError(
+            f"cannot read config {path}: {exc.strerror}",
+            field="--config",
+            fix="pass an existing YAML or JSON file",
+        ) from None
+    except yaml.YAMLError as exc:
+        raise UserError(
+            f"config {path} is not valid YAML/JSON: {exc}",
+            field="--config",
+            fix="fix the syntax at the position shown",
+        ) from None
+    if not isinstance(data, dict):
+        raise UserError(
+            f"config {path} must hold a mapping of settings, not {type(data).__name__}",
+            field="--config",
+            fix="write `key: value` lines, e.g. `job_hours: 2`",
+        )
+    return data
 
 
 # -- simulate -----------------------------------------------------------------------------
@@ -100,27 +131,37 @@ def simulate(
         ),
     ] = None,
     strategy: Annotated[
-        str,
-        typer.Option("--strategy", help="Comma-separated strategies to compare."),
-    ] = "on-demand,standard-checkpoint,standard-agileml,cheapest-failover,bidbrain,oracle",
+        str | None,
+        typer.Option(
+            "--strategy",
+            help="Comma-separated strategies to compare (default: all six: "
+            "on-demand,standard-checkpoint,standard-agileml,cheapest-failover,bidbrain,oracle).",
+        ),
+    ] = None,
     job_hours: Annotated[
-        float, typer.Option("--job-hours", help="Job length on on-demand.")
-    ] = 20.0,
+        float | None, typer.Option("--job-hours", help="Job length on on-demand [default: 20].")
+    ] = None,
     nodes: Annotated[
-        int, typer.Option("--nodes", help="Reference GPUs the job's work needs.")
-    ] = 16,
-    starts: Annotated[int, typer.Option("--starts", help="Random start times.")] = 1000,
-    seed: Annotated[int, typer.Option("--seed")] = 1,
+        int | None, typer.Option("--nodes", help="Reference GPUs the job's work needs [16].")
+    ] = None,
+    starts: Annotated[
+        int | None, typer.Option("--starts", help="Random start times [1000].")
+    ] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="[default: 1]")] = None,
     billing: Annotated[
-        str, typer.Option("--billing", help="per-second (today) or hourly-refund (2016).")
-    ] = "per-second",
-    reference_type: Annotated[str, typer.Option("--reference-type")] = "p3.2xlarge",
+        str | None,
+        typer.Option("--billing", help="per-second (today, default) or hourly-refund (2016)."),
+    ] = None,
+    reference_type: Annotated[
+        str | None, typer.Option("--reference-type", help="[default: p3.2xlarge]")
+    ] = None,
     budget: Annotated[
         float | None, typer.Option("--budget", help="Job budget in USD (default: none).")
     ] = None,
     max_scale: Annotated[
-        float, typer.Option("--max-scale", help="Max throughput as a multiple of --nodes.")
-    ] = 1.0,
+        float | None,
+        typer.Option("--max-scale", help="Max throughput as a multiple of --nodes [1.0]."),
+    ] = None,
     workers: Annotated[
         int | None, typer.Option("--workers", help="Processes (default: cores).")
     ] = None,
@@ -136,6 +177,14 @@ def simulate(
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Save a PNG of cost and runtime per strategy.")
     ] = None,
+    config_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="YAML or JSON file of simulation settings (any SimConfig field: overheads "
+            "under app/runtime/bidbrain, gpu_work_rates, ...); options given here win.",
+        ),
+    ] = None,
 ) -> None:
     """Compare strategies on replayed spot prices and evictions from many start times."""
     from orchestrator.market.trace_source import bundled_prices_dir
@@ -143,23 +192,29 @@ def simulate(
     from orchestrator.sim.runner import SimConfig, load_world
     from orchestrator.sim.runner import simulate as run_simulation
 
+    settings = _read_config_file(config_file) if config_file else {}
+    given = {
+        "prices": tuple(prices) if prices else None,
+        "availability": availability,
+        "strategies": tuple(x.strip() for x in strategy.split(",") if x.strip())
+        if strategy is not None
+        else None,
+        "job_hours": job_hours,
+        "nodes": nodes,
+        "starts": starts,
+        "seed": seed,
+        "billing": billing,
+        "reference_type": reference_type,
+        "budget_usd": budget,
+        "max_scale": max_scale,
+        "workers": workers,
+    }
+    settings.update({k: v for k, v in given.items() if v is not None})
+    settings.setdefault("prices", (bundled_prices_dir("us-east-1"),))
     try:
-        config = SimConfig(
-            prices=tuple(prices) if prices else (bundled_prices_dir("us-east-1"),),
-            availability=availability,
-            strategies=tuple(s.strip() for s in strategy.split(",") if s.strip()),
-            job_hours=job_hours,
-            nodes=nodes,
-            starts=starts,
-            seed=seed,
-            billing=billing,
-            reference_type=reference_type,
-            budget_usd=budget,
-            max_scale=max_scale,
-            workers=workers,
-        )
+        config = SimConfig(**settings)
     except ValidationError as exc:
-        raise _validation_to_user_error(exc) from None
+        raise _validation_to_user_error(exc, config_file) from None
     from orchestrator.market.billing import billing_model
     from orchestrator.sim.strategies import get_strategies
 

@@ -321,3 +321,48 @@ def test_installed_console_script_prints_the_version():
     proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert orchestrator.__version__ in proc.stdout
+
+
+def test_config_file_sets_overheads_and_work_rates_and_options_override_it(tmp_path):
+    cfg = tmp_path / "sim.yaml"
+    cfg.write_text(
+        "job_hours: 2\nnodes: 4\nstarts: 3\nstrategies: [on-demand, oracle]\n"
+        "app: {add_overhead_s: 600}\ngpu_work_rates: {K80: 0.3}\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "simulate",
+            "--config",
+            str(cfg),
+            "--starts",
+            "2",
+            "--workers",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["starts"] == 2 and report["job_hours"] == 2.0
+    assert set(report["strategies"]) == {"on-demand", "oracle"}
+    # with K80 at 0.3 a p2.xlarge at $0.27/h beats a V100 at $0.918/h per unit of work
+    assert report["strategies"]["oracle"]["cost_vs_ondemand"] < 0.3
+
+
+def test_config_file_with_an_unknown_setting_is_a_user_error(tmp_path):
+    cfg = tmp_path / "sim.yaml"
+    cfg.write_text("app: {sigma: 3}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "simulate", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "app.sigma" in proc.stderr and "Traceback" not in proc.stderr

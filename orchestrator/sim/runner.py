@@ -60,6 +60,9 @@ class SimConfig(BaseModel):
     runtime: RuntimeParams = RuntimeParams()
     bidbrain: BidBrainSettings = BidBrainSettings()
     workers: Annotated[int, Field(ge=1, le=64)] | None = None
+    gpu_work_rates: dict[str, Annotated[float, Field(gt=0)]] | None = Field(
+        None, description="work rate per GPU model, merged over the catalog's (V100 = 1.0)"
+    )
 
 
 @dataclass
@@ -130,11 +133,25 @@ def load_world(config: SimConfig, catalog: Catalog | None = None) -> World:
             f"e.g. one of {history.instance_types()}",
             field="--reference-type",
         )
-    return World.build(history, catalog, trace, primary_region=ref_markets[0].region)
+    return World.build(
+        history,
+        catalog,
+        trace,
+        primary_region=ref_markets[0].region,
+        gpu_work_rates=work_rates(config, catalog),
+    )
+
+
+def work_rates(config: SimConfig, catalog: Catalog) -> dict[str, float] | None:
+    """The catalog's work rates with the config's overrides, or None for the catalog's own."""
+    if not config.gpu_work_rates:
+        return None
+    return {**catalog.gpu_work_rates, **config.gpu_work_rates}
 
 
 def job_for(config: SimConfig, world: World) -> JobSpec:
-    rate = world.catalog.work_rate(config.reference_type)
+    rates = work_rates(config, world.catalog)
+    rate = world.catalog.work_rate(config.reference_type, rates)
     return JobSpec(
         name="sim",
         work_gpu_hours=config.nodes * rate * config.job_hours,
@@ -144,6 +161,7 @@ def job_for(config: SimConfig, world: World) -> JobSpec:
         reliable_count=config.reliable_count,
         time_value_usd_per_hour=config.time_value_usd_per_hour,
         app=config.app,
+        gpu_work_rates=rates,
     )
 
 
