@@ -71,6 +71,32 @@ class RuntimeParams(BaseModel):
     )
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointSegment:
+    """A stretch of a checkpointing gang's work since its last (re)start: compute for τ, then
+    write a checkpoint for δ, again and again."""
+
+    start_s: float
+    work_at_start_s: float
+    raw_rate: float  # work per second while computing
+    tau_s: float  # compute between checkpoints (inf: never checkpoints)
+    checkpoint_s: float
+
+    @property
+    def rate(self) -> float:
+        """Average progress, checkpoint pauses included."""
+        if math.isinf(self.tau_s):
+            return self.raw_rate
+        return self.raw_rate * self.tau_s / (self.tau_s + self.checkpoint_s)
+
+    def saved_work_s(self, now_s: float) -> float:
+        """The work held by the last checkpoint completed by `now_s`."""
+        if math.isinf(self.tau_s):
+            return self.work_at_start_s
+        periods = math.floor((now_s - self.start_s) / (self.tau_s + self.checkpoint_s))
+        return self.work_at_start_s + periods * self.raw_rate * self.tau_s
+
+
 @dataclass(slots=True)
 class SimInstance:
     instance_id: str
@@ -174,15 +200,12 @@ class Run:
         self.unavailable_until: dict[Market, float] = {}
         # runtime state
         self.stall_until = start_s
-        self.restart_until = start_s
-        self.segment: tuple[float, float, float, float] | None = None  # (s0, w0, rate, period)
-        self.saved_work_s = 0.0
+        self.segment: CheckpointSegment | None = None
         table = world.table
         self._series = {m: world.history[m] for m in table.markets}
         self._prices_from = self._prices_until = math.nan
         self._prices_cache = np.empty(0)
-        self._tau = self._raw = 0.0
-        self._price_times = np.unique(np.concatenate([s.times_s for s in self._series.values()]))
+        self._price_times = world.price_change_times()
 
     # -- event plumbing -------------------------------------------------------------------
     def _push(self, t: float, kind: str, key: str = "") -> None:
@@ -309,10 +332,7 @@ class Run:
         if self.runtime == "on-demand":
             held = sum(i.work_rate for i in self.instances.values())
             return phi * min(held, self.job.max_work_rate)
-        if self.segment is None:
-            return 0.0
-        _, _, rate, _ = self.segment
-        return rate
+        return 0.0 if self.segment is None else self.segment.rate
 
     def _reliable_ready(self) -> bool:
         if not self.policy.uses_reliable_tier or self.job.reliable_count == 0:
@@ -351,21 +371,12 @@ class Run:
         mttf = 1.0 / hazard if hazard > 0 else math.inf
         tau = max(delta, math.sqrt(2.0 * delta * mttf)) if math.isfinite(mttf) else math.inf
         raw = self.job.app.phi * min(sum(i.work_rate for i in spot), self.job.max_work_rate)
-        if math.isfinite(tau):
-            self.segment = (self.now, self.work_s, raw * tau / (tau + delta), tau + delta)
-        else:
-            self.segment = (self.now, self.work_s, raw, math.inf)
-        self._tau = tau
-        self._raw = raw
+        self.segment = CheckpointSegment(self.now, self.work_s, raw, tau, delta)
 
     def _rollback(self) -> None:
         """Checkpoint runtimes: lose the work since the last completed checkpoint."""
-        if self.segment is None:
-            return
-        s0, w0, _, period = self.segment
-        if math.isfinite(period):
-            done_periods = math.floor((self.now - s0) / period)
-            self.work_s = min(self.work_s, w0 + done_periods * self._raw * self._tau)
+        if self.segment is not None:
+            self.work_s = min(self.work_s, self.segment.saved_work_s(self.now))
         self.segment = None
 
     # -- market ---------------------------------------------------------------------------

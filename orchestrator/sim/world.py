@@ -39,6 +39,7 @@ class World:
     gpu_work_rates: dict[str, float] | None = None
     _price_models: dict[int, PriceCrossingModel] = field(default_factory=dict)
     _removals: tuple[np.ndarray, np.ndarray] | None = None
+    _price_times: np.ndarray | None = None
 
     @classmethod
     def build(
@@ -101,6 +102,14 @@ class World:
     def capacity_model(self) -> CapacityHazardModel:
         """A fresh capacity model (the trace's rate as prior) for one run to update online."""
         return CapacityHazardModel.from_trace(self.trace, applies_to=None)
+
+    def price_change_times(self) -> np.ndarray:
+        """Every instant at which some market's price changes, sorted."""
+        if self._price_times is None:
+            self._price_times = np.unique(
+                np.concatenate([self.history[m].times_s for m in self.table.markets])
+            )
+        return self._price_times
 
     # -- capacity evictions ---------------------------------------------------------------
     def removal_events(
