@@ -1,0 +1,49 @@
+"""Durable controller state in Redis: jobs, instances, the spend ledger, events and claims.
+
+The controller keeps nothing that matters only in memory, so it can be killed with SIGKILL at any
+moment and restarted: a restarted controller reads back every job (with its version), every live
+instance, every charge and every launch still in flight from here.
+
+* `models`: the job lifecycle (`JobState`, `ALLOWED_TRANSITIONS`) and the stored records.
+* `redis_store.Store`: the operations; each is one atomic Redis step (a Lua script, a MULTI/EXEC
+  transaction or a single command), so a crash leaves either all of it or none of it.
+* `errors`: the `StoreError` family.
+"""
+
+from orchestrator.store.errors import (
+    ConflictError,
+    IllegalTransitionError,
+    LedgerConflictError,
+    NotFoundError,
+    StoreError,
+    StoreUnavailableError,
+)
+from orchestrator.store.models import (
+    ALLOWED_TRANSITIONS,
+    TERMINAL_STATES,
+    Event,
+    EventKind,
+    InstanceRecord,
+    JobRecord,
+    JobState,
+    LedgerEntry,
+)
+from orchestrator.store.redis_store import Store
+
+__all__ = [
+    "ALLOWED_TRANSITIONS",
+    "TERMINAL_STATES",
+    "ConflictError",
+    "Event",
+    "EventKind",
+    "IllegalTransitionError",
+    "InstanceRecord",
+    "JobRecord",
+    "JobState",
+    "LedgerConflictError",
+    "LedgerEntry",
+    "NotFoundError",
+    "Store",
+    "StoreError",
+    "StoreUnavailableError",
+]

@@ -1,0 +1,254 @@
+"""What the store keeps: the job lifecycle and the records of jobs, instances, charges and events.
+
+Records are validated, immutable snapshots of what Redis holds at the moment they were read;
+change them only through `Store` (which bumps versions and keeps indexes consistent).
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from orchestrator.market.billing import SECONDS_PER_HOUR, BilledInterval
+
+#: Ids appear inside Redis keys (`{namespace}:job:{job_id}:ledger`), so they may not hold ":"
+#: (that could make one job's key collide with another's sub-key).
+RecordId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+NonNegative = Annotated[float, Field(ge=0)]
+
+#: The `InstanceRecord.state` that `Store.end_instance` writes.
+INSTANCE_ENDED = "ended"
+
+_RECORD_CONFIG = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class JobState(StrEnum):
+    """The lifecycle of a job::
+
+        queued ──► running ──► succeeded
+          │           ├──────► failed
+          │           ├──────► budget_exhausted
+          │           └──────► cancelling ──► cancelled
+          │                         └───────► failed
+          └──► cancelled
+
+    * queued: submitted; no instance launched yet.
+    * running: the controller holds (or is acquiring) instances for it.
+    * cancelling: the user cancelled a running job; its instances are being released.
+    * succeeded, failed, budget_exhausted, cancelled: terminal; no edge leaves them.
+
+    Every move goes through `Store.transition`, which refuses any edge not in
+    `ALLOWED_TRANSITIONS`.
+    """
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return not ALLOWED_TRANSITIONS[self]
+
+
+ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset(
+        {
+            JobState.RUNNING,  # the controller picked it up and starts acquiring instances
+            JobState.CANCELLED,  # cancelled before anything was launched: nothing to release
+        }
+    ),
+    JobState.RUNNING: frozenset(
+        {
+            JobState.SUCCEEDED,  # all its work is done; instances are released
+            JobState.FAILED,  # the training itself failed, or the controller gave up on it
+            JobState.BUDGET_EXHAUSTED,  # spend reached the budget before the work was done
+            JobState.CANCELLING,  # the user cancelled; instances must be released first
+        }
+    ),
+    JobState.CANCELLING: frozenset(
+        {
+            JobState.CANCELLED,  # every instance is released
+            JobState.FAILED,  # releasing failed in a way the controller cannot recover from
+        }
+    ),
+    JobState.BUDGET_EXHAUSTED: frozenset(),  # terminal: resubmit with a larger budget
+    JobState.SUCCEEDED: frozenset(),  # terminal
+    JobState.FAILED: frozenset(),  # terminal
+    JobState.CANCELLED: frozenset(),  # terminal
+}
+
+TERMINAL_STATES: frozenset[JobState] = frozenset(s for s in JobState if s.is_terminal)
+
+
+def allowed_sources(to_state: JobState) -> frozenset[JobState]:
+    """The states from which `to_state` may be entered."""
+    return frozenset(s for s, targets in ALLOWED_TRANSITIONS.items() if to_state in targets)
+
+
+class JobRecord(BaseModel):
+    """A job as stored: its submission (id, name, spec, budget) and its live state.
+
+    `version` counts lifecycle writes (creation is whatever the record says, usually 0; every
+    `Store.transition` adds 1). `spent_usd` and `work_done_gpu_hours` are counters written
+    without it (by `append_ledger` and `update_progress`), so they never make a transition
+    lose a race. `spent_usd` is always the sum of the job's ledger.
+    """
+
+    model_config = _RECORD_CONFIG
+
+    job_id: RecordId
+    name: str
+    spec: dict[str, Any] = Field(
+        description="the submitted job spec as JSON (e.g. `JobSpec.model_dump(mode='json')`); "
+        "the store does not interpret it"
+    )
+    budget_usd: Annotated[float, Field(gt=0)]
+    state: JobState = JobState.QUEUED
+    version: Annotated[int, Field(ge=0)] = 0
+    submitted_at: float
+    updated_at: float
+    spent_usd: NonNegative = 0.0
+    work_done_gpu_hours: NonNegative = 0.0
+    message: str = ""
+
+    @classmethod
+    def submit(
+        cls,
+        job_id: str,
+        spec: dict[str, Any],
+        budget_usd: float,
+        now_s: float,
+        *,
+        name: str | None = None,
+    ) -> JobRecord:
+        """A new queued job, version 0, nothing spent. `name` defaults to `spec["name"]`."""
+        return cls(
+            job_id=job_id,
+            name=name if name is not None else str(spec.get("name", job_id)),
+            spec=spec,
+            budget_usd=budget_usd,
+            submitted_at=now_s,
+            updated_at=now_s,
+        )
+
+
+class InstanceRecord(BaseModel):
+    """One cloud instance launched for a job. Alive while `ended_at` is None.
+
+    `state` is the cloud's word for it ("pending", "running", ...); `Store.end_instance` sets
+    it to `INSTANCE_ENDED` along with `ended_at` and `end_reason` (an `EndReason` value).
+    """
+
+    model_config = _RECORD_CONFIG
+
+    instance_id: RecordId
+    job_id: RecordId
+    allocation_id: str
+    instance_type: str
+    zone: str
+    lifecycle: Literal["spot", "on-demand"]
+    max_price_usd_per_hour: NonNegative | None = None
+    launched_at: float
+    state: str
+    ended_at: float | None = None
+    end_reason: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.ended_at is None
+
+    @model_validator(mode="after")
+    def _end_is_consistent(self) -> InstanceRecord:
+        if (self.ended_at is None) != (self.end_reason is None):
+            raise ValueError("ended_at and end_reason are set together or not at all")
+        if self.ended_at is not None and self.ended_at < self.launched_at:
+            raise ValueError(f"ended_at {self.ended_at} is before launched_at {self.launched_at}")
+        return self
+
+
+class LedgerEntry(BaseModel):
+    """One charge: instance `instance_id` ran [start_s, end_s] and was billed `billed_s` seconds
+    at `price_usd_per_hour`, i.e. `charged_usd`. `reason` is an `EndReason` value.
+
+    (`instance_id`, `start_s`) identifies the entry: `Store.append_ledger` records it once.
+    """
+
+    model_config = _RECORD_CONFIG
+
+    job_id: RecordId
+    instance_id: RecordId
+    instance_type: str
+    zone: str
+    start_s: float
+    end_s: float
+    price_usd_per_hour: NonNegative
+    billed_s: NonNegative
+    charged_usd: NonNegative
+    reason: str
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LedgerEntry:
+        if self.end_s < self.start_s:
+            raise ValueError(f"end_s {self.end_s} is before start_s {self.start_s}")
+        expected = self.price_usd_per_hour * self.billed_s / SECONDS_PER_HOUR
+        if not math.isclose(self.charged_usd, expected, rel_tol=1e-9, abs_tol=1e-12):
+            raise ValueError(
+                f"charged_usd {self.charged_usd} != price_usd_per_hour × billed_s / 3600 "
+                f"= {expected}"
+            )
+        return self
+
+    @classmethod
+    def from_interval(
+        cls,
+        interval: BilledInterval,
+        *,
+        job_id: str,
+        instance_id: str,
+        instance_type: str,
+        zone: str,
+    ) -> LedgerEntry:
+        """The entry for one line of a `BillingModel`'s bill."""
+        return cls(
+            job_id=job_id,
+            instance_id=instance_id,
+            instance_type=instance_type,
+            zone=zone,
+            start_s=interval.start_s,
+            end_s=interval.end_s,
+            price_usd_per_hour=interval.price_usd_per_hour,
+            billed_s=interval.billed_s,
+            charged_usd=interval.charged_usd,
+            reason=str(interval.reason),
+        )
+
+
+class EventKind(StrEnum):
+    """What an `Event` records."""
+
+    EVICTION = "eviction"  # the cloud took an instance back
+    LAUNCH = "launch"  # an instance was launched
+    LAUNCH_FAILED = "launch_failed"  # a launch request was refused or timed out
+    RELEASE = "release"  # the controller terminated an instance
+    DECISION = "decision"  # the policy chose a footprint
+    STATE = "state"  # the job changed lifecycle state
+    NOTICE = "notice"  # an interruption notice arrived
+    RECONCILE = "reconcile"  # the controller corrected its records from what the cloud reports
+
+
+class Event(BaseModel):
+    """One entry of a job's event log (append-only, for audit and the UI; not for decisions)."""
+
+    model_config = _RECORD_CONFIG
+
+    job_id: RecordId
+    kind: EventKind
+    at_s: float
+    fields: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
