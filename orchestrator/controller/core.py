@@ -1,0 +1,513 @@
+"""The controller's tick: observe, decide, act — for every job, against EC2 and the store.
+
+One tick (`Controller.tick(now_s)`):
+
+1. **Observe.** Read the jobs and their alive instances from the store; reconcile with what EC2
+   holds under this controller's tag (orphans are terminated, instances launched just before a
+   crash are adopted, instances EC2 no longer runs are ended as evicted and billed); take the
+   interruption notices received since the last tick; read the spot prices at `now_s`.
+2. **Decide.** For each running job, BidBrain decides on the footprint (reliable tier, spot
+   allocations, budget) from the same `DecisionInput` the simulator uses.
+3. **Act.** Launch what was decided (idempotent per allocation id), terminate what was released,
+   bill every instance that ended, and record decisions and events.
+
+Crash safety: every fact is written to the store as soon as it is known, launches are tagged and
+idempotent by allocation id, and the next tick's reconciliation repairs whatever a crash left
+half done (a launched instance the store did not record is adopted; one the store thinks alive
+but EC2 terminated is ended and billed once: ledger appends are idempotent).
+
+The module imports from market, bidbrain, cloud and store; nothing imports it but the entry
+points (CLI, demo).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orchestrator.bidbrain.model import AllocationRequest, Footprint, HeldAllocation, JobSpec
+from orchestrator.bidbrain.policy import (
+    WIDE_BID_DELTAS_USD,
+    BidBrainPolicy,
+    BidBrainSettings,
+    Decision,
+    DecisionInput,
+    MarketTable,
+)
+from orchestrator.cloud.availability import MarketAvailability
+from orchestrator.cloud.ec2 import CloudInstance, EC2Cloud, LaunchSpec
+from orchestrator.cloud.errors import CapacityError, CloudError
+from orchestrator.cloud.imds import InterruptionNotice
+from orchestrator.cloud.reconcile import Reconciler
+from orchestrator.jobspec import JobSubmission
+from orchestrator.market.billing import BillingModel, EndReason
+from orchestrator.market.catalog import Catalog
+from orchestrator.market.eviction import (
+    DEFAULT_BID_DELTAS_USD,
+    CapacityHazardModel,
+    PriceCrossingModel,
+)
+from orchestrator.market.prices import Market, PriceHistory, PriceSource
+from orchestrator.store.errors import NotFoundError
+from orchestrator.store.models import (
+    Event,
+    EventKind,
+    InstanceRecord,
+    JobRecord,
+    JobState,
+    LedgerEntry,
+)
+from orchestrator.store.redis_store import Store
+
+log = logging.getLogger(__name__)
+
+#: How much price history the controller reads each tick (the price model's fitting window).
+PRICE_LOOKBACK_S = 14 * 86400.0
+#: The price model is refitted at most this often.
+PRICE_MODEL_REFIT_S = 86400.0
+
+
+@dataclass
+class TickReport:
+    """What one tick did (for logs, tests and the demo's progress line)."""
+
+    now_s: float
+    launched: list[str] = field(default_factory=list)
+    terminated: list[str] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
+    launch_failures: list[str] = field(default_factory=list)
+    decisions: dict[str, Decision] = field(default_factory=dict)
+    finished: dict[str, JobState] = field(default_factory=dict)
+
+
+class Controller:
+    """Runs BidBrain for the store's jobs against one EC2 region.
+
+    Args:
+        store: jobs, instances, ledger and events.
+        cloud: the EC2 adapter (moto offline).
+        prices: where spot prices come from (EC2 live, trace files offline).
+        billing: how instances are charged (for the ledger).
+        settings: BidBrain's knobs.
+        image_id: the AMI worker nodes boot.
+        user_data: builds a node's user data from (job id, allocation id).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        cloud: EC2Cloud,
+        prices: PriceSource,
+        billing: BillingModel,
+        catalog: Catalog | None = None,
+        settings: BidBrainSettings | None = None,
+        capacity_model: CapacityHazardModel | None = None,
+        image_id: str = "ami-orchestrator",
+        user_data: Callable[[str, str], str] | None = None,
+    ) -> None:
+        self.store = store
+        self.cloud = cloud
+        self.prices = prices
+        self.billing = billing
+        self.catalog = catalog or Catalog.load()
+        self.settings = settings or BidBrainSettings()
+        self.capacity_model = capacity_model or CapacityHazardModel(prior_rate_per_hour=0.1)
+        self.availability = MarketAvailability()
+        self.image_id = image_id
+        self.user_data = user_data
+        self._notices: list[InterruptionNotice] = []
+        self._doomed: set[str] = set()
+        self._price_model: PriceCrossingModel | None = None
+        self._price_model_at = -math.inf
+        self._renewal_seen: dict[str, int] = {}
+
+    # -- inputs from outside the tick -----------------------------------------------------
+    def notify(self, notice: InterruptionNotice) -> None:
+        """Take an interruption notice (node watcher or EventBridge); acted on at the next tick,
+        which callers should run at once."""
+        self._notices.append(notice)
+
+    # -- the tick -------------------------------------------------------------------------
+    def tick(self, now_s: float) -> TickReport:
+        """Observe, decide, act. Raises StoreUnavailableError if Redis is down (nothing is
+        half-written: each store write is atomic and the next tick reconciles)."""
+        report = TickReport(now_s)
+        jobs = {j.job_id: j for j in self.store.list_jobs()}
+        history = self.prices.history(now_s - PRICE_LOOKBACK_S, now_s)
+        self._reconcile(jobs, history, now_s, report)
+        self._take_notices(jobs, now_s)
+        for job in list(jobs.values()):
+            if job.state is JobState.QUEUED:
+                job = self._transition(job, JobState.RUNNING, now_s, "started")
+            if job.state is JobState.RUNNING:
+                self._run_job(job, history, now_s, report)
+            elif job.state is JobState.CANCELLING:
+                self._stop_job(job, history, now_s, EndReason.RELEASED, report)
+                self._finish(job, JobState.CANCELLED, now_s, "cancelled by the user", report)
+        return report
+
+    # -- observe --------------------------------------------------------------------------
+    def _reconcile(
+        self, jobs: dict[str, JobRecord], history: PriceHistory, now_s: float, report: TickReport
+    ) -> None:
+        alive = self.store.list_instances(alive_only=True)
+        owned = {i.instance_id: i.job_id for i in alive}
+        active = {
+            j.job_id for j in jobs.values() if j.state in (JobState.RUNNING, JobState.CANCELLING)
+        }
+        plan = Reconciler(self.cloud).reconcile(owned, active)
+        for inst in plan.adopt:
+            self._record_launch(inst, now_s)
+            report.adopted.append(inst.instance_id)
+            self._event(
+                inst.job_id or "",
+                EventKind.RECONCILE,
+                now_s,
+                action="adopt",
+                instance_id=inst.instance_id,
+            )
+        by_id = {i.instance_id: i for i in alive}
+        for instance_id in plan.gone:
+            rec = by_id.get(instance_id)
+            if rec is None:
+                continue
+            self._end(rec, history, now_s, EndReason.EVICTED)
+            report.evicted.append(instance_id)
+            self.capacity_model.observe(
+                Market(rec.instance_type, rec.zone), 1, now_s - rec.launched_at
+            )
+            self._event(
+                rec.job_id,
+                EventKind.EVICTION,
+                now_s,
+                instance_id=instance_id,
+                instance_type=rec.instance_type,
+                zone=rec.zone,
+            )
+        report.terminated.extend(plan.terminate)
+
+    def _take_notices(self, jobs: dict[str, JobRecord], now_s: float) -> None:
+        notices, self._notices = self._notices, []
+        for notice in notices:
+            try:
+                rec = self.store.get_instance(notice.instance_id)
+            except NotFoundError:
+                log.info("notice for unknown instance", extra={"instance_id": notice.instance_id})
+                continue
+            if notice.kind == "interruption":
+                self._doomed.add(notice.instance_id)
+            self._event(
+                rec.job_id,
+                EventKind.NOTICE,
+                now_s,
+                instance_id=notice.instance_id,
+                notice=notice.kind,
+                action=notice.action,
+            )
+
+    # -- decide and act -------------------------------------------------------------------
+    def _run_job(
+        self, job: JobRecord, history: PriceHistory, now_s: float, report: TickReport
+    ) -> None:
+        submission = JobSubmission.model_validate(job.spec)
+        spec = submission.job_spec()
+        remaining = max(spec.work_gpu_hours - job.work_done_gpu_hours, 0.0)
+        if remaining <= 1e-9:
+            self._stop_job(job, history, now_s, EndReason.JOB_FINISHED, report)
+            self._finish(job, JobState.SUCCEEDED, now_s, "all work done", report)
+            return
+        table = self._table(submission, history)
+        if len(table) == 0:
+            self._stop_job(job, history, now_s, EndReason.RELEASED, report)
+            self._finish(
+                job, JobState.FAILED, now_s, "no market offers the job's GPU types", report
+            )
+            return
+        policy = BidBrainPolicy(
+            table,
+            billing=self.billing.name,
+            price_model=self._price_model_for(history, now_s),
+            capacity_model=self.capacity_model,
+            settings=self.settings,
+            catalog=self.catalog,
+        )
+        alive = self.store.list_instances(job.job_id, alive_only=True)
+        prices = np.array([_price_at(history, m, now_s) for m in table.markets])
+        inp = DecisionInput(
+            now_s=now_s,
+            job=spec,
+            work_remaining_gpu_hours=remaining,
+            spend_usd=self.store.spent_usd(job.job_id) + self._accrued(alive, history, now_s),
+            footprint=self._footprint(alive, spec, history, now_s),
+            prices_usd_per_hour=prices,
+            unavailable=self.availability.unavailable(now_s, table.markets),
+            renewal_due=self._renewals_due(alive, now_s),
+        )
+        decision = policy.decide(inp)
+        report.decisions[job.job_id] = decision
+        self._event(
+            job.job_id,
+            EventKind.DECISION,
+            now_s,
+            expected_cost_per_work=_finite(decision.expected_cost_per_work),
+            projected_cost_usd=_finite(decision.projected_cost_usd),
+            acquire=";".join(f"{r.count}x{r.instance_type}@{r.zone}" for r in decision.acquire),
+            release=";".join(decision.release),
+        )
+        released = set(decision.release)
+        for rec in alive:
+            if rec.allocation_id in released:
+                self._terminate(rec, history, now_s, EndReason.RELEASED, report)
+        for request in decision.acquire:
+            self._launch(job, request, now_s, report)
+        if decision.budget_exhausted:
+            # Nothing may bill past the budget: the reliable tier goes too. (Once the AgileML
+            # runtime lands, it saves the model from the reliable tier before this.)
+            self._stop_job(job, history, now_s, EndReason.RELEASED, report)
+            self._finish(job, JobState.BUDGET_EXHAUSTED, now_s, decision.reason, report)
+
+    def _launch(
+        self, job: JobRecord, request: AllocationRequest, now_s: float, report: TickReport
+    ) -> None:
+        allocation_id = f"{job.job_id}-{int(now_s)}-{request.instance_type}-{request.zone}"
+        spec = LaunchSpec.from_request(
+            request,
+            job_id=job.job_id,
+            allocation_id=allocation_id,
+            image_id=self.image_id,
+            user_data=self.user_data(job.job_id, allocation_id) if self.user_data else "",
+        )
+        try:
+            instances = self.cloud.launch(spec)
+        except CapacityError as exc:
+            self.availability.mark(request.market, exc.code, now_s)
+            report.launch_failures.append(f"{request.market}: {exc.code}")
+            self._event(
+                job.job_id,
+                EventKind.LAUNCH_FAILED,
+                now_s,
+                code=exc.code,
+                market=str(request.market),
+            )
+            return
+        except CloudError as exc:
+            report.launch_failures.append(f"{request.market}: {exc.code}")
+            self._event(
+                job.job_id,
+                EventKind.LAUNCH_FAILED,
+                now_s,
+                code=exc.code,
+                market=str(request.market),
+            )
+            return
+        for inst in instances:
+            self._record_launch(inst, now_s)
+            report.launched.append(inst.instance_id)
+            self._event(
+                job.job_id,
+                EventKind.LAUNCH,
+                now_s,
+                instance_id=inst.instance_id,
+                instance_type=inst.instance_type,
+                zone=inst.zone,
+                lifecycle=inst.lifecycle,
+                max_price=inst.max_price_usd_per_hour,
+            )
+
+    def _stop_job(
+        self,
+        job: JobRecord,
+        history: PriceHistory,
+        now_s: float,
+        reason: EndReason,
+        report: TickReport,
+    ) -> None:
+        for rec in self.store.list_instances(job.job_id, alive_only=True):
+            self._terminate(rec, history, now_s, reason, report)
+
+    def _finish(
+        self, job: JobRecord, state: JobState, now_s: float, message: str, report: TickReport
+    ) -> None:
+        self._transition(job, state, now_s, message)
+        report.finished[job.job_id] = state
+
+    # -- records ----------------------------------------------------------------------------
+    def _record_launch(self, inst: CloudInstance, now_s: float) -> None:
+        self.store.put_instance(
+            InstanceRecord(
+                instance_id=inst.instance_id,
+                job_id=inst.job_id or "",
+                allocation_id=inst.allocation_id or "",
+                instance_type=inst.instance_type,
+                zone=inst.zone,
+                lifecycle=inst.lifecycle,
+                max_price_usd_per_hour=inst.max_price_usd_per_hour,
+                launched_at=now_s,
+                state=str(inst.state),
+            )
+        )
+
+    def _terminate(
+        self,
+        rec: InstanceRecord,
+        history: PriceHistory,
+        now_s: float,
+        reason: EndReason,
+        report: TickReport,
+    ) -> None:
+        self.cloud.terminate([rec.instance_id])
+        self._end(rec, history, now_s, reason)
+        report.terminated.append(rec.instance_id)
+        self._event(
+            rec.job_id, EventKind.RELEASE, now_s, instance_id=rec.instance_id, reason=str(reason)
+        )
+
+    def _end(
+        self, rec: InstanceRecord, history: PriceHistory, now_s: float, reason: EndReason
+    ) -> None:
+        """Bill the instance's whole life and mark it ended (both idempotent)."""
+        end = max(now_s, rec.launched_at)
+        for interval in self._bill(rec, history, end, reason):
+            self.store.append_ledger(
+                LedgerEntry.from_interval(
+                    interval,
+                    job_id=rec.job_id,
+                    instance_id=rec.instance_id,
+                    instance_type=rec.instance_type,
+                    zone=rec.zone,
+                )
+            )
+        self.store.end_instance(rec.instance_id, end, str(reason))
+        self._doomed.discard(rec.instance_id)
+
+    def _bill(
+        self, rec: InstanceRecord, history: PriceHistory, end_s: float, reason: EndReason
+    ) -> list:
+        market = Market(rec.instance_type, rec.zone)
+        if rec.lifecycle == "on-demand":
+            price = self.catalog.get(rec.instance_type).on_demand_price(market.region)
+            return self.billing.bill_on_demand(price, rec.launched_at, end_s, reason)
+        series = self.prices.history(
+            rec.launched_at - PRICE_LOOKBACK_S,
+            end_s,
+            instance_types=[rec.instance_type],
+            zones=[rec.zone],
+        )
+        return self.billing.bill_spot(series[market], rec.launched_at, end_s, reason)
+
+    def _accrued(
+        self, alive: Sequence[InstanceRecord], history: PriceHistory, now_s: float
+    ) -> float:
+        """What the alive instances have cost so far (not yet in the ledger)."""
+        total = 0.0
+        for rec in alive:
+            market = Market(rec.instance_type, rec.zone)
+            if rec.lifecycle == "on-demand":
+                price = self.catalog.get(rec.instance_type).on_demand_price(market.region)
+                total += price * max(now_s - rec.launched_at, 0.0) / 3600.0
+            elif market in history:
+                total += history[market].cost_usd(rec.launched_at, now_s)
+        return total
+
+    def _footprint(
+        self, alive: Sequence[InstanceRecord], spec: JobSpec, history: PriceHistory, now_s: float
+    ) -> Footprint:
+        groups: dict[str, list[InstanceRecord]] = defaultdict(list)
+        for rec in alive:
+            if rec.instance_id not in self._doomed:
+                groups[rec.allocation_id].append(rec)
+        allocations = []
+        for allocation_id, recs in groups.items():
+            first = recs[0]
+            market = Market(first.instance_type, first.zone)
+            reliable = first.lifecycle == "on-demand"
+            price = (
+                self.catalog.get(first.instance_type).on_demand_price(market.region)
+                if reliable
+                else _price_at(history, market, now_s)
+            )
+            allocations.append(
+                HeldAllocation(
+                    allocation_id=allocation_id,
+                    market=market,
+                    count=len(recs),
+                    work_rate_per_instance=self.catalog.work_rate(
+                        first.instance_type, spec.gpu_work_rates
+                    ),
+                    price_usd_per_hour=price,
+                    started_s=min(r.launched_at for r in recs),
+                    max_price_usd_per_hour=first.max_price_usd_per_hour,
+                    reliable=reliable,
+                    ready=now_s - first.launched_at >= spec.app.add_overhead_s,
+                )
+            )
+        return Footprint(allocations)
+
+    def _renewals_due(self, alive: Sequence[InstanceRecord], now_s: float) -> frozenset[str]:
+        """Allocations that crossed a renew-or-release point since they were last considered."""
+        s = self.settings
+        due = set()
+        started: dict[str, float] = {}
+        for rec in alive:
+            if rec.lifecycle == "spot":
+                started[rec.allocation_id] = min(
+                    started.get(rec.allocation_id, math.inf), rec.launched_at
+                )
+        for allocation_id, t0 in started.items():
+            period = math.floor((now_s - t0 + s.renew_lead_s) / s.renew_period_s)
+            if period >= 1 and self._renewal_seen.get(allocation_id, 0) < period:
+                self._renewal_seen[allocation_id] = period
+                due.add(allocation_id)
+        return frozenset(due)
+
+    def _table(self, submission: JobSubmission, history: PriceHistory) -> MarketTable:
+        types = set(submission.instance_types or self.catalog.gpu_types())
+        markets = [
+            m
+            for m in history
+            if m.instance_type in types
+            and m.region in submission.regions
+            and self.catalog.get(m.instance_type).offered_in(m.region)
+        ]
+        return MarketTable.build(markets, self.catalog, submission.job_spec().gpu_work_rates)
+
+    def _price_model_for(self, history: PriceHistory, now_s: float) -> PriceCrossingModel:
+        if self._price_model is None or now_s - self._price_model_at >= PRICE_MODEL_REFIT_S:
+            self._price_model = PriceCrossingModel(
+                history,
+                fit_until_s=now_s,
+                bid_deltas_usd=sorted(set(DEFAULT_BID_DELTAS_USD) | set(WIDE_BID_DELTAS_USD)),
+            )
+            self._price_model_at = now_s
+        return self._price_model
+
+    def _transition(self, job: JobRecord, state: JobState, now_s: float, message: str) -> JobRecord:
+        updated = self.store.transition(
+            job.job_id, state, expected_version=job.version, now_s=now_s, message=message
+        )
+        self._event(job.job_id, EventKind.STATE, now_s, state=str(state), message=message)
+        return updated
+
+    def _event(self, job_id: str, kind: EventKind, now_s: float, **fields: object) -> None:
+        clean = {
+            k: v for k, v in fields.items() if isinstance(v, str | int | float | bool) or v is None
+        }
+        self.store.append_event(Event(job_id=job_id, kind=kind, at_s=now_s, fields=clean))
+
+
+def _price_at(history: PriceHistory, market: Market, now_s: float) -> float:
+    if market not in history:
+        return math.nan
+    price = history[market].price_at(now_s)
+    return math.nan if price is None else price
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
