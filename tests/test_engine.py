@@ -13,10 +13,15 @@ from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.bidbrain.policy import BidBrainPolicy
 from orchestrator.market.billing import HourlyRefundBilling, PerSecondBilling
 from orchestrator.market.catalog import Catalog
-from orchestrator.market.eviction import AvailabilityTrace, CapacityHazardModel, EvictionModel
+from orchestrator.market.eviction import (
+    AvailabilityTrace,
+    CapacityHazardModel,
+    EvictionModel,
+    RemovalStream,
+)
 from orchestrator.market.prices import Market, PriceHistory, PriceSeries
 from orchestrator.sim.engine import Run, RuntimeParams
-from orchestrator.sim.world import RemovalStream, World
+from orchestrator.sim.world import World
 
 M = Market("p3.2xlarge", "us-east-1a")
 B = Market("p3.2xlarge", "us-east-1b")  # a little dearer, never evicted

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import csv
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -252,6 +253,33 @@ class AvailabilityTrace:
             i = j
         return np.array(times), np.array(probs)
 
+    def replay(
+        self, markets: Sequence[Market], start_s: float, horizon_s: float, seed: Sequence[int]
+    ) -> dict[Market, RemovalStream]:
+        """Per market, the capacity-removal instants over [start, start+horizon] and the chance
+        that any one live instance is among those removed at each.
+
+        Each market replays this trace, repeated, from its own random offset, so markets are
+        independent. The n-th instance launched in a market draws the same random numbers
+        whoever launches it (common random numbers, for paired comparisons).
+        """
+        times, probs = self._schedule
+        period = max(self.duration_s, float(times[-1]) + 1.0)
+        cycles = int(math.ceil(horizon_s / period)) + 1
+        rng = np.random.default_rng(list(seed))
+        out = {}
+        for k, m in enumerate(markets):
+            offset = rng.uniform(0.0, period)
+            rel = (times[None, :] + period * np.arange(cycles)[:, None]).ravel() - offset
+            p = np.tile(probs, cycles)
+            keep = (rel >= 0) & (rel <= horizon_s)
+            out[m] = RemovalStream(start_s + rel[keep], p[keep], (*seed, k))
+        return out
+
+    @functools.cached_property
+    def _schedule(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.removal_schedule()
+
     def node_hours_and_removals(self) -> tuple[float, int]:
         live: set[str] = set()
         last = 0.0
@@ -267,6 +295,40 @@ class AvailabilityTrace:
                 live.discard(node)
                 removals += 1
         return area / SECONDS_PER_HOUR, removals
+
+
+#: Launch slots that draw independent random numbers; slot n and n + SLOTS share draws, which
+#: is harmless because a later instance looks at later removal instants.
+DRAW_SLOTS = 32
+_SCAN_CHUNK = 128
+
+
+@dataclass
+class RemovalStream:
+    """Capacity removals of one market: instants, per-instance removal chance, and the seed of
+    the launch slots' uniform draws."""
+
+    times_s: np.ndarray
+    probs: np.ndarray
+    seed: tuple[int, ...]
+    _draws: np.ndarray | None = None
+
+    def eviction_after(self, t_s: float, slot: int, before_s: float = math.inf) -> float:
+        """First removal instant after `t_s` (and before `before_s`) that takes the instance
+        in launch slot `slot`; inf if none."""
+        if self._draws is None:
+            rng = np.random.default_rng(list(self.seed))
+            self._draws = rng.random((DRAW_SLOTS, len(self.times_s)))
+        draws = self._draws[slot % DRAW_SLOTS]
+        i = int(np.searchsorted(self.times_s, t_s, side="right"))
+        end = int(np.searchsorted(self.times_s, before_s, side="left"))
+        while i < end:
+            j = min(i + _SCAN_CHUNK, end)
+            hits = np.flatnonzero(draws[i:j] < self.probs[i:j])
+            if len(hits):
+                return float(self.times_s[i + int(hits[0])])
+            i = j
+        return math.inf
 
 
 @dataclass

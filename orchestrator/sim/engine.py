@@ -31,8 +31,9 @@ from orchestrator.bidbrain.model import AllocationRequest, Footprint, HeldAlloca
 from orchestrator.bidbrain.policy import Decision, DecisionInput, Policy
 from orchestrator.errors import OrchestratorError
 from orchestrator.market.billing import BilledInterval, BillingModel, EndReason
+from orchestrator.market.eviction import RemovalStream
 from orchestrator.market.prices import Market
-from orchestrator.sim.world import RemovalStream, World
+from orchestrator.sim.world import World
 
 SECONDS_PER_HOUR = 3600.0
 #: A run handles a few thousand events; far more means a loop that makes no progress.

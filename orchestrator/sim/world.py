@@ -3,7 +3,6 @@ eviction models a policy may know at a given time (fitted on the past only)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ from orchestrator.market.eviction import (
     AvailabilityTrace,
     CapacityHazardModel,
     PriceCrossingModel,
+    RemovalStream,
 )
 from orchestrator.market.prices import Market, PriceHistory
 
@@ -38,7 +38,6 @@ class World:
     primary_region: str
     gpu_work_rates: dict[str, float] | None = None
     _price_models: dict[int, PriceCrossingModel] = field(default_factory=dict)
-    _removals: tuple[np.ndarray, np.ndarray] | None = None
     _price_times: np.ndarray | None = None
 
     @classmethod
@@ -123,51 +122,4 @@ class World:
         the n-th instance a strategy launches in a market draws the same random numbers as
         the n-th of any other strategy (common random numbers, for paired comparisons).
         """
-        if self._removals is None:
-            self._removals = self.trace.removal_schedule()
-        times, probs = self._removals
-        period = max(self.trace.duration_s, float(times[-1]) + 1.0)
-        cycles = int(math.ceil(horizon_s / period)) + 1
-        rng = np.random.default_rng(list(seed))
-        out = {}
-        for k, m in enumerate(markets):
-            offset = rng.uniform(0.0, period)
-            rel = (times[None, :] + period * np.arange(cycles)[:, None]).ravel() - offset
-            p = np.tile(probs, cycles)
-            keep = (rel >= 0) & (rel <= horizon_s)
-            out[m] = RemovalStream(start_s + rel[keep], p[keep], (*seed, k))
-        return out
-
-
-#: Launch slots that draw independent random numbers; slot n and n + SLOTS share draws, which
-#: is harmless because a later instance looks at later removal instants.
-DRAW_SLOTS = 32
-_SCAN_CHUNK = 128
-
-
-@dataclass
-class RemovalStream:
-    """Capacity removals of one market: instants, per-instance removal chance, and the seed of
-    the launch slots' uniform draws."""
-
-    times_s: np.ndarray
-    probs: np.ndarray
-    seed: tuple[int, ...]
-    _draws: np.ndarray | None = None
-
-    def eviction_after(self, t_s: float, slot: int, before_s: float = math.inf) -> float:
-        """First removal instant after `t_s` (and before `before_s`) that takes the instance
-        in launch slot `slot`; inf if none."""
-        if self._draws is None:
-            rng = np.random.default_rng(list(self.seed))
-            self._draws = rng.random((DRAW_SLOTS, len(self.times_s)))
-        draws = self._draws[slot % DRAW_SLOTS]
-        i = int(np.searchsorted(self.times_s, t_s, side="right"))
-        end = int(np.searchsorted(self.times_s, before_s, side="left"))
-        while i < end:
-            j = min(i + _SCAN_CHUNK, end)
-            hits = np.flatnonzero(draws[i:j] < self.probs[i:j])
-            if len(hits):
-                return float(self.times_s[i + int(hits[0])])
-            i = j
-        return math.inf
+        return self.trace.replay(markets, start_s, horizon_s, seed)
