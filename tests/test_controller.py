@@ -2,65 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import pytest
-import redis
 from botocore.exceptions import ClientError
-from moto import mock_aws
-from redis_server import RedisServerError, start_redis
 
 from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.controller.core import Controller
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import PerSecondBilling
 from orchestrator.market.prices import to_epoch_seconds
-from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
+from orchestrator.market.trace_source import TracePriceSource
 from orchestrator.store.models import EventKind, JobRecord, JobState
 from orchestrator.store.redis_store import Store
 
 REGION = "us-east-1"
 T0 = to_epoch_seconds("2020-02-03T00:00:00Z")
-NS = "ctltest"
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    try:
-        with start_redis() as url:
-            yield url
-            return
-    except RedisServerError as exc:
-        failure = str(exc)
-    pytest.fail(failure)
-
-
-@pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    redis.Redis.from_url(redis_url).flushdb()
-    s = Store.connect(redis_url, namespace=NS)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def ec2(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": REGION,
-        "MOTO_EC2_LOAD_DEFAULT_AMIS": "false",
-    }.items():
-        monkeypatch.setenv(name, value)
-    with mock_aws():
-        yield boto3.client("ec2", region_name=REGION)
-
-
-@pytest.fixture(scope="module")
-def prices() -> TracePriceSource:
-    return TracePriceSource([bundled_prices_dir(REGION)])
+NS = "ctltest"  # the `store` fixture's namespace (tests/conftest.py)
 
 
 def controller(store: Store, ec2: Any, prices: TracePriceSource, cid: str = "ctl") -> Controller:

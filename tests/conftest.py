@@ -1,0 +1,55 @@
+"""Fixtures shared by the controller tests: a real Redis, moto EC2, the bundled prices."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+import redis
+from moto import mock_aws
+from redis_server import RedisServerError, start_redis
+
+from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
+from orchestrator.store.redis_store import Store
+
+REGION = "us-east-1"
+STORE_NAMESPACE = "ctltest"
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    try:
+        with start_redis() as url:
+            yield url
+            return
+    except RedisServerError as exc:
+        failure = str(exc)
+    pytest.fail(failure)
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[Store]:
+    redis.Redis.from_url(redis_url).flushdb()
+    s = Store.connect(redis_url, namespace=STORE_NAMESPACE)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def ec2(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+        "MOTO_EC2_LOAD_DEFAULT_AMIS": "false",
+    }.items():
+        monkeypatch.setenv(name, value)
+    with mock_aws():
+        yield boto3.client("ec2", region_name=REGION)
+
+
+@pytest.fixture(scope="module")
+def prices() -> TracePriceSource:
+    return TracePriceSource([bundled_prices_dir(REGION)])
