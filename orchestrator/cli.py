@@ -454,6 +454,9 @@ def ledger_check(
         raise typer.Exit(1)
 
 
+import orchestrator.cli_jobs  # noqa: E402,F401  (registers the job commands)
+
+
 def main() -> None:
     """Entry point of the console script: user errors exit 2 without a traceback."""
     try:

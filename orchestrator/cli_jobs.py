@@ -1,0 +1,423 @@
+"""Job commands of the `orchestrator` CLI: `submit`, `jobs`, `job`, `cancel` and `api serve`.
+
+They talk to the controller's HTTP API (`orchestrator.api.client.ApiClient`); the API URL and
+token come from `--api`/`--token` or `Settings` (`ORCHESTRATOR_API__URL`,
+`ORCHESTRATOR_API__TOKEN`). Importing this module registers them on `orchestrator.cli.app`
+(cli.py does so). Heavy imports (httpx, FastAPI, the catalog) happen inside the commands, so
+the rest of the CLI starts as fast as before.
+
+Exit codes: 0 ok; 1 `--wait` saw the job end in another state than the one hoped for;
+2 user errors (bad spec, API unreachable or refusing, `--timeout` reached), printed as
+`error: ...` and `To fix: ...` without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from orchestrator.cli import app, err, out
+from orchestrator.errors import UserError
+
+if TYPE_CHECKING:
+    from orchestrator.api.client import ApiClient
+
+#: How often `--wait` polls the API. A controller tick is several seconds; 1 s feels live.
+WAIT_POLL_S = 1.0
+DEFAULT_WAIT_TIMEOUT_S = 24 * 3600.0
+_INTERRUPTED_EXIT_CODE = 130
+
+api_app = typer.Typer(
+    name="api", help="The controller's HTTP API.", no_args_is_help=True, add_completion=False
+)
+app.add_typer(api_app, name="api")
+
+ApiOption = Annotated[
+    str | None,
+    typer.Option(
+        "--api",
+        help="Controller API URL [default: $ORCHESTRATOR_API__URL or http://127.0.0.1:8750].",
+        show_default=False,
+    ),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        help="API token for submit/cancel [default: $ORCHESTRATOR_API__TOKEN].",
+        show_default=False,
+    ),
+]
+WaitTimeoutOption = Annotated[
+    float,
+    typer.Option(
+        "--timeout", help="With --wait: give up after this many seconds (exit 2).", min=0.0
+    ),
+]
+
+
+# -- submit -------------------------------------------------------------------------------
+
+
+@app.command()
+def submit(
+    job_file: Annotated[
+        Path,
+        typer.Argument(
+            metavar="JOB.yaml", help="The job: a YAML or JSON mapping of JobSubmission fields."
+        ),
+    ],
+    budget: Annotated[
+        float | None,
+        typer.Option("--budget", help="Budget in USD (overrides budget_usd in the file)."),
+    ] = None,
+    api: ApiOption = None,
+    token: TokenOption = None,
+    wait: Annotated[
+        bool,
+        typer.Option("--wait", help="Show progress until the job ends (exit 0 if it succeeds)."),
+    ] = False,
+    timeout: WaitTimeoutOption = DEFAULT_WAIT_TIMEOUT_S,
+) -> None:
+    """Submit a training job with a budget; prints its id.
+
+    The spec is validated here first (a bad field fails at once, named, exit 2), then again by
+    the API.
+    """
+    from pydantic import ValidationError
+
+    from orchestrator.api import validation_error
+    from orchestrator.jobspec import JobSubmission
+
+    data = _read_job_file(job_file)
+    if budget is not None:
+        data["budget_usd"] = budget
+    try:
+        submission = JobSubmission.model_validate(data)
+    except ValidationError as exc:
+        options = {"budget_usd": "--budget"} if budget is not None else {}
+        error = validation_error(exc.errors(), options=options, what=f"job spec {job_file}")
+        from_option = error.field in options
+        raise UserError(
+            error.message if from_option else f"{job_file}: {error.message}",
+            fix=error.fix,
+            field=error.field,
+            path=None if from_option else str(job_file),
+        ) from None
+    with _client(api, token) as client:
+        job = client.submit(submission.model_dump(mode="json"))
+        job_id = str(job["job_id"])
+        typer.echo(job_id)
+        sys.stdout.flush()  # a script reading the id must not wait for --wait to finish
+        err.print(
+            f"submitted {job['name']} as {job_id} (budget ${job['budget_usd']:.2f}); "
+            f"watch it with `orchestrator job {job_id}`",
+            highlight=False,
+        )
+        if wait:
+            final = _wait_until_ended(client, job_id, timeout_s=timeout)
+            _finish(final, hoped="succeeded")
+
+
+def _read_job_file(path: Path) -> dict[str, Any]:
+    """The job file's mapping.
+
+    Raises:
+        UserError: the file cannot be read, is not YAML/JSON, or is not a mapping.
+    """
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise UserError(
+            f"cannot read job file {path}: {reason}",
+            field="JOB.yaml",
+            path=str(path),
+            fix="pass an existing YAML or JSON file",
+        ) from None
+    except yaml.YAMLError as exc:
+        raise UserError(
+            f"job file {path} is not valid YAML/JSON: {exc}",
+            field="JOB.yaml",
+            path=str(path),
+            fix="fix the syntax at the position shown",
+        ) from None
+    if not isinstance(data, dict):
+        raise UserError(
+            f"job file {path} must hold a mapping of job fields, not {type(data).__name__}",
+            field="JOB.yaml",
+            path=str(path),
+            fix="write `key: value` lines, e.g. `name: resnet`, `budget_usd: 40`, "
+            "`work_gpu_hours: 20`",
+        )
+    return {str(key): value for key, value in data.items()}
+
+
+# -- jobs, job ----------------------------------------------------------------------------
+
+
+@app.command("jobs")
+def list_jobs(
+    state: Annotated[str | None, typer.Option("--state", help="Only jobs in this state.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
+    api: ApiOption = None,
+    token: TokenOption = None,
+) -> None:
+    """List jobs, oldest first: state, spend against budget, work done."""
+    from orchestrator.store.models import JobState
+
+    if state is not None and state not in {s.value for s in JobState}:
+        raise UserError(
+            f"--state: no job state {state!r}",
+            fix=f"use one of {', '.join(s.value for s in JobState)}",
+            field="--state",
+        )
+    with _client(api, token) as client:
+        jobs = client.list_jobs(state)
+    if as_json:
+        sys.stdout.write(json.dumps(jobs) + "\n")
+        return
+    if not jobs:
+        err.print("no jobs" + (f" in state {state}" if state else ""))
+        return
+    table = Table(title="Jobs")
+    for column in ("job id", "name", "state", "spent / budget USD", "work GPU-h", "submitted"):
+        table.add_column(column, justify="right" if "USD" in column or "GPU" in column else "left")
+    for job in jobs:
+        table.add_row(
+            job["job_id"],
+            job["name"],
+            job["state"],
+            f"{job['spent_usd']:.2f} / {job['budget_usd']:.2f}",
+            f"{job['work_done_gpu_hours']:.2f} / {_total_work(job):g}",
+            _when(job["submitted_at"]),
+        )
+    out.print(table)
+
+
+@app.command("job")
+def show_job(
+    job_id: Annotated[str, typer.Argument(metavar="ID", help="The job id, e.g. job-1a2b3c4d.")],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object (the job, with `cost`).")
+    ] = False,
+    api: ApiOption = None,
+    token: TokenOption = None,
+) -> None:
+    """One job: state, budget, spend, projected cost, evictions, work done."""
+    with _client(api, token) as client:
+        job = client.get_job(job_id)
+        cost = client.cost(job_id)
+    if as_json:
+        sys.stdout.write(json.dumps({**job, "cost": cost}) + "\n")
+        return
+    projected = cost.get("projected_usd")
+    table = Table(title=f"Job {job['job_id']}", show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    rows = {
+        "name": job["name"],
+        "state": job["state"] + (f" ({job['message']})" if job.get("message") else ""),
+        "budget": f"${job['budget_usd']:.2f}",
+        "spent": f"${job['spent_usd']:.2f} (remaining ${cost['remaining_usd']:.2f})",
+        "projected cost": "-" if projected is None else f"${projected:.2f}",
+        "work done": f"{job['work_done_gpu_hours']:.2f} of {_total_work(job):g} GPU-h",
+        "evictions": str(cost["evictions"]),
+        "ledger entries": str(cost["ledger_entries"]),
+        "submitted": _when(job["submitted_at"]),
+        "updated": _when(job["updated_at"]),
+        "version": str(job["version"]),
+    }
+    for name, value in rows.items():
+        table.add_row(name, value)
+    out.print(table)
+
+
+# -- cancel -------------------------------------------------------------------------------
+
+
+@app.command()
+def cancel(
+    job_id: Annotated[str, typer.Argument(metavar="ID", help="The job id.")],
+    wait: Annotated[
+        bool, typer.Option("--wait", help="Wait until it is cancelled (exit 0 if it is).")
+    ] = False,
+    timeout: WaitTimeoutOption = DEFAULT_WAIT_TIMEOUT_S,
+    api: ApiOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Cancel a job: a queued one at once; a running one once its instances are released."""
+    with _client(api, token) as client:
+        job = client.cancel(job_id)
+        if job["state"] == "cancelling" and not wait:
+            out.print(
+                f"{job_id}: cancelling (the controller is releasing its instances; "
+                "`--wait` waits for it)",
+                highlight=False,
+            )
+            return
+        if wait:
+            job = _wait_until_ended(client, job_id, timeout_s=timeout)
+            _finish(job, hoped="cancelled")
+            return
+        out.print(f"{job_id}: {job['state']}", highlight=False)
+
+
+# -- api serve ----------------------------------------------------------------------------
+
+
+@api_app.command("serve")
+def serve(
+    host: Annotated[
+        str | None,
+        typer.Option("--host", help="[default: $ORCHESTRATOR_API__HOST or 127.0.0.1]"),
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option("--port", min=1, max=65535, help="[default: $ORCHESTRATOR_API__PORT or 8750]"),
+    ] = None,
+) -> None:
+    """Serve the HTTP API on the store at ORCHESTRATOR_REDIS_URL (needs ORCHESTRATOR_API__TOKEN)."""
+    from orchestrator.settings import Settings
+
+    settings = Settings.load()
+    settings.api.require_token()  # refuse before touching Redis or binding a port
+    import uvicorn
+
+    from orchestrator.api.app import create_app
+    from orchestrator.store import Store
+
+    store = Store.connect(settings.redis_url)
+    try:
+        uvicorn.run(
+            create_app(store, settings),
+            host=host or settings.api.host,
+            port=port or settings.api.port,
+            log_level="info",
+        )
+    finally:
+        store.close()
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _client(api: str | None, token: str | None) -> ApiClient:
+    """A client for `--api`/`--token`, or the Settings' URL and token."""
+    from orchestrator.api.client import ApiClient
+    from orchestrator.settings import Settings
+
+    settings = Settings.load()
+    return ApiClient(api or settings.api.url, token or settings.api.token)
+
+
+def _wait_until_ended(client: ApiClient, job_id: str, *, timeout_s: float) -> dict[str, Any]:
+    """Poll the job every `WAIT_POLL_S` until it is in a terminal state; show progress on stderr.
+
+    Raises:
+        UserError: `timeout_s` passed first (the job keeps running).
+        typer.Exit(130): Ctrl-C (the job keeps running).
+    """
+    from orchestrator.store.models import TERMINAL_STATES
+
+    terminal = {s.value for s in TERMINAL_STATES}
+    deadline = time.monotonic() + timeout_s
+    try:
+        with _ProgressDisplay(job_id) as show:
+            while True:
+                job = client.get_job(job_id)
+                show(job)
+                if job["state"] in terminal:
+                    return job
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise UserError(
+                        f"job {job_id} is still {job['state']} after {timeout_s:g} s (--timeout)",
+                        fix=f"the job goes on: watch it with `orchestrator job {job_id}`, or "
+                        f"cancel it with `orchestrator cancel {job_id}`",
+                        field="--timeout",
+                    )
+                time.sleep(min(WAIT_POLL_S, left_s))
+    except KeyboardInterrupt:
+        err.print(f"stopped waiting; job {job_id} keeps running (`orchestrator job {job_id}`)")
+        raise typer.Exit(_INTERRUPTED_EXIT_CODE) from None
+
+
+class _ProgressDisplay:
+    """A rich progress bar of work done on an interactive stderr, else a line per state change."""
+
+    def __init__(self, job_id: str) -> None:
+        self._job_id = job_id
+        self._last_state: str | None = None
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _ProgressDisplay:
+        if err.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[detail]}"),
+                TimeElapsedColumn(),
+                console=err,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(self._job_id, total=None, detail="")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def __call__(self, job: dict[str, Any]) -> None:
+        detail = _summary(job)
+        if self._progress is not None:
+            total = _total_work(job) or None
+            self._progress.update(
+                self._task, completed=job["work_done_gpu_hours"], total=total, detail=detail
+            )
+        elif job["state"] != self._last_state:
+            err.print(f"{self._job_id}: {detail}", highlight=False)
+        self._last_state = job["state"]
+
+
+def _finish(job: dict[str, Any], *, hoped: str) -> None:
+    """Print the final line on stdout; exit 1 if the job did not end in `hoped`."""
+    out.print(f"{job['job_id']}: {_summary(job)}", highlight=False)
+    if job["state"] != hoped:
+        raise typer.Exit(1)
+
+
+def _summary(job: dict[str, Any]) -> str:
+    return (
+        f"{job['state']}, spent ${job['spent_usd']:.2f} of ${job['budget_usd']:.2f}, "
+        f"work {job['work_done_gpu_hours']:.2f} of {_total_work(job):g} GPU-h"
+    )
+
+
+def _total_work(job: dict[str, Any]) -> float:
+    spec = job.get("spec") or {}
+    value = spec.get("work_gpu_hours", 0.0) if isinstance(spec, dict) else 0.0
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def _when(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -1,0 +1,667 @@
+"""`orchestrator.api` and the job CLI on a real redis-server: the endpoints through FastAPI's
+TestClient, then one real uvicorn server (in a thread, on a free loopback port) driven by
+`ApiClient` and by the `orchestrator` CLI run as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+from pydantic import SecretStr
+from redis_server import RedisServerError, free_port, start_redis
+
+from orchestrator.api.app import CANCEL_ATTEMPTS, cancel_job, create_app
+from orchestrator.api.client import ApiClient, ApiResponseError
+from orchestrator.errors import UserError
+from orchestrator.market.billing import EndReason
+from orchestrator.settings import ApiSettings, Settings
+from orchestrator.store import (
+    ConflictError,
+    Event,
+    EventKind,
+    InstanceRecord,
+    JobRecord,
+    JobState,
+    LedgerEntry,
+    Store,
+)
+
+with warnings.catch_warnings():
+    # Starlette asks for `httpx2` in its TestClient; the httpx it is built on works the same.
+    warnings.filterwarnings("ignore", message=".*httpx2", category=UserWarning)
+    from fastapi.testclient import TestClient
+
+NS = "apitest"
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SPEC: dict[str, Any] = {"name": "resnet", "budget_usd": 40.0, "work_gpu_hours": 20.0}
+SERVER_START_TIMEOUT_S = 5.0
+CLI_TIMEOUT_S = 30.0
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now_s: float = 1_000.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """A fresh redis-server for this module. A missing one fails the tests (CI installs it)."""
+    try:
+        with start_redis() as url:
+            yield url
+            return
+    except RedisServerError as exc:
+        failure = str(exc)
+    pytest.fail(failure, pytrace=False)
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[Store]:
+    raw = redis.Redis.from_url(redis_url)
+    raw.flushdb()
+    raw.close()
+    s = Store.connect(redis_url, namespace=NS)
+    yield s
+    s.close()
+
+
+def settings_for(redis_url: str, token: str | None = TOKEN) -> Settings:
+    return Settings(
+        redis_url=redis_url,
+        api=ApiSettings(token=None if token is None else SecretStr(token)),
+    )
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def client(store: Store, redis_url: str, clock: FakeClock) -> Iterator[TestClient]:
+    with TestClient(create_app(store, settings_for(redis_url), clock=clock)) as c:
+        yield c
+
+
+def submit(client: TestClient, **changes: Any) -> dict[str, Any]:
+    response = client.post("/v1/jobs", json=SPEC | changes, headers=AUTH)
+    assert response.status_code == 201, response.text
+    return dict(response.json())
+
+
+def error_of(response: httpx.Response, status_code: int) -> dict[str, Any]:
+    assert response.status_code == status_code, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "field", "fix"}
+    return dict(error)
+
+
+def to_state(store: Store, job_id: str, *states: JobState) -> JobRecord:
+    """Walk the job through `states` the way the controller would."""
+    job = store.get_job(job_id)
+    for state in states:
+        job = store.transition(job_id, state, expected_version=job.version, now_s=2_000.0)
+    return job
+
+
+def charge(job_id: str, start_s: float, billed_s: float = 600.0) -> LedgerEntry:
+    price = 0.9
+    return LedgerEntry(
+        job_id=job_id,
+        instance_id="i-1",
+        instance_type="p3.2xlarge",
+        zone="us-east-1a",
+        start_s=start_s,
+        end_s=start_s + billed_s,
+        price_usd_per_hour=price,
+        billed_s=billed_s,
+        charged_usd=price * billed_s / 3600.0,
+        reason=EndReason.PRICE_CHANGE.value,
+    )
+
+
+def spot_instance(instance_id: str, job_id: str) -> InstanceRecord:
+    return InstanceRecord(
+        instance_id=instance_id,
+        job_id=job_id,
+        allocation_id="alloc-1",
+        instance_type="p3.2xlarge",
+        zone="us-east-1a",
+        lifecycle="spot",
+        launched_at=10.0,
+        state="running",
+    )
+
+
+# --- jobs: submit, get, list, cancel
+
+
+def test_submit_get_list_then_cancel_queued_job_ends_cancelled(
+    client: TestClient, store: Store, clock: FakeClock
+) -> None:
+    job = submit(client)
+    job_id = job["job_id"]
+    assert job_id.startswith("job-") and len(job_id) == len("job-") + 8
+    int(job_id[4:], 16)
+    assert job["state"] == "queued" and job["version"] == 0
+    assert job["budget_usd"] == 40.0 and job["spent_usd"] == 0.0
+    assert job["spec"]["work_gpu_hours"] == 20.0 and job["submitted_at"] == 1_000.0
+
+    got = client.get(f"/v1/jobs/{job_id}").json()
+    assert got == job
+    for key in ("state", "budget_usd", "spent_usd", "work_done_gpu_hours", "version", "message"):
+        assert key in got
+    assert [j["job_id"] for j in client.get("/v1/jobs").json()["jobs"]] == [job_id]
+
+    clock.now_s = 1_500.0
+    response = client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH)
+    assert response.status_code == 200
+    assert response.json()["state"] == "cancelled" and response.json()["version"] == 1
+    stored = store.get_job(job_id)
+    assert stored.state is JobState.CANCELLED and stored.updated_at == 1_500.0
+    moves = [(e.fields["from_state"], e.fields["to_state"]) for _, e in store.events(job_id)]
+    assert moves == [(None, "queued"), ("queued", "cancelled")]
+
+
+def test_list_filters_by_state_and_names_a_bad_state(client: TestClient, store: Store) -> None:
+    first, second = submit(client, name="a"), submit(client, name="b")
+    to_state(store, second["job_id"], JobState.RUNNING)
+    running = client.get("/v1/jobs", params={"state": "running"}).json()["jobs"]
+    assert [j["job_id"] for j in running] == [second["job_id"]]
+    queued = client.get("/v1/jobs", params={"state": "queued"}).json()["jobs"]
+    assert [j["job_id"] for j in queued] == [first["job_id"]]
+    error = error_of(client.get("/v1/jobs", params={"state": "sleeping"}), 422)
+    assert error["field"] == "state" and "sleeping" in error["message"]
+
+
+def test_cancel_running_job_moves_to_cancelling_for_the_controller(
+    client: TestClient, store: Store
+) -> None:
+    job_id = submit(client)["job_id"]
+    to_state(store, job_id, JobState.RUNNING)
+    response = client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH)
+    assert response.status_code == 202 and response.json()["state"] == "cancelling"
+    again = client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH)  # asked twice: no change
+    assert again.status_code == 202 and again.json()["version"] == response.json()["version"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        (JobState.CANCELLED,),
+        (JobState.RUNNING, JobState.SUCCEEDED),
+        (JobState.RUNNING, JobState.FAILED),
+        (JobState.RUNNING, JobState.BUDGET_EXHAUSTED),
+        (JobState.RUNNING, JobState.CANCELLING, JobState.CANCELLED),
+    ],
+    ids=lambda p: p[-1].value,
+)
+def test_cancel_of_a_terminal_job_is_409_and_changes_nothing(
+    client: TestClient, store: Store, path: tuple[JobState, ...]
+) -> None:
+    job_id = submit(client)["job_id"]
+    before = to_state(store, job_id, *path)
+    error = error_of(client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH), 409)
+    assert path[-1].value in error["message"] and "nothing to cancel" in error["message"]
+    assert store.get_job(job_id) == before
+
+
+class RacingStore(Store):
+    """A store whose controller moves the job queued -> running just before the first cancel
+    lands (so the cancel's version is stale once)."""
+
+    raced = False
+
+    def transition(self, job_id: str, to_state: JobState | str, **kwargs: Any) -> JobRecord:
+        if not self.raced:
+            self.raced = True
+            super().transition(job_id, JobState.RUNNING, **kwargs)
+        return super().transition(job_id, to_state, **kwargs)
+
+
+class AlwaysLosingStore(Store):
+    """A store where every transition loses a race."""
+
+    def transition(self, job_id: str, to_state: JobState | str, **kwargs: Any) -> JobRecord:
+        raise ConflictError(f"{NS}:job:{job_id}", kwargs["expected_version"], 99)
+
+
+def test_cancel_rereads_after_a_concurrent_transition(client: TestClient, redis_url: str) -> None:
+    job_id = submit(client)["job_id"]
+    racing = RacingStore(redis.Redis.from_url(redis_url, decode_responses=True), NS)
+    job = cancel_job(racing, job_id, now_s=3_000.0)
+    assert racing.raced
+    assert job.state is JobState.CANCELLING  # it was running by the time the cancel landed
+    assert job.version == 2
+    racing.close()
+
+
+def test_cancel_gives_up_with_409_after_bounded_conflicts(store: Store, redis_url: str) -> None:
+    losing = AlwaysLosingStore(redis.Redis.from_url(redis_url, decode_responses=True), NS)
+    job_id = "job-0000beef"
+    store.create_job(JobRecord.submit(job_id, SPEC, 40.0, 1.0))
+    with TestClient(create_app(losing, settings_for(redis_url))) as c:
+        error = error_of(c.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH), 409)
+    assert "kept changing" in error["message"] and error["fix"] == "try again"
+    assert store.get_job(job_id).state is JobState.QUEUED
+    assert CANCEL_ATTEMPTS > 1
+    losing.close()
+
+
+# --- authentication
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/jobs/job-12345678/cancel"])
+def test_mutating_calls_need_the_bearer_token(client: TestClient, store: Store, path: str) -> None:
+    missing = client.post(path, json=SPEC)
+    error = error_of(missing, 401)
+    assert "ORCHESTRATOR_API__TOKEN" in error["fix"]
+    assert missing.headers["www-authenticate"] == "Bearer"
+    error_of(client.post(path, json=SPEC, headers={"Authorization": f"Basic {TOKEN}"}), 401)
+    wrong = error_of(client.post(path, json=SPEC, headers={"Authorization": "Bearer nope"}), 403)
+    assert "wrong" in wrong["message"]
+    # authentication is checked before the body: no validation detail leaks to a stranger
+    error_of(client.post(path, json={"name": "-"}, headers={"Authorization": "Bearer x"}), 403)
+    assert store.list_jobs() == []
+
+
+def test_create_app_refuses_to_start_without_a_token(store: Store, redis_url: str) -> None:
+    for token in (None, "", "  "):
+        with pytest.raises(UserError) as caught:
+            create_app(store, settings_for(redis_url, token))
+        assert "ORCHESTRATOR_API__TOKEN" in caught.value.fix
+
+
+# --- validation and errors
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "needle"),
+    [
+        ({"name": "-resnet"}, "name", "letters, digits"),
+        ({"budget_usd": 0}, "budget_usd", "greater than 0"),
+        ({"budget_usd": -5}, "budget_usd", "greater than 0"),
+        ({"instance_types": ["p3.2xlarg"]}, "instance_types", "Did you mean 'p3.2xlarge'"),
+        ({"regions": ["mars-1"]}, "regions", "unknown region 'mars-1'"),
+        ({"gpus": 4}, "gpus", "not a field"),
+        ({"work_gpu_hours": None}, "work_gpu_hours", "valid number"),
+    ],
+    ids=["bad-name", "budget-0", "budget-negative", "unknown-type", "unknown-region", "extra"]
+    + ["null-work"],
+)
+def test_malformed_spec_is_422_naming_the_field(
+    client: TestClient, store: Store, changes: dict[str, Any], field: str, needle: str
+) -> None:
+    error = error_of(client.post("/v1/jobs", json=SPEC | changes, headers=AUTH), 422)
+    assert error["field"] == field
+    assert error["message"].startswith(f"{field}: ") and needle in error["message"]
+    assert error["fix"]
+    assert store.list_jobs() == []
+
+
+def test_missing_field_and_non_object_bodies_are_422(client: TestClient) -> None:
+    body = {k: v for k, v in SPEC.items() if k != "budget_usd"}
+    error = error_of(client.post("/v1/jobs", json=body, headers=AUTH), 422)
+    assert error == {
+        "message": "budget_usd: required",
+        "field": "budget_usd",
+        "fix": "add budget_usd",
+    }
+    error = error_of(client.post("/v1/jobs", json=[1, 2], headers=AUTH), 422)
+    assert error["field"] is None and error["message"].startswith("job spec: ")
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/jobs/job-deadbeef"),
+        ("GET", "/v1/jobs/job-deadbeef/cost"),
+        ("GET", "/v1/jobs/job-deadbeef/events"),
+        ("POST", "/v1/jobs/job-deadbeef/cancel"),
+        ("GET", "/v1/jobs/not:an:id"),
+    ],
+)
+def test_unknown_job_is_404_json(client: TestClient, method: str, path: str) -> None:
+    error = error_of(client.request(method, path, headers=AUTH), 404)
+    assert "no job" in error["message"] and "orchestrator jobs" in error["fix"]
+
+
+def test_unknown_route_is_json_too(client: TestClient) -> None:
+    assert error_of(client.get("/v2/nothing"), 404)["message"] == "Not Found"
+
+
+# --- cost, events
+
+
+def test_cost_reports_spend_latest_projection_evictions_and_ledger(
+    client: TestClient, store: Store
+) -> None:
+    job_id = submit(client)["job_id"]
+    assert client.get(f"/v1/jobs/{job_id}/cost").json()["projected_usd"] is None
+    store.append_ledger(charge(job_id, 0.0))
+    store.append_ledger(charge(job_id, 600.0))
+    for kind, fields in [
+        (EventKind.DECISION, {"projected_cost_usd": 31.5}),
+        (EventKind.EVICTION, {"instance_id": "i-1"}),
+        (EventKind.DECISION, {"projected_cost_usd": 33.25}),
+        (EventKind.EVICTION, {"instance_id": "i-2"}),
+    ]:
+        store.append_event(Event(job_id=job_id, kind=kind, at_s=5.0, fields=fields))
+    cost = client.get(f"/v1/jobs/{job_id}/cost").json()
+    assert cost["spent_usd"] == pytest.approx(0.3)
+    assert cost["budget_usd"] == 40.0 and cost["remaining_usd"] == pytest.approx(39.7)
+    assert cost["projected_usd"] == 33.25  # the latest decision's
+    assert cost["evictions"] == 2 and cost["ledger_entries"] == 2
+
+
+def test_events_since_returns_only_newer_events(client: TestClient, store: Store) -> None:
+    job_id = submit(client)["job_id"]
+    page = client.get(f"/v1/jobs/{job_id}/events").json()
+    assert [e["kind"] for e in page["events"]] == ["state"]
+    store.append_event(Event(job_id=job_id, kind=EventKind.LAUNCH, at_s=7.0))
+    newer = client.get(f"/v1/jobs/{job_id}/events", params={"since": page["next_since"]}).json()
+    assert [(e["kind"], e["at_s"]) for e in newer["events"]] == [("launch", 7.0)]
+    assert newer["next_since"] == newer["events"][0]["id"]
+    bad = client.get(f"/v1/jobs/{job_id}/events", params={"since": "yesterday"})
+    assert error_of(bad, 422)["field"] == "since"
+
+
+# --- health and metrics
+
+
+def test_healthz_is_ok_while_redis_answers(client: TestClient) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json()["status"] == "ok" and response.json()["redis"] == "ok"
+
+
+def test_healthz_is_503_degraded_after_redis_stops() -> None:
+    own_redis = ExitStack()  # this test's own server, stopped halfway through
+    url = own_redis.enter_context(start_redis())
+    try:
+        store = Store.connect(url, namespace=NS, timeout_s=1.0)
+        try:
+            with TestClient(create_app(store, settings_for(url))) as c:
+                assert c.get("/healthz").status_code == 200
+                own_redis.close()  # redis-server is gone; the store's connection is now dead
+
+                health = c.get("/healthz")
+                assert health.status_code == 503
+                assert health.json()["status"] == "degraded"
+                assert health.json()["redis"] == "unavailable"
+                assert "ORCHESTRATOR_REDIS_URL" in health.json()["error"]["fix"]
+
+                listing = error_of(c.get("/v1/jobs"), 503)
+                assert "cannot reach Redis" in listing["message"]
+                assert "ORCHESTRATOR_REDIS_URL" in listing["fix"]
+                assert error_of(c.post("/v1/jobs", json=SPEC, headers=AUTH), 503)["fix"]
+
+                scrape = c.get("/metrics")
+                assert scrape.status_code == 200 and "orchestrator_store_up 0.0" in scrape.text
+        finally:
+            store.close()
+    finally:
+        own_redis.close()
+
+
+def test_metrics_expose_jobs_spend_budget_work_evictions_and_instances(
+    client: TestClient, store: Store
+) -> None:
+    job_id = submit(client, budget_usd=123.5)["job_id"]
+    submit(client, name="other")
+    store.append_ledger(charge(job_id, 0.0))
+    store.update_progress(job_id, 1.25, now_s=9.0)
+    store.append_event(Event(job_id=job_id, kind=EventKind.EVICTION, at_s=9.0))
+    store.put_instance(spot_instance("i-1", job_id))
+    store.put_instance(spot_instance("i-2", job_id))
+
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    lines = set(response.text.splitlines())
+    label = f'job_id="{job_id}"'
+    for line in [
+        "orchestrator_store_up 1.0",
+        'orchestrator_jobs{state="queued"} 2.0',
+        'orchestrator_jobs{state="running"} 0.0',
+        f"orchestrator_job_budget_usd{{{label}}} 123.5",
+        f"orchestrator_job_spent_usd{{{label}}} 0.15",
+        f"orchestrator_job_work_done_gpu_hours{{{label}}} 1.25",
+        f"orchestrator_job_evictions_total{{{label}}} 1.0",
+        f'orchestrator_instances_alive{{{label},lifecycle="spot"}} 2.0',
+    ]:
+        assert line in lines, f"{line!r} not in\n{response.text}"
+
+
+# --- settings and the client on its own
+
+
+def test_settings_read_nested_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORCHESTRATOR_API__TOKEN", "from-env")
+    monkeypatch.setenv("ORCHESTRATOR_API__PORT", "9001")
+    monkeypatch.setenv("ORCHESTRATOR_REDIS_URL", "redis://10.0.0.1:6379/2")
+    settings = Settings.load()
+    assert settings.api.port == 9001 and settings.redis_url == "redis://10.0.0.1:6379/2"
+    assert settings.api.require_token().get_secret_value() == "from-env"
+    assert "from-env" not in repr(settings)
+    assert Settings(api=ApiSettings()).api.url == "http://127.0.0.1:8750"
+
+    monkeypatch.setenv("ORCHESTRATOR_API__PORT", "eighty")
+    with pytest.raises(UserError) as caught:
+        Settings.load()
+    assert caught.value.field == "ORCHESTRATOR_API__PORT"
+
+
+def test_client_reports_a_non_api_answer_and_a_read_timeout() -> None:
+    def html_proxy(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(502, text="<html>Bad Gateway</html>")
+
+    proxy = httpx.MockTransport(html_proxy)
+    with (
+        ApiClient("http://api.test", transport=proxy) as c,
+        pytest.raises(ApiResponseError) as caught,
+    ):
+        c.list_jobs()
+    assert caught.value.status_code == 502 and "without the orchestrator's JSON" in str(
+        caught.value
+    )
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    with (
+        ApiClient("http://api.test", token="t", transport=httpx.MockTransport(slow)) as c,
+        pytest.raises(UserError, match="may or may not have been applied"),
+    ):
+        c.submit(SPEC)
+
+
+# --- a real server: ApiClient and the CLI
+
+
+@pytest.fixture(scope="module")
+def live_api(redis_url: str) -> Iterator[tuple[str, Store]]:
+    """The API served by uvicorn on a free loopback port in a thread; stopped at the end."""
+    store = Store.connect(redis_url, namespace="live")
+    config = uvicorn.Config(
+        create_app(store, settings_for(redis_url)),
+        host="127.0.0.1",
+        port=free_port(),
+        log_level="warning",
+        lifespan="off",
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                pytest.fail("uvicorn did not start", pytrace=False)
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{config.port}", store
+    finally:
+        server.should_exit = True
+        thread.join(timeout=SERVER_START_TIMEOUT_S)
+        store.close()
+    assert not thread.is_alive(), "uvicorn did not stop"
+
+
+def cli_env(api_url: str, token: str | None = TOKEN) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCHESTRATOR_")}
+    env["ORCHESTRATOR_API__URL"] = api_url
+    if token is not None:
+        env["ORCHESTRATOR_API__TOKEN"] = token
+    return env
+
+
+def run_cli(*args: str | Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        env=env,
+    )
+
+
+def assert_user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit 2, `error:` and `To fix:` on stderr, no traceback; returns the flattened stderr."""
+    stderr = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "error:" in stderr and "To fix:" in stderr, stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in stderr, (needle, stderr)
+    return stderr
+
+
+def write_spec(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+GOOD_YAML = "name: resnet\nbudget_usd: 40\nwork_gpu_hours: 20\ninstance_types: [p3.2xlarge]\n"
+
+
+def test_api_client_submits_gets_lists_and_cancels_on_a_live_server(
+    live_api: tuple[str, Store],
+) -> None:
+    url, store = live_api
+    with ApiClient(url, token=TOKEN) as api:
+        job = api.submit(SPEC)
+        assert api.get_job(job["job_id"])["state"] == "queued"
+        assert job["job_id"] in [j["job_id"] for j in api.list_jobs("queued")]
+        assert api.cancel(job["job_id"])["state"] == "cancelled"
+        with pytest.raises(ApiResponseError) as caught:
+            api.cancel(job["job_id"])
+        assert caught.value.status_code == 409 and "nothing to cancel" in caught.value.message
+        with pytest.raises(ApiResponseError) as invalid:
+            api.submit(SPEC | {"budget_usd": 0})
+        assert invalid.value.status_code == 422 and invalid.value.field == "budget_usd"
+        assert api.health()["status"] == "ok"
+        assert api.cost(job["job_id"])["ledger_entries"] == 0
+    with ApiClient(url) as anonymous, pytest.raises(ApiResponseError) as refused:
+        anonymous.submit(SPEC)
+    assert refused.value.status_code == 401 and "ORCHESTRATOR_API__TOKEN" in refused.value.fix
+    assert store.get_job(job["job_id"]).state is JobState.CANCELLED
+
+
+def test_cli_submits_lists_shows_and_cancels_through_the_api(
+    live_api: tuple[str, Store], tmp_path: Path
+) -> None:
+    url, store = live_api
+    env = cli_env(url)
+    submitted = run_cli("submit", write_spec(tmp_path, GOOD_YAML), "--budget", "55", env=env)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    assert store.get_job(job_id).budget_usd == 55.0
+
+    listed = run_cli("jobs", "--json", "--state", "queued", env=env)
+    assert job_id in [j["job_id"] for j in json.loads(listed.stdout)]
+    shown = json.loads(run_cli("job", job_id, "--json", env=env).stdout)
+    assert shown["state"] == "queued" and shown["cost"]["budget_usd"] == 55.0
+
+    cancelled = run_cli("cancel", job_id, env=env)
+    assert cancelled.returncode == 0 and f"{job_id}: cancelled" in cancelled.stdout
+    assert_user_error(run_cli("cancel", job_id, env=env), "nothing to cancel")
+    assert_user_error(run_cli("job", "job-00000000", env=env), "no job 'job-00000000'")
+
+
+def test_cli_submit_wait_follows_the_job_until_it_succeeds(
+    live_api: tuple[str, Store], tmp_path: Path
+) -> None:
+    url, store = live_api
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "submit", str(write_spec(tmp_path, GOOD_YAML))]
+        + ["--wait", "--timeout", "20"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(url),
+    )
+    try:
+        assert proc.stdout is not None
+        job_id = proc.stdout.readline().strip()
+        assert job_id.startswith("job-"), proc.communicate(timeout=CLI_TIMEOUT_S)
+        running = to_state(store, job_id, JobState.RUNNING)
+        store.update_progress(job_id, 20.0, now_s=3.0)
+        store.transition(job_id, JobState.SUCCEEDED, expected_version=running.version, now_s=4.0)
+        stdout, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert f"{job_id}: succeeded" in stdout and "work 20.00 of 20 GPU-h" in stdout
+
+
+def test_cli_submit_of_a_bad_spec_exits_2_naming_the_field(
+    live_api: tuple[str, Store], tmp_path: Path
+) -> None:
+    url, store = live_api
+    before = len(store.list_jobs())
+    env = cli_env(url)
+    bad_budget = write_spec(tmp_path, "name: resnet\nbudget_usd: 0\nwork_gpu_hours: 20\n")
+    assert_user_error(run_cli("submit", bad_budget, env=env), "budget_usd", "greater than 0")
+    typo = write_spec(tmp_path, GOOD_YAML.replace("p3.2xlarge", "p3.2xlarg"))
+    assert_user_error(
+        run_cli("submit", typo, env=env), "instance_types", "Did you mean 'p3.2xlarge'"
+    )
+    broken = write_spec(tmp_path, "name: [resnet\n")
+    assert_user_error(run_cli("submit", broken, env=env), "not valid YAML")
+    good = write_spec(tmp_path, GOOD_YAML)
+    assert_user_error(run_cli("submit", good, "--budget", "0", env=env), "--budget", "budget_usd")
+    assert len(store.list_jobs()) == before  # nothing reached the API
+
+
+def test_cli_exits_2_when_the_api_is_unreachable(tmp_path: Path) -> None:
+    nobody = f"http://127.0.0.1:{free_port()}"
+    proc = run_cli("submit", write_spec(tmp_path, GOOD_YAML), env=cli_env(nobody))
+    assert_user_error(proc, f"not reachable at {nobody}", "orchestrator controller start")
+
+
+def test_cli_api_serve_refuses_to_start_without_a_token() -> None:
+    proc = run_cli("api", "serve", env=cli_env("http://127.0.0.1:1", token=None))
+    assert_user_error(proc, "needs a token", "ORCHESTRATOR_API__TOKEN")
