@@ -454,6 +454,7 @@ def ledger_check(
         raise typer.Exit(1)
 
 
+import orchestrator.cli_controller  # noqa: E402,F401  (registers `controller start`)
 import orchestrator.cli_jobs  # noqa: E402,F401  (registers the job commands)
 
 

@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, NamedTuple
 
-from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator import __version__
 from orchestrator.api import error_body, validation_error
+from orchestrator.cloud.imds import InterruptionNotice
 from orchestrator.errors import UserError
 from orchestrator.jobspec import JobSubmission
 from orchestrator.settings import TOKEN_ENV, Settings
@@ -360,8 +361,10 @@ def create_app(
     *,
     clock: Clock = time.time,
     new_id: Callable[[], str] = new_job_id,
+    on_notice: Callable[[InterruptionNotice], None] | None = None,
 ) -> FastAPI:
-    """The API over `store`. `clock` stamps submissions and cancels; `new_id` draws job ids.
+    """The API over `store`. `clock` stamps submissions and cancels; `new_id` draws job ids;
+    `on_notice` receives interruption notices posted to `/v1/notices` (the controller's).
 
     Raises:
         UserError: `settings.api.token` is not set (the API refuses to run unauthenticated).
@@ -418,6 +421,17 @@ def create_app(
             "events": [{"id": eid, **e.model_dump(mode="json")} for eid, e in entries],
             "next_since": entries[-1][0] if entries else since,
         }
+
+    @app.post("/v1/notices", status_code=202, dependencies=authorized)
+    def notice(event: dict[str, Any]) -> dict[str, Any]:
+        """An EventBridge spot interruption warning or rebalance recommendation, forwarded by
+        the node agent or an EventBridge rule. 422 names the field at fault; 503 if no
+        controller runs in this process."""
+        parsed = InterruptionNotice.from_eventbridge(event, received_at_s=clock())
+        if on_notice is None:
+            raise HTTPException(status_code=503, detail="no controller runs behind this API")
+        on_notice(parsed)
+        return {"accepted": parsed.instance_id, "kind": parsed.kind}
 
     @app.get("/healthz", response_model=None)
     def healthz() -> dict[str, Any] | JSONResponse:

@@ -1,0 +1,148 @@
+"""`orchestrator controller start`: the controller service and its HTTP API in one process."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orchestrator.cli import app, out
+from orchestrator.errors import UserError
+
+controller_app = typer.Typer(help="Run the BidBrain controller.", no_args_is_help=True)
+app.add_typer(controller_app, name="controller")
+
+
+@controller_app.command("start")
+def start(
+    endpoint_url: Annotated[
+        str | None,
+        typer.Option("--endpoint-url", help="EC2 endpoint (e.g. a moto server offline)."),
+    ] = None,
+    prices: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--prices",
+            help="Replay spot prices from these trace folders instead of "
+            "reading them from EC2 (offline).",
+        ),
+    ] = None,
+    replay_start: Annotated[
+        str | None,
+        typer.Option(
+            "--replay-start", help="With --prices: the trace time the clock starts at (ISO-8601)."
+        ),
+    ] = None,
+    speed: Annotated[
+        float,
+        typer.Option(
+            "--speed",
+            min=0.001,
+            help="With --prices: how many times faster than real time the replay clock runs.",
+        ),
+    ] = 1.0,
+    billing: Annotated[str, typer.Option("--billing")] = "per-second",
+    no_api: Annotated[bool, typer.Option("--no-api", help="Run without the HTTP API.")] = False,
+) -> None:
+    """Run the controller: decide every 2 minutes and on every notice, serve the API.
+
+    Settings come from the environment (ORCHESTRATOR_REDIS_URL, ORCHESTRATOR_REGION,
+    ORCHESTRATOR_CONTROLLER_ID, ORCHESTRATOR_API__TOKEN, ...). Stops on Ctrl-C or SIGTERM,
+    finishing the tick in progress; instances keep running and the next start reconciles.
+    """
+    import boto3
+    from botocore.config import Config
+
+    from orchestrator.cloud.ec2 import EC2Cloud
+    from orchestrator.controller.core import Controller, TickReport
+    from orchestrator.controller.service import ControllerService
+    from orchestrator.market.billing import billing_model
+    from orchestrator.market.ec2_source import EC2PriceSource
+    from orchestrator.market.prices import PriceSource, to_epoch_seconds
+    from orchestrator.market.trace_source import TracePriceSource
+    from orchestrator.settings import Settings
+    from orchestrator.store import Store
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = Settings.load()
+    if not no_api:
+        settings.api.require_token()
+    bill = billing_model(billing)
+    store = Store.connect(settings.redis_url)
+    client = boto3.client(
+        "ec2",
+        region_name=settings.region,
+        endpoint_url=endpoint_url,
+        config=Config(retries={"mode": "adaptive", "max_attempts": 8}),
+    )
+    source: PriceSource
+    if prices:
+        source = TracePriceSource(prices)
+        if replay_start is None:
+            raise UserError(
+                "--prices replays a trace: give the time to start at",
+                field="--replay-start",
+                fix="pass e.g. --replay-start 2020-02-03T00:00:00Z",
+            )
+        try:
+            t0 = to_epoch_seconds(replay_start)
+        except ValueError:
+            raise UserError(
+                f"--replay-start {replay_start!r} is not ISO-8601",
+                field="--replay-start",
+                fix="e.g. 2020-02-03T00:00:00Z",
+            ) from None
+        m0 = time.monotonic()
+
+        def clock() -> float:
+            return t0 + speed * (time.monotonic() - m0)
+    else:
+        source = EC2PriceSource(settings.region, client=client)
+        clock = time.time
+        speed = 1.0
+    controller = Controller(
+        store=store,
+        cloud=EC2Cloud(settings.region, settings.controller_id, client=client),
+        prices=source,
+        billing=bill,
+    )
+
+    def report(r: TickReport) -> None:
+        if r.launched or r.terminated or r.evicted or r.finished or r.launch_failures:
+            out.print(
+                f"tick: launched {len(r.launched)} terminated {len(r.terminated)} "
+                f"evicted {len(r.evicted)} failed {len(r.launch_failures)} "
+                f"finished {dict(r.finished)}",
+                highlight=False,
+            )
+
+    service = ControllerService(controller, clock=clock, speed=speed, on_tick=report)
+    service.start()
+    out.print(
+        f"controller {settings.controller_id} running in {settings.region} "
+        f"(tick every {service.interval_s:g} s real)",
+        highlight=False,
+    )
+    try:
+        if no_api:
+            while True:
+                time.sleep(1.0)
+        else:
+            import uvicorn
+
+            from orchestrator.api.app import create_app
+
+            uvicorn.run(
+                create_app(store, settings, clock=clock, on_notice=service.notify),
+                host=settings.api.host,
+                port=settings.api.port,
+                log_level="warning",
+            )
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.stop()
+        store.close()
