@@ -286,20 +286,36 @@ def _with_progress(work, *, total: int, label: str):
 
 @app.command()
 def demo(
-    starts: Annotated[int, typer.Option("--starts", help="Random start times.")] = 200,
-    plot: Annotated[Path, typer.Option("--plot", help="Where to save the chart.")] = Path(
-        "orchestrator-demo.png"
-    ),
+    speed: Annotated[
+        float, typer.Option("--speed", min=1.0, help="How many times faster than real time.")
+    ] = 300.0,
+    budget: Annotated[float, typer.Option("--budget", help="The sample job's budget, USD.")] = 40.0,
+    seed: Annotated[int, typer.Option("--seed")] = 1,
+    json_summary: Annotated[
+        Path | None, typer.Option("--json-summary", help="Write the summary as JSON here.")
+    ] = None,
 ) -> None:
-    """The offline demo: every strategy on the bundled 2020 us-east-1 prices and the p3
-    eviction trace, a readable report and a chart. (Until the controller lands, the demo is the
-    cost simulator.)"""
-    out.print(
-        "[bold]Offline demo[/bold]: a 20-hour, 16-GPU (p3.2xlarge-equivalent) training job, "
-        f"started at {starts} random times in Jan-Mar 2020 us-east-1 spot prices, with capacity "
-        "evictions replayed from a real 32-node p3 spot trace.\n"
-    )
-    simulate(prices=None, availability=None, starts=starts, plot=plot)
+    """The offline demo: Redis, a moto EC2 server, replayed 2020 prices and p3 evictions, the
+    controller and local node agents, running one job with a budget to the end."""
+    from orchestrator.demo import job_state_ok, run_demo, write_summary
+
+    if budget <= 0 or not math.isfinite(budget):
+        raise UserError(
+            f"--budget must be positive, got {budget}",
+            field="--budget",
+            fix="pass e.g. --budget 40",
+        )
+    if json_summary is not None and not json_summary.parent.is_dir():
+        raise UserError(
+            f"cannot write {json_summary}: folder {json_summary.parent} does not exist",
+            field="--json-summary",
+            fix="create the folder first",
+        )
+    summary = run_demo(speed=speed, budget_usd=budget, seed=seed, console=out)
+    if json_summary is not None:
+        write_summary(summary, json_summary)
+    if not job_state_ok(summary):
+        raise typer.Exit(1)
 
 
 # -- risk ---------------------------------------------------------------------------------

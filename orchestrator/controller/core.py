@@ -134,6 +134,12 @@ class Controller:
         which callers should run at once."""
         self._notices.append(notice)
 
+    def spend_usd(self, job_id: str, now_s: float) -> float:
+        """What the job has cost so far: its ledger plus what its alive instances have run up."""
+        alive = self.store.list_instances(job_id, alive_only=True)
+        history = self.prices.history(now_s - PRICE_LOOKBACK_S, now_s)
+        return self.store.spent_usd(job_id) + self._accrued(alive, history, now_s)
+
     # -- the tick -------------------------------------------------------------------------
     def tick(self, now_s: float) -> TickReport:
         """Observe, decide, act. Raises StoreUnavailableError if Redis is down (nothing is
