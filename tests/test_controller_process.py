@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import boto3
 import httpx
@@ -18,6 +17,7 @@ from moto.server import ThreadedMotoServer
 
 from orchestrator.api.client import ApiClient
 from orchestrator.market.trace_source import bundled_prices_dir
+from orchestrator.store.redis_store import Store
 
 TOKEN = "test-token-123"
 
@@ -37,9 +37,8 @@ def moto_url() -> Iterator[str]:
     server.stop()
 
 
-@pytest.fixture
-def controller_process(redis_url: str, moto_url: str) -> Iterator[tuple[str, Any]]:
-    api_port = free_port()
+def start_controller(redis_url: str, moto_url: str, api_port: int) -> subprocess.Popen:
+    """`orchestrator controller start` on the moto server, replaying prices 600x."""
     env = {
         **os.environ,
         "ORCHESTRATOR_REDIS_URL": redis_url,
@@ -72,29 +71,43 @@ def controller_process(redis_url: str, moto_url: str) -> Iterator[tuple[str, Any
         text=True,
     )
     api = f"http://127.0.0.1:{api_port}"
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{api}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{api}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"controller API did not come up: {proc.communicate()[0]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it does not stop within 10 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            pytest.fail(f"controller API did not come up: {proc.communicate()[0]}")
-        yield api, proc
+            proc.wait()
+
+
+@pytest.fixture
+def controller_process(
+    store: Store, redis_url: str, moto_url: str
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    api_port = free_port()
+    proc = start_controller(redis_url, moto_url, api_port)
+    try:
+        yield f"http://127.0.0.1:{api_port}", proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
 
 
-def test_controller_process_runs_a_submitted_job_and_takes_notices(controller_process, moto_url):
+def test_controller_process_runs_a_submitted_job_and_takes_notices(
+    store, controller_process, moto_url
+):
     api, proc = controller_process
     client = ApiClient(api, TOKEN)
     job = client.submit(
@@ -156,3 +169,58 @@ def test_controller_process_runs_a_submitted_job_and_takes_notices(controller_pr
     assert "notice" in kinds
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) is not None
+
+
+def test_sigkill_mid_acquisition_then_restart_launches_nothing_twice(store, redis_url, moto_url):
+    # `store` flushes Redis: only this test's job exists
+    api_port = free_port()
+    proc = start_controller(redis_url, moto_url, api_port)
+    api = f"http://127.0.0.1:{api_port}"
+    ec2 = boto3.client(
+        "ec2",
+        region_name="us-east-1",
+        endpoint_url=moto_url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+
+    def ours() -> list[dict]:
+        out = []
+        for r in ec2.describe_instances(
+            Filters=[
+                {"Name": "tag:orchestrator:controller-id", "Values": ["proc-test"]},
+            ]
+        )["Reservations"]:
+            out.extend(r["Instances"])
+        return out
+
+    try:
+        client = ApiClient(api, TOKEN)
+        job = client.submit(
+            {
+                "name": "crash",
+                "budget_usd": 30,
+                "work_gpu_hours": 4,
+                "max_gpus": 2,
+                "instance_types": ["p3.2xlarge"],
+            }
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not ours():
+            time.sleep(0.01)
+        proc.kill()  # SIGKILL as soon as the first launch is visible
+        proc.wait(timeout=10)
+        proc = start_controller(redis_url, moto_url, api_port)
+        time.sleep(3.0)  # about 15 ticks at 600x
+        live = [i for i in ours() if i["State"]["Name"] in ("pending", "running")]
+        assert len(live) == 3  # one reliable node and two p3.2xlarge: nothing launched twice
+        allocations = [
+            next(t["Value"] for t in i["Tags"] if t["Key"] == "orchestrator:allocation-id")
+            for i in live
+        ]
+        assert len(set(allocations)) <= len(allocations)
+        cost = ApiClient(api, TOKEN).cost(job["job_id"])
+        assert cost["spent_usd"] == 0  # nothing ended, so nothing billed twice or lost
+        assert ApiClient(api, TOKEN).get_job(job["job_id"])["state"] == "running"
+    finally:
+        stop(proc)
