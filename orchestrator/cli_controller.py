@@ -46,6 +46,14 @@ def start(
     ] = 1.0,
     billing: Annotated[str, typer.Option("--billing")] = "per-second",
     no_api: Annotated[bool, typer.Option("--no-api", help="Run without the HTTP API.")] = False,
+    max_running_jobs: Annotated[
+        int | None,
+        typer.Option(
+            "--max-running-jobs",
+            min=1,
+            help="Run at most this many jobs at once (1: in sequence). Default: all.",
+        ),
+    ] = None,
 ) -> None:
     """Run the controller: decide every 2 minutes and on every notice, serve the API.
 
@@ -108,6 +116,7 @@ def start(
         cloud=EC2Cloud(settings.region, settings.controller_id, client=client),
         prices=source,
         billing=bill,
+        max_running_jobs=max_running_jobs,
     )
 
     def report(r: TickReport) -> None:

@@ -197,3 +197,36 @@ def test_cancelling_a_running_job_terminates_its_instances(store, ec2, prices):
     report = ctl.tick(T0 + 60)
     assert report.finished == {"job-1": JobState.CANCELLED}
     assert ours(ec2) == []
+
+
+def test_with_one_job_at_a_time_a_second_job_waits_for_the_first(store, ec2, prices):
+    submit(store, job_id="job-1", work=10.0)
+    submit(store, job_id="job-2", work=10.0)
+    ctl = Controller(
+        store=store,
+        cloud=EC2Cloud(REGION, "ctl", client=ec2),
+        prices=prices,
+        billing=PerSecondBilling(),
+        max_running_jobs=1,
+    )
+    ctl.tick(T0)
+    assert store.get_job("job-1").state is JobState.RUNNING
+    assert store.get_job("job-2").state is JobState.QUEUED
+    store.update_progress("job-1", 10.0, T0 + 3600)
+    ctl.tick(T0 + 3600)  # job-1 finishes
+    ctl.tick(T0 + 3720)  # job-2's turn
+    assert store.get_job("job-1").state is JobState.SUCCEEDED
+    assert store.get_job("job-2").state is JobState.RUNNING
+
+
+def test_without_a_limit_jobs_run_side_by_side_each_on_its_own_budget(store, ec2, prices):
+    submit(store, job_id="job-1", budget=100.0)
+    submit(store, job_id="job-2", budget=5.0)
+    ctl = controller(store, ec2, prices)
+    t = T0
+    for _ in range(40):
+        ctl.tick(t)
+        t += 120
+    assert store.get_job("job-1").state is JobState.RUNNING
+    assert store.get_job("job-2").state is JobState.BUDGET_EXHAUSTED
+    assert store.spent_usd("job-2") <= 5.0

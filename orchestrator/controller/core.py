@@ -97,6 +97,8 @@ class Controller:
         settings: BidBrain's knobs.
         image_id: the AMI worker nodes boot.
         user_data: builds a node's user data from (job id, allocation id).
+        max_running_jobs: jobs run side by side, each on its own budget; with a limit, queued
+            jobs wait (oldest first) until fewer than this many run — 1 runs them in sequence.
     """
 
     def __init__(
@@ -111,7 +113,11 @@ class Controller:
         capacity_model: CapacityHazardModel | None = None,
         image_id: str = "ami-orchestrator",
         user_data: Callable[[str, str], str] | None = None,
+        max_running_jobs: int | None = None,
     ) -> None:
+        if max_running_jobs is not None and max_running_jobs < 1:
+            raise ValueError("max_running_jobs must be at least 1 (or None: no limit)")
+        self.max_running_jobs = max_running_jobs
         self.store = store
         self.cloud = cloud
         self.prices = prices
@@ -149,9 +155,15 @@ class Controller:
         history = self.prices.history(now_s - PRICE_LOOKBACK_S, now_s)
         self._reconcile(jobs, history, now_s, report)
         self._take_notices(jobs, now_s)
-        for job in list(jobs.values()):
+        running = sum(
+            1 for j in jobs.values() if j.state in (JobState.RUNNING, JobState.CANCELLING)
+        )
+        for job in sorted(jobs.values(), key=lambda j: (j.submitted_at, j.job_id)):
             if job.state is JobState.QUEUED:
+                if self.max_running_jobs is not None and running >= self.max_running_jobs:
+                    continue  # waits its turn in the queue
                 job = self._transition(job, JobState.RUNNING, now_s, "started")
+                running += 1
             if job.state is JobState.RUNNING:
                 self._run_job(job, history, now_s, report)
             elif job.state is JobState.CANCELLING:
