@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,18 +13,13 @@ import boto3
 import httpx
 import pytest
 from moto.server import ThreadedMotoServer
+from redis_server import free_port
 
 from orchestrator.api.client import ApiClient
 from orchestrator.market.trace_source import bundled_prices_dir
 from orchestrator.store.redis_store import Store
 
 TOKEN = "test-token-123"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -304,18 +304,9 @@ class Controller:
         )
         try:
             instances = self.cloud.launch(spec)
-        except CapacityError as exc:
-            self.availability.mark(request.market, exc.code, now_s)
-            report.launch_failures.append(f"{request.market}: {exc.code}")
-            self._event(
-                job.job_id,
-                EventKind.LAUNCH_FAILED,
-                now_s,
-                code=exc.code,
-                market=str(request.market),
-            )
-            return
         except CloudError as exc:
+            if isinstance(exc, CapacityError):  # plan around the market for a while
+                self.availability.mark(request.market, exc.code, now_s)
             report.launch_failures.append(f"{request.market}: {exc.code}")
             self._event(
                 job.job_id,
