@@ -1,0 +1,191 @@
+"""Fixed partitions of a model's state, and which server owns each.
+
+The model's parameters (`named_parameters()` order) are flattened into one float32 vector that
+is cut into N contiguous, nearly equal partitions. N never changes during a job: when servers
+come and go, whole partitions move between owners (`PartitionTable.move`), so the state is never
+re-sharded.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from orchestrator.agileml.errors import OwnershipConflictError, PartitionError
+
+
+class PartitionLayout:
+    """How a model's parameters map onto N partitions of one float32 vector.
+
+    Partition p covers `[bounds(p)[0], bounds(p)[1])`; the first `total % N` partitions hold one
+    element more than the others.
+
+    Raises:
+        PartitionError: on construction if N < 1 or N > the number of parameter elements.
+    """
+
+    def __init__(self, model: nn.Module, num_partitions: int) -> None:
+        self.names: tuple[str, ...] = tuple(n for n, _ in model.named_parameters())
+        self.shapes: tuple[torch.Size, ...] = tuple(p.shape for _, p in model.named_parameters())
+        self.total = sum(s.numel() for s in self.shapes)
+        if not 1 <= num_partitions <= self.total:
+            raise PartitionError(
+                f"num_partitions must be in 1..{self.total} (the parameter count), "
+                f"got {num_partitions}"
+            )
+        self.num_partitions = num_partitions
+        base, extra = divmod(self.total, num_partitions)
+        starts = [p * base + min(p, extra) for p in range(num_partitions + 1)]
+        self._bounds = [(starts[p], starts[p + 1]) for p in range(num_partitions)]
+
+    def bounds(self, p: int) -> tuple[int, int]:
+        """Start and end (exclusive) of partition p in the flat vector. Raises PartitionError."""
+        self._check(p)
+        return self._bounds[p]
+
+    def slice(self, p: int) -> slice:
+        """Partition p as a slice of the flat vector. Raises PartitionError."""
+        start, stop = self.bounds(p)
+        return slice(start, stop)
+
+    def size(self, p: int) -> int:
+        """Number of elements in partition p. Raises PartitionError."""
+        start, stop = self.bounds(p)
+        return stop - start
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Cut a flat vector into partition-sized copies. Raises PartitionError on a bad length."""
+        if flat.shape != (self.total,):
+            raise PartitionError(f"flat vector has shape {tuple(flat.shape)}, want ({self.total},)")
+        return [flat[start:stop].clone() for start, stop in self._bounds]
+
+    def gather(self, model: nn.Module) -> list[torch.Tensor]:
+        """The model's parameters as N float32 partitions (copies). Raises PartitionError."""
+        params = self._params(model)
+        return self.split(torch.cat([p.detach().reshape(-1).float() for p in params]))
+
+    def gather_grads(self, model: nn.Module) -> list[torch.Tensor]:
+        """The parameters' gradients as N float32 partitions; a missing gradient counts as 0."""
+        params = self._params(model)
+        flat = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
+                for p in params
+            ]
+        )
+        return self.split(flat)
+
+    def scatter(self, model: nn.Module, parts: Sequence[torch.Tensor]) -> None:
+        """Load N partitions into the model's parameters in place.
+
+        Raises:
+            PartitionError: wrong number or sizes of partitions, or a model that does not match
+                the layout; the model is then unchanged.
+        """
+        params = self._params(model)
+        if len(parts) != self.num_partitions:
+            raise PartitionError(f"got {len(parts)} partitions, want {self.num_partitions}")
+        for p, part in enumerate(parts):
+            if part.shape != (self.size(p),):
+                raise PartitionError(
+                    f"partition {p} has shape {tuple(part.shape)}, want ({self.size(p)},)",
+                    partition=p,
+                )
+        flat = torch.cat([part.reshape(-1) for part in parts])
+        offset = 0
+        with torch.no_grad():
+            for param in params:
+                n = param.numel()
+                param.copy_(flat[offset : offset + n].view_as(param))
+                offset += n
+
+    def _params(self, model: nn.Module) -> list[nn.Parameter]:
+        named = list(model.named_parameters())
+        if tuple(n for n, _ in named) != self.names or tuple(p.shape for _, p in named) != (
+            self.shapes
+        ):
+            raise PartitionError("model parameters do not match the partition layout")
+        return [p for _, p in named]
+
+    def _check(self, p: int) -> None:
+        if not 0 <= p < self.num_partitions:
+            raise PartitionError(
+                f"unknown partition {p}; valid: 0..{self.num_partitions - 1}", partition=p
+            )
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Who owns a partition, and how many times its owner has changed (0: never assigned)."""
+
+    owner: str | None
+    version: int
+
+
+class PartitionTable:
+    """The owner of each of N partitions, with a per-partition version. Thread-safe.
+
+    Every change of owner bumps the partition's version; a move may name the version it was
+    decided on (`expected_version`), so that a concurrent move is detected rather than lost.
+    """
+
+    def __init__(self, num_partitions: int) -> None:
+        if num_partitions < 1:
+            raise PartitionError(f"num_partitions must be >= 1, got {num_partitions}")
+        self.num_partitions = num_partitions
+        self._entries = [Ownership(None, 0) for _ in range(num_partitions)]
+        self._lock = threading.Lock()
+
+    def get(self, p: int) -> Ownership:
+        """Owner and version of partition p. Raises PartitionError for an unknown partition."""
+        self._check(p)
+        with self._lock:
+            return self._entries[p]
+
+    def owner(self, p: int) -> str:
+        """The owner of partition p. Raises PartitionError if unknown or not yet assigned."""
+        owner = self.get(p).owner
+        if owner is None:
+            raise PartitionError(f"partition {p} has no owner", partition=p)
+        return owner
+
+    def move(self, p: int, new_owner: str, *, expected_version: int | None = None) -> int:
+        """Give partition p to `new_owner`; returns the new version (unchanged if no-op).
+
+        Raises:
+            PartitionError: unknown partition or empty owner name; nothing changed.
+            OwnershipConflictError: `expected_version` is stale; nothing changed.
+        """
+        self._check(p)
+        if not new_owner:
+            raise PartitionError("owner name must not be empty", partition=p)
+        with self._lock:
+            entry = self._entries[p]
+            if expected_version is not None and expected_version != entry.version:
+                raise OwnershipConflictError(p, expected_version, entry.version)
+            if entry.owner == new_owner:
+                return entry.version
+            self._entries[p] = Ownership(new_owner, entry.version + 1)
+            return entry.version + 1
+
+    def owned_by(self, node: str) -> list[int]:
+        """The partitions `node` owns, in ascending order."""
+        with self._lock:
+            return [p for p, e in enumerate(self._entries) if e.owner == node]
+
+    def assign_round_robin(self, nodes: Sequence[str]) -> None:
+        """Give partition p to `nodes[p % len(nodes)]`. Raises PartitionError if no nodes."""
+        if not nodes:
+            raise PartitionError("cannot assign partitions to no nodes")
+        for p in range(self.num_partitions):
+            self.move(p, nodes[p % len(nodes)])
+
+    def _check(self, p: int) -> None:
+        if not 0 <= p < self.num_partitions:
+            raise PartitionError(
+                f"unknown partition {p}; valid: 0..{self.num_partitions - 1}", partition=p
+            )

@@ -1,0 +1,234 @@
+"""The AgileML wire format: a JSON header plus raw tensor buffers, authenticated with HMAC.
+
+A message is a ZMQ multipart message `[header, buffer_0, ..., buffer_k]`:
+
+* `header` is canonical JSON (sorted keys, no spaces, ASCII) of a `Header`; its `tensors` list
+  names, in order, the dtype and shape of each buffer.
+* `buffer_i` holds the raw little-endian bytes of tensor i (C order), exactly
+  `itemsize(dtype) * prod(shape)` bytes.
+* `mac` is HMAC-SHA256, keyed with the job token, over the canonical JSON of the header without
+  `mac`, then each buffer, each piece prefixed with its 8-byte big-endian length (so bytes cannot
+  be shifted between frames). The token itself never travels.
+
+Nothing is ever unpickled: tensors are rebuilt with `torch.frombuffer` over a private copy of
+the received bytes. `decode` checks, in this order: size limit, JSON, MAC, version, kind, schema,
+dtypes, buffer count, buffer sizes; the first failure raises `WireError` with its reason, and the
+caller must drop the message without acting on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+from typing import Annotated, Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from orchestrator.agileml.errors import WireError, WireReason
+
+PROTOCOL_VERSION = 1
+# 256 MiB: a generous bound for one partition of a large model; a DoS guard, not a quota.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+MAC_HEX_LENGTH = 64  # SHA-256 digest, hex
+
+DTYPES: Mapping[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+}
+_DTYPE_NAMES: Mapping[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
+
+
+class MessageKind(StrEnum):
+    """What a message asks or answers. Requests come from workers, replies from servers.
+
+    pull -> pull_reply | error; push -> push_ack | error; clock -> clock_ack | error;
+    hello -> hello | error. `error` carries the cause in `detail`.
+    """
+
+    PULL = "pull"
+    PULL_REPLY = "pull_reply"
+    PUSH = "push"
+    PUSH_ACK = "push_ack"
+    CLOCK = "clock"
+    CLOCK_ACK = "clock_ack"
+    HELLO = "hello"
+    ERROR = "error"
+
+
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class TensorSpec(BaseModel):
+    """The name, dtype and shape of one buffer frame."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: Name
+    dtype: str  # checked against DTYPES after validation, to report WireReason.DTYPE
+    shape: tuple[Annotated[int, Field(ge=0)], ...]
+
+
+class Header(BaseModel):
+    """The header frame of a message.
+
+    `partition` and `clock` are set by the operations that need them: a pull carries the
+    minimum clock it must see, a push the clock of its update. `detail` explains an `error`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    v: int
+    kind: MessageKind
+    job_id: Name
+    sender: Name
+    seq: Annotated[int, Field(ge=0)]
+    partition: Annotated[int, Field(ge=0)] | None = None
+    clock: int | None = None
+    tensors: tuple[TensorSpec, ...] = ()
+    detail: Annotated[str, Field(max_length=512)] | None = None
+    mac: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+def canonical_json(obj: Mapping[str, Any]) -> bytes:
+    """The byte form that is both sent and authenticated: sorted keys, no spaces, ASCII."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def compute_mac(
+    header_without_mac: Mapping[str, Any], buffers: Sequence[bytes], token: bytes
+) -> str:
+    """HMAC-SHA256 (hex) of the canonical header JSON and the buffers, length-prefixed."""
+    mac = hmac.new(token, digestmod=hashlib.sha256)
+    for piece in (canonical_json(header_without_mac), *buffers):
+        mac.update(len(piece).to_bytes(8, "big"))
+        mac.update(piece)
+    return mac.hexdigest()
+
+
+def _tensor_bytes(name: str, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    dtype_name = _DTYPE_NAMES.get(tensor.dtype)
+    if dtype_name is None:
+        raise WireError(WireReason.DTYPE, f"tensor {name!r} has dtype {tensor.dtype}")
+    t = tensor.detach().cpu().contiguous()
+    spec = {"name": name, "dtype": dtype_name, "shape": list(t.shape)}
+    return spec, t.numpy().tobytes()
+
+
+def encode(
+    header_fields: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    token: bytes,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> list[bytes]:
+    """Build the frames of a message.
+
+    Args:
+        header_fields: `kind`, `job_id`, `sender`, `seq` and optionally `partition`, `clock`,
+            `detail`; `v` defaults to `PROTOCOL_VERSION` (set it only to test peers).
+        tensors: the buffers to send, in order; CPU copies are taken, inputs are not changed.
+        token: the job token (the MAC key).
+
+    Raises:
+        WireError: `DTYPE` for a tensor outside the allowlist, `SCHEMA` for invalid fields,
+            `TOO_LARGE` if the message would exceed `max_message_bytes`.
+    """
+    specs: list[dict[str, Any]] = []
+    buffers: list[bytes] = []
+    for name, tensor in tensors.items():
+        spec, data = _tensor_bytes(name, tensor)
+        specs.append(spec)
+        buffers.append(data)
+    fields = dict(header_fields)
+    if "mac" in fields or "tensors" in fields:
+        raise WireError(WireReason.SCHEMA, "`mac` and `tensors` are computed by encode")
+    fields.setdefault("v", PROTOCOL_VERSION)
+    if isinstance(fields.get("kind"), MessageKind):
+        fields["kind"] = str(fields["kind"])
+    body = {"partition": None, "clock": None, "detail": None, **fields, "tensors": specs}
+    try:
+        Header.model_validate_json(canonical_json({**body, "mac": "0" * MAC_HEX_LENGTH}))
+    except ValidationError as exc:
+        raise WireError(WireReason.SCHEMA, _first_error(exc)) from None
+    header = canonical_json({**body, "mac": compute_mac(body, buffers, token)})
+    if len(header) + sum(len(b) for b in buffers) > max_message_bytes:
+        raise WireError(WireReason.TOO_LARGE, f"message over {max_message_bytes} bytes")
+    return [header, *buffers]
+
+
+def decode(
+    frames: Sequence[bytes],
+    token: bytes,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> tuple[Header, dict[str, torch.Tensor]]:
+    """Authenticate and parse a message into its header and tensors (private copies).
+
+    Raises:
+        WireError: with the reason of the first check that failed (see the module docstring).
+            The message must then be dropped; nothing about it can be trusted.
+    """
+    if not frames:
+        raise WireError(WireReason.NO_FRAMES, "empty message")
+    total = sum(len(f) for f in frames)
+    if total > max_message_bytes:
+        raise WireError(WireReason.TOO_LARGE, f"{total} bytes > limit {max_message_bytes}")
+    raw, buffers = bytes(frames[0]), [bytes(f) for f in frames[1:]]
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(WireReason.BAD_JSON, str(exc)) from None
+    if not isinstance(obj, dict):
+        raise WireError(WireReason.BAD_JSON, "header is not a JSON object")
+    mac = obj.pop("mac", None)
+    if not isinstance(mac, str) or not hmac.compare_digest(
+        mac.encode("ascii", "replace"), compute_mac(obj, buffers, token).encode()
+    ):
+        raise WireError(WireReason.BAD_MAC, "missing or wrong MAC (wrong token or tampered)")
+    if obj.get("v") != PROTOCOL_VERSION:
+        raise WireError(WireReason.VERSION, f"version {obj.get('v')!r} != {PROTOCOL_VERSION}")
+    if obj.get("kind") not in {k.value for k in MessageKind}:
+        raise WireError(WireReason.UNKNOWN_KIND, f"kind {obj.get('kind')!r}")
+    try:
+        header = Header.model_validate_json(raw)
+    except ValidationError as exc:
+        raise WireError(WireReason.SCHEMA, _first_error(exc)) from None
+    return header, _tensors(header, buffers)
+
+
+def _tensors(header: Header, buffers: list[bytes]) -> dict[str, torch.Tensor]:
+    names = [spec.name for spec in header.tensors]
+    if len(set(names)) != len(names):
+        raise WireError(WireReason.SCHEMA, "duplicate tensor names")
+    for spec in header.tensors:
+        if spec.dtype not in DTYPES:
+            raise WireError(WireReason.DTYPE, f"tensor {spec.name!r}: dtype {spec.dtype!r}")
+    if len(buffers) != len(header.tensors):
+        raise WireError(
+            WireReason.BUFFER_COUNT, f"{len(buffers)} buffers for {len(header.tensors)} specs"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for spec, buf in zip(header.tensors, buffers, strict=True):
+        dtype = DTYPES[spec.dtype]
+        expected = math.prod(spec.shape) * dtype.itemsize
+        if len(buf) != expected:
+            raise WireError(
+                WireReason.BUFFER_SIZE, f"tensor {spec.name!r}: {len(buf)} bytes, want {expected}"
+            )
+        if expected == 0:
+            out[spec.name] = torch.empty(spec.shape, dtype=dtype)
+        else:
+            out[spec.name] = torch.frombuffer(bytearray(buf), dtype=dtype).reshape(spec.shape)
+    return out
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "header"
+    return f"{where}: {err['msg']}"

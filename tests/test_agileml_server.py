@@ -1,0 +1,187 @@
+"""The parameter server over real sockets: exactly-once pushes, BSP/SSP pulls, rejections."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.errors import ServerError
+from orchestrator.agileml.server import ParamServer
+from orchestrator.agileml.wire import Header, MessageKind
+
+JOB, TOKEN = "job-1", b"server-test-token"
+INITIAL = torch.tensor([1.0, 2.0, 3.0, 4.0])
+REPLY_TIMEOUT_MS = 2000
+HELD_CHECK_MS = 300  # long enough that a wrongly answered pull would have arrived
+
+
+class Client:
+    """A raw DEALER client speaking the wire format as worker `sender`."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, sender: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sender = sender
+        self.seq = 0
+
+    def send(
+        self,
+        kind: MessageKind,
+        *,
+        token: bytes = TOKEN,
+        job_id: str = JOB,
+        tensors: dict[str, torch.Tensor] | None = None,
+        **fields: Any,
+    ) -> int:
+        self.seq += 1
+        header = {"kind": kind, "job_id": job_id, "sender": self.sender, "seq": self.seq, **fields}
+        self.sock.send_multipart(wire.encode(header, tensors or {}, token))
+        return self.seq
+
+    def recv(self, timeout_ms: int = REPLY_TIMEOUT_MS) -> tuple[Header, dict[str, torch.Tensor]]:
+        assert self.sock.poll(timeout_ms), "no reply"
+        return wire.decode(self.sock.recv_multipart(), TOKEN)
+
+    def silent(self, timeout_ms: int = HELD_CHECK_MS) -> bool:
+        return not self.sock.poll(timeout_ms)
+
+    def push(self, clock: int, delta: torch.Tensor, **kw: Any) -> Header:
+        self.send(MessageKind.PUSH, partition=0, clock=clock, tensors={"delta": delta}, **kw)
+        return self.recv()[0]
+
+
+@pytest.fixture
+def server() -> Iterator[ParamServer]:
+    threads_before = threading.active_count()
+    ps = ParamServer("ps-0", job_id=JOB, token=TOKEN)
+    ps.add_partition(0, INITIAL)
+    ps.register_workers(["w0", "w1"])
+    with ps:
+        yield ps
+    assert threading.active_count() == threads_before
+
+
+class Clients:
+    """Makes clients on one context and closes every socket at the end of the test."""
+
+    def __init__(self) -> None:
+        self.context: zmq.Context[Any] = zmq.Context()
+        self.made: list[Client] = []
+
+    def __call__(self, endpoint: str, sender: str) -> Client:
+        self.made.append(Client(self.context, endpoint, sender))
+        return self.made[-1]
+
+    def close(self) -> None:
+        for client in self.made:
+            client.sock.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture
+def ctx() -> Iterator[Clients]:
+    clients = Clients()
+    yield clients
+    clients.close()
+
+
+def test_duplicated_push_is_applied_exactly_once(server: ParamServer, ctx: Clients) -> None:
+    w0, w1 = ctx(server.endpoint, "w0"), ctx(server.endpoint, "w1")
+    d0, d1 = torch.tensor([0.5, 0.0, -1.0, 2.0]), torch.tensor([0.25, 1.0, 1.0, 1.0])
+    first = w0.push(0, d0)
+    again = w0.push(0, d0)  # a resend after a lost ack
+    other = w1.push(0, d1)
+    assert (first.kind, first.detail) == (MessageKind.PUSH_ACK, "applied")
+    assert (again.kind, again.detail) == (MessageKind.PUSH_ACK, "duplicate")
+    assert other.detail == "applied"
+    assert torch.equal(server.state(0), INITIAL + d0 + d1)
+    stats = server.stats()
+    assert (stats.pushes_applied, stats.pushes_duplicate) == (2, 1)
+
+
+def test_bsp_pull_waits_for_the_slowest_worker(server: ParamServer, ctx: Clients) -> None:
+    w0, w1 = ctx(server.endpoint, "w0"), ctx(server.endpoint, "w1")
+    d = torch.ones(4)
+    w0.push(0, d)
+    seq = w0.send(MessageKind.PULL, partition=0, clock=0)  # w0 at clock 1 under BSP: min 0
+    assert w0.silent(), "pull answered before w1 pushed clock 0"
+    assert server.stats().pulls_held == 1
+    w1.push(0, 2 * d)  # makes the held pull answerable
+    header, tensors = w0.recv()
+    assert (header.kind, header.seq, header.clock) == (MessageKind.PULL_REPLY, seq, 0)
+    assert torch.equal(tensors["values"], INITIAL + 3 * d)
+    assert server.stats().pulls_held == 0
+
+
+def test_ssp_pull_is_answered_within_the_slack(server: ParamServer, ctx: Clients) -> None:
+    slack = 1
+    w0, w1 = ctx(server.endpoint, "w0"), ctx(server.endpoint, "w1")
+    w0.push(0, torch.ones(4))  # w0 finishes clock 0 while w1 has pushed nothing
+    w0.send(MessageKind.PULL, partition=0, clock=1 - slack - 1)  # w0 at clock 1
+    header, tensors = w0.recv()
+    assert header.kind is MessageKind.PULL_REPLY
+    assert torch.equal(tensors["values"], INITIAL + 1)  # sees its own update, not waiting
+    w0.push(1, torch.ones(4))
+    w0.send(MessageKind.PULL, partition=0, clock=2 - slack - 1)  # clock 2: needs w1's clock 0
+    assert w0.silent()
+    w1.push(0, torch.ones(4))
+    assert w0.recv()[0].kind is MessageKind.PULL_REPLY
+
+
+def test_unauthenticated_push_changes_nothing(server: ParamServer, ctx: Clients) -> None:
+    w0 = ctx(server.endpoint, "w0")
+    reply = w0.push(0, torch.full((4,), 100.0), token=b"not-the-job-token")
+    assert (reply.kind, reply.detail) == (MessageKind.ERROR, "bad_mac")
+    assert torch.equal(server.state(0), INITIAL)
+    assert server.stats().rejected == 1 and server.stats().pushes_applied == 0
+
+
+@pytest.mark.parametrize(
+    ("sender", "fields", "detail"),
+    [
+        ("intruder", {"clock": 0}, "unknown_worker"),
+        ("w0", {"clock": 0, "job_id": "other-job"}, "wrong_job"),
+        ("w0", {"clock": -1}, "bad_clock"),
+        ("w0", {}, "bad_clock"),
+        ("w0", {"clock": 0, "partition": 9}, "not_owner"),
+        ("w0", {"clock": 0, "delta": torch.ones(3)}, "bad_delta"),
+        ("w0", {"clock": 0, "delta": torch.ones(4, dtype=torch.float64)}, "bad_delta"),
+    ],
+)
+def test_refused_push_gets_an_error_and_changes_nothing(
+    server: ParamServer, ctx: Clients, sender: str, fields: dict[str, Any], detail: str
+) -> None:
+    client = ctx(server.endpoint, sender)
+    delta = fields.pop("delta", torch.ones(4))
+    fields.setdefault("partition", 0)
+    client.send(MessageKind.PUSH, tensors={"delta": delta}, **fields)
+    header, _ = client.recv()
+    assert (header.kind, header.detail, header.seq) == (MessageKind.ERROR, detail, client.seq)
+    assert torch.equal(server.state(0), INITIAL)
+    assert server.stats().rejected == 1
+
+
+def test_unparseable_message_is_dropped_without_reply(server: ParamServer, ctx: Clients) -> None:
+    client = ctx(server.endpoint, "w0")
+    client.sock.send_multipart([b"\x80not json", b"junk"])
+    assert client.silent()
+    client.send(MessageKind.HELLO)  # the server is still serving
+    assert client.recv()[0].kind is MessageKind.HELLO
+    assert server.stats().dropped == 1 and torch.equal(server.state(0), INITIAL)
+
+
+def test_stop_is_bounded_and_idempotent() -> None:
+    ps = ParamServer("ps-x", job_id=JOB, token=TOKEN).start()
+    assert ps.endpoint.startswith("tcp://127.0.0.1:")
+    port = int(ps.endpoint.rsplit(":", 1)[1])
+    with pytest.raises(ServerError):
+        ParamServer("ps-y", job_id=JOB, token=TOKEN, port=port).start()  # port in use
+    ps.stop(timeout_s=2.0)
+    ps.stop()

@@ -1,0 +1,117 @@
+"""End-to-end training on local parameter servers and stateless worker threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from orchestrator.agileml.errors import WorkerError
+from orchestrator.agileml.examples import (
+    gaussian_mixture,
+    initial_model,
+    mlp_factory,
+    mlr_factory,
+    train_local,
+)
+from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
+from orchestrator.agileml.server import ParamServer
+from orchestrator.agileml.worker import Worker, WorkerSpec
+
+FEATURES, CLASSES = 16, 4
+DATA = gaussian_mixture(2000, FEATURES, CLASSES, seed=7)
+
+
+def _full_loss(model: nn.Module) -> float:
+    with torch.no_grad():
+        return float(nn.functional.cross_entropy(model(DATA[0]), DATA[1]))
+
+
+def test_two_worker_bsp_mlr_on_two_servers_lowers_the_loss() -> None:
+    threads_before = threading.active_count()
+    iterations, partitions = 30, 4
+    result = train_local(
+        mlr_factory(FEATURES, CLASSES),
+        DATA,
+        num_workers=2,
+        num_servers=2,
+        num_partitions=partitions,
+        iterations=iterations,
+        batch_size=64,
+        lr=0.5,
+        seed=3,
+    )
+    for losses in result.losses.values():
+        assert len(losses) == iterations
+        assert sum(losses[-5:]) / 5 <= 0.7 * losses[0]
+    start = _full_loss(initial_model(mlr_factory(FEATURES, CLASSES), seed=3))
+    assert _full_loss(result.final_model) <= 0.7 * start
+    # BSP and exactly-once: each server applied one push per worker, clock and owned partition.
+    for stats in result.server_stats.values():
+        assert stats.pushes_applied == 2 * iterations * (partitions // 2)
+        assert (stats.pushes_duplicate, stats.rejected, stats.dropped) == (0, 0, 0)
+    assert threading.active_count() == threads_before
+
+
+def test_three_worker_ssp_mlp_trains_within_the_slack() -> None:
+    result = train_local(
+        mlp_factory(FEATURES, 16, CLASSES),
+        DATA,
+        num_workers=3,
+        num_servers=2,
+        num_partitions=5,
+        iterations=25,
+        batch_size=32,
+        lr=0.3,
+        slack=2,
+        seed=1,
+    )
+    start = _full_loss(initial_model(mlp_factory(FEATURES, 16, CLASSES), seed=1))
+    assert _full_loss(result.final_model) <= 0.7 * start
+
+
+def _single_worker_setup(server_token: bytes, worker_token: bytes) -> tuple[ParamServer, Worker]:
+    model = initial_model(mlr_factory(FEATURES, CLASSES), seed=0)
+    layout, table = PartitionLayout(model, 2), PartitionTable(2)
+    table.assign_round_robin(["ps-0"])
+    server = ParamServer("ps-0", job_id="j", token=server_token)
+    for p, part in enumerate(layout.gather(model)):
+        server.add_partition(p, part)
+    server.register_workers(["w-0"])
+    worker = Worker(
+        WorkerSpec("w-0", "j", batch_size=16, lr=0.1, request_timeout_s=2.0),
+        token=worker_token,
+        layout=layout,
+        table=table,
+        endpoints={"ps-0": ""},
+        model_factory=mlr_factory(FEATURES, CLASSES),
+        data=DATA,
+        loss_fn=nn.functional.cross_entropy,
+    )
+    return server, worker
+
+
+def test_redone_iteration_is_not_applied_twice() -> None:
+    server, worker = _single_worker_setup(b"tok", b"tok")
+    with server:
+        worker.endpoints["ps-0"] = server.endpoint
+        worker.run(1)
+        after_first = [server.state(p) for p in range(2)]
+        worker.clock = 0  # as if the worker died before recording its clock: redo clock 0
+        worker.run(1)
+        assert all(torch.equal(server.state(p), after_first[p]) for p in range(2))
+        assert server.stats().pushes_duplicate == 2 and server.stats().pushes_applied == 2
+
+
+def test_worker_with_wrong_token_fails_and_changes_nothing() -> None:
+    server, worker = _single_worker_setup(b"tok", b"wrong")
+    with server:
+        worker.endpoints["ps-0"] = server.endpoint
+        before = [server.state(p) for p in range(2)]
+        with pytest.raises(WorkerError):
+            worker.run(1)
+        assert worker.clock == 0
+        assert all(torch.equal(server.state(p), before[p]) for p in range(2))
+        assert server.stats().rejected >= 1
