@@ -230,3 +230,26 @@ def test_without_a_limit_jobs_run_side_by_side_each_on_its_own_budget(store, ec2
     assert store.get_job("job-1").state is JobState.RUNNING
     assert store.get_job("job-2").state is JobState.BUDGET_EXHAUSTED
     assert store.spent_usd("job-2") <= 5.0
+
+
+def test_a_job_changed_during_a_tick_is_left_for_the_next_tick(store, ec2, prices):
+    submit(store, job_id="job-1")
+    submit(store, job_id="job-2")
+    ctl = controller(store, ec2, prices)
+    ctl.tick(T0)
+    # a cancel lands between the tick's read and its write for job-1
+    original = store.list_jobs
+
+    def stale_list_jobs(*args: Any, **kwargs: Any) -> list[JobRecord]:
+        jobs = original(*args, **kwargs)
+        job = store.get_job("job-1")
+        store.transition("job-1", JobState.CANCELLING, expected_version=job.version, now_s=T0 + 100)
+        store.list_jobs = original  # only once
+        return jobs
+
+    store.list_jobs = stale_list_jobs  # type: ignore[method-assign]
+    store.update_progress("job-1", 40.0, T0 + 120)  # job-1 would finish: its write conflicts
+    report = ctl.tick(T0 + 120)
+    assert "job-2" in report.decisions  # the other job was still run
+    ctl.tick(T0 + 240)
+    assert store.get_job("job-1").state is JobState.CANCELLED

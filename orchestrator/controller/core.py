@@ -53,7 +53,7 @@ from orchestrator.market.eviction import (
     PriceCrossingModel,
 )
 from orchestrator.market.prices import Market, PriceHistory, PriceSource
-from orchestrator.store.errors import NotFoundError
+from orchestrator.store.errors import ConflictError, NotFoundError
 from orchestrator.store.models import (
     Event,
     EventKind,
@@ -159,16 +159,20 @@ class Controller:
             1 for j in jobs.values() if j.state in (JobState.RUNNING, JobState.CANCELLING)
         )
         for job in sorted(jobs.values(), key=lambda j: (j.submitted_at, j.job_id)):
-            if job.state is JobState.QUEUED:
-                if self.max_running_jobs is not None and running >= self.max_running_jobs:
-                    continue  # waits its turn in the queue
-                job = self._transition(job, JobState.RUNNING, now_s, "started")
-                running += 1
-            if job.state is JobState.RUNNING:
-                self._run_job(job, history, now_s, report)
-            elif job.state is JobState.CANCELLING:
-                self._stop_job(job, history, now_s, EndReason.RELEASED, report)
-                self._finish(job, JobState.CANCELLED, now_s, "cancelled by the user", report)
+            try:
+                if job.state is JobState.QUEUED:
+                    if self.max_running_jobs is not None and running >= self.max_running_jobs:
+                        continue  # waits its turn in the queue
+                    job = self._transition(job, JobState.RUNNING, now_s, "started")
+                    running += 1
+                if job.state is JobState.RUNNING:
+                    self._run_job(job, history, now_s, report)
+                elif job.state is JobState.CANCELLING:
+                    self._stop_job(job, history, now_s, EndReason.RELEASED, report)
+                    self._finish(job, JobState.CANCELLED, now_s, "cancelled by the user", report)
+            except ConflictError:
+                # the job changed under us (a cancel through the API): the next tick re-reads it
+                log.info("job changed during the tick", extra={"job_id": job.job_id})
         return report
 
     # -- observe --------------------------------------------------------------------------
