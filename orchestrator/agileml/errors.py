@@ -97,3 +97,45 @@ class WorkerError(AgileMLError):
         self.endpoint = endpoint
         where = f" from {endpoint}" if endpoint else ""
         super().__init__(f"worker {worker_id!r}: request failed{where}: {reason}")
+
+
+class ElasticityError(AgileMLError):
+    """A node set or role request the elasticity planner cannot serve; nothing was decided.
+
+    Example: no reliable node at all ("AgileML needs at least one reliable node: BackupPSs and
+    ParamServs live there. To fix: add an on-demand node to the job.").
+    """
+
+
+class IllegalTransitionError(ElasticityError):
+    """A membership move that the lifecycle table does not allow; the node's state is unchanged.
+
+    Attributes:
+        node_id: the node.
+        from_state: its current state (None: the node is unknown).
+        to_state: the refused target state.
+    """
+
+    def __init__(self, node_id: str, from_state: str | None, to_state: str) -> None:
+        self.node_id = node_id
+        self.from_state = from_state
+        self.to_state = to_state
+        super().__init__(f"node {node_id!r}: illegal transition {from_state} -> {to_state}")
+
+
+class HandoffError(AgileMLError):
+    """A partition hand-off that did not complete.
+
+    Attributes:
+        partition: the partition.
+        reason: the receiver's error detail, a wire reason, or "timeout".
+        outcome_unknown: True after a timeout: the receiver may or may not hold the partition,
+            so the sender keeps it frozen (see `ParamServer.handoff_to`). False: the receiver
+            refused it and the sender still owns and serves it, unchanged.
+    """
+
+    def __init__(self, partition: int, reason: str, *, outcome_unknown: bool = False) -> None:
+        self.partition = partition
+        self.reason = reason
+        self.outcome_unknown = outcome_unknown
+        super().__init__(f"hand-off of partition {partition} failed: {reason}")

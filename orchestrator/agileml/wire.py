@@ -35,6 +35,7 @@ PROTOCOL_VERSION = 1
 # 256 MiB: a generous bound for one partition of a large model; a DoS guard, not a quota.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAC_HEX_LENGTH = 64  # SHA-256 digest, hex
+MAX_WORKERS = 4096  # bound on the `workers` list of a handoff header (a DoS guard)
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
@@ -49,6 +50,9 @@ class MessageKind(StrEnum):
 
     pull -> pull_reply | error; push -> push_ack | error; clock -> clock_ack | error;
     hello -> hello | error. `error` carries the cause in `detail`.
+    handoff -> handoff_ack | error, between servers: a partition's snapshot (tensors `values`
+    float32, `applied` int64 (k, 2) of (worker_index, clock) pairs indexing the header's
+    `workers`, `version` int64 (1,)); the ack carries the receiver's new `version`.
     """
 
     PULL = "pull"
@@ -59,6 +63,8 @@ class MessageKind(StrEnum):
     CLOCK_ACK = "clock_ack"
     HELLO = "hello"
     ERROR = "error"
+    HANDOFF = "handoff"
+    HANDOFF_ACK = "handoff_ack"
 
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
@@ -79,6 +85,8 @@ class Header(BaseModel):
 
     `partition` and `clock` are set by the operations that need them: a pull carries the
     minimum clock it must see, a push the clock of its update. `detail` explains an `error`.
+    `workers` names the workers a `handoff` snapshot's `applied` pairs refer to (by index);
+    it is left out of other messages entirely, so their bytes are unchanged.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -92,6 +100,7 @@ class Header(BaseModel):
     clock: int | None = None
     tensors: tuple[TensorSpec, ...] = ()
     detail: Annotated[str, Field(max_length=512)] | None = None
+    workers: Annotated[tuple[Name, ...], Field(max_length=MAX_WORKERS)] | None = None
     mac: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
@@ -131,7 +140,8 @@ def encode(
 
     Args:
         header_fields: `kind`, `job_id`, `sender`, `seq` and optionally `partition`, `clock`,
-            `detail`; `v` defaults to `PROTOCOL_VERSION` (set it only to test peers).
+            `detail`, `workers` (a list of names; omitted when not given); `v` defaults to
+            `PROTOCOL_VERSION` (set it only to test peers).
         tensors: the buffers to send, in order; CPU copies are taken, inputs are not changed.
         token: the job token (the MAC key).
 

@@ -1,0 +1,296 @@
+"""Partition hand-off between parameter servers: state, dedup set and ownership move intact."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+from torch import nn
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.errors import HandoffError, OwnershipConflictError, WorkerError
+from orchestrator.agileml.examples import gaussian_mixture, initial_model, mlr_factory, shard
+from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
+from orchestrator.agileml.server import (
+    ParamServer,
+    PartitionStore,
+    PushOutcome,
+    parse_moved,
+    snapshot_to_wire,
+)
+from orchestrator.agileml.wire import Header, MessageKind
+from orchestrator.agileml.worker import Worker, WorkerSpec
+
+JOB, TOKEN = "job-h", b"handoff-test-token"
+INITIAL = torch.tensor([1.0, 2.0, 3.0, 4.0])
+REPLY_TIMEOUT_MS = 2000
+
+
+class Client:
+    """A raw DEALER client speaking the wire format as `sender`."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, sender: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sender, self.seq = sender, 0
+
+    def request(
+        self, kind: MessageKind, tensors: dict[str, torch.Tensor] | None = None, **fields: Any
+    ) -> tuple[Header, dict[str, torch.Tensor]]:
+        self.seq += 1
+        header = {"kind": kind, "job_id": JOB, "sender": self.sender, "seq": self.seq, **fields}
+        self.sock.send_multipart(wire.encode(header, tensors or {}, TOKEN))
+        assert self.sock.poll(REPLY_TIMEOUT_MS), "no reply"
+        return wire.decode(self.sock.recv_multipart(), TOKEN)
+
+    def push(self, clock: int, delta: torch.Tensor, partition: int = 0) -> Header:
+        return self.request(MessageKind.PUSH, {"delta": delta}, partition=partition, clock=clock)[0]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ParamServer, ParamServer]]:
+    threads_before = threading.active_count()
+    old = ParamServer("ps-a", job_id=JOB, token=TOKEN)
+    new = ParamServer("ps-b", job_id=JOB, token=TOKEN)
+    old.add_partition(0, INITIAL)
+    for ps in (old, new):
+        ps.register_workers(["w0", "w1"])
+    with old, new:
+        yield old, new
+    assert threading.active_count() == threads_before
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[Any]]:
+    context: zmq.Context[Any] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def test_store_snapshot_round_trip_keeps_values_applied_set_and_dedup() -> None:
+    old, new = PartitionStore(), PartitionStore()
+    old.add(3, INITIAL, version=4)
+    old.register_workers(["w0", "w1"])
+    d = torch.ones(4)
+    assert old.apply_push(3, "w0", 0, d) is PushOutcome.APPLIED
+    assert old.apply_push(3, "w0", 1, d) is PushOutcome.APPLIED
+    snap = old.export_partition(3)
+    assert (snap.version, snap.applied, snap.workers) == (4, {("w0", 0), ("w0", 1)}, ("w0", "w1"))
+    assert new.import_partition(snap) == 5
+    assert torch.equal(new.values(3), INITIAL + 2)
+    assert new.apply_push(3, "w0", 1, d) is PushOutcome.DUPLICATE  # replay after the hand-off
+    assert new.consistent_clock(3) == -1  # w1 has pushed nothing yet
+    assert new.apply_push(3, "w1", 0, d) is PushOutcome.APPLIED
+    assert new.consistent_clock(3) == 0
+
+
+def test_store_refuses_an_older_snapshot() -> None:
+    a, b = PartitionStore(), PartitionStore()
+    a.add(0, INITIAL, version=2)
+    stale = a.export_partition(0)
+    assert b.import_partition(stale) == 3
+    back = b.export_partition(0)
+    with pytest.raises(OwnershipConflictError) as info:
+        b.import_partition(stale)  # b holds version 3; 2 is older
+    assert (info.value.expected_version, info.value.actual_version) == (2, 3)
+    a.drop_partition(0, new_version=3)
+    with pytest.raises(OwnershipConflictError):
+        a.import_partition(stale)  # a gave it away at 3: its own old snapshot is stale too
+    assert a.import_partition(back) == 4  # the current owner may hand it back
+
+
+def test_handoff_moves_state_and_applied_set_over_the_wire(
+    pair: tuple[ParamServer, ParamServer], ctx: zmq.Context[Any]
+) -> None:
+    old, new = pair
+    w0 = Client(ctx, old.endpoint, "w0")
+    d = torch.tensor([0.5, -1.0, 0.0, 2.0])
+    assert w0.push(0, d).detail == "applied"
+    result = old.handoff_to(0, new.endpoint)
+    assert (result.partition, result.new_owner, result.version) == (0, "ps-b", 1)
+    assert old.owned() == [] and new.owned() == [0]
+    assert torch.equal(new.state(0), INITIAL + d)
+    snap = new.snapshot(0)
+    assert (snap.applied, snap.version) == ({("w0", 0)}, 1)
+    assert (old.stats().handoffs_sent, new.stats().handoffs_received) == (1, 1)
+
+    # The push applied before the hand-off, replayed to the new owner, is a duplicate.
+    w0_new = Client(ctx, new.endpoint, "w0")
+    assert w0_new.push(0, d).detail == "duplicate"
+    assert torch.equal(new.state(0), INITIAL + d)
+    assert w0_new.push(1, d).detail == "applied"
+
+    # The old owner refuses pushes and pulls for the partition and names the new owner.
+    refused = w0.push(2, d)
+    assert refused.kind is MessageKind.ERROR
+    assert parse_moved(refused.detail) == ("ps-b", 1)
+    pulled, _ = w0.request(MessageKind.PULL, partition=0, clock=-1)
+    assert parse_moved(pulled.detail) == ("ps-b", 1)
+    assert torch.equal(new.state(0), INITIAL + 2 * d)
+
+
+def test_held_pull_gets_moved_error_when_its_partition_is_handed_off(
+    pair: tuple[ParamServer, ParamServer], ctx: zmq.Context[Any]
+) -> None:
+    old, new = pair
+    w0 = Client(ctx, old.endpoint, "w0")
+    w0.push(0, torch.ones(4))
+    w0.seq += 1
+    w0.sock.send_multipart(
+        wire.encode(
+            {
+                "kind": MessageKind.PULL,
+                "job_id": JOB,
+                "sender": "w0",
+                "seq": w0.seq,
+                "partition": 0,
+                "clock": 0,
+            },
+            {},
+            TOKEN,
+        )
+    )  # waits for w1's clock 0
+    assert not w0.sock.poll(200)
+    old.handoff_to(0, new.endpoint)
+    assert w0.sock.poll(REPLY_TIMEOUT_MS)
+    header, _ = wire.decode(w0.sock.recv_multipart(), TOKEN)
+    assert (header.kind, header.seq) == (MessageKind.ERROR, w0.seq)
+    assert parse_moved(header.detail) == ("ps-b", 1)
+
+
+def test_older_snapshot_over_the_wire_is_refused(
+    pair: tuple[ParamServer, ParamServer], ctx: zmq.Context[Any]
+) -> None:
+    old, new = pair
+    stale = old.snapshot(0)
+    old.handoff_to(0, new.endpoint)
+    workers, tensors = snapshot_to_wire(stale)
+    replay = Client(ctx, new.endpoint, "ps-a")
+    header, _ = replay.request(MessageKind.HANDOFF, tensors, partition=0, workers=workers)
+    assert (header.kind, header.detail) == (MessageKind.ERROR, "stale_version")
+    assert new.snapshot(0).version == 1 and torch.equal(new.state(0), INITIAL)
+
+
+def test_refused_handoff_leaves_the_sender_serving(ctx: zmq.Context[Any]) -> None:
+    with (
+        ParamServer("ps-a", job_id=JOB, token=TOKEN) as old,
+        ParamServer("ps-c", job_id=JOB, token=TOKEN) as newer,
+    ):
+        old.add_partition(0, INITIAL, version=1)
+        old.register_workers(["w0"])
+        newer.add_partition(0, torch.zeros(4), version=5)  # already holds a newer version
+        with pytest.raises(HandoffError) as info:
+            old.handoff_to(0, newer.endpoint, timeout_s=2.0)
+        assert (info.value.reason, info.value.outcome_unknown) == ("stale_version", False)
+        assert old.owned() == [0] and old.stats().handoffs_sent == 0
+        assert Client(ctx, old.endpoint, "w0").push(0, torch.ones(4)).detail == "applied"
+
+
+def test_unauthenticated_ack_keeps_the_partition_frozen_until_resumed(
+    ctx: zmq.Context[Any],
+) -> None:
+    with (
+        ParamServer("ps-a", job_id=JOB, token=TOKEN) as old,
+        ParamServer("ps-x", job_id=JOB, token=b"another-job-token") as stranger,
+    ):
+        old.add_partition(0, INITIAL)
+        old.register_workers(["w0"])
+        with pytest.raises(HandoffError) as info:
+            old.handoff_to(0, stranger.endpoint, timeout_s=2.0)
+        assert (info.value.reason, info.value.outcome_unknown) == ("bad_mac", True)
+        w0 = Client(ctx, old.endpoint, "w0")
+        assert w0.push(0, torch.ones(4)).detail == "moving"  # frozen: outcome unknown
+        old.resume_partition(0)  # the operator checked: the stranger did not take it
+        assert w0.push(0, torch.ones(4)).detail == "applied"
+        assert torch.equal(old.state(0), INITIAL + 1)
+
+
+FEATURES, CLASSES = 8, 3
+DATA = gaussian_mixture(1200, FEATURES, CLASSES, seed=5)
+
+
+def _full_loss(model: nn.Module) -> float:
+    with torch.no_grad():
+        return float(nn.functional.cross_entropy(model(DATA[0]), DATA[1]))
+
+
+def test_two_worker_mlr_keeps_learning_across_a_mid_run_handoff() -> None:
+    threads_before = threading.active_count()
+    token, factory, n_parts = secrets.token_bytes(16), mlr_factory(FEATURES, CLASSES), 4
+    model = initial_model(factory, seed=2)
+    layout, table = PartitionLayout(model, n_parts), PartitionTable(n_parts)
+    table.assign_round_robin(["ps-0", "ps-1"])
+    servers = {sid: ParamServer(sid, job_id=JOB, token=token) for sid in ("ps-0", "ps-1")}
+    parts = layout.gather(model)
+    for sid, server in servers.items():
+        for p in table.owned_by(sid):
+            server.add_partition(p, parts[p], version=table.get(p).version)
+        server.register_workers(["w-0", "w-1"])
+
+    def current_model() -> nn.Module:
+        out = initial_model(factory, seed=2)
+        layout.scatter(out, [servers[table.owner(p)].state(p) for p in range(n_parts)])
+        return out
+
+    def run_all(workers: list[Worker], iterations: int) -> list[BaseException]:
+        errors: list[BaseException] = []
+
+        def body(w: Worker) -> None:
+            try:
+                w.run(iterations)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=body, args=(w,)) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return errors
+
+    try:
+        for server in servers.values():
+            server.start()
+        endpoints = {sid: s.endpoint for sid, s in servers.items()}
+        workers = [
+            Worker(
+                WorkerSpec(f"w-{i}", JOB, batch_size=32, lr=0.5, seed=2, request_timeout_s=5.0),
+                token=token,
+                layout=layout,
+                table=table,
+                endpoints=endpoints,
+                model_factory=factory,
+                data=shard(DATA, 2, i),
+                loss_fn=nn.functional.cross_entropy,
+            )
+            for i in range(2)
+        ]
+        start = _full_loss(current_model())
+        assert run_all(workers, 10) == []
+        mid = _full_loss(current_model())
+        assert mid < start
+
+        moved = servers["ps-0"].handoff_to(0, endpoints["ps-1"])  # ps-0 is being evicted
+        errors = run_all(workers, 5)  # the table is stale: the old owner names the new one
+        assert len(errors) == 2 and all(isinstance(e, WorkerError) for e in errors)
+        named = {parse_moved(e.reason) for e in errors if isinstance(e, WorkerError)}
+        assert named == {("ps-1", moved.version)}
+        assert [w.clock for w in workers] == [10, 10]  # nothing of clock 10 was pushed
+
+        table.move(0, "ps-1", expected_version=moved.version - 1)  # re-read from the reply
+        assert table.get(0).version == moved.version
+        assert run_all(workers, 10) == []
+        assert [w.clock for w in workers] == [20, 20]
+        assert _full_loss(current_model()) < mid
+        stats = servers["ps-1"].stats()
+        assert stats.pushes_duplicate == 0 and stats.handoffs_received == 1
+    finally:
+        for server in servers.values():
+            server.stop()
+    assert threading.active_count() == threads_before
