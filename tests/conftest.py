@@ -20,13 +20,14 @@ STORE_NAMESPACE = "ctltest"
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
+    """A fresh redis-server per test module. A missing one fails the tests (CI installs it)."""
     try:
         with start_redis() as url:
             yield url
             return
     except RedisServerError as exc:
         failure = str(exc)
-    pytest.fail(failure)
+    pytest.fail(failure, pytrace=False)  # outside `except`: no chained traceback
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import pytest
 import redis
 import uvicorn
 from pydantic import SecretStr
-from redis_server import RedisServerError, free_port, start_redis
+from redis_server import free_port, start_redis
 
 from orchestrator.api.app import CANCEL_ATTEMPTS, cancel_job, create_app
 from orchestrator.api.client import ApiClient, ApiResponseError
@@ -60,18 +60,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now_s
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    """A fresh redis-server for this module. A missing one fails the tests (CI installs it)."""
-    try:
-        with start_redis() as url:
-            yield url
-            return
-    except RedisServerError as exc:
-        failure = str(exc)
-    pytest.fail(failure, pytrace=False)
 
 
 @pytest.fixture

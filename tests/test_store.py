@@ -43,18 +43,6 @@ NS = "test"
 SPEC = JobSpec(name="resnet", work_gpu_hours=10.0, max_work_rate=4.0, budget_usd=50.0)
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    """A fresh redis-server for this module. A missing one fails the tests (CI installs it)."""
-    try:
-        with start_redis() as url:
-            yield url
-            return
-    except RedisServerError as exc:
-        failure = str(exc)
-    pytest.fail(failure, pytrace=False)  # outside `except`: no chained traceback
-
-
 @pytest.fixture
 def raw(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
