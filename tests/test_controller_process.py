@@ -87,6 +87,25 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def moto_ec2(moto_url: str):  # type: ignore[no-untyped-def]
+    """A boto3 EC2 client on the moto server."""
+    return boto3.client(
+        "ec2",
+        region_name="us-east-1",
+        endpoint_url=moto_url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+
+
+def describe(ec2, *filters: dict) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Every instance matching `filters`, across reservations."""
+    out: list[dict] = []
+    for r in ec2.describe_instances(Filters=list(filters))["Reservations"]:
+        out.extend(r["Instances"])
+    return out
+
+
 @pytest.fixture
 def controller_process(
     store: Store, redis_url: str, moto_url: str
@@ -113,24 +132,14 @@ def test_controller_process_runs_a_submitted_job_and_takes_notices(
             "instance_types": ["p3.2xlarge"],
         }
     )
-    ec2 = boto3.client(
-        "ec2",
-        region_name="us-east-1",
-        endpoint_url=moto_url,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
+    ec2 = moto_ec2(moto_url)
 
     def running() -> list[dict]:
-        out = []
-        for r in ec2.describe_instances(
-            Filters=[
-                {"Name": "tag:orchestrator:job-id", "Values": [job["job_id"]]},
-                {"Name": "instance-state-name", "Values": ["pending", "running"]},
-            ]
-        )["Reservations"]:
-            out.extend(r["Instances"])
-        return out
+        return describe(
+            ec2,
+            {"Name": "tag:orchestrator:job-id", "Values": [job["job_id"]]},
+            {"Name": "instance-state-name", "Values": ["pending", "running"]},
+        )
 
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and len(running()) < 3:
@@ -170,23 +179,10 @@ def test_sigkill_mid_acquisition_then_restart_launches_nothing_twice(store, redi
     api_port = free_port()
     proc = start_controller(redis_url, moto_url, api_port)
     api = f"http://127.0.0.1:{api_port}"
-    ec2 = boto3.client(
-        "ec2",
-        region_name="us-east-1",
-        endpoint_url=moto_url,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
+    ec2 = moto_ec2(moto_url)
 
     def ours() -> list[dict]:
-        out = []
-        for r in ec2.describe_instances(
-            Filters=[
-                {"Name": "tag:orchestrator:controller-id", "Values": ["proc-test"]},
-            ]
-        )["Reservations"]:
-            out.extend(r["Instances"])
-        return out
+        return describe(ec2, {"Name": "tag:orchestrator:controller-id", "Values": ["proc-test"]})
 
     try:
         client = ApiClient(api, TOKEN)

@@ -245,7 +245,7 @@ class Controller:
             self._stop_job(job, history, now_s, EndReason.JOB_FINISHED, report)
             self._finish(job, JobState.SUCCEEDED, now_s, "all work done", report)
             return
-        table = self._table(submission, history)
+        table = self._table(submission, spec, history)
         if len(table) == 0:
             self._stop_job(job, history, now_s, EndReason.RELEASED, report)
             self._finish(
@@ -480,7 +480,9 @@ class Controller:
                 due.add(allocation_id)
         return frozenset(due)
 
-    def _table(self, submission: JobSubmission, history: PriceHistory) -> MarketTable:
+    def _table(
+        self, submission: JobSubmission, spec: JobSpec, history: PriceHistory
+    ) -> MarketTable:
         types = set(submission.instance_types or self.catalog.gpu_types())
         markets = [
             m
@@ -489,7 +491,7 @@ class Controller:
             and m.region in submission.regions
             and self.catalog.get(m.instance_type).offered_in(m.region)
         ]
-        return MarketTable.build(markets, self.catalog, submission.job_spec().gpu_work_rates)
+        return MarketTable.build(markets, self.catalog, spec.gpu_work_rates)
 
     def _price_model_for(self, history: PriceHistory, now_s: float) -> PriceCrossingModel:
         if self._price_model is None or now_s - self._price_model_at >= PRICE_MODEL_REFIT_S:

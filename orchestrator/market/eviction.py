@@ -281,6 +281,11 @@ class AvailabilityTrace:
         return self.removal_schedule()
 
     def node_hours_and_removals(self) -> tuple[float, int]:
+        """Node-hours the trace covers and the removals it saw (computed once per trace)."""
+        return self._exposure
+
+    @functools.cached_property
+    def _exposure(self) -> tuple[float, int]:
         live: set[str] = set()
         last = 0.0
         area = 0.0
