@@ -6,9 +6,12 @@ A message is a ZMQ multipart message `[header, buffer_0, ..., buffer_k]`:
   names, in order, the dtype and shape of each buffer.
 * `buffer_i` holds the raw little-endian bytes of tensor i (C order), exactly
   `itemsize(dtype) * prod(shape)` bytes.
-* `mac` is HMAC-SHA256, keyed with the job token, over the canonical JSON of the header without
-  `mac`, then each buffer, each piece prefixed with its 8-byte big-endian length (so bytes cannot
-  be shifted between frames). The token itself never travels.
+* `mac` is a Poly1305 tag over the canonical JSON of the header without `mac`, then each buffer,
+  each piece prefixed with its 8-byte big-endian length (so bytes cannot be shifted between
+  frames). Its one-time key is HMAC-SHA256(job token, the header's random 128-bit `nonce`), so
+  every message has its own key, as Poly1305 requires. Poly1305 runs at ~10 GB/s where
+  HMAC-SHA256 runs at ~1.5 GB/s, which matters when every iteration moves the whole model.
+  The token itself never travels.
 
 Nothing is ever unpickled: tensors are rebuilt with `torch.frombuffer` over a private copy of
 the received bytes. `decode` checks, in this order: size limit, JSON, MAC, version, kind, schema,
@@ -22,19 +25,23 @@ import hashlib
 import hmac
 import json
 import math
+import secrets
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any
 
 import torch
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.agileml.errors import WireError, WireReason
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # 256 MiB: a generous bound for one partition of a large model; a DoS guard, not a quota.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-MAC_HEX_LENGTH = 64  # SHA-256 digest, hex
+MAC_HEX_LENGTH = 32  # Poly1305 tag, hex
+NONCE_HEX_LENGTH = 32  # 128 random bits per message, hex
+_KEY_LABEL = b'agileml/poly1305-key/'
 MAX_WORKERS = 4096  # bound on the `workers` list of a handoff header (a DoS guard)
 
 DTYPES: Mapping[str, torch.dtype] = {
@@ -86,7 +93,8 @@ class Header(BaseModel):
     `partition` and `clock` are set by the operations that need them: a pull carries the
     minimum clock it must see, a push the clock of its update. `detail` explains an `error`.
     `workers` names the workers a `handoff` snapshot's `applied` pairs refer to (by index);
-    it is left out of other messages entirely, so their bytes are unchanged.
+    `epoch` is the membership epoch a request was made in (see `runtime`). Both are left out
+    of messages that do not set them.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -101,7 +109,9 @@ class Header(BaseModel):
     tensors: tuple[TensorSpec, ...] = ()
     detail: Annotated[str, Field(max_length=512)] | None = None
     workers: Annotated[tuple[Name, ...], Field(max_length=MAX_WORKERS)] | None = None
-    mac: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    epoch: Annotated[int, Field(ge=0)] | None = None
+    nonce: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    mac: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 
 
 def canonical_json(obj: Mapping[str, Any]) -> bytes:
@@ -110,14 +120,22 @@ def canonical_json(obj: Mapping[str, Any]) -> bytes:
 
 
 def compute_mac(
-    header_without_mac: Mapping[str, Any], buffers: Sequence[bytes], token: bytes
+    header_without_mac: Mapping[str, Any], buffers: Sequence[bytes | memoryview], token: bytes
 ) -> str:
-    """HMAC-SHA256 (hex) of the canonical header JSON and the buffers, length-prefixed."""
-    mac = hmac.new(token, digestmod=hashlib.sha256)
+    """The Poly1305 tag (hex) of the canonical header JSON and the buffers, length-prefixed.
+
+    Raises:
+        WireError: BAD_MAC if the header has no well-formed `nonce`.
+    """
+    nonce = header_without_mac.get("nonce")
+    if not isinstance(nonce, str) or len(nonce) != NONCE_HEX_LENGTH:
+        raise WireError(WireReason.BAD_MAC, "missing or malformed nonce")
+    key = hmac.new(token, _KEY_LABEL + nonce.encode("ascii", "replace"), hashlib.sha256).digest()
+    mac = Poly1305(key)
     for piece in (canonical_json(header_without_mac), *buffers):
         mac.update(len(piece).to_bytes(8, "big"))
         mac.update(piece)
-    return mac.hexdigest()
+    return mac.finalize().hex()
 
 
 def _tensor_bytes(name: str, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
@@ -140,8 +158,9 @@ def encode(
 
     Args:
         header_fields: `kind`, `job_id`, `sender`, `seq` and optionally `partition`, `clock`,
-            `detail`, `workers` (a list of names; omitted when not given); `v` defaults to
-            `PROTOCOL_VERSION` (set it only to test peers).
+            `detail`, `workers` (a list of names), `epoch` (both omitted when not given); `v`
+            defaults to `PROTOCOL_VERSION` and `nonce` to a fresh random one (set them only to
+            test peers).
         tensors: the buffers to send, in order; CPU copies are taken, inputs are not changed.
         token: the job token (the MAC key).
 
@@ -159,6 +178,7 @@ def encode(
     if "mac" in fields or "tensors" in fields:
         raise WireError(WireReason.SCHEMA, "`mac` and `tensors` are computed by encode")
     fields.setdefault("v", PROTOCOL_VERSION)
+    fields.setdefault("nonce", secrets.token_hex(NONCE_HEX_LENGTH // 2))
     if isinstance(fields.get("kind"), MessageKind):
         fields["kind"] = str(fields["kind"])
     body = {"partition": None, "clock": None, "detail": None, **fields, "tensors": specs}
@@ -173,7 +193,7 @@ def encode(
 
 
 def decode(
-    frames: Sequence[bytes],
+    frames: Sequence[bytes | memoryview],
     token: bytes,
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -189,7 +209,7 @@ def decode(
     total = sum(len(f) for f in frames)
     if total > max_message_bytes:
         raise WireError(WireReason.TOO_LARGE, f"{total} bytes > limit {max_message_bytes}")
-    raw, buffers = bytes(frames[0]), [bytes(f) for f in frames[1:]]
+    raw, buffers = bytes(frames[0]), [memoryview(f) for f in frames[1:]]
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -212,7 +232,7 @@ def decode(
     return header, _tensors(header, buffers)
 
 
-def _tensors(header: Header, buffers: list[bytes]) -> dict[str, torch.Tensor]:
+def _tensors(header: Header, buffers: list[memoryview]) -> dict[str, torch.Tensor]:
     names = [spec.name for spec in header.tensors]
     if len(set(names)) != len(names):
         raise WireError(WireReason.SCHEMA, "duplicate tensor names")
