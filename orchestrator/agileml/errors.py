@@ -139,3 +139,7 @@ class HandoffError(AgileMLError):
         self.reason = reason
         self.outcome_unknown = outcome_unknown
         super().__init__(f"hand-off of partition {partition} failed: {reason}")
+
+
+class RosterError(AgileMLError):
+    """A malformed roster, or a change that would add a worker to a clock already complete."""

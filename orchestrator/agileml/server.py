@@ -26,7 +26,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -39,10 +39,12 @@ from orchestrator.agileml.errors import (
     HandoffError,
     OwnershipConflictError,
     PartitionError,
+    RosterError,
     ServerError,
     WireError,
     WireReason,
 )
+from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.wire import Header, MessageKind
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class RejectReason(StrEnum):
     MOVED = "moved"  # handed off; the reply's detail is `moved:<version>:<new owner>`
     BAD_SNAPSHOT = "bad_snapshot"  # a handoff whose tensors or worker list are malformed
     STALE_VERSION = "stale_version"  # a handoff older than what the receiver holds or held
+    STALE_EPOCH = "stale_epoch"  # made before a roll-back; detail `stale_epoch:<epoch>`
+    FUTURE_EPOCH = "future_epoch"  # the server has not entered the request's epoch yet; retry
 
 
 class RejectedError(Exception):
@@ -106,18 +110,32 @@ class PushOutcome(StrEnum):
 @dataclass
 class _Partition:
     values: torch.Tensor
-    applied: set[tuple[str, int]] = field(default_factory=set)  # (worker, clock)
-    frontier: dict[str, int] = field(default_factory=dict)  # worker -> all clocks <= this applied
+    # (worker, clock) pushes applied but not implied by `consistent` (pruned as it advances)
+    applied: set[tuple[str, int]] = field(default_factory=set)
     version: int = 0  # ownership version: bumped by every hand-off
+    consistent: int = -1  # every roster member's pushes for clocks <= this are applied
+    # updates applied here but not yet streamed to the BackupPS: clock -> (sum, workers)
+    pending: dict[int, tuple[torch.Tensor, set[str]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PendingChunk:
+    """The summed update of some workers to one partition for one clock."""
+
+    clock: int
+    delta: torch.Tensor
+    workers: frozenset[str]
 
 
 @dataclass(frozen=True)
 class PartitionSnapshot:
     """Everything a new owner needs to serve a partition exactly as the old one did.
 
-    `values` is a private float32 copy; `applied` the (worker, clock) pushes already in it;
+    `values` is a private float32 copy; `applied` the (worker, clock) pushes in it beyond what
+    `consistent` implies (every roster member's pushes up to `consistent` are in it);
     `version` the ownership version at export (the receiver will hold `version + 1`);
-    `workers` the workers registered at the sender (the receiver registers them too).
+    `workers` the roster members at the sender's next clock (a receiver without a roster adopts
+    them); `pending` the updates in `values` that the BackupPS does not have yet.
     """
 
     partition: int
@@ -125,25 +143,74 @@ class PartitionSnapshot:
     applied: frozenset[tuple[str, int]]
     version: int
     workers: tuple[str, ...] = ()
+    consistent: int = -1
+    pending: tuple[PendingChunk, ...] = ()
 
 
 class PartitionStore:
-    """The partitions a server owns and the updates applied to them. Not thread-safe."""
+    """The partitions a server owns (or backs up) and the updates applied to them.
+
+    Which workers must push each clock comes from the `Roster`; a clock of a partition is
+    complete once all of them have pushed it, and `consistent_clock` is the highest clock up to
+    which all are complete. Not thread-safe.
+    """
 
     def __init__(self) -> None:
         self._parts: dict[int, _Partition] = {}
         self._given_away: dict[int, int] = {}  # partition -> the version its new owner holds
-        self.workers: set[str] = set()
+        self.roster: Roster | None = None
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """The roster members of clock 0 (empty without a roster)."""
+        return self.roster.members(0) if self.roster is not None else ()
 
     def add(self, p: int, values: torch.Tensor, *, version: int = 0) -> None:
         """Take ownership of partition p with these values (copied to a float32 vector)."""
         self._parts[p] = _Partition(
             values.detach().reshape(-1).to(torch.float32).clone(), version=version
         )
+        self._given_away.pop(p, None)
+
+    def set_roster(self, roster: Roster) -> None:
+        """Adopt `roster`; partitions whose next clocks are now complete advance.
+
+        Raises:
+            RosterError: the roster adds a worker to a clock that some partition has already
+                completed (its pushes would be taken for duplicates); nothing changed.
+        """
+        if self.roster is not None:
+            for p, part in self._parts.items():
+                for clock in _entry_clocks(self.roster, roster, part.consistent):
+                    added = set(roster.members(clock)) - set(self.roster.members(clock))
+                    if added:
+                        raise RosterError(
+                            f"partition {p} already completed clock {clock}; cannot add "
+                            f"{sorted(added)} there. To fix: schedule the change after the "
+                            f"highest completed clock ({part.consistent})."
+                        )
+        self.roster = roster
+        for part in self._parts.values():
+            self._advance(part)
+
+    def register_workers(self, ids: Iterable[str]) -> None:
+        """Add workers to the roster from clock 0 (before training starts)."""
+        self.set_roster(Roster.starting(tuple(set(self.workers) | set(ids))))
 
     def version(self, p: int) -> int:
         """The ownership version of partition p. Raises PartitionError if not owned here."""
         return self._get(p).version
+
+    def owned(self) -> list[int]:
+        return sorted(self._parts)
+
+    def values(self, p: int) -> torch.Tensor:
+        """A copy of partition p. Raises PartitionError if this store does not own it."""
+        return self._get(p).values.clone()
+
+    def live_values(self, p: int) -> torch.Tensor:
+        """Partition p's values without a copy: read them under the caller's lock only."""
+        return self._get(p).values
 
     def export_partition(self, p: int) -> PartitionSnapshot:
         """A snapshot of partition p (copies); the store keeps owning and serving it.
@@ -152,30 +219,37 @@ class PartitionStore:
             PartitionError: p is not owned here.
         """
         part = self._get(p)
+        pending = tuple(
+            PendingChunk(c, d.clone(), frozenset(ws)) for c, (d, ws) in sorted(part.pending.items())
+        )
+        members = self.roster.members(part.consistent + 1) if self.roster is not None else ()
         return PartitionSnapshot(
             p,
             part.values.clone(),
             frozenset(part.applied),
             part.version,
-            tuple(sorted(self.workers)),
+            tuple(members),
+            part.consistent,
+            pending,
         )
 
-    def import_partition(self, snapshot: PartitionSnapshot) -> int:
-        """Take ownership of a handed-off partition; returns its new version (snapshot's + 1).
+    def import_partition(self, snapshot: PartitionSnapshot, *, restore: bool = False) -> int:
+        """Take ownership of a partition from a snapshot; returns its new version.
 
-        The applied set comes along, so replayed pushes stay duplicates; the snapshot's workers
-        are registered. A snapshot is refused if it is older than what this store holds (it
-        must be newer than the owned version) or last gave away (it must be at least that).
+        A hand-off (`restore=False`) must be newer than what this store holds (version above the
+        owned one) and not older than what it last gave away; a restore from a BackupPS replaces
+        the partition whatever its version. The applied set comes along, so replayed pushes stay
+        duplicates. A store without a roster adopts the snapshot's workers from clock 0.
 
         Raises:
-            OwnershipConflictError: the snapshot is stale; nothing changed.
-            PartitionError: malformed snapshot (values not 1-D float32, or a negative clock);
-                nothing changed.
+            OwnershipConflictError: a stale hand-off; nothing changed.
+            PartitionError: malformed snapshot (values not 1-D float32, a negative clock, or a
+                pending chunk of another size); nothing changed.
         """
         p = snapshot.partition
         owned = self._parts.get(p)
         floor = owned.version + 1 if owned is not None else self._given_away.get(p, 0)
-        if snapshot.version < floor:
+        if snapshot.version < floor and not restore:
             current = owned.version if owned is not None else floor
             raise OwnershipConflictError(p, snapshot.version, current)
         values = snapshot.values
@@ -183,17 +257,23 @@ class PartitionStore:
             raise PartitionError(
                 f"snapshot values: {values.dtype} {tuple(values.shape)}", partition=p
             )
-        if any(clock < 0 for _, clock in snapshot.applied):
+        if any(clock < 0 for _, clock in snapshot.applied) or snapshot.consistent < -1:
             raise PartitionError("snapshot has a negative clock", partition=p)
-        part = _Partition(values.clone(), set(snapshot.applied), version=snapshot.version + 1)
-        for worker in {w for w, _ in part.applied}:
-            front = -1
-            while (worker, front + 1) in part.applied:
-                front += 1
-            part.frontier[worker] = front
-        self.workers.update(snapshot.workers)
+        if any(c.delta.shape != values.shape for c in snapshot.pending):
+            raise PartitionError("snapshot pending chunk of the wrong size", partition=p)
+        version = max(snapshot.version, floor - 1) + 1
+        part = _Partition(
+            values.clone(),
+            set(snapshot.applied),
+            version=version,
+            consistent=snapshot.consistent,
+            pending={c.clock: (c.delta.clone(), set(c.workers)) for c in snapshot.pending},
+        )
+        if self.roster is None:
+            self.roster = Roster.starting(snapshot.workers)
         self._parts[p] = part
         self._given_away.pop(p, None)
+        self._advance(part)
         return part.version
 
     def drop_partition(self, p: int, new_version: int) -> None:
@@ -206,65 +286,132 @@ class PartitionStore:
         del self._parts[p]
         self._given_away[p] = new_version
 
-    def owned(self) -> list[int]:
-        return sorted(self._parts)
+    def is_applied(self, p: int, worker: str, clock: int) -> bool:
+        """Whether the push (worker, clock) is in partition p. Raises PartitionError."""
+        part = self._get(p)
+        return self._applied(part, worker, clock)
 
-    def register_workers(self, ids: Iterable[str]) -> None:
-        self.workers.update(ids)
-
-    def values(self, p: int) -> torch.Tensor:
-        """A copy of partition p. Raises PartitionError if this store does not own it."""
-        return self._get(p).values.clone()
-
-    def apply_push(self, p: int, worker: str, clock: int, delta: torch.Tensor) -> PushOutcome:
+    def apply_push(
+        self, p: int, worker: str, clock: int, delta: torch.Tensor, *, track_pending: bool = False
+    ) -> PushOutcome:
         """Add `delta` to partition p once per (worker, clock).
 
+        `track_pending` also sums it into the updates still to stream to the BackupPS.
+
         Raises:
-            RejectedError: not owned, unknown worker, negative clock, or a delta of the wrong
-                dtype or shape; nothing changed.
+            RejectedError: not owned, a worker not in the roster at `clock`, a negative clock,
+                or a delta of the wrong dtype or shape; nothing changed.
         """
         part = self._parts.get(p)
         if part is None:
             raise RejectedError(RejectReason.NOT_OWNER, f"partition {p}")
-        if worker not in self.workers:
-            raise RejectedError(RejectReason.UNKNOWN_WORKER, worker)
         if clock < 0:
             raise RejectedError(RejectReason.BAD_CLOCK, f"clock {clock}")
+        if self.roster is None or worker not in self.roster.members(clock):
+            raise RejectedError(RejectReason.UNKNOWN_WORKER, f"{worker} at clock {clock}")
         if delta.dtype != torch.float32 or delta.shape != part.values.shape:
             raise RejectedError(
                 RejectReason.BAD_DELTA,
                 f"{delta.dtype} {tuple(delta.shape)}, want float32 {tuple(part.values.shape)}",
             )
-        if (worker, clock) in part.applied:
+        if self._applied(part, worker, clock):
             return PushOutcome.DUPLICATE
         part.values += delta
         part.applied.add((worker, clock))
-        front = part.frontier.get(worker, -1)
-        while (worker, front + 1) in part.applied:
-            front += 1
-        part.frontier[worker] = front
+        if track_pending:
+            total, who = part.pending.get(clock, (None, set()))
+            part.pending[clock] = (delta.clone() if total is None else total.add_(delta), who)
+            who.add(worker)
+        self._advance(part)
         return PushOutcome.APPLIED
 
-    def consistent_clock(self, p: int) -> int | None:
-        """The highest c such that every registered worker's pushes 0..c to p are applied.
+    def apply_chunk(
+        self, p: int, clock: int, workers: Iterable[str], delta: torch.Tensor
+    ) -> PushOutcome:
+        """Apply a streamed update (the sum of `workers`' pushes for `clock`) once.
 
-        None if no worker is registered (every pull is then answerable). Raises PartitionError.
+        Raises:
+            RejectedError: not held here, bad delta, or a chunk only partly applied before;
+                nothing changed.
+        """
+        part = self._parts.get(p)
+        if part is None:
+            raise RejectedError(RejectReason.NOT_OWNER, f"no backup of partition {p}")
+        if clock < 0:
+            raise RejectedError(RejectReason.BAD_CLOCK, f"clock {clock}")
+        if delta.dtype != torch.float32 or delta.shape != part.values.shape:
+            raise RejectedError(RejectReason.BAD_DELTA, f"{delta.dtype} {tuple(delta.shape)}")
+        who = set(workers)
+        done = {w for w in who if self._applied(part, w, clock)}
+        if done == who:
+            return PushOutcome.DUPLICATE
+        if done:
+            raise RejectedError(
+                RejectReason.BAD_DELTA, f"clock {clock}: {sorted(done)} of {sorted(who)} applied"
+            )
+        part.values += delta
+        part.applied.update((w, clock) for w in who)
+        self._advance(part)
+        return PushOutcome.APPLIED
+
+    def take_streamable(self, p: int) -> list[PendingChunk]:
+        """Remove and return partition p's pending updates of complete clocks, oldest first."""
+        part = self._get(p)
+        ready = sorted(c for c in part.pending if c <= part.consistent)
+        out = []
+        for c in ready:
+            delta, who = part.pending.pop(c)
+            out.append(PendingChunk(c, delta, frozenset(who)))
+        return out
+
+    def clear_pending(self, p: int) -> None:
+        """Forget partition p's unstreamed updates (its BackupPS already has its whole state)."""
+        self._get(p).pending.clear()
+
+    def consistent_clock(self, p: int) -> int | None:
+        """The highest c such that every roster member's pushes 0..c to p are applied.
+
+        None if there is no roster (every pull is then answerable). Raises PartitionError.
         """
         part = self._get(p)
-        if not self.workers:
-            return None
-        return min(part.frontier.get(w, -1) for w in self.workers)
+        return None if self.roster is None else part.consistent
 
     def ready(self, p: int, min_clock: int) -> bool:
         """Whether a pull of p that must see clocks up to `min_clock` can be answered now."""
         c = self.consistent_clock(p)
         return c is None or c >= min_clock
 
+    def _applied(self, part: _Partition, worker: str, clock: int) -> bool:
+        if (worker, clock) in part.applied:
+            return True
+        return (
+            clock <= part.consistent
+            and self.roster is not None
+            and worker in self.roster.members(clock)
+        )
+
+    def _advance(self, part: _Partition) -> None:
+        roster = self.roster
+        if roster is None:
+            return
+        while True:
+            members = roster.members(part.consistent + 1)
+            if not members or any((w, part.consistent + 1) not in part.applied for w in members):
+                break
+            part.consistent += 1
+            part.applied.difference_update((w, part.consistent) for w in members)
+
     def _get(self, p: int) -> _Partition:
         part = self._parts.get(p)
         if part is None:
             raise PartitionError(f"partition {p} is not owned here", partition=p)
         return part
+
+
+def _entry_clocks(old: Roster, new: Roster, upto: int) -> list[int]:
+    """The clocks <= `upto` where either roster starts an entry (where membership changes)."""
+    clocks = {e.from_clock for e in (*old.entries, *new.entries)}
+    return sorted(c for c in clocks if c <= upto)
 
 
 @dataclass(frozen=True)
@@ -279,6 +426,9 @@ class ServerStats:
     dropped: int = 0  # unparseable; no reply
     handoffs_sent: int = 0  # partitions handed to another server (acknowledged)
     handoffs_received: int = 0  # partitions taken over from another server
+    chunks_streamed: int = 0  # coalesced updates sent to BackupPSs
+    chunks_backed: int = 0  # coalesced updates applied to this server's backup copies
+    restores: int = 0  # partitions replaced by a BackupPS's copy (roll-back)
 
 
 @dataclass(frozen=True)
@@ -303,6 +453,16 @@ Reply = tuple[bytes, list[bytes]]
 class ParamServer:
     """A parameter server thread on a ROUTER socket at `tcp://<host>:<port>` (0: random port).
 
+    Roles (one server may play several, per partition): it *owns* partitions (a ParamServ, or
+    an ActivePS when the partition has a BackupPS elsewhere, see `set_backups`) and it *backs
+    up* partitions owned elsewhere (a BackupPS, see `add_backup`). An owner streams, for each
+    clock its partition completes, the sum of that clock's pushes to the partition's BackupPS
+    (one `replicate` message: updates coalesced across workers), in the background.
+
+    `epoch` counts roll-backs: a `restore` from a BackupPS sets a new epoch, and requests that
+    name an older epoch are refused (`stale_epoch:<epoch>`), so no update computed before the
+    roll-back lands after it. Requests without an epoch are not checked.
+
     Use as a context manager, or call `start()` and `stop()`. Public methods are thread-safe.
     Malformed or unauthenticated messages never change state: they get an `error` reply with
     the reason in `detail`, or are dropped if the header is not even JSON; both are counted.
@@ -317,20 +477,29 @@ class ParamServer:
         host: str = "127.0.0.1",
         port: int = 0,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+        control: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.node_id = node_id
         self.job_id = job_id
         self._token = token
         self._address = f"tcp://{host}:{port}"
         self._max_message_bytes = max_message_bytes
+        self._control = control  # the node agent's handler of `control` ops it owns
         self._store = PartitionStore()
+        self._backup = PartitionStore()  # copies of partitions this server backs up
+        self._backups: dict[int, str] = {}  # partition -> endpoint of its BackupPS
         self._held: dict[int, list[_HeldPull]] = {}
         self._moving: set[int] = set()  # hand-off in flight: frozen
         self._moved: dict[int, tuple[str, int]] = {}  # handed off: (new owner, version)
         self._outbox: list[Reply] = []  # replies from other threads, sent by the serve thread
+        self._stream_out: list[tuple[str, list[bytes]]] = []  # (backup endpoint, frames)
+        self._unacked: dict[int, int] = {}  # replicate seq -> partition
+        self._stream_seq = 0
         self._handoff_seq = 0
+        self.epoch = 0
         self._stats = ServerStats()
         self._lock = threading.Lock()
+        self._acked = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._ctx: zmq.Context[Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
@@ -390,15 +559,94 @@ class ParamServer:
             self._store.add(p, values, version=version)
             self._moved.pop(p, None)
 
+    def add_backup(self, p: int, values: torch.Tensor) -> None:
+        """Back up partition p, starting from these values (the owner's initial values)."""
+        with self._lock:
+            self._backup.add(p, values)
+
+    def set_backups(self, backups: Mapping[int, str]) -> None:
+        """Name the BackupPS endpoint of each partition (a partition's own server: none).
+
+        From now on, every update applied to an owned partition whose BackupPS is elsewhere is
+        streamed to it once its clock completes.
+        """
+        with self._lock:
+            self._backups = dict(backups)
+
+    def set_roster(self, roster: Roster) -> None:
+        """Adopt `roster` for owned and backed-up partitions; held pulls that are now
+        answerable are answered.
+
+        Raises:
+            RosterError: it would add a worker to an already completed clock; nothing changed.
+        """
+        with self._lock:
+            for store in (self._store, self._backup):
+                if store.roster is not None:
+                    store.set_roster(roster)  # validates before changing anything
+            self._store.set_roster(roster)
+            self._backup.set_roster(roster)
+            for p in list(self._held):
+                self._outbox.extend(self._release_held(p))
+                self._queue_stream(p)
+
+    def register_workers(self, ids: Iterable[str]) -> None:
+        """Allow these workers to push from clock 0; pulls then wait for their pushes too."""
+        with self._lock:
+            self._store.register_workers(ids)
+            self._backup.register_workers(ids)
+
     def owned(self) -> list[int]:
         """The partitions this server holds (including one whose hand-off is in flight)."""
         with self._lock:
             return self._store.owned()
 
+    def backed(self) -> list[int]:
+        """The partitions this server keeps backup copies of."""
+        with self._lock:
+            return self._backup.owned()
+
     def snapshot(self, p: int) -> PartitionSnapshot:
         """A snapshot of partition p (as `PartitionStore.export_partition`)."""
         with self._lock:
             return self._store.export_partition(p)
+
+    def state(self, p: int) -> torch.Tensor:
+        """A copy of partition p's current values. Raises PartitionError if not owned here."""
+        with self._lock:
+            return self._store.values(p)
+
+    def backup_state(self, p: int) -> torch.Tensor:
+        """A copy of this server's backup of partition p. Raises PartitionError if none."""
+        with self._lock:
+            return self._backup.values(p)
+
+    def consistent_clocks(self, *, backup: bool = False) -> dict[int, int]:
+        """The consistent clock of each owned (or, with `backup`, backed-up) partition."""
+        with self._lock:
+            store = self._backup if backup else self._store
+            return {p: store.consistent_clock(p) or -1 for p in store.owned()}
+
+    def stats(self) -> ServerStats:
+        with self._lock:
+            held = sum(len(v) for v in self._held.values())
+            return replace(self._stats, pulls_held=held)
+
+    def flush(self, timeout_s: float = HANDOFF_TIMEOUT_SECONDS) -> bool:
+        """Wait until every streamed update is acknowledged by its BackupPS (end of life).
+
+        Returns False if some are still unacknowledged after `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._acked:
+            while self._unacked or self._stream_out:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._acked.wait(remaining)
+            return True
+
+    # -- hand-off and restore ---------------------------------------------------------------
 
     def handoff_to(
         self, p: int, endpoint: str, *, timeout_s: float = HANDOFF_TIMEOUT_SECONDS
@@ -406,7 +654,9 @@ class ParamServer:
         """Hand partition p to the server at `endpoint`; on its ack, stop serving p.
 
         While in flight, pulls and pushes for p get a `moving` error (retryable). After the
-        ack they get `moved:<version>:<new owner>`, and so do pulls that were held.
+        ack they get `moved:<version>:<new owner>`, and so do pulls that were held. If this
+        server is p's BackupPS (a ParamServ handing p to a new ActivePS), it keeps the handed
+        state as its backup copy, and the receiver streams from there.
 
         Raises:
             PartitionError: p is not owned here, or a hand-off of p is already in flight.
@@ -419,16 +669,30 @@ class ParamServer:
             if p in self._moving:
                 raise PartitionError(f"partition {p} is already being handed off", partition=p)
             snapshot = self._store.export_partition(p)
+            self_backup = self._backups.get(p) == self.endpoint
+            if self_backup:
+                snapshot = replace(snapshot, pending=())
             self._moving.add(p)
             self._handoff_seq += 1
             seq = self._handoff_seq
         try:
-            new_owner, version = self._send_handoff(snapshot, endpoint, seq, timeout_s)
+            header, _ = self._request(
+                endpoint,
+                MessageKind.HANDOFF,
+                seq,
+                _snapshot_fields(snapshot),
+                MessageKind.HANDOFF_ACK,
+                timeout_s,
+                p,
+            )
         except HandoffError as exc:
             if not exc.outcome_unknown:
                 self.resume_partition(p)
             raise
+        new_owner, version = header.sender, header.clock or 0
         with self._lock:
+            if self_backup:
+                self._backup.import_partition(snapshot, restore=True)
             self._store.drop_partition(p, version)
             self._moving.discard(p)
             self._moved[p] = (new_owner, version)
@@ -449,14 +713,75 @@ class ParamServer:
         with self._lock:
             self._moving.discard(p)
 
-    def _send_handoff(
-        self, snapshot: PartitionSnapshot, endpoint: str, seq: int, timeout_s: float
-    ) -> tuple[str, int]:
+    def restore_owners(
+        self, epoch: int, owners: Mapping[int, str], *, timeout_s: float = HANDOFF_TIMEOUT_SECONDS
+    ) -> dict[int, int]:
+        """Roll back: send this server's backup of each partition in `owners` to its owner.
+
+        The owner (this server too, when its endpoint is named) replaces its copy, enters
+        `epoch`, and refuses requests of older epochs. Updates streamed from an older epoch
+        after this call are refused too. Returns each partition's consistent clock as restored.
+
+        Raises:
+            PartitionError: a partition is not backed up here; nothing was sent.
+            HandoffError: an owner refused or did not answer within `timeout_s`.
+        """
+        with self._lock:
+            self.epoch = max(self.epoch, epoch)
+            snapshots = {p: replace(self._backup.export_partition(p), pending=()) for p in owners}
+        out = {}
+        for p, endpoint in sorted(owners.items()):
+            snap = snapshots[p]
+            if endpoint == self.endpoint:
+                with self._lock:
+                    self._restore_locked(snap, epoch)
+            else:
+                self._handoff_seq += 1
+                self._request(
+                    endpoint,
+                    MessageKind.RESTORE,
+                    self._handoff_seq,
+                    {**_snapshot_fields(snap), "epoch": epoch},
+                    MessageKind.RESTORE_ACK,
+                    timeout_s,
+                    p,
+                )
+            out[p] = snap.consistent
+        return out
+
+    def _restore_locked(self, snapshot: PartitionSnapshot, epoch: int) -> list[Reply]:
+        """Replace a partition with a BackupPS's copy and enter `epoch`; returns replies to
+        the pulls that were held (all refused: they belong to the old epoch)."""
         p = snapshot.partition
-        workers, tensors = snapshot_to_wire(snapshot)
-        frames = self._encode(
-            MessageKind.HANDOFF, seq, partition=p, workers=workers, tensors=tensors
-        )
+        self._store.import_partition(snapshot, restore=True)
+        self._store.clear_pending(p)
+        self._moving.discard(p)
+        self._moved.pop(p, None)
+        self._stats = replace(self._stats, restores=self._stats.restores + 1)
+        replies: list[Reply] = []
+        if epoch > self.epoch:
+            self.epoch = epoch
+            detail = f"{RejectReason.STALE_EPOCH}:{epoch}"
+            for q, held in self._held.items():
+                for h in held:
+                    frames = self._encode(MessageKind.ERROR, h.seq, partition=q, detail=detail)
+                    replies.append((h.identity, frames))
+            self._held.clear()
+        return replies
+
+    def _request(
+        self,
+        endpoint: str,
+        kind: MessageKind,
+        seq: int,
+        fields_and_tensors: tuple[dict[str, Any], dict[str, torch.Tensor]],
+        want: MessageKind,
+        timeout_s: float,
+        p: int,
+    ) -> tuple[Header, dict[str, torch.Tensor]]:
+        """One request to another server on a private socket; raises HandoffError."""
+        fields, tensors = fields_and_tensors
+        frames = self._encode(kind, seq, partition=p, tensors=tensors, **fields)
         ctx: zmq.Context[Any] = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -475,69 +800,83 @@ class ParamServer:
                     continue
                 if header.kind is MessageKind.ERROR:
                     raise HandoffError(p, header.detail or "error")
-                version = reply.get("version")
-                if (
-                    header.kind is not MessageKind.HANDOFF_ACK
-                    or header.partition != p
-                    or version is None
-                    or version.dtype != torch.int64
-                    or version.shape != (1,)
-                ):
+                if header.kind is not want or header.partition != p:
                     raise HandoffError(p, f"unexpected {header.kind} reply", outcome_unknown=True)
-                return header.sender, int(version.item())
+                return header, reply
             raise HandoffError(p, "timeout", outcome_unknown=True)
         finally:
             sock.close(linger=0)
             ctx.term()
 
-    def register_workers(self, ids: Iterable[str]) -> None:
-        """Allow these workers to push; pulls then wait for their pushes too."""
-        with self._lock:
-            self._store.register_workers(ids)
-
-    def state(self, p: int) -> torch.Tensor:
-        """A copy of partition p's current values. Raises PartitionError if not owned here."""
-        with self._lock:
-            return self._store.values(p)
-
-    def stats(self) -> ServerStats:
-        with self._lock:
-            held = sum(len(v) for v in self._held.values())
-            return replace(self._stats, pulls_held=held)
-
     # -- serving loop ---------------------------------------------------------------------
 
     def _serve(self) -> None:
         sock = self._sock
-        assert sock is not None
+        assert sock is not None and self._ctx is not None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        backup_socks: dict[str, zmq.Socket[Any]] = {}
         try:
             while not self._stop.is_set():
                 with self._lock:
                     outbox, self._outbox = self._outbox, []
+                    stream, self._stream_out = self._stream_out, []
                 for identity, frames in outbox:
-                    sock.send_multipart([identity, *frames])
-                if not poller.poll(POLL_INTERVAL_MS):
+                    sock.send_multipart([identity, *frames], copy=False)
+                for endpoint, frames in stream:
+                    dealer = backup_socks.get(endpoint)
+                    if dealer is None:
+                        dealer = self._ctx.socket(zmq.DEALER)
+                        dealer.setsockopt(zmq.LINGER, 0)
+                        dealer.connect(endpoint)
+                        poller.register(dealer, zmq.POLLIN)
+                        backup_socks[endpoint] = dealer
+                    dealer.send_multipart(frames, copy=False)
+                events = dict(poller.poll(POLL_INTERVAL_MS))
+                for dealer in backup_socks.values():
+                    if dealer in events:
+                        self._drain_acks(dealer)
+                if sock not in events:
                     continue
                 while True:
                     try:
-                        msg = sock.recv_multipart(zmq.NOBLOCK)
+                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     for identity, frames in self._handle(msg):
-                        sock.send_multipart([identity, *frames])
+                        sock.send_multipart([identity, *frames], copy=False)
         except Exception:
             log.exception("param server crashed", extra={"node": self.node_id})
         finally:
+            for dealer in backup_socks.values():
+                dealer.close(linger=0)
             sock.close(linger=0)
             self._sock = None
 
-    def _handle(self, msg: list[bytes]) -> list[Reply]:
+    def _drain_acks(self, dealer: zmq.Socket[Any]) -> None:
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                header, _ = wire.decode(frames, self._token)
+            except WireError:
+                continue
+            with self._acked:
+                self._unacked.pop(header.seq, None)
+                if header.kind is MessageKind.ERROR:
+                    log.warning(
+                        "backup refused a streamed update",
+                        extra={"node": self.node_id, "detail": header.detail},
+                    )
+                self._acked.notify_all()
+
+    def _handle(self, msg: list[zmq.Frame]) -> list[Reply]:
         """Process one ROUTER message; returns the replies to send. Never raises."""
         if len(msg) < 2:
             return self._drop("no frames after identity")
-        identity, frames = msg[0], msg[1:]
+        identity, frames = msg[0].bytes, [f.buffer for f in msg[1:]]
         try:
             header, tensors = wire.decode(
                 frames, self._token, max_message_bytes=self._max_message_bytes
@@ -545,11 +884,15 @@ class ParamServer:
         except WireError as exc:
             if exc.reason is WireReason.BAD_JSON:
                 return self._drop(str(exc))
-            return [self._reject(identity, _best_effort_seq(frames[0]), str(exc.reason))]
+            return [self._reject(identity, _best_effort_seq(bytes(frames[0])), str(exc.reason))]
+        if header.kind is MessageKind.CONTROL and header.job_id == self.job_id:
+            return self._on_control(identity, header, tensors)
         with self._lock:
             try:
                 if header.job_id != self.job_id:
                     raise RejectedError(RejectReason.WRONG_JOB, header.job_id)
+                if header.kind in (MessageKind.PULL, MessageKind.PUSH):
+                    self._check_epoch(header)
                 if header.kind is MessageKind.PULL:
                     return self._on_pull(identity, header)
                 if header.kind is MessageKind.PUSH:
@@ -558,9 +901,49 @@ class ParamServer:
                     return [(identity, self._encode(MessageKind.HELLO, header.seq))]
                 if header.kind is MessageKind.HANDOFF:
                     return self._on_handoff(identity, header, tensors)
+                if header.kind is MessageKind.RESTORE:
+                    return self._on_restore(identity, header, tensors)
+                if header.kind is MessageKind.REPLICATE:
+                    return self._on_replicate(identity, header, tensors)
                 raise RejectedError(RejectReason.UNEXPECTED_KIND, str(header.kind))
             except RejectedError as exc:
                 return [self._reject_locked(identity, header.seq, exc.wire_detail, header)]
+
+    def _check_epoch(self, header: Header) -> None:
+        if header.epoch is None or header.epoch == self.epoch:
+            return
+        if header.epoch < self.epoch:
+            raise RejectedError(
+                RejectReason.STALE_EPOCH, wire_detail=f"{RejectReason.STALE_EPOCH}:{self.epoch}"
+            )
+        raise RejectedError(RejectReason.FUTURE_EPOCH, f"server at epoch {self.epoch}")
+
+    def _on_control(
+        self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
+    ) -> list[Reply]:
+        """Hand a control op to the node agent on a thread of its own (ops may take a while)."""
+        try:
+            body = wire.parse_json_body(tensors)
+        except WireError as exc:
+            return [self._reject(identity, header.seq, str(exc.reason))]
+        handler = self._control
+        if handler is None or not isinstance(body, dict):
+            return [self._reject(identity, header.seq, str(RejectReason.UNEXPECTED_KIND))]
+
+        def run() -> None:
+            try:
+                result = {"ok": True, **handler(body)}
+            except Exception as exc:  # reported to the controller, which decides what next
+                log.warning("control op failed", extra={"node": self.node_id, "op": body})
+                result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            frames = self._encode(
+                MessageKind.CONTROL_REPLY, header.seq, tensors=wire.json_body(result)
+            )
+            with self._lock:
+                self._outbox.append((identity, frames))
+
+        threading.Thread(target=run, name=f"control-{self.node_id}", daemon=True).start()
+        return []
 
     def _check_serving(self, p: int | None) -> None:
         """Raise the right RejectedError unless this server serves p right now."""
@@ -584,17 +967,48 @@ class ParamServer:
             raise RejectedError(RejectReason.STALE_VERSION, str(exc)) from exc
         except PartitionError as exc:
             raise RejectedError(RejectReason.BAD_SNAPSHOT, str(exc)) from exc
-        self._moved.pop(snapshot.partition, None)
+        p = snapshot.partition
+        self._moved.pop(p, None)
+        if self._backups.get(p) in (None, self.endpoint):
+            self._store.clear_pending(p)  # a ParamServ (or the BackupPS itself) streams nothing
         self._stats = replace(self._stats, handoffs_received=self._stats.handoffs_received + 1)
         log.info(
             "partition taken over",
-            extra={"node": self.node_id, "partition": snapshot.partition, "from": header.sender},
+            extra={"node": self.node_id, "partition": p, "from": header.sender},
         )
+        ack = self._encode(MessageKind.HANDOFF_ACK, header.seq, partition=p, clock=version)
+        return [(identity, ack), *self._queue_stream(p)]
+
+    def _on_restore(
+        self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
+    ) -> list[Reply]:
+        snapshot = snapshot_from_wire(header, tensors)
+        if header.epoch is None or header.epoch < self.epoch:
+            raise RejectedError(RejectReason.STALE_EPOCH, f"restore for epoch {header.epoch}")
+        try:
+            replies = self._restore_locked(snapshot, header.epoch)
+        except PartitionError as exc:
+            raise RejectedError(RejectReason.BAD_SNAPSHOT, str(exc)) from exc
+        ack = self._encode(MessageKind.RESTORE_ACK, header.seq, partition=snapshot.partition)
+        return [(identity, ack), *replies]
+
+    def _on_replicate(
+        self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
+    ) -> list[Reply]:
+        p, delta = header.partition, tensors.get("delta")
+        if p is None or header.clock is None or delta is None or not header.workers:
+            raise RejectedError(RejectReason.BAD_DELTA, "want partition, clock, workers, delta")
+        if header.epoch is not None and header.epoch < self.epoch:
+            raise RejectedError(RejectReason.STALE_EPOCH, f"update of epoch {header.epoch}")
+        outcome = self._backup.apply_chunk(p, header.clock, header.workers, delta)
+        if outcome is PushOutcome.APPLIED:
+            self._stats = replace(self._stats, chunks_backed=self._stats.chunks_backed + 1)
         ack = self._encode(
-            MessageKind.HANDOFF_ACK,
+            MessageKind.REPLICATE_ACK,
             header.seq,
-            partition=snapshot.partition,
-            tensors={"version": torch.tensor([version], dtype=torch.int64)},
+            partition=p,
+            clock=header.clock,
+            detail=str(outcome),
         )
         return [(identity, ack)]
 
@@ -620,7 +1034,10 @@ class ParamServer:
         delta = tensors.get("delta")
         if delta is None or len(tensors) != 1:
             raise RejectedError(RejectReason.BAD_DELTA, "want exactly one tensor named 'delta'")
-        outcome = self._store.apply_push(p, header.sender, header.clock, delta)
+        streams = self._backups.get(p) not in (None, self.endpoint)
+        outcome = self._store.apply_push(
+            p, header.sender, header.clock, delta, track_pending=streams
+        )
         if outcome is PushOutcome.APPLIED:
             self._stats = replace(self._stats, pushes_applied=self._stats.pushes_applied + 1)
         else:
@@ -631,10 +1048,34 @@ class ParamServer:
         replies: list[Reply] = [(identity, ack)]
         if outcome is PushOutcome.APPLIED:
             replies.extend(self._release_held(p))
+            self._queue_stream(p)
         return replies
+
+    def _queue_stream(self, p: int) -> list[Reply]:
+        """Queue the complete clocks of owned partition p for its BackupPS (if elsewhere)."""
+        backup = self._backups.get(p)
+        if backup in (None, self.endpoint) or p not in self._store.owned():
+            return []
+        for chunk in self._store.take_streamable(p):
+            self._stream_seq += 1
+            frames = self._encode(
+                MessageKind.REPLICATE,
+                self._stream_seq,
+                partition=p,
+                clock=chunk.clock,
+                workers=sorted(chunk.workers),
+                epoch=self.epoch,
+                tensors={"delta": chunk.delta},
+            )
+            self._unacked[self._stream_seq] = p
+            self._stream_out.append((backup, frames))
+            self._stats = replace(self._stats, chunks_streamed=self._stats.chunks_streamed + 1)
+        return []
 
     def _release_held(self, p: int) -> list[Reply]:
         held = self._held.get(p, [])
+        if p not in self._store.owned():
+            return []
         ready = [h for h in held if self._store.ready(p, h.min_clock)]
         if ready:
             self._held[p] = [h for h in held if h not in ready]
@@ -648,7 +1089,7 @@ class ParamServer:
             pull.seq,
             partition=p,
             clock=pull.min_clock if consistent is None else consistent,
-            tensors={"values": self._store.values(p)},
+            tensors={"values": self._store.live_values(p)},  # encode copies, under the lock
         )
         return pull.identity, frames
 
@@ -685,44 +1126,99 @@ class ParamServer:
         return []
 
 
+def _snapshot_fields(
+    snapshot: PartitionSnapshot,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    workers, tensors = snapshot_to_wire(snapshot)
+    return {"workers": workers}, tensors
+
+
 def snapshot_to_wire(snapshot: PartitionSnapshot) -> tuple[list[str], dict[str, torch.Tensor]]:
-    """The `workers` header list and the tensors of a `handoff` message for `snapshot`."""
-    workers = sorted(set(snapshot.workers) | {w for w, _ in snapshot.applied})
+    """The `workers` header list and the tensors of a `handoff`/`restore` for `snapshot`."""
+    names = set(snapshot.workers) | {w for w, _ in snapshot.applied}
+    for chunk in snapshot.pending:
+        names |= chunk.workers
+    workers = sorted(names)
     index = {w: i for i, w in enumerate(workers)}
-    pairs = sorted((index[w], clock) for w, clock in snapshot.applied)
-    applied = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
-    version = torch.tensor([snapshot.version], dtype=torch.int64)
-    return workers, {"values": snapshot.values, "applied": applied, "version": version}
+
+    def pairs(items: Iterable[tuple[str, int]]) -> torch.Tensor:
+        rows = sorted((index[w], clock) for w, clock in items)
+        return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+
+    size = snapshot.values.shape[0]
+    pending = (
+        torch.stack([c.delta for c in snapshot.pending])
+        if snapshot.pending
+        else torch.empty(0, size, dtype=torch.float32)
+    )
+    return workers, {
+        "values": snapshot.values,
+        "applied": pairs(snapshot.applied),
+        "version": torch.tensor([snapshot.version], dtype=torch.int64),
+        "consistent": torch.tensor([snapshot.consistent], dtype=torch.int64),
+        "pending": pending,
+        "pending_clocks": torch.tensor([c.clock for c in snapshot.pending], dtype=torch.int64),
+        "pending_pairs": pairs((w, c.clock) for c in snapshot.pending for w in c.workers),
+    }
+
+
+_SNAPSHOT_TENSORS = (
+    "values",
+    "applied",
+    "version",
+    "consistent",
+    "pending",
+    "pending_clocks",
+    "pending_pairs",
+)
 
 
 def snapshot_from_wire(header: Header, tensors: dict[str, torch.Tensor]) -> PartitionSnapshot:
-    """Parse an authenticated `handoff` message. Raises RejectedError(BAD_SNAPSHOT)."""
-    values, applied, version = (tensors.get(k) for k in ("values", "applied", "version"))
+    """Parse an authenticated `handoff` or `restore` message. Raises RejectedError(BAD_SNAPSHOT)."""
+    bad = RejectedError(RejectReason.BAD_SNAPSHOT, "want the snapshot tensors (see MessageKind)")
+    if header.partition is None or set(tensors) != set(_SNAPSHOT_TENSORS):
+        raise bad
+    values, applied, version, consistent, pending, p_clocks, p_pairs = (
+        tensors[k] for k in _SNAPSHOT_TENSORS
+    )
     workers = header.workers or ()
     if (
-        header.partition is None
-        or len(tensors) != 3
-        or values is None
-        or values.dtype != torch.float32
+        values.dtype != torch.float32
         or values.dim() != 1
-        or applied is None
-        or applied.dtype != torch.int64
-        or applied.dim() != 2
-        or applied.shape[1] != 2
-        or version is None
-        or version.dtype != torch.int64
-        or version.shape != (1,)
+        or any(t.dtype != torch.int64 or t.dim() != 2 for t in (applied, p_pairs))
+        or any(t.shape[1] != 2 for t in (applied, p_pairs))
+        or any(t.dtype != torch.int64 or t.shape != (1,) for t in (version, consistent))
+        or pending.dtype != torch.float32
+        or pending.dim() != 2
+        or pending.shape[1] != values.shape[0]
+        or p_clocks.dtype != torch.int64
+        or p_clocks.shape != (pending.shape[0],)
     ):
-        raise RejectedError(RejectReason.BAD_SNAPSHOT, "want values, applied (k, 2), version")
-    pairs = [(int(i), int(c)) for i, c in applied.tolist()]
-    if any(not 0 <= i < len(workers) or c < 0 for i, c in pairs):
-        raise RejectedError(RejectReason.BAD_SNAPSHOT, "worker index or clock out of range")
+        raise bad
+
+    def named(t: torch.Tensor) -> list[tuple[str, int]]:
+        rows = [(int(i), int(c)) for i, c in t.tolist()]
+        if any(not 0 <= i < len(workers) or c < 0 for i, c in rows):
+            raise RejectedError(RejectReason.BAD_SNAPSHOT, "worker index or clock out of range")
+        return [(workers[i], c) for i, c in rows]
+
+    by_clock: dict[int, set[str]] = {}
+    for w, c in named(p_pairs):
+        by_clock.setdefault(c, set()).add(w)
+    clocks = [int(c) for c in p_clocks.tolist()]
+    if len(set(clocks)) != len(clocks) or set(by_clock) - set(clocks):
+        raise RejectedError(RejectReason.BAD_SNAPSHOT, "pending clocks do not match their pairs")
     return PartitionSnapshot(
         header.partition,
         values,
-        frozenset((workers[i], c) for i, c in pairs),
+        frozenset(named(applied)),
         int(version.item()),
         tuple(workers),
+        int(consistent.item()),
+        tuple(
+            PendingChunk(c, pending[i].clone(), frozenset(by_clock.get(c, ())))
+            for i, c in enumerate(clocks)
+        ),
     )
 
 

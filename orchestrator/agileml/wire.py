@@ -41,13 +41,14 @@ PROTOCOL_VERSION = 2
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAC_HEX_LENGTH = 32  # Poly1305 tag, hex
 NONCE_HEX_LENGTH = 32  # 128 random bits per message, hex
-_KEY_LABEL = b'agileml/poly1305-key/'
+_KEY_LABEL = b"agileml/poly1305-key/"
 MAX_WORKERS = 4096  # bound on the `workers` list of a handoff header (a DoS guard)
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
     "int64": torch.int64,
+    "uint8": torch.uint8,  # JSON bodies of control messages (`json_body`)
 }
 _DTYPE_NAMES: Mapping[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
 
@@ -59,7 +60,14 @@ class MessageKind(StrEnum):
     hello -> hello | error. `error` carries the cause in `detail`.
     handoff -> handoff_ack | error, between servers: a partition's snapshot (tensors `values`
     float32, `applied` int64 (k, 2) of (worker_index, clock) pairs indexing the header's
-    `workers`, `version` int64 (1,)); the ack carries the receiver's new `version`.
+    `workers`, `version` int64 (1,), `consistent` int64 (1,), and the updates not yet streamed
+    to the BackupPS: `pending` float32 (m, size), `pending_clocks` int64 (m,), `pending_pairs`
+    int64 (q, 2)); the ack carries the receiver's new `version`.
+    restore -> restore_ack: a handoff-shaped snapshot from a BackupPS that replaces the owner's
+    copy outright (roll-back after a failure); its header's `epoch` is the new epoch.
+    replicate -> replicate_ack, ActivePS to BackupPS: the coalesced update of one partition for
+    one clock (tensor `delta`; `workers` names whose pushes it sums).
+    control -> control_reply, elasticity controller to nodes and back: a JSON body (`json_body`).
     """
 
     PULL = "pull"
@@ -72,6 +80,12 @@ class MessageKind(StrEnum):
     ERROR = "error"
     HANDOFF = "handoff"
     HANDOFF_ACK = "handoff_ack"
+    RESTORE = "restore"
+    RESTORE_ACK = "restore_ack"
+    REPLICATE = "replicate"
+    REPLICATE_ACK = "replicate_ack"
+    CONTROL = "control"
+    CONTROL_REPLY = "control_reply"
 
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
@@ -262,3 +276,20 @@ def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"]) or "header"
     return f"{where}: {err['msg']}"
+
+
+def json_body(obj: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a control message carrying `obj` as JSON (a uint8 buffer named `body`)."""
+    raw = canonical_json(obj) if isinstance(obj, Mapping) else json.dumps(obj).encode()
+    return {"body": torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+
+
+def parse_json_body(tensors: Mapping[str, torch.Tensor]) -> Any:
+    """The JSON value of a control message. Raises WireError(SCHEMA) if there is none."""
+    body = tensors.get("body")
+    if body is None or body.dtype != torch.uint8 or body.dim() != 1:
+        raise WireError(WireReason.SCHEMA, "control message without a uint8 `body`")
+    try:
+        return json.loads(body.numpy().tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(WireReason.BAD_JSON, f"body: {exc}") from None

@@ -1,0 +1,100 @@
+"""Which workers compute which clock, and which rows of the global batch each one takes.
+
+A `Roster` is a schedule of worker sets by clock: entry `(from_clock, workers)` says that from
+that clock on (until the next entry) exactly these workers compute. Parameter servers use it to
+know whose pushes complete a clock; workers use it to know whether they compute a clock and
+which share of the fixed global batch is theirs (strong scaling: the global batch never changes
+as workers come and go, so the learning rate needs no retuning).
+
+Changes are scheduled at a future clock (`with_change`), so a joining worker starts, and a
+leaving worker stops, at a clock boundary that every node agrees on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import zlib
+from typing import Annotated
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from orchestrator.agileml.errors import RosterError
+
+WorkerId = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class RosterEntry(BaseModel):
+    """From `from_clock` on, exactly `workers` compute each clock (sorted, unique)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    from_clock: Annotated[int, Field(ge=0)]
+    workers: tuple[WorkerId, ...]
+
+    @model_validator(mode="after")
+    def _sorted_unique(self) -> RosterEntry:
+        if list(self.workers) != sorted(set(self.workers)):
+            raise ValueError(f"workers must be sorted and unique, got {list(self.workers)}")
+        return self
+
+
+class Roster(BaseModel):
+    """A schedule of `RosterEntry`s with strictly increasing `from_clock`, the first at 0."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    entries: tuple[RosterEntry, ...]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Roster:
+        clocks = [e.from_clock for e in self.entries]
+        if not clocks or clocks[0] != 0:
+            raise ValueError("a roster needs a first entry at clock 0")
+        if any(b <= a for a, b in zip(clocks, clocks[1:], strict=False)):
+            raise ValueError(f"from_clock must strictly increase, got {clocks}")
+        return self
+
+    @classmethod
+    def starting(cls, workers: list[str] | tuple[str, ...]) -> Roster:
+        """A roster of `workers` from clock 0."""
+        return cls(entries=(RosterEntry(from_clock=0, workers=tuple(sorted(set(workers)))),))
+
+    def members(self, clock: int) -> tuple[str, ...]:
+        """The workers that compute `clock`."""
+        i = bisect.bisect_right([e.from_clock for e in self.entries], clock) - 1
+        return self.entries[max(i, 0)].workers
+
+    def with_change(self, from_clock: int, workers: list[str] | tuple[str, ...]) -> Roster:
+        """This roster with `workers` computing from `from_clock` on; later entries are dropped.
+
+        Raises:
+            RosterError: `from_clock` is negative.
+        """
+        if from_clock < 0:
+            raise RosterError(f"from_clock must be >= 0, got {from_clock}")
+        kept = tuple(e for e in self.entries if e.from_clock < from_clock)
+        new = RosterEntry(from_clock=from_clock, workers=tuple(sorted(set(workers))))
+        return Roster(entries=(*kept, new))
+
+
+def global_batch_indices(seed: int, clock: int, dataset_size: int, batch: int) -> torch.Tensor:
+    """The rows of the global minibatch of `clock`: a deterministic function of (seed, clock)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{clock}".encode()))
+    return torch.randint(0, dataset_size, (batch,), generator=gen)
+
+
+def worker_share(members: tuple[str, ...], worker: str, batch: int) -> slice:
+    """The slice of the global batch that `worker` computes among `members` (near-equal parts).
+
+    Raises:
+        RosterError: the worker is not a member, or there are more members than rows.
+    """
+    if worker not in members:
+        raise RosterError(f"worker {worker!r} is not in {list(members)}")
+    if len(members) > batch:
+        raise RosterError(f"{len(members)} workers for a global batch of {batch} rows")
+    i = members.index(worker)
+    base, extra = divmod(batch, len(members))
+    start = i * base + min(i, extra)
+    return slice(start, start + base + (1 if i < extra else 0))
