@@ -172,6 +172,18 @@ class PartitionTable:
             self._entries[p] = Ownership(new_owner, entry.version + 1)
             return entry.version + 1
 
+    def set(self, p: int, owner: str, version: int) -> bool:
+        """Record that `owner` holds p at `version` (as a server reported it), if newer.
+
+        Returns whether the entry changed. Raises PartitionError for an unknown partition.
+        """
+        self._check(p)
+        with self._lock:
+            if version <= self._entries[p].version:
+                return False
+            self._entries[p] = Ownership(owner, version)
+            return True
+
     def owned_by(self, node: str) -> list[int]:
         """The partitions `node` owns, in ascending order."""
         with self._lock:

@@ -2,10 +2,17 @@
 
 The worker keeps no model state between iterations, only its clock: each iteration pulls every
 partition from its owner (waiting, under BSP/SSP, until the others are close enough), loads them
-into a scratch model, computes the gradient on a minibatch of its shard, and pushes
-`delta = -lr * grad` per partition tagged with its clock. The minibatch of clock t is a function
-of (seed, worker, t), so a redone iteration computes the same update, and the server's
-(worker, clock, partition) deduplication keeps it from being applied twice.
+into a scratch model, computes the gradient on a minibatch, and pushes `delta = -lr * grad` per
+partition tagged with its clock. The minibatch of clock t is a function of (seed, worker, t), or,
+with a `Roster`, the worker's share of the global batch of clock t, so a redone iteration
+computes on the same rows, and the server's (worker, clock, partition) deduplication keeps an
+update from being applied twice.
+
+Retries: a partition that is being handed off (`moving`) or a server that has not yet entered
+the worker's epoch (`future_epoch`) is asked again shortly; a `moved` reply re-points the
+partition to its new owner and asks again. A server that refuses the worker's epoch
+(`stale_epoch`), or an `abort` callback returning True while waiting, ends the iteration with
+`EpochChangedError`: the caller picks up the new view and redoes from its restart clock.
 """
 
 from __future__ import annotations
@@ -21,11 +28,15 @@ import zmq
 from torch import nn
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.errors import WireError, WorkerError
+from orchestrator.agileml.errors import AgileMLError, WireError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
+from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
+from orchestrator.agileml.server import RejectReason, parse_moved
 from orchestrator.agileml.wire import MessageKind
 
 DEFAULT_REQUEST_TIMEOUT_SECONDS = 30.0  # a pull may legitimately wait for the slowest worker
+RETRY_DELAY_SECONDS = 0.002  # before asking again about a partition in flight
+WAIT_SLICE_MS = 20  # how often a waiting worker checks its abort callback
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _Request = tuple[int, MessageKind, int, dict[str, torch.Tensor]]  # partition, kind, clock, tensors
@@ -46,6 +57,10 @@ class WorkerSpec:
     slack: int = 0
     seed: int = 0
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
+
+
+class EpochChangedError(AgileMLError):
+    """The job rolled back (or the caller aborted): redo from the new view's restart clock."""
 
 
 class Worker:
@@ -70,6 +85,9 @@ class Worker:
         model_factory: Callable[[], nn.Module],
         data: tuple[torch.Tensor, torch.Tensor],
         loss_fn: LossFn,
+        roster: Roster | None = None,
+        epoch: int | None = None,
+        abort: Callable[[], bool] | None = None,
     ) -> None:
         if spec.batch_size < 1 or spec.lr <= 0 or spec.slack < 0:
             raise ValueError(f"invalid worker spec: {spec}")
@@ -84,8 +102,13 @@ class Worker:
         layout.gather(self._model)  # raises PartitionError if the factory does not fit
         self._x, self._y = data
         self._loss_fn = loss_fn
+        self.roster = roster  # with a roster, `spec.batch_size` is the global batch
+        self.epoch = epoch
+        self._abort = abort or (lambda: False)
         self.clock = 0
         self._seq = 0
+        self._ctx: zmq.Context[Any] | None = None
+        self._sockets: dict[str, zmq.Socket[Any]] = {}
 
     def run(self, iterations: int) -> list[float]:
         """Run `iterations` iterations; returns each one's minibatch loss (before its update).
@@ -93,29 +116,26 @@ class Worker:
         Raises:
             WorkerError: a request was refused or timed out, or a partition's owner has no
                 endpoint (see the class docstring).
+            EpochChangedError: see the module docstring.
             PartitionError: a partition has no owner, or a pulled partition has the wrong size.
         """
-        torch.set_num_threads(1)
-        ctx: zmq.Context[Any] = zmq.Context()
-        sockets: dict[str, zmq.Socket[Any]] = {}
         try:
-            losses = []
-            for _ in range(iterations):
-                losses.append(self._iteration(ctx, sockets))
-                self.clock += 1
-            return losses
+            return [self.step() for _ in range(iterations)]
         finally:
-            for sock in sockets.values():
-                sock.close(linger=0)
-            ctx.term()
+            self.close()
 
-    # -- one iteration --------------------------------------------------------------------
+    def step(self) -> float:
+        """One iteration at `clock`; on success the clock advances. Returns the loss.
 
-    def _iteration(self, ctx: zmq.Context[Any], sockets: dict[str, zmq.Socket[Any]]) -> float:
+        Raises: as `run`; the clock is then unchanged, and calling `step` again redoes it.
+        """
+        torch.set_num_threads(1)
+        if self._ctx is None:
+            self._ctx = zmq.Context()
         n = self.layout.num_partitions
         min_clock = self.clock - self.spec.slack - 1
         pulls: list[_Request] = [(p, MessageKind.PULL, min_clock, {}) for p in range(n)]
-        replies = self._round_trip(ctx, sockets, pulls, MessageKind.PULL_REPLY)
+        replies = self._round_trip(pulls, MessageKind.PULL_REPLY)
         parts = []
         for p in range(n):
             values = replies[p].get("values")
@@ -130,83 +150,125 @@ class Worker:
         loss.backward()
         grads = self.layout.gather_grads(self._model)
         pushes: list[_Request] = [
-            (p, MessageKind.PUSH, self.clock, {"delta": -self.spec.lr * g})
+            (p, MessageKind.PUSH, self.clock, {"delta": g.mul_(-self.spec.lr)})
             for p, g in enumerate(grads)
         ]
-        self._round_trip(ctx, sockets, pushes, MessageKind.PUSH_ACK)
+        self._round_trip(pushes, MessageKind.PUSH_ACK)
+        self.clock += 1
         return float(loss.item())
 
+    def close(self) -> None:
+        """Close the sockets (a later `step` opens new ones)."""
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
     def _minibatch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.roster is not None:
+            rows = global_batch_indices(
+                self.spec.seed, self.clock, len(self._x), self.spec.batch_size
+            )
+            mine = rows[
+                worker_share(
+                    self.roster.members(self.clock), self.spec.worker_id, self.spec.batch_size
+                )
+            ]
+            return self._x[mine], self._y[mine]
         key = f"{self.spec.seed}/{self.spec.worker_id}/{self.clock}".encode()
         gen = torch.Generator().manual_seed(zlib.crc32(key))
         idx = torch.randint(0, len(self._x), (self.spec.batch_size,), generator=gen)
         return self._x[idx], self._y[idx]
 
     def _round_trip(
-        self,
-        ctx: zmq.Context[Any],
-        sockets: dict[str, zmq.Socket[Any]],
-        requests: list[_Request],
-        want: MessageKind,
+        self, requests: list[_Request], want: MessageKind
     ) -> dict[int, dict[str, torch.Tensor]]:
         """Send all requests at once, then wait for every reply; returns tensors per partition."""
-        outstanding: dict[int, tuple[int, str]] = {}  # seq -> (partition, owner)
-        for p, kind, clock, tensors in requests:
-            owner = self.table.owner(p)
-            sock = self._socket(ctx, sockets, owner)
+        by_partition = {req[0]: req for req in requests}
+        outstanding: dict[int, int] = {}  # seq -> partition
+        for p in by_partition:
             self._seq += 1
-            fields = {
-                "kind": kind,
-                "job_id": self.spec.job_id,
-                "sender": self.spec.worker_id,
-                "seq": self._seq,
-                "partition": p,
-                "clock": clock,
-            }
-            sock.send_multipart(wire.encode(fields, tensors, self._token))
-            outstanding[self._seq] = (p, owner)
-
-        poller = zmq.Poller()
-        for owner in {o for _, o in outstanding.values()}:
-            poller.register(sockets[owner], zmq.POLLIN)
+            self._send(by_partition[p], self._seq)
+            outstanding[self._seq] = p
         deadline = time.monotonic() + self.spec.request_timeout_s
         results: dict[int, dict[str, torch.Tensor]] = {}
         while outstanding:
+            if self._abort():
+                raise EpochChangedError(f"worker {self.spec.worker_id}: aborted by its node")
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 raise WorkerError(self.spec.worker_id, "timeout")
-            for sock, _ in poller.poll(remaining_ms):
-                header, tensors = self._receive(sock)
-                if header.seq not in outstanding:
-                    continue  # a late reply to an earlier, abandoned request
-                p, owner = outstanding[header.seq]
-                if header.kind is MessageKind.ERROR:
-                    raise WorkerError(
-                        self.spec.worker_id,
-                        header.detail or "error",
-                        endpoint=self.endpoints[owner],
-                    )
-                if header.kind is not want or header.partition != p:
-                    raise WorkerError(self.spec.worker_id, f"unexpected {header.kind} reply")
-                del outstanding[header.seq]
-                results[p] = tensors
+            poller = zmq.Poller()
+            for sock in self._sockets.values():
+                poller.register(sock, zmq.POLLIN)
+            for sock, _ in poller.poll(min(remaining_ms, WAIT_SLICE_MS)):
+                while sock.poll(0):
+                    header, tensors = self._receive(sock)
+                    p = outstanding.pop(header.seq, None)
+                    if p is None:
+                        continue  # a late reply to an earlier, abandoned request
+                    if header.kind is MessageKind.ERROR:
+                        self._retry_or_raise(p, header.detail or "error")
+                        self._seq += 1
+                        self._send(by_partition[p], self._seq)
+                        outstanding[self._seq] = p
+                        continue
+                    if header.kind is not want or header.partition != p:
+                        raise WorkerError(self.spec.worker_id, f"unexpected {header.kind} reply")
+                    results[p] = tensors
         return results
+
+    def _retry_or_raise(self, p: int, detail: str) -> None:
+        """Decide about an error reply for partition p: return to retry, raise otherwise."""
+        moved = parse_moved(detail)
+        if moved is not None:
+            owner, version = moved
+            if owner not in self.endpoints:
+                raise WorkerError(self.spec.worker_id, f"partition {p} moved to unknown {owner}")
+            if version > self.table.get(p).version:
+                self.table.set(p, owner, version)
+            return
+        reason = detail.partition(":")[0]
+        if reason == RejectReason.STALE_EPOCH:
+            raise EpochChangedError(f"worker {self.spec.worker_id}: {detail}")
+        if reason in (RejectReason.MOVING, RejectReason.FUTURE_EPOCH):
+            time.sleep(RETRY_DELAY_SECONDS)
+            return
+        owner = self.table.owner(p)
+        raise WorkerError(self.spec.worker_id, detail, endpoint=self.endpoints.get(owner))
+
+    def _send(self, request: _Request, seq: int) -> None:
+        p, kind, clock, tensors = request
+        fields: dict[str, Any] = {
+            "kind": kind,
+            "job_id": self.spec.job_id,
+            "sender": self.spec.worker_id,
+            "seq": seq,
+            "partition": p,
+            "clock": clock,
+        }
+        if self.epoch is not None:
+            fields["epoch"] = self.epoch
+        sock = self._socket(self.table.owner(p))
+        sock.send_multipart(wire.encode(fields, tensors, self._token), copy=False)
 
     def _receive(self, sock: zmq.Socket[Any]) -> tuple[wire.Header, dict[str, torch.Tensor]]:
         try:
-            return wire.decode(sock.recv_multipart(), self._token)
+            frames = sock.recv_multipart(copy=False)
+            return wire.decode([f.buffer for f in frames], self._token)
         except WireError as exc:
             raise WorkerError(self.spec.worker_id, f"bad reply: {exc.reason}") from exc
 
-    def _socket(
-        self, ctx: zmq.Context[Any], sockets: dict[str, zmq.Socket[Any]], owner: str
-    ) -> zmq.Socket[Any]:
-        sock = sockets.get(owner)
+    def _socket(self, owner: str) -> zmq.Socket[Any]:
+        sock = self._sockets.get(owner)
         if sock is None:
             if owner not in self.endpoints:
                 raise WorkerError(self.spec.worker_id, f"no endpoint for server {owner!r}")
-            sock = ctx.socket(zmq.DEALER)
+            assert self._ctx is not None
+            sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.endpoints[owner])
-            sockets[owner] = sock
+            self._sockets[owner] = sock
         return sock
