@@ -1,7 +1,8 @@
 """Small example models and synthetic data, plus a local harness that trains them on AgileML.
 
 No downloads: data is a seeded Gaussian mixture (one Gaussian per class around a random mean),
-so the classes are mostly, not perfectly, separable.
+so the classes are mostly, not perfectly, separable. `build_*` turn a `TrainingSpec` into the
+model factory, data and loss every node of a job builds identically.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
+from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.server import ParamServer, ServerStats
 from orchestrator.agileml.worker import LossFn, Worker, WorkerSpec
 
@@ -42,6 +45,69 @@ def mlp_factory(n_features: int, hidden: int, n_classes: int) -> ModelFactory:
     return lambda: nn.Sequential(
         nn.Linear(n_features, hidden), nn.ReLU(), nn.Linear(hidden, n_classes)
     )
+
+
+class AdditiveProbe(nn.Module):
+    """out_i = w . x_i; with `additive_loss`, the update of a batch is lr times its row sum.
+
+    Since the update does not depend on w, the exact final parameters of a run are known
+    (`additive_expected`), which makes lost or doubled updates visible to the last bit (the
+    data are small integers, so float32 sums are exact).
+    """
+
+    def __init__(self, n_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def additive_loss(out: torch.Tensor, _y: torch.Tensor) -> torch.Tensor:
+    """Minus the sum of the outputs: the gradient for w is minus the batch's row sum."""
+    return -out.sum()
+
+
+def build_model(spec: TrainingSpec) -> ModelFactory:
+    """The model factory of a job."""
+    m = spec.model
+    if m.kind == "mlr":
+        return mlr_factory(m.features, m.classes)
+    if m.kind == "mlp":
+        return mlp_factory(m.features, m.hidden, m.classes)
+    return lambda: AdditiveProbe(m.features)
+
+
+def build_data(spec: TrainingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training set of a job (every node builds the same one from the seed)."""
+    m = spec.model
+    if m.kind == "additive":
+        gen = torch.Generator().manual_seed(spec.data_seed)
+        x = torch.randint(0, 4, (spec.samples, m.features), generator=gen).float()
+        return x, torch.zeros(spec.samples, dtype=torch.int64)
+    return gaussian_mixture(spec.samples, m.features, m.classes, seed=spec.data_seed)
+
+
+def build_loss(spec: TrainingSpec) -> LossFn:
+    """The loss of a job's model."""
+    return additive_loss if spec.model.kind == "additive" else nn.functional.cross_entropy
+
+
+def additive_expected(spec: TrainingSpec, clocks: int) -> torch.Tensor:
+    """The exact parameters of an additive job after `clocks` clocks, each applied once."""
+    x, _ = build_data(spec)
+    total = torch.zeros(spec.model.features)
+    for clock in range(clocks):
+        rows = global_batch_indices(spec.seed, clock, len(x), spec.global_batch)
+        total += spec.lr * x[rows].sum(dim=0)
+    return total
+
+
+def full_loss(spec: TrainingSpec, model: nn.Module) -> float:
+    """The job's loss over its whole training set."""
+    x, y = build_data(spec)
+    with torch.no_grad():
+        return float(build_loss(spec)(model(x), y).item())
 
 
 def initial_model(factory: ModelFactory, seed: int) -> nn.Module:

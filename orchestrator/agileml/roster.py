@@ -40,11 +40,16 @@ class RosterEntry(BaseModel):
 
 
 class Roster(BaseModel):
-    """A schedule of `RosterEntry`s with strictly increasing `from_clock`, the first at 0."""
+    """A schedule of `RosterEntry`s with strictly increasing `from_clock`, the first at 0.
+
+    `version` counts changes (`with_change` and `without` return version + 1), so that a
+    server can tell a push computed on an older roster.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     entries: tuple[RosterEntry, ...]
+    version: Annotated[int, Field(ge=0)] = 0
 
     @model_validator(mode="after")
     def _ordered(self) -> Roster:
@@ -75,7 +80,42 @@ class Roster(BaseModel):
             raise RosterError(f"from_clock must be >= 0, got {from_clock}")
         kept = tuple(e for e in self.entries if e.from_clock < from_clock)
         new = RosterEntry(from_clock=from_clock, workers=tuple(sorted(set(workers))))
-        return Roster(entries=(*kept, new))
+        return Roster(entries=(*kept, new), version=self.version + 1)
+
+    def without(self, removed: set[str] | frozenset[str], from_clock: int) -> Roster:
+        """This roster with `removed` computing nothing from `from_clock` on (later scheduled
+        changes are kept, minus those workers).
+
+        Raises:
+            RosterError: `from_clock` is negative.
+        """
+        if from_clock < 0:
+            raise RosterError(f"from_clock must be >= 0, got {from_clock}")
+        entries = [e for e in self.entries if e.from_clock < from_clock]
+        rest = [e for e in self.entries if e.from_clock > from_clock]
+        for entry in (RosterEntry(from_clock=from_clock, workers=self.members(from_clock)), *rest):
+            workers = tuple(w for w in entry.workers if w not in removed)
+            if entries and entries[-1].workers == workers:
+                continue
+            entries.append(RosterEntry(from_clock=entry.from_clock, workers=workers))
+        return Roster(entries=tuple(entries), version=self.version + 1)
+
+    def first_difference(self, other: Roster) -> int | None:
+        """The first clock whose members differ between the two rosters (None: never)."""
+        clocks = sorted({e.from_clock for e in (*self.entries, *other.entries)})
+        for clock in clocks:
+            if self.members(clock) != other.members(clock):
+                return clock
+        return None
+
+    def first_clock_of(self, worker: str, at_or_after: int) -> int | None:
+        """The first clock >= `at_or_after` that `worker` computes, or None if it never does."""
+        if worker in self.members(at_or_after):
+            return at_or_after
+        for entry in self.entries:
+            if entry.from_clock > at_or_after and worker in entry.workers:
+                return entry.from_clock
+        return None
 
 
 def global_batch_indices(seed: int, clock: int, dataset_size: int, batch: int) -> torch.Tensor:

@@ -70,6 +70,19 @@ class RejectReason(StrEnum):
     STALE_VERSION = "stale_version"  # a handoff older than what the receiver holds or held
     STALE_EPOCH = "stale_epoch"  # made before a roll-back; detail `stale_epoch:<epoch>`
     FUTURE_EPOCH = "future_epoch"  # the server has not entered the request's epoch yet; retry
+    STALE_ROSTER = "stale_roster"  # computed on an older roster; detail `stale_roster:<version>`
+
+
+# Refusals that are part of normal elastic operation (the worker retries or re-syncs).
+_ROUTINE_REJECTIONS = frozenset(
+    {
+        RejectReason.MOVING,
+        RejectReason.MOVED,
+        RejectReason.FUTURE_EPOCH,
+        RejectReason.STALE_EPOCH,
+        RejectReason.STALE_ROSTER,
+    }
+)
 
 
 class RejectedError(Exception):
@@ -159,6 +172,7 @@ class PartitionStore:
         self._parts: dict[int, _Partition] = {}
         self._given_away: dict[int, int] = {}  # partition -> the version its new owner holds
         self.roster: Roster | None = None
+        self.changes: list[tuple[int, int]] = []  # (roster version, first clock it changed)
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -175,23 +189,58 @@ class PartitionStore:
     def set_roster(self, roster: Roster) -> None:
         """Adopt `roster`; partitions whose next clocks are now complete advance.
 
+        Membership may change only at clocks nothing has been pushed for yet: a push of a
+        later clock was computed on a share of the global batch that the change redraws.
+
         Raises:
-            RosterError: the roster adds a worker to a clock that some partition has already
-                completed (its pushes would be taken for duplicates); nothing changed.
+            RosterError: the change comes too late for some partition (schedule it later);
+                nothing changed.
         """
-        if self.roster is not None:
-            for p, part in self._parts.items():
-                for clock in _entry_clocks(self.roster, roster, part.consistent):
-                    added = set(roster.members(clock)) - set(self.roster.members(clock))
-                    if added:
-                        raise RosterError(
-                            f"partition {p} already completed clock {clock}; cannot add "
-                            f"{sorted(added)} there. To fix: schedule the change after the "
-                            f"highest completed clock ({part.consistent})."
-                        )
+        changed_from = self.check_roster(roster)
+        if changed_from is not None:
+            self.changes.append((roster.version, changed_from))
         self.roster = roster
         for part in self._parts.values():
             self._advance(part)
+
+    def check_roster(self, roster: Roster) -> int | None:
+        """The first clock `roster` changes; raises RosterError as `set_roster` would."""
+        old = self.roster
+        changed_from = old.first_difference(roster) if old is not None else None
+        if changed_from is not None:
+            for p, part in self._parts.items():
+                latest = max([part.consistent, *(c for _, c in part.applied)])
+                if latest >= changed_from:
+                    raise RosterError(
+                        f"partition {p} already has pushes of clock {latest}; a roster change "
+                        f"from clock {changed_from} comes too late. To fix: schedule it after "
+                        f"clock {latest}."
+                    )
+        return changed_from
+
+    def is_stale(self, roster_version: int, clock: int) -> bool:
+        """Whether a push of `clock` computed on roster `roster_version` missed a change that
+        redraws that clock's shares."""
+        return any(v > roster_version and c <= clock for v, c in self.changes)
+
+    def worker_progress(self, p: int, worker: str) -> tuple[int, int, int]:
+        """(frontier, latest, latest of anyone) at partition p: all of `worker`'s pushes up to
+        `frontier` are applied, none after `latest`, and nobody's after the third (-1: none).
+        Raises PartitionError."""
+        part = self._get(p)
+        roster = self.roster
+        frontier = latest = -1
+        if roster is not None:
+            done = [c for c in range(part.consistent + 1) if worker in roster.members(c)]
+            latest = done[-1] if done else -1
+            frontier = part.consistent
+        mine = sorted(c for w, c in part.applied if w == worker)
+        if mine:
+            latest = max(latest, mine[-1])
+        while (worker, frontier + 1) in part.applied:
+            frontier += 1
+        anyone = max([part.consistent, *(c for _, c in part.applied)])
+        return frontier, latest, anyone
 
     def register_workers(self, ids: Iterable[str]) -> None:
         """Add workers to the roster from clock 0 (before training starts)."""
@@ -408,12 +457,6 @@ class PartitionStore:
         return part
 
 
-def _entry_clocks(old: Roster, new: Roster, upto: int) -> list[int]:
-    """The clocks <= `upto` where either roster starts an entry (where membership changes)."""
-    clocks = {e.from_clock for e in (*old.entries, *new.entries)}
-    return sorted(c for c in clocks if c <= upto)
-
-
 @dataclass(frozen=True)
 class ServerStats:
     """Counters of a server since it started."""
@@ -582,13 +625,17 @@ class ParamServer:
         """
         with self._lock:
             for store in (self._store, self._backup):
-                if store.roster is not None:
-                    store.set_roster(roster)  # validates before changing anything
+                store.check_roster(roster)  # both, before changing anything
             self._store.set_roster(roster)
             self._backup.set_roster(roster)
             for p in list(self._held):
                 self._outbox.extend(self._release_held(p))
                 self._queue_stream(p)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Enter `epoch` (never goes back): requests of older epochs are refused from now on."""
+        with self._lock:
+            self.epoch = max(self.epoch, epoch)
 
     def register_workers(self, ids: Iterable[str]) -> None:
         """Allow these workers to push from clock 0; pulls then wait for their pushes too."""
@@ -626,6 +673,11 @@ class ParamServer:
         with self._lock:
             store = self._backup if backup else self._store
             return {p: store.consistent_clock(p) or -1 for p in store.owned()}
+
+    def worker_progress(self, worker: str) -> dict[int, tuple[int, int, int]]:
+        """(frontier, latest) of `worker` at each owned partition (see PartitionStore)."""
+        with self._lock:
+            return {p: self._store.worker_progress(p, worker) for p in self._store.owned()}
 
     def stats(self) -> ServerStats:
         with self._lock:
@@ -714,13 +766,20 @@ class ParamServer:
             self._moving.discard(p)
 
     def restore_owners(
-        self, epoch: int, owners: Mapping[int, str], *, timeout_s: float = HANDOFF_TIMEOUT_SECONDS
-    ) -> dict[int, int]:
+        self,
+        epoch: int,
+        owners: Mapping[int, str],
+        versions: Mapping[int, int],
+        *,
+        timeout_s: float = HANDOFF_TIMEOUT_SECONDS,
+    ) -> dict[int, tuple[int, int]]:
         """Roll back: send this server's backup of each partition in `owners` to its owner.
 
         The owner (this server too, when its endpoint is named) replaces its copy, enters
         `epoch`, and refuses requests of older epochs. Updates streamed from an older epoch
-        after this call are refused too. Returns each partition's consistent clock as restored.
+        after this call are refused too. Returns each partition's (consistent clock as
+        restored, ownership version at its owner: above `versions[p]`, the partition's
+        current ownership version, so that `moved` replies keep working).
 
         Raises:
             PartitionError: a partition is not backed up here; nothing was sent.
@@ -728,25 +787,30 @@ class ParamServer:
         """
         with self._lock:
             self.epoch = max(self.epoch, epoch)
-            snapshots = {p: replace(self._backup.export_partition(p), pending=()) for p in owners}
+            snapshots = {
+                p: replace(self._backup.export_partition(p), pending=(), version=versions[p])
+                for p in owners
+            }
         out = {}
         for p, endpoint in sorted(owners.items()):
             snap = snapshots[p]
             if endpoint == self.endpoint:
                 with self._lock:
-                    self._restore_locked(snap, epoch)
+                    self._outbox.extend(self._restore_locked(snap, epoch))
+                    version = self._store.version(p)
             else:
                 self._handoff_seq += 1
-                self._request(
+                header, _ = self._request(
                     endpoint,
                     MessageKind.RESTORE,
                     self._handoff_seq,
-                    {**_snapshot_fields(snap), "epoch": epoch},
+                    _snapshot_fields(snap, epoch=epoch),
                     MessageKind.RESTORE_ACK,
                     timeout_s,
                     p,
                 )
-            out[p] = snap.consistent
+                version = header.clock or 0
+            out[p] = (snap.consistent, version)
         return out
 
     def _restore_locked(self, snapshot: PartitionSnapshot, epoch: int) -> list[Reply]:
@@ -989,7 +1053,10 @@ class ParamServer:
             replies = self._restore_locked(snapshot, header.epoch)
         except PartitionError as exc:
             raise RejectedError(RejectReason.BAD_SNAPSHOT, str(exc)) from exc
-        ack = self._encode(MessageKind.RESTORE_ACK, header.seq, partition=snapshot.partition)
+        version = self._store.version(snapshot.partition)
+        ack = self._encode(
+            MessageKind.RESTORE_ACK, header.seq, partition=snapshot.partition, clock=version
+        )
         return [(identity, ack), *replies]
 
     def _on_replicate(
@@ -1034,6 +1101,13 @@ class ParamServer:
         delta = tensors.get("delta")
         if delta is None or len(tensors) != 1:
             raise RejectedError(RejectReason.BAD_DELTA, "want exactly one tensor named 'delta'")
+        if header.roster_version is not None and self._store.is_stale(
+            header.roster_version, header.clock
+        ):
+            version = self._store.roster.version if self._store.roster else 0
+            raise RejectedError(
+                RejectReason.STALE_ROSTER, wire_detail=f"{RejectReason.STALE_ROSTER}:{version}"
+            )
         streams = self._backups.get(p) not in (None, self.endpoint)
         outcome = self._store.apply_push(
             p, header.sender, header.clock, delta, track_pending=streams
@@ -1112,7 +1186,9 @@ class ParamServer:
         self, identity: bytes, seq: int, reason: str, header: Header | None
     ) -> Reply:
         self._stats = replace(self._stats, rejected=self._stats.rejected + 1)
-        log.warning(
+        routine = reason.partition(":")[0] in _ROUTINE_REJECTIONS
+        log.log(
+            logging.DEBUG if routine else logging.WARNING,
             "param server rejected a message",
             extra={"node": self.node_id, "reason": reason, "sender": header and header.sender},
         )
@@ -1127,10 +1203,10 @@ class ParamServer:
 
 
 def _snapshot_fields(
-    snapshot: PartitionSnapshot,
+    snapshot: PartitionSnapshot, **extra: Any
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     workers, tensors = snapshot_to_wire(snapshot)
-    return {"workers": workers}, tensors
+    return {"workers": workers, **extra}, tensors
 
 
 def snapshot_to_wire(snapshot: PartitionSnapshot) -> tuple[list[str], dict[str, torch.Tensor]]:

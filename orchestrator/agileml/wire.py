@@ -107,8 +107,8 @@ class Header(BaseModel):
     `partition` and `clock` are set by the operations that need them: a pull carries the
     minimum clock it must see, a push the clock of its update. `detail` explains an `error`.
     `workers` names the workers a `handoff` snapshot's `applied` pairs refer to (by index);
-    `epoch` is the membership epoch a request was made in (see `runtime`). Both are left out
-    of messages that do not set them.
+    `epoch` is the epoch a request was made in, `roster_version` the roster a push was computed
+    with (see `server.ParamServer`). These three are left out of messages that do not set them.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -124,6 +124,7 @@ class Header(BaseModel):
     detail: Annotated[str, Field(max_length=512)] | None = None
     workers: Annotated[tuple[Name, ...], Field(max_length=MAX_WORKERS)] | None = None
     epoch: Annotated[int, Field(ge=0)] | None = None
+    roster_version: Annotated[int, Field(ge=0)] | None = None
     nonce: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
     mac: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 
@@ -172,7 +173,8 @@ def encode(
 
     Args:
         header_fields: `kind`, `job_id`, `sender`, `seq` and optionally `partition`, `clock`,
-            `detail`, `workers` (a list of names), `epoch` (both omitted when not given); `v`
+            `detail`, `workers` (a list of names), `epoch`, `roster_version` (omitted when not
+            given); `v`
             defaults to `PROTOCOL_VERSION` and `nonce` to a fresh random one (set them only to
             test peers).
         tensors: the buffers to send, in order; CPU copies are taken, inputs are not changed.

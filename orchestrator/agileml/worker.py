@@ -12,7 +12,7 @@ Retries: a partition that is being handed off (`moving`) or a server that has no
 the worker's epoch (`future_epoch`) is asked again shortly; a `moved` reply re-points the
 partition to its new owner and asks again. A server that refuses the worker's epoch
 (`stale_epoch`), or an `abort` callback returning True while waiting, ends the iteration with
-`EpochChangedError`: the caller picks up the new view and redoes from its restart clock.
+`StaleViewError`: the caller picks up the new view and redoes from its restart clock.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ RETRY_DELAY_SECONDS = 0.002  # before asking again about a partition in flight
 WAIT_SLICE_MS = 20  # how often a waiting worker checks its abort callback
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-_Request = tuple[int, MessageKind, int, dict[str, torch.Tensor]]  # partition, kind, clock, tensors
+# partition, kind, clock, tensors, the worker identity it is sent as
+_Request = tuple[int, MessageKind, int, dict[str, torch.Tensor], str]
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,14 @@ class WorkerSpec:
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
 
 
-class EpochChangedError(AgileMLError):
-    """The job rolled back (or the caller aborted): redo from the new view's restart clock."""
+class StaleViewError(AgileMLError):
+    """The worker's view is out of date: the job rolled back (redo from the new view's restart
+    clock), the roster changed under this clock (`roster_version`: the servers' version; redo
+    the clock on it), or the caller aborted."""
+
+    def __init__(self, message: str, *, roster_version: int | None = None) -> None:
+        self.roster_version = roster_version
+        super().__init__(message)
 
 
 class Worker:
@@ -106,6 +113,9 @@ class Worker:
         self.epoch = epoch
         self._abort = abort or (lambda: False)
         self.clock = 0
+        # failed workers whose shares this one computes: identity -> clocks [from, to)
+        self.adoptions: dict[str, tuple[int, int]] = {}
+        self._adopted_done: set[tuple[str, int]] = set()
         self._seq = 0
         self._ctx: zmq.Context[Any] | None = None
         self._sockets: dict[str, zmq.Socket[Any]] = {}
@@ -116,7 +126,7 @@ class Worker:
         Raises:
             WorkerError: a request was refused or timed out, or a partition's owner has no
                 endpoint (see the class docstring).
-            EpochChangedError: see the module docstring.
+            StaleViewError: see the module docstring.
             PartitionError: a partition has no owner, or a pulled partition has the wrong size.
         """
         try:
@@ -127,35 +137,64 @@ class Worker:
     def step(self) -> float:
         """One iteration at `clock`; on success the clock advances. Returns the loss.
 
+        Besides its own share, the worker computes (under their identities) the shares of the
+        failed workers it adopted for this clock, and first catches up on adopted clocks it has
+        already passed (on the current parameters: a bounded-staleness update).
+
         Raises: as `run`; the clock is then unchanged, and calling `step` again redoes it.
         """
         torch.set_num_threads(1)
         if self._ctx is None:
             self._ctx = zmq.Context()
+        for identity, (first, end) in sorted(self.adoptions.items()):
+            for clock in range(first, min(end, self.clock)):
+                if (identity, clock) not in self._adopted_done:
+                    self._pull(-1)
+                    self._round_trip(self._compute(identity, clock)[1], MessageKind.PUSH_ACK)
+                    self._adopted_done.add((identity, clock))
+        self._pull(self.clock - self.spec.slack - 1)
+        identities = [self.spec.worker_id] + [
+            w for w, (first, end) in sorted(self.adoptions.items()) if first <= self.clock < end
+        ]
+        losses, pushes = [], []
+        for identity in identities:
+            if self.roster is not None and identity not in self.roster.members(self.clock):
+                continue
+            loss, requests = self._compute(identity, self.clock)
+            losses.append(loss)
+            pushes.extend(requests)
+        self._round_trip(pushes, MessageKind.PUSH_ACK)
+        self._adopted_done.update((w, self.clock) for w in identities[1:])
+        self.clock += 1
+        return losses[0] if losses else float("nan")
+
+    def _pull(self, min_clock: int) -> None:
+        """Load every partition (as of at least `min_clock`) into the scratch model."""
         n = self.layout.num_partitions
-        min_clock = self.clock - self.spec.slack - 1
-        pulls: list[_Request] = [(p, MessageKind.PULL, min_clock, {}) for p in range(n)]
-        replies = self._round_trip(pulls, MessageKind.PULL_REPLY)
+        me = self.spec.worker_id
+        replies = self._round_trip(
+            [(p, MessageKind.PULL, min_clock, {}, me) for p in range(n)], MessageKind.PULL_REPLY
+        )
         parts = []
         for p in range(n):
             values = replies[p].get("values")
             if values is None or values.dtype != torch.float32:
-                raise WorkerError(self.spec.worker_id, f"bad pull reply for partition {p}")
+                raise WorkerError(me, f"bad pull reply for partition {p}")
             parts.append(values)
         self.layout.scatter(self._model, parts)  # raises PartitionError on a wrong size
 
-        x, y = self._minibatch()
+    def _compute(self, identity: str, clock: int) -> tuple[float, list[_Request]]:
+        """The loss and the pushes of `identity`'s minibatch of `clock` on the loaded model."""
+        x, y = self._minibatch(identity, clock)
         self._model.zero_grad(set_to_none=True)
         loss = self._loss_fn(self._model(x), y)
         loss.backward()
         grads = self.layout.gather_grads(self._model)
         pushes: list[_Request] = [
-            (p, MessageKind.PUSH, self.clock, {"delta": g.mul_(-self.spec.lr)})
+            (p, MessageKind.PUSH, clock, {"delta": g.mul_(-self.spec.lr)}, identity)
             for p, g in enumerate(grads)
         ]
-        self._round_trip(pushes, MessageKind.PUSH_ACK)
-        self.clock += 1
-        return float(loss.item())
+        return float(loss.item()), pushes
 
     def close(self) -> None:
         """Close the sockets (a later `step` opens new ones)."""
@@ -166,18 +205,12 @@ class Worker:
             self._ctx.term()
             self._ctx = None
 
-    def _minibatch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _minibatch(self, identity: str, clock: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.roster is not None:
-            rows = global_batch_indices(
-                self.spec.seed, self.clock, len(self._x), self.spec.batch_size
-            )
-            mine = rows[
-                worker_share(
-                    self.roster.members(self.clock), self.spec.worker_id, self.spec.batch_size
-                )
-            ]
-            return self._x[mine], self._y[mine]
-        key = f"{self.spec.seed}/{self.spec.worker_id}/{self.clock}".encode()
+            rows = global_batch_indices(self.spec.seed, clock, len(self._x), self.spec.batch_size)
+            share = worker_share(self.roster.members(clock), identity, self.spec.batch_size)
+            return self._x[rows[share]], self._y[rows[share]]
+        key = f"{self.spec.seed}/{identity}/{clock}".encode()
         gen = torch.Generator().manual_seed(zlib.crc32(key))
         idx = torch.randint(0, len(self._x), (self.spec.batch_size,), generator=gen)
         return self._x[idx], self._y[idx]
@@ -185,18 +218,18 @@ class Worker:
     def _round_trip(
         self, requests: list[_Request], want: MessageKind
     ) -> dict[int, dict[str, torch.Tensor]]:
-        """Send all requests at once, then wait for every reply; returns tensors per partition."""
-        by_partition = {req[0]: req for req in requests}
-        outstanding: dict[int, int] = {}  # seq -> partition
-        for p in by_partition:
+        """Send all requests at once, then wait for every reply; returns tensors per partition
+        (of the last request to each partition)."""
+        outstanding: dict[int, int] = {}  # seq -> index into requests
+        for i, request in enumerate(requests):
             self._seq += 1
-            self._send(by_partition[p], self._seq)
-            outstanding[self._seq] = p
+            self._send(request, self._seq)
+            outstanding[self._seq] = i
         deadline = time.monotonic() + self.spec.request_timeout_s
         results: dict[int, dict[str, torch.Tensor]] = {}
         while outstanding:
             if self._abort():
-                raise EpochChangedError(f"worker {self.spec.worker_id}: aborted by its node")
+                raise StaleViewError(f"worker {self.spec.worker_id}: aborted by its node")
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 raise WorkerError(self.spec.worker_id, "timeout")
@@ -206,14 +239,15 @@ class Worker:
             for sock, _ in poller.poll(min(remaining_ms, WAIT_SLICE_MS)):
                 while sock.poll(0):
                     header, tensors = self._receive(sock)
-                    p = outstanding.pop(header.seq, None)
-                    if p is None:
+                    i = outstanding.pop(header.seq, None)
+                    if i is None:
                         continue  # a late reply to an earlier, abandoned request
+                    p = requests[i][0]
                     if header.kind is MessageKind.ERROR:
                         self._retry_or_raise(p, header.detail or "error")
                         self._seq += 1
-                        self._send(by_partition[p], self._seq)
-                        outstanding[self._seq] = p
+                        self._send(requests[i], self._seq)
+                        outstanding[self._seq] = i
                         continue
                     if header.kind is not want or header.partition != p:
                         raise WorkerError(self.spec.worker_id, f"unexpected {header.kind} reply")
@@ -232,7 +266,13 @@ class Worker:
             return
         reason = detail.partition(":")[0]
         if reason == RejectReason.STALE_EPOCH:
-            raise EpochChangedError(f"worker {self.spec.worker_id}: {detail}")
+            raise StaleViewError(f"worker {self.spec.worker_id}: {detail}")
+        if reason == RejectReason.STALE_ROSTER:
+            version = detail.partition(":")[2]
+            raise StaleViewError(
+                f"worker {self.spec.worker_id}: {detail}",
+                roster_version=int(version) if version.isdigit() else None,
+            )
         if reason in (RejectReason.MOVING, RejectReason.FUTURE_EPOCH):
             time.sleep(RETRY_DELAY_SECONDS)
             return
@@ -240,17 +280,19 @@ class Worker:
         raise WorkerError(self.spec.worker_id, detail, endpoint=self.endpoints.get(owner))
 
     def _send(self, request: _Request, seq: int) -> None:
-        p, kind, clock, tensors = request
+        p, kind, clock, tensors, identity = request
         fields: dict[str, Any] = {
             "kind": kind,
             "job_id": self.spec.job_id,
-            "sender": self.spec.worker_id,
+            "sender": identity,
             "seq": seq,
             "partition": p,
             "clock": clock,
         }
         if self.epoch is not None:
             fields["epoch"] = self.epoch
+        if kind is MessageKind.PUSH and self.roster is not None:
+            fields["roster_version"] = self.roster.version
         sock = self._socket(self.table.owner(p))
         sock.send_multipart(wire.encode(fields, tensors, self._token), copy=False)
 

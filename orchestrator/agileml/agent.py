@@ -1,0 +1,363 @@
+"""An AgileML node: one parameter server (whatever role the controller gives it) and one worker.
+
+Lifecycle: start the server, `join` the job's elasticity controller (which answers with the
+training spec), build the data and model (the "load"), say `ready`, then train by the view that
+every heartbeat reply carries, until the view says `done`/`shutdown` or the roster no longer has
+this worker (after an eviction: then, once the server has handed off its partitions, `left`).
+
+Run one per machine: `python -m orchestrator.agileml.agent --node-id ... --tier transient
+--controller tcp://...`, with the job token hex in `ORCHESTRATOR_AGILEML_TOKEN`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.agileml.control import (
+    ControlClient,
+    ControlError,
+    Heartbeat,
+    Join,
+    Leaving,
+    Left,
+    Ready,
+    Reply,
+    TrainingSpec,
+    View,
+    dump,
+)
+from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.errors import AgileMLError, WorkerError
+from orchestrator.agileml.examples import build_data, build_loss, build_model, initial_model
+from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
+from orchestrator.agileml.roster import Roster
+from orchestrator.agileml.server import ParamServer
+from orchestrator.agileml.worker import StaleViewError, Worker, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "ORCHESTRATOR_AGILEML_TOKEN"
+JOIN_TIMEOUT_SECONDS = 10.0
+LOST_CONTROLLER_HEARTBEATS = 50  # heartbeats without an answer before the node gives up
+
+
+@dataclass
+class NodeResult:
+    """What a node did: its losses by clock, and how it ended."""
+
+    node_id: str
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    ended: str = ""  # done | left | lost_controller
+
+
+class AgileMLNode:
+    """One node of an AgileML job (see the module docstring). `run()` blocks; `leave()` and
+    `stop()` may be called from other threads (e.g. a spot-notice watcher)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        tier: NodeTier,
+        *,
+        job_id: str,
+        controller: str,
+        token: bytes,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.node_id = node_id
+        self.tier = tier
+        self.job_id = job_id
+        self._controller = controller
+        self._token = token
+        self._host = host
+        self._view = View()
+        self._spec: TrainingSpec | None = None
+        self._layout: PartitionLayout | None = None
+        self._initial: list[Any] = []
+        self._server: ParamServer | None = None
+        self._leaving = threading.Event()
+        self._stop = threading.Event()
+        self._clock = 0
+        self._last_loss: float | None = None
+        self._lost = False
+        self._worker: Worker | None = None
+        self._refresh = threading.Event()  # the trainer wants a heartbeat (and view) now
+
+    def leave(self) -> None:
+        """An eviction notice: finish the current clock, hand partitions off, then exit."""
+        self._leaving.set()
+
+    def stop(self) -> None:
+        """Exit at once (the controller will treat this node as failed)."""
+        self._stop.set()
+
+    @property
+    def view(self) -> View:
+        return self._view
+
+    def run(self) -> NodeResult:
+        """Join, train and leave (see the module docstring).
+
+        Raises:
+            ControlError: the controller did not accept the join.
+        """
+        server = ParamServer(
+            self.node_id,
+            job_id=self.job_id,
+            token=self._token,
+            host=self._host,
+            control=self._on_control,
+        )
+        self._server = server
+        client = ControlClient(job_id=self.job_id, sender=self.node_id, token=self._token)
+        result = NodeResult(self.node_id)
+        try:
+            spec = self._join(client, server)
+            spec_worker = self._load(spec)
+            reply = self._send(client, Ready())
+            if reply is None:
+                raise ControlError(self._controller, "no answer to `ready`")
+            beat = threading.Thread(
+                target=self._heartbeats, args=(spec,), name=f"hb-{self.node_id}", daemon=True
+            )
+            beat.start()
+            result.ended = self._train(spec, spec_worker, result)
+            self._stop.set()
+            beat.join(5)
+            if result.ended == "left":
+                self._send(client, Left())
+            return result
+        finally:
+            self._stop.set()
+            client.close()
+            server.stop()
+
+    # -- phases -----------------------------------------------------------------------------
+
+    def _join(self, client: ControlClient, server: ParamServer) -> TrainingSpec:
+        server.start()
+        reply = self._send(client, Join(tier=self.tier, endpoint=server.endpoint))
+        if reply is None or not reply.ok or reply.spec is None:
+            raise ControlError(self._controller, reply.error if reply else "no answer to join")
+        self._spec = reply.spec
+        if reply.view is not None:
+            self._view = reply.view
+        return reply.spec
+
+    def _load(self, spec: TrainingSpec) -> Worker:
+        factory = build_model(spec)
+        model = initial_model(factory, spec.seed)
+        self._layout = PartitionLayout(model, spec.num_partitions)
+        self._initial = self._layout.gather(model)
+        data = build_data(spec)
+        self._worker = Worker(
+            WorkerSpec(
+                self.node_id, spec.job_id, spec.global_batch, spec.lr, spec.slack, seed=spec.seed
+            ),
+            token=self._token,
+            layout=self._layout,
+            table=PartitionTable(spec.num_partitions),
+            endpoints={},
+            model_factory=factory,
+            data=data,
+            loss_fn=build_loss(spec),
+            roster=Roster.starting([self.node_id]),
+            epoch=0,
+            abort=self._should_abort,
+        )
+        return self._worker
+
+    def _should_abort(self) -> bool:
+        worker = self._worker
+        return self._stop.is_set() or (worker is not None and self._view.epoch != worker.epoch)
+
+    def _train(self, spec: TrainingSpec, worker: Worker, result: NodeResult) -> str:
+        was_member = False
+        try:
+            while not self._stop.is_set():
+                view = self._view
+                if self._lost:
+                    return "lost_controller"
+                if view.shutdown or (view.done and not self._owns_partitions()):
+                    return "done"
+                if view.epoch == 0 or view.roster is None or view.done:
+                    time.sleep(spec.heartbeat_s / 4)
+                    continue
+                self._sync(worker, view)
+                clock = worker.clock
+                first = view.roster.first_clock_of(self.node_id, clock)
+                if clock >= spec.iterations or first is None:
+                    evicted = was_member and first is None and self._leaving.is_set()
+                    if evicted and not self._owns_partitions():
+                        return "left"  # out of the roster, partitions handed off
+                    time.sleep(spec.heartbeat_s / 4)
+                    continue
+                if first > clock:
+                    worker.clock = first  # a joining worker starts at its scheduled clock
+                was_member = True
+                try:
+                    loss = worker.step()
+                except StaleViewError as exc:
+                    self._await_view(worker, exc.roster_version, spec)
+                    continue
+                except WorkerError as exc:
+                    log.warning("iteration failed; retrying", extra={"error": str(exc)})
+                    time.sleep(spec.heartbeat_s)
+                    continue
+                self._clock, self._last_loss = worker.clock, loss
+                result.losses.append((worker.clock - 1, loss))
+            return "stopped"
+        finally:
+            worker.close()
+
+    def _await_view(self, worker: Worker, roster_version: int | None, spec: TrainingSpec) -> None:
+        """Ask for the view now, and wait (a little) until it is newer than the worker's."""
+        self._refresh.set()
+        deadline = time.monotonic() + spec.failure_timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            view = self._view
+            if view.epoch != worker.epoch:
+                return
+            current = view.roster.version if view.roster is not None else -1
+            if roster_version is not None and current >= roster_version:
+                return
+            if roster_version is None and self._refresh.is_set() is False:
+                return  # refreshed once; a stale epoch shows in the next one
+            time.sleep(0.002)
+
+    def _sync(self, worker: Worker, view: View) -> None:
+        """Bring the worker to the view: a new epoch restarts its clock and its table."""
+        if view.epoch != worker.epoch:
+            worker.epoch = view.epoch
+            worker.clock = view.restart_clock
+            worker.table = PartitionTable(len(self._initial))
+        worker.roster = view.roster
+        worker.endpoints = dict(view.endpoints)
+        worker.adoptions = {
+            w: (a.from_clock, a.to_clock)
+            for w, a in view.adoptions.items()
+            if a.surrogate == self.node_id
+        }
+        for p, owner in view.owners.items():
+            if worker.table.get(p).owner is None:
+                worker.table.move(p, owner)
+            worker.table.set(p, owner, view.versions.get(p, 0))
+        self._clock = worker.clock
+
+    def _owns_partitions(self) -> bool:
+        server = self._server
+        return server is not None and bool(server.owned())
+
+    # -- heartbeats -------------------------------------------------------------------------
+
+    def _heartbeats(self, spec: TrainingSpec) -> None:
+        client = ControlClient(job_id=spec.job_id, sender=self.node_id, token=self._token)
+        misses = 0
+        told_leaving = False
+        try:
+            while not self._stop.is_set():
+                if self._leaving.is_set() and not told_leaving:
+                    told_leaving = self._send(client, Leaving()) is not None
+                self._refresh.clear()
+                reply = self._send(client, Heartbeat(clock=self._clock, loss=self._last_loss))
+                misses = 0 if reply is not None else misses + 1
+                if misses >= LOST_CONTROLLER_HEARTBEATS:
+                    self._lost = True
+                    return
+                self._refresh.wait(spec.heartbeat_s)
+        finally:
+            client.close()
+
+    def _send(self, client: ControlClient, message: Any) -> Reply | None:
+        spec = self._spec
+        timeout = spec.failure_timeout_s / 2 if spec is not None else JOIN_TIMEOUT_SECONDS
+        try:
+            out = client.call(self._controller, dump(message), timeout)
+        except ControlError as exc:
+            log.warning("controller call failed", extra={"op": message.op, "error": exc.reason})
+            return None
+        reply = Reply.model_validate(out)
+        if reply.view is not None:
+            self._view = reply.view
+        return reply
+
+    # -- control ops from the controller (run on the server's control threads) -------------
+
+    def _on_control(self, body: dict[str, Any]) -> dict[str, Any]:
+        server, layout = self._server, self._layout
+        if server is None or layout is None:
+            raise AgileMLError("node not loaded yet")
+        op = body.get("op")
+        if op == "configure":
+            if "epoch" in body:
+                server.set_epoch(int(body["epoch"]))
+            if "backups" in body:
+                server.set_backups({int(p): e for p, e in body["backups"].items()})
+            for p, version in body.get("init_own", {}).items():
+                server.add_partition(int(p), self._initial[int(p)], version=int(version))
+            for p in body.get("init_backup", []):
+                server.add_backup(int(p), self._initial[int(p)])
+            if "roster" in body:
+                server.set_roster(Roster.model_validate(body["roster"]))
+            return {}
+        if op == "handoff":
+            versions = {}
+            for p, endpoint in sorted(body["moves"].items(), key=lambda kv: int(kv[0])):
+                versions[int(p)] = server.handoff_to(int(p), endpoint).version
+            return {"versions": versions}
+        if op == "restore":
+            owners = {int(p): e for p, e in body["owners"].items()}
+            versions = {int(p): int(v) for p, v in body["versions"].items()}
+            restored = server.restore_owners(int(body["epoch"]), owners, versions)
+            return {"restored": {p: list(cv) for p, cv in restored.items()}}
+        if op == "status":
+            return {"owned": server.owned(), "backed": server.backed()}
+        if op == "progress":
+            return {"progress": server.worker_progress(str(body["worker"]))}
+        raise AgileMLError(f"unknown control op {op!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one node until its job is done or it leaves; prints its result as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--node-id", required=True)
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--tier", choices=[t.value for t in NodeTier], required=True)
+    parser.add_argument("--controller", required=True, help="tcp://host:port of the controller")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve partitions on")
+    args = parser.parse_args(argv)
+    token_hex = os.environ.get(TOKEN_ENV)
+    if not token_hex:
+        print(f"error: set {TOKEN_ENV} to the job token (hex)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=os.environ.get("ORCHESTRATOR_LOG_LEVEL", "WARNING"))
+    node = AgileMLNode(
+        args.node_id,
+        NodeTier(args.tier),
+        job_id=args.job_id,
+        controller=args.controller,
+        token=bytes.fromhex(token_hex),
+        host=args.host,
+    )
+    signal.signal(signal.SIGUSR1, lambda *_: node.leave())  # the eviction notice
+    signal.signal(signal.SIGTERM, lambda *_: node.stop())
+    result = node.run()
+    print(
+        json.dumps(
+            {"node": result.node_id, "ended": result.ended, "iterations": len(result.losses)}
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

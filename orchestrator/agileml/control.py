@@ -1,0 +1,241 @@
+"""The control plane of an AgileML job: the training spec, the view nodes train by, and the
+messages between nodes and the elasticity controller (JSON bodies of `control` messages).
+
+A node joins (`join`), loads its data and signals `ready`, then sends a `heartbeat` every
+`heartbeat_s` with its clock; every reply carries the current `View`. A node warned of its
+eviction says `leaving`; once its partitions are handed off and its last clock is pushed, `left`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+import zmq
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.elasticity import NodeTier, StageThresholds
+from orchestrator.agileml.errors import AgileMLError, WireError
+from orchestrator.agileml.roster import Roster
+from orchestrator.agileml.wire import MessageKind
+
+NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+
+
+class ModelSpec(BaseModel):
+    """Which example model to train (see `examples.build_model`).
+
+    `mlr`: multinomial logistic regression (features x classes); `mlp`: one hidden ReLU layer;
+    `additive`: a probe whose update per row is the row itself, so the exact final parameters
+    are known (for exactly-once checks).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["mlr", "mlp", "additive"] = "mlr"
+    features: Annotated[int, Field(ge=1, le=1_000_000)] = 64
+    classes: Annotated[int, Field(ge=2, le=100_000)] = 10
+    hidden: Annotated[int, Field(ge=1, le=100_000)] = 64
+
+
+class TrainingSpec(BaseModel):
+    """An AgileML job: model, data, optimizer, consistency, and elasticity settings.
+
+    Raises:
+        pydantic.ValidationError: naming the field, e.g. a global batch smaller than the
+            number of partitions' minimum or a slack below 0.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job_id: NodeId
+    model: ModelSpec = ModelSpec()
+    samples: Annotated[int, Field(ge=1, le=10_000_000)] = 4096
+    data_seed: int = 0
+    global_batch: Annotated[int, Field(ge=1)] = 256
+    lr: Annotated[float, Field(gt=0)] = 0.05
+    slack: Annotated[int, Field(ge=0, le=1000)] = 0
+    iterations: Annotated[int, Field(ge=1)] = 100
+    num_partitions: Annotated[int, Field(ge=1, le=4096)] = 4
+    seed: int = 0
+    min_nodes: Annotated[int, Field(ge=1)] = 1  # nodes ready before clock 0 starts
+    thresholds: StageThresholds = StageThresholds()
+    heartbeat_s: Annotated[float, Field(gt=0, le=10)] = 0.1
+    failure_timeout_s: Annotated[float, Field(gt=0, le=600)] = 1.0
+    join_margin_clocks: Annotated[int, Field(ge=1, le=1000)] = 4
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> TrainingSpec:
+        if self.failure_timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError(
+                f"failure_timeout_s ({self.failure_timeout_s}) must exceed two heartbeats "
+                f"(2 x {self.heartbeat_s}); otherwise a live node is taken for dead"
+            )
+        return self
+
+
+class Adoption(BaseModel):
+    """A failed worker's shares of clocks [from_clock, to_clock), computed by `surrogate`
+    under the failed worker's identity (its data falls back to a survivor)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    surrogate: NodeId
+    from_clock: Annotated[int, Field(ge=0)]
+    to_clock: Annotated[int, Field(ge=0)]
+
+
+class View(BaseModel):
+    """What every node trains by. `epoch` changes only on a roll-back, after which workers
+    resume at `restart_clock`; roster and owners may change within an epoch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    epoch: int = 0  # 0: not started yet
+    restart_clock: int = 0
+    stage: int = 1
+    roster: Roster | None = None
+    owners: dict[int, str] = {}
+    versions: dict[int, int] = {}  # ownership version of each partition, as last known
+    endpoints: dict[str, str] = {}  # node id -> parameter-server endpoint
+    backups: dict[int, str] = {}  # partition -> BackupPS endpoint (empty in stage 1)
+    adoptions: dict[str, Adoption] = {}  # failed worker -> who computes its last shares
+    done: bool = False  # every worker finished the job's iterations
+    shutdown: bool = False  # nodes stop their servers and exit
+
+
+class Join(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    op: Literal["join"] = "join"
+    tier: NodeTier
+    endpoint: str
+
+
+class Ready(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    op: Literal["ready"] = "ready"
+
+
+class Heartbeat(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    op: Literal["heartbeat"] = "heartbeat"
+    clock: Annotated[int, Field(ge=0)]  # the clock the node's worker is at (done below it)
+    loss: float | None = None  # the loss of the last iteration, if any
+
+
+class Leaving(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    op: Literal["leaving"] = "leaving"
+
+
+class Left(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    op: Literal["left"] = "left"
+
+
+NodeMessage = Annotated[Join | Ready | Heartbeat | Leaving | Left, Field(discriminator="op")]
+
+
+class NodeRequest(BaseModel):
+    """Envelope for parsing a node's control body."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    message: NodeMessage
+
+
+class Reply(BaseModel):
+    """The controller's answer: the spec once (on join), the view always, or an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ok: bool = True
+    error: str | None = None
+    spec: TrainingSpec | None = None
+    view: View | None = None
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    """A JSON-ready dict of a control model."""
+    return model.model_dump(mode="json")
+
+
+class ControlError(AgileMLError):
+    """A control call that timed out, or whose answer was refused or malformed.
+
+    Attributes:
+        endpoint: the peer.
+        reason: "timeout", the peer's error, or a wire reason.
+    """
+
+    def __init__(self, endpoint: str, reason: str) -> None:
+        self.endpoint = endpoint
+        self.reason = reason
+        super().__init__(f"control call to {endpoint} failed: {reason}")
+
+
+class ControlClient:
+    """Request/reply `control` messages to peers, one DEALER socket per peer. Not thread-safe:
+    use one client per thread."""
+
+    def __init__(self, *, job_id: str, sender: str, token: bytes) -> None:
+        self.job_id, self.sender, self._token = job_id, sender, token
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._socks: dict[str, zmq.Socket[Any]] = {}
+        self._seq = 0
+
+    def call(self, endpoint: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send `body` to `endpoint`; returns the JSON object it answers.
+
+        Raises:
+            ControlError: no answer within `timeout_s` (the socket is then reset), or an
+                unauthenticated, malformed or `error` answer.
+        """
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self._socks[endpoint] = sock
+        self._seq += 1
+        header = {
+            "kind": MessageKind.CONTROL,
+            "job_id": self.job_id,
+            "sender": self.sender,
+            "seq": self._seq,
+        }
+        sock.send_multipart(wire.encode(header, wire.json_body(body), self._token))
+        deadline = time.monotonic() + timeout_s
+        while (remaining_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            if not sock.poll(remaining_ms):
+                break
+            try:
+                reply, tensors = wire.decode(sock.recv_multipart(), self._token)
+            except WireError as exc:
+                raise ControlError(endpoint, str(exc.reason)) from exc
+            if reply.seq != self._seq:
+                continue  # the late answer to a call that timed out
+            if reply.kind is MessageKind.ERROR:
+                raise ControlError(endpoint, reply.detail or "error")
+            try:
+                out = wire.parse_json_body(tensors)
+            except WireError as exc:
+                raise ControlError(endpoint, str(exc.reason)) from exc
+            if not isinstance(out, dict):
+                raise ControlError(endpoint, "answer is not a JSON object")
+            return out
+        sock.close(linger=0)
+        del self._socks[endpoint]
+        raise ControlError(endpoint, "timeout")
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
+        self._ctx.term()

@@ -1,0 +1,616 @@
+"""The elasticity controller of one AgileML job (seed 002, §4.2.2-4.2.3).
+
+It tracks the job's nodes by tier and lifecycle, and drives every change of the job:
+
+* start: once `min_nodes` are ready, pick the stage and roles (`plan_roles`), give each node its
+  initial partitions and backups (`configure`), and publish the first view (epoch 1, clock 0);
+* scale-up in the background: a joining node loads its data and says `ready`; it enters the
+  roster `join_margin_clocks` clocks ahead of the fastest worker, so nobody waits for it, and
+  partitions move to new ActivePSs by hand-off while training goes on;
+* eviction with warning (`leaving`, or `notify_eviction` from the instance's notice): the node's
+  worker leaves the roster at the next clock, and its partitions are handed to survivors (or,
+  when no transient server is left, back to the BackupPSs, which become ParamServs);
+* failure without warning (no heartbeat for `failure_timeout_s`): a worker-only node leaves the
+  roster from the clock it had not finished; a node that owned partitions triggers a roll-back:
+  the BackupPSs restore every partition at its last consistent clock to its (new) owner under
+  a new epoch, and every worker redoes from the oldest of those clocks + 1. Updates already in
+  a restored partition are deduplicated, so each one is applied exactly once.
+
+Node messages arrive on a ROUTER thread that only records and answers; changes run one at a
+time on a reconfiguration thread that calls the nodes' parameter servers (`control` ops).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+from pydantic import ValidationError
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.control import (
+    Adoption,
+    ControlClient,
+    ControlError,
+    Heartbeat,
+    Join,
+    Leaving,
+    Left,
+    NodeRequest,
+    Ready,
+    Reply,
+    TrainingSpec,
+    View,
+    dump,
+)
+from orchestrator.agileml.elasticity import (
+    Membership,
+    Node,
+    NodeState,
+    NodeTier,
+    RolePlan,
+    Stage,
+    assign_partitions,
+    plan_roles,
+)
+from orchestrator.agileml.errors import AgileMLError, WireError
+from orchestrator.agileml.partitions import PartitionTable
+from orchestrator.agileml.roster import Roster
+from orchestrator.agileml.wire import MessageKind
+
+log = logging.getLogger(__name__)
+
+SENDER = "coordinator"
+CONTROL_TIMEOUT_SECONDS = 15.0  # a configure, hand-off or restore op on a node
+ROSTER_RETRIES = 5  # a join scheduled too late is pushed later this many times
+POLL_MS = 50
+
+
+@dataclass
+class _NodeInfo:
+    tier: NodeTier
+    endpoint: str
+    joined_at_s: float
+    last_seen_s: float
+    clock: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (clock, loss) heard
+
+
+@dataclass(frozen=True)
+class CoordinatorEvent:
+    """Something the controller did, for logs, tests and benchmarks."""
+
+    at_s: float
+    kind: str  # started | joined | evicted | failed | rolled_back | done
+    nodes: tuple[str, ...]
+    detail: str = ""
+
+
+class Coordinator:
+    """The elasticity controller of one job, on a ROUTER socket (`endpoint` after `start`).
+
+    `now` is injectable for tests of the timing rules; by default the monotonic clock.
+    Public methods are thread-safe.
+    """
+
+    def __init__(
+        self,
+        spec: TrainingSpec,
+        *,
+        token: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.spec = spec
+        self._token = token
+        self._address = f"tcp://{host}:{port}"
+        self._now = now
+        self._lock = threading.Lock()
+        self._nodes: dict[str, _NodeInfo] = {}
+        self._membership = Membership()
+        self._view = View()
+        self._table = PartitionTable(spec.num_partitions)
+        self._events: list[CoordinatorEvent] = []
+        self._queue: queue.Queue[tuple[str, str]] = queue.Queue()
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._ctx: zmq.Context[Any] | None = None
+        self.endpoint = ""
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> Coordinator:
+        """Bind and start the message and reconfiguration threads."""
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self._address)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._threads = [
+            threading.Thread(target=self._serve, args=(sock,), name="coord-serve", daemon=True),
+            threading.Thread(target=self._reconfigure_loop, name="coord-reconf", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        log.info("elasticity controller started", extra={"endpoint": self.endpoint})
+        return self
+
+    def stop(self) -> None:
+        """Tell every node to shut down (in the view), then stop the threads."""
+        with self._lock:
+            self._view = self._view.model_copy(update={"done": True, "shutdown": True})
+        time.sleep(3 * self.spec.heartbeat_s)  # every node's next heartbeat hears it
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> Coordinator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- queries and commands -------------------------------------------------------------
+
+    def view(self) -> View:
+        with self._lock:
+            return self._view
+
+    def events(self) -> list[CoordinatorEvent]:
+        with self._lock:
+            return list(self._events)
+
+    def node_losses(self) -> dict[str, list[tuple[int, float]]]:
+        """The (clock, loss) pairs each node reported in its heartbeats."""
+        with self._lock:
+            return {n: list(info.losses) for n, info in self._nodes.items()}
+
+    def node_state(self, node_id: str) -> NodeState | None:
+        with self._lock:
+            return self._membership.state(node_id)
+
+    def notify_eviction(self, node_id: str) -> None:
+        """An eviction notice for `node_id` (from the cloud side); as if it said `leaving`."""
+        self._queue.put(("leaving", node_id))
+
+    def wait_done(self, timeout_s: float) -> bool:
+        """Wait until every worker has finished `spec.iterations` clocks."""
+        return self._done.wait(timeout_s)
+
+    def fetch_parameters(self, timeout_s: float = CONTROL_TIMEOUT_SECONDS) -> list[torch.Tensor]:
+        """Every partition's values once the job is done, pulled from its owner.
+
+        Raises:
+            AgileMLError: a partition could not be pulled within `timeout_s`.
+        """
+        view = self.view()
+        assert self._ctx is not None
+        out = []
+        for p in range(self.spec.num_partitions):
+            owner = self._table.owner(p)
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(view.endpoints[owner])
+                header = {
+                    "kind": MessageKind.PULL,
+                    "job_id": self.spec.job_id,
+                    "sender": SENDER,
+                    "seq": p,
+                    "partition": p,
+                    "clock": self.spec.iterations - 1,
+                    "epoch": view.epoch,
+                }
+                sock.send_multipart(wire.encode(header, {}, self._token))
+                if not sock.poll(int(timeout_s * 1000)):
+                    raise AgileMLError(f"partition {p}: no answer from {owner}")
+                reply, tensors = wire.decode(sock.recv_multipart(), self._token)
+                if reply.kind is not MessageKind.PULL_REPLY:
+                    raise AgileMLError(f"partition {p}: {owner} answered {reply.detail}")
+                out.append(tensors["values"])
+            finally:
+                sock.close(linger=0)
+        return out
+
+    # -- node messages (ROUTER thread) ----------------------------------------------------
+
+    def _serve(self, sock: zmq.Socket[Any]) -> None:
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(POLL_MS):
+                    continue
+                msg = sock.recv_multipart()
+                if len(msg) < 2:
+                    continue
+                identity, frames = msg[0], msg[1:]
+                try:
+                    header, tensors = wire.decode(frames, self._token)
+                except WireError as exc:
+                    log.warning("controller dropped a message", extra={"why": str(exc)})
+                    continue
+                reply = self._on_message(header, tensors)
+                frames = wire.encode(
+                    {
+                        "kind": MessageKind.CONTROL_REPLY,
+                        "job_id": self.spec.job_id,
+                        "sender": SENDER,
+                        "seq": header.seq,
+                    },
+                    wire.json_body(dump(reply)),
+                    self._token,
+                )
+                sock.send_multipart([identity, *frames])
+        except Exception:
+            log.exception("elasticity controller message loop crashed")
+        finally:
+            sock.close(linger=0)
+
+    def _on_message(self, header: wire.Header, tensors: dict[str, torch.Tensor]) -> Reply:
+        if header.job_id != self.spec.job_id or header.kind is not MessageKind.CONTROL:
+            return Reply(ok=False, error=f"not a control message of job {self.spec.job_id}")
+        try:
+            message = NodeRequest.model_validate({"message": wire.parse_json_body(tensors)})
+        except (WireError, ValidationError) as exc:
+            return Reply(ok=False, error=f"bad control body: {exc}")
+        node, m = header.sender, message.message
+        now = self._now()
+        with self._lock:
+            info = self._nodes.get(node)
+            if isinstance(m, Join):
+                if info is not None:
+                    return Reply(ok=False, error=f"node {node} already joined; use a new id")
+                self._nodes[node] = _NodeInfo(m.tier, m.endpoint, now, now)
+                self._membership.join(node, now)
+                return Reply(spec=self.spec, view=self._view)
+            if info is None:
+                return Reply(ok=False, error=f"unknown node {node}: send `join` first")
+            info.last_seen_s = now
+            if isinstance(m, Heartbeat):
+                info.clock = m.clock
+                if m.loss is not None and (not info.losses or info.losses[-1][0] != m.clock):
+                    info.losses.append((m.clock, m.loss))
+            elif isinstance(m, Ready):
+                self._queue.put(("ready", node))
+            elif isinstance(m, Leaving):
+                self._queue.put(("leaving", node))
+            elif isinstance(m, Left):
+                self._queue.put(("left", node))
+            return Reply(view=self._view)
+
+    # -- reconfiguration (one change at a time) ---------------------------------------------
+
+    def _reconfigure_loop(self) -> None:
+        client = ControlClient(job_id=self.spec.job_id, sender=SENDER, token=self._token)
+        try:
+            while not self._stop.is_set():
+                batch: dict[str, list[str]] = {}
+                try:
+                    kind, node = self._queue.get(timeout=self.spec.heartbeat_s / 2)
+                    batch.setdefault(kind, []).append(node)
+                    while True:  # take what else is queued: joins and evictions come in bulk
+                        kind, node = self._queue.get_nowait()
+                        batch.setdefault(kind, []).append(node)
+                except queue.Empty:
+                    pass
+                try:
+                    self._step(client, batch)
+                except (AgileMLError, ValidationError) as exc:
+                    log.exception("reconfiguration failed", extra={"error": str(exc)})
+        finally:
+            client.close()
+
+    def _step(self, client: ControlClient, batch: dict[str, list[str]]) -> None:
+        for n in batch.get("left", []):
+            if self._move(n, NodeState.GONE):
+                self._record("left", [n])
+        started = self.view().epoch > 0
+        ready = [n for n in batch.get("ready", []) if self._move(n, NodeState.READY)]
+        if not started:
+            if self._count(NodeState.READY) >= self.spec.min_nodes and self._has_reliable():
+                self._start(client)
+            return
+        failed = self._detect_failures()
+        if failed:
+            self._fail(client, failed)
+        leaving = [n for n in batch.get("leaving", []) if self._move(n, NodeState.LEAVING)]
+        if leaving:
+            self._evict(client, leaving)
+        if ready:
+            self._scale_up(client, ready)
+        self._check_done()
+
+    def _start(self, client: ControlClient) -> None:
+        nodes = self._nodes_in(NodeState.READY)
+        plan = plan_roles(nodes, self.spec.thresholds)
+        owners = assign_partitions(self.spec.num_partitions, plan.serving)
+        for p, o in owners.items():
+            self._table.move(p, o)
+        endpoints = self._endpoints()
+        backups = self._backups(plan, endpoints)
+        roster = Roster.starting(plan.workers)
+        for n in nodes:
+            mine = {p: self._table.get(p).version for p, o in owners.items() if o == n.node_id}
+            backed = [p for p, b in backups.items() if b == endpoints[n.node_id]]
+            body = {
+                "op": "configure",
+                "epoch": 1,
+                "roster": dump(roster),
+                "backups": backups,
+                "init_own": mine,
+                "init_backup": backed,
+            }
+            self._call(client, n.node_id, body)
+        for n in nodes:
+            self._move(n.node_id, NodeState.ACTIVE)
+        self._publish(
+            epoch=1, restart_clock=0, stage=int(plan.stage), roster=roster, backups=backups
+        )
+        self._record("started", [n.node_id for n in nodes], f"stage {int(plan.stage)}")
+
+    def _scale_up(self, client: ControlClient, ready: list[str]) -> None:
+        plan = plan_roles(self._nodes_in(NodeState.ACTIVE, NodeState.READY), self.spec.thresholds)
+        roster, start = self._schedule(
+            client, plan, lambda r, clock: r.with_change(clock, plan.workers)
+        )
+        for n in ready:
+            self._move(n, NodeState.ACTIVE)
+        self._rebalance(client, plan)
+        self._record("joined", ready, f"from clock {start}")
+
+    def _evict(self, client: ControlClient, leaving: list[str]) -> None:
+        plan = plan_roles(self._nodes_in(NodeState.ACTIVE, NodeState.READY), self.spec.thresholds)
+        roster, start = self._schedule(
+            client, plan, lambda r, clock: r.without(set(leaving), clock)
+        )
+        self._rebalance(client, plan)
+        self._record("evicted", leaving, f"out from clock {start}")
+
+    def _schedule(
+        self, client: ControlClient, plan: RolePlan, change: Callable[[Roster, int], Roster]
+    ) -> tuple[Roster, int]:
+        """Apply a roster change at a clock no worker has reached; publish it with the plan.
+
+        The clock starts `join_margin_clocks` ahead of the fastest worker and moves further
+        ahead each time a server says it comes too late.
+        """
+        view = self.view()
+        assert view.roster is not None
+        backups = self._backups(plan, self._endpoints())
+        start = self._max_clock() + self.spec.join_margin_clocks
+        for _ in range(ROSTER_RETRIES):
+            roster = change(view.roster, start)
+            if self._configure_all(client, roster, backups, view.epoch):
+                self._publish(stage=int(plan.stage), roster=roster, backups=backups)
+                return roster, start
+            start += self.spec.join_margin_clocks
+        raise AgileMLError("could not schedule a roster change: workers outran every clock tried")
+
+    def _fail(self, client: ControlClient, failed: list[str]) -> None:
+        view = self.view()
+        assert view.roster is not None
+        for n in failed:
+            self._move(n, NodeState.FAILED)
+        plan = plan_roles(self._nodes_in(NodeState.ACTIVE, NodeState.READY), self.spec.thresholds)
+        endpoints = self._endpoints()
+        lost = [p for p in range(self.spec.num_partitions) if self._table.owner(p) in failed]
+        epoch, restart = view.epoch, view.restart_clock
+        if lost:
+            epoch, restart, upto = self._roll_back(client, view, failed, plan)
+            ranges = {f: (restart, upto) for f in failed}
+        else:
+            ranges = {f: self._unfinished(client, f) for f in failed}
+        roster = view.roster
+        adoptions = dict(view.adoptions)
+        surrogates = [w for w in plan.workers if w not in failed] or list(plan.workers)
+        for i, f in enumerate(sorted(failed)):
+            first, end = ranges[f]
+            roster = roster.without({f}, end)
+            if end > first and surrogates:
+                adoptions[f] = Adoption(
+                    surrogate=surrogates[i % len(surrogates)], from_clock=first, to_clock=end
+                )
+        backups = self._backups(plan, endpoints)
+        self._configure_all(client, roster, backups, epoch)
+        self._publish(
+            epoch=epoch,
+            restart_clock=restart,
+            stage=int(plan.stage),
+            roster=roster,
+            backups=backups,
+            adoptions=adoptions,
+        )
+        for n in failed:
+            self._move(n, NodeState.GONE)
+        kind = "rolled_back" if lost else "failed"
+        detail = f"epoch {epoch}, redo from clock {restart}; " if lost else ""
+        self._record(kind, failed, detail + f"shares adopted: {ranges}")
+
+    def _roll_back(
+        self, client: ControlClient, view: View, failed: list[str], plan: RolePlan
+    ) -> tuple[int, int, int]:
+        """Restore every partition from its BackupPS to its new owner under a new epoch.
+
+        Returns (epoch, restart clock, end): every partition is restored at a consistent clock
+        in [restart - 1, end - 1], so workers redo from `restart`, and the failed workers' shares
+        of clocks [restart, end) are computed by survivors (the pushes already in a partition
+        are deduplicated).
+        """
+        if not view.backups:
+            raise AgileMLError(f"partitions of {failed} lost: no BackupPS (stage 1)")
+        epoch = view.epoch + 1
+        endpoints = self._endpoints()
+        previous = PartitionTable(self.spec.num_partitions)
+        for p in range(self.spec.num_partitions):
+            if self._table.owner(p) not in failed:
+                previous.move(p, self._table.owner(p))
+        owners = assign_partitions(self.spec.num_partitions, plan.serving, previous)
+        by_backup: dict[str, dict[int, str]] = {}
+        for p, backup in view.backups.items():
+            by_backup.setdefault(backup, {})[p] = endpoints[owners[p]]
+        consistent: dict[int, int] = {}
+        for backup, targets in by_backup.items():
+            node = next(n for n, e in endpoints.items() if e == backup)
+            versions = {p: self._table.get(p).version for p in targets}
+            body = {"op": "restore", "epoch": epoch, "owners": targets, "versions": versions}
+            out = self._call(client, node, body)
+            for p, (clock, version) in out["restored"].items():
+                consistent[int(p)] = clock
+                self._table.set(int(p), owners[int(p)], version)
+        return epoch, min(consistent.values()) + 1, max(consistent.values()) + 1
+
+    def _unfinished(self, client: ControlClient, worker: str) -> tuple[int, int]:
+        """The clocks [first, end) whose shares of a dead worker survivors must compute: from
+        the first it may not have pushed everywhere, to past the last anyone has pushed (the
+        roster may change only after that)."""
+        frontier, latest = [], []
+        for owner in sorted({self._table.owner(p) for p in range(self.spec.num_partitions)}):
+            out = self._call(client, owner, {"op": "progress", "worker": worker})
+            for mine, last, anyone in out["progress"].values():
+                frontier.append(mine)
+                latest.append(max(last, anyone))
+        first = min(frontier) + 1
+        return first, max(first, max(latest) + 1)
+
+    def _rebalance(self, client: ControlClient, plan: RolePlan) -> None:
+        """Hand partitions to the plan's serving nodes with as few moves as possible."""
+        owners = assign_partitions(self.spec.num_partitions, plan.serving, self._table)
+        endpoints = self._endpoints()
+        moves: dict[str, dict[int, str]] = {}
+        for p, new in owners.items():
+            old = self._table.owner(p)
+            if old != new:
+                moves.setdefault(old, {})[p] = endpoints[new]
+        for old, targets in moves.items():
+            out = self._call(client, old, {"op": "handoff", "moves": targets})
+            for p, version in out["versions"].items():
+                self._table.set(int(p), owners[int(p)], version)
+        if moves:
+            self._publish()
+
+    def _configure_all(
+        self, client: ControlClient, roster: Roster, backups: dict[int, str], epoch: int
+    ) -> bool:
+        """Give every live node the roster, backups and epoch; False if one refused the
+        roster as too late. A node that does not answer is left to the failure detector."""
+        ok = True
+        body = {"op": "configure", "epoch": epoch, "roster": dump(roster), "backups": backups}
+        for node in self._live_nodes():
+            try:
+                self._call(client, node, body)
+            except AgileMLError as exc:
+                if "RosterError" in str(exc):
+                    ok = False
+                else:
+                    log.warning("configure failed", extra={"node": node, "error": str(exc)})
+        return ok
+
+    def _call(self, client: ControlClient, node: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            endpoint = self._nodes[node].endpoint
+        # configure is quick; a node that cannot answer it soon is as good as failed
+        quick = max(2.0, 2 * self.spec.failure_timeout_s)
+        timeout = quick if body["op"] == "configure" else CONTROL_TIMEOUT_SECONDS
+        try:
+            out = client.call(endpoint, body, timeout)
+        except ControlError as exc:
+            raise AgileMLError(f"{body['op']} on {node}: {exc.reason}") from exc
+        if not out.get("ok"):
+            raise AgileMLError(f"{body['op']} on {node}: {out.get('error')}")
+        return out
+
+    # -- state helpers ----------------------------------------------------------------------
+
+    def _publish(self, **changes: Any) -> None:
+        with self._lock:
+            owners = {
+                p: self._table.owner(p)
+                for p in range(self.spec.num_partitions)
+                if self._table.get(p).owner is not None
+            }
+            versions = {p: self._table.get(p).version for p in owners}
+            endpoints = {n: i.endpoint for n, i in self._nodes.items()}
+            self._view = self._view.model_copy(
+                update={"owners": owners, "versions": versions, "endpoints": endpoints, **changes}
+            )
+
+    def _backups(self, plan: RolePlan, endpoints: dict[str, str]) -> dict[int, str]:
+        if plan.stage is Stage.PARAMSERV_ONLY:
+            return {}
+        reliable = plan.backup_ps
+        return {p: endpoints[reliable[p % len(reliable)]] for p in range(self.spec.num_partitions)}
+
+    def _detect_failures(self) -> list[str]:
+        now = self._now()
+        live = (NodeState.ACTIVE, NodeState.READY, NodeState.LEAVING)
+        with self._lock:
+            return sorted(
+                n
+                for n, info in self._nodes.items()
+                if self._membership.state(n) in live
+                and now - info.last_seen_s > self.spec.failure_timeout_s
+            )
+
+    def _check_done(self) -> None:
+        view = self.view()
+        if view.roster is None or view.done:
+            return
+        last = self.spec.iterations - 1
+        with self._lock:
+            live = set(self._membership.in_state(NodeState.ACTIVE, NodeState.LEAVING))
+            clocks = [self._nodes[w].clock for w in view.roster.members(last) if w in live]
+        if clocks and min(clocks) > last:
+            self._publish(done=True)
+            self._record("done", ())
+            self._done.set()
+
+    def _max_clock(self) -> int:
+        with self._lock:
+            return max((i.clock for i in self._nodes.values()), default=0)
+
+    def _nodes_in(self, *states: NodeState) -> list[Node]:
+        with self._lock:
+            ids = self._membership.in_state(*states)
+            return [Node(n, self._nodes[n].tier, self._nodes[n].joined_at_s) for n in ids]
+
+    def _live_nodes(self) -> list[str]:
+        with self._lock:
+            return list(
+                self._membership.in_state(NodeState.READY, NodeState.ACTIVE, NodeState.LEAVING)
+            )
+
+    def _endpoints(self) -> dict[str, str]:
+        with self._lock:
+            return {n: i.endpoint for n, i in self._nodes.items()}
+
+    def _count(self, state: NodeState) -> int:
+        with self._lock:
+            return len(self._membership.in_state(state))
+
+    def _has_reliable(self) -> bool:
+        return any(n.tier is NodeTier.RELIABLE for n in self._nodes_in(NodeState.READY))
+
+    def _move(self, node: str, to: NodeState) -> bool:
+        with self._lock:
+            try:
+                self._membership.transition(node, to, self._now())
+            except AgileMLError:
+                return False
+            return True
+
+    def _record(self, kind: str, nodes: list[str] | tuple[str, ...], detail: str = "") -> None:
+        event = CoordinatorEvent(self._now(), kind, tuple(nodes), detail)
+        with self._lock:
+            self._events.append(event)
+        log.info("agileml %s", kind, extra={"nodes": list(nodes), "detail": detail})
