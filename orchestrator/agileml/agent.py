@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,8 +73,10 @@ class AgileMLNode:
         controller: str,
         token: bytes,
         host: str = "127.0.0.1",
+        phase_hook: Callable[[str, int], None] | None = None,
     ) -> None:
         self.node_id = node_id
+        self._phase_hook = phase_hook  # fault injection in tests (see Worker)
         self.tier = tier
         self.job_id = job_id
         self._controller = controller
@@ -173,6 +176,7 @@ class AgileMLNode:
             roster=Roster.starting([self.node_id]),
             epoch=0,
             abort=self._should_abort,
+            phase_hook=self._phase_hook,
         )
         return self._worker
 

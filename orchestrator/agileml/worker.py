@@ -95,6 +95,7 @@ class Worker:
         roster: Roster | None = None,
         epoch: int | None = None,
         abort: Callable[[], bool] | None = None,
+        phase_hook: Callable[[str, int], None] | None = None,
     ) -> None:
         if spec.batch_size < 1 or spec.lr <= 0 or spec.slack < 0:
             raise ValueError(f"invalid worker spec: {spec}")
@@ -112,6 +113,9 @@ class Worker:
         self.roster = roster  # with a roster, `spec.batch_size` is the global batch
         self.epoch = epoch
         self._abort = abort or (lambda: False)
+        # fault injection in tests: called with ("pulled" | "computed" | "pushing", clock);
+        # "pushing" comes after half of the iteration's pushes are sent
+        self.phase_hook = phase_hook
         self.clock = 0
         # failed workers whose shares this one computes: identity -> clocks [from, to)
         self.adoptions: dict[str, tuple[int, int]] = {}
@@ -153,6 +157,7 @@ class Worker:
                     self._round_trip(self._compute(identity, clock)[1], MessageKind.PUSH_ACK)
                     self._adopted_done.add((identity, clock))
         self._pull(self.clock - self.spec.slack - 1)
+        self._phase("pulled")
         identities = [self.spec.worker_id] + [
             w for w, (first, end) in sorted(self.adoptions.items()) if first <= self.clock < end
         ]
@@ -163,10 +168,15 @@ class Worker:
             loss, requests = self._compute(identity, self.clock)
             losses.append(loss)
             pushes.extend(requests)
+        self._phase("computed")
         self._round_trip(pushes, MessageKind.PUSH_ACK)
         self._adopted_done.update((w, self.clock) for w in identities[1:])
         self.clock += 1
         return losses[0] if losses else float("nan")
+
+    def _phase(self, name: str) -> None:
+        if self.phase_hook is not None:
+            self.phase_hook(name, self.clock)
 
     def _pull(self, min_clock: int) -> None:
         """Load every partition (as of at least `min_clock`) into the scratch model."""
@@ -222,6 +232,8 @@ class Worker:
         (of the last request to each partition)."""
         outstanding: dict[int, int] = {}  # seq -> index into requests
         for i, request in enumerate(requests):
+            if i == len(requests) // 2 and i > 0 and want is MessageKind.PUSH_ACK:
+                self._phase("pushing")
             self._seq += 1
             self._send(request, self._seq)
             outstanding[self._seq] = i
