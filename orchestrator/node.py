@@ -44,6 +44,7 @@ from redis.retry import Retry
 
 from orchestrator.cloud.imds import InterruptionNotice, NoticeWatcher
 from orchestrator.cloud.local.clock import ReplayClock, SimClock
+from orchestrator.logfmt import log_to_stderr
 
 log = logging.getLogger("orchestrator.node")
 
@@ -235,17 +236,6 @@ class NodeAgent:
             )
 
 
-class _FieldsFormatter(logging.Formatter):
-    """The standard format plus the record's structured fields (`extra=`) as key=value."""
-
-    _STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        fields = {k: v for k, v in vars(record).items() if k not in self._STANDARD}
-        return text + "".join(f" {k}={v}" for k, v in fields.items())
-
-
 def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
     """Parse the command line (exits with code 2 and usage on a bad one, as argparse does)."""
     p = argparse.ArgumentParser(
@@ -295,11 +285,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run an agent until SIGTERM/SIGINT. Exit code 0, or 2 for a bad command line/URL."""
     config = parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        _FieldsFormatter(f"%(asctime)s %(levelname)s node[{config.instance_id}] %(message)s")
-    )
-    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    log_to_stderr(f"node[{config.instance_id}]")
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:

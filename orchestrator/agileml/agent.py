@@ -12,6 +12,7 @@ Run one per machine: `python -m orchestrator.agileml.agent --node-id ... --tier 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.server import ParamServer
 from orchestrator.agileml.worker import StaleViewError, Worker, WorkerSpec
+from orchestrator.logfmt import log_to_stderr
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,12 @@ LOST_CONTROLLER_HEARTBEATS = 50  # heartbeats without an answer before the node 
 
 @dataclass
 class NodeResult:
-    """What a node did: its losses by clock, and how it ended."""
+    """What a node did: its losses by clock, when each iteration ended (wall clock, so that
+    processes can be compared), and how it ended."""
 
     node_id: str
     losses: list[tuple[int, float]] = field(default_factory=list)
+    ends: list[tuple[int, float]] = field(default_factory=list)
     ended: str = ""  # done | left | lost_controller
 
 
@@ -219,6 +223,7 @@ class AgileMLNode:
                     continue
                 self._clock, self._last_loss = worker.clock, loss
                 result.losses.append((worker.clock - 1, loss))
+                result.ends.append((worker.clock - 1, time.time()))
             return "stopped"
         finally:
             worker.close()
@@ -343,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if not token_hex:
         print(f"error: set {TOKEN_ENV} to the job token (hex)", file=sys.stderr)
         return 2
-    logging.basicConfig(level=os.environ.get("ORCHESTRATOR_LOG_LEVEL", "WARNING"))
+    log_to_stderr(f"agileml[{args.node_id}]", os.environ.get("ORCHESTRATOR_LOG_LEVEL", "WARNING"))
     node = AgileMLNode(
         args.node_id,
         NodeTier(args.tier),
@@ -355,11 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, lambda *_: node.leave())  # the eviction notice
     signal.signal(signal.SIGTERM, lambda *_: node.stop())
     result = node.run()
-    print(
-        json.dumps(
-            {"node": result.node_id, "ended": result.ended, "iterations": len(result.losses)}
-        )
-    )
+    print(json.dumps(dataclasses.asdict(result)), flush=True)
     return 0
 
 

@@ -146,6 +146,8 @@ class Coordinator:
 
     def stop(self) -> None:
         """Tell every node to shut down (in the view), then stop the threads."""
+        if self._stop.is_set() or self._ctx is None:
+            return
         with self._lock:
             self._view = self._view.model_copy(update={"done": True, "shutdown": True})
         time.sleep(3 * self.spec.heartbeat_s)  # every node's next heartbeat hears it

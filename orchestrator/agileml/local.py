@@ -1,0 +1,149 @@
+"""Run an AgileML job on this machine: the elasticity controller in this process, each node a
+separate `python -m orchestrator.agileml.agent` process on loopback.
+
+Used by the benchmark and the offline demo; `evict` sends a node its eviction notice (SIGUSR1),
+`kill` takes it away without warning (SIGKILL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from orchestrator.agileml.agent import TOKEN_ENV
+from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.coordinator import Coordinator, CoordinatorEvent
+from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.errors import AgileMLError
+
+STOP_GRACE_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class NodeOutcome:
+    """A node process's result (empty lists for a killed node)."""
+
+    node_id: str
+    ended: str  # done | left | stopped | killed | crashed
+    losses: list[tuple[int, float]]
+    ends: list[tuple[int, float]]  # (clock, wall-clock time the iteration ended)
+
+
+class LocalJob:
+    """One job: a controller and node processes. Use as a context manager (always cleans up).
+
+    Raises:
+        AgileMLError: from `wait_clock`/`finish` when the job does not progress in time.
+    """
+
+    def __init__(self, spec: TrainingSpec, *, log_dir: Path | None = None) -> None:
+        self.spec = spec
+        self._token = secrets.token_bytes(32)
+        self.coordinator = Coordinator(spec, token=self._token)
+        self._procs: dict[str, subprocess.Popen[str]] = {}
+        self._killed: set[str] = set()
+        self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="agileml-"))
+
+    def __enter__(self) -> LocalJob:
+        self.coordinator.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add_node(self, node_id: str, tier: NodeTier) -> None:
+        """Start a node process; it joins, loads its data and says ready on its own."""
+        env = {**os.environ, TOKEN_ENV: self._token.hex()}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [
+            sys.executable, "-m", "orchestrator.agileml.agent",
+            "--node-id", node_id, "--job-id", self.spec.job_id, "--tier", tier.value,
+            "--controller", self.coordinator.endpoint,
+        ]  # fmt: skip
+        stderr = (self._log_dir / f"{node_id}.log").open("w")
+        self._procs[node_id] = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+        )
+
+    def evict(self, node_id: str) -> None:
+        """The eviction notice: the node finishes its clocks, hands off, and leaves."""
+        self._procs[node_id].send_signal(signal.SIGUSR1)
+
+    def kill(self, node_id: str) -> float:
+        """Take the node away without warning; returns the wall-clock time of the kill."""
+        self._procs[node_id].kill()
+        self._killed.add(node_id)
+        return time.time()
+
+    def max_clock(self) -> int:
+        """The highest clock any node reported finishing."""
+        done = [c for losses in self.coordinator.node_losses().values() for c, _ in losses]
+        return max(done, default=-1)
+
+    def wait_clock(self, clock: int, timeout_s: float) -> None:
+        """Wait until some node has finished `clock`."""
+        deadline = time.monotonic() + timeout_s
+        while self.max_clock() < clock:
+            if time.monotonic() > deadline:
+                raise AgileMLError(f"clock {clock} not reached in {timeout_s}s: {self.events()}")
+            time.sleep(0.02)
+
+    def events(self) -> list[CoordinatorEvent]:
+        return self.coordinator.events()
+
+    def finish(self, timeout_s: float) -> tuple[list[torch.Tensor], dict[str, NodeOutcome]]:
+        """Wait for the job to be done; returns the final partitions and each node's outcome."""
+        if not self.coordinator.wait_done(timeout_s):
+            raise AgileMLError(f"job not done in {timeout_s}s: {self.events()}")
+        params = self.coordinator.fetch_parameters()
+        self.coordinator.stop()
+        return params, self._collect()
+
+    def close(self) -> None:
+        """Stop the controller and every node process that is still running."""
+        self.coordinator.stop()
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._procs.values():
+            try:
+                proc.wait(STOP_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _collect(self) -> dict[str, NodeOutcome]:
+        out = {}
+        for node_id, proc in self._procs.items():
+            try:
+                stdout, _ = proc.communicate(timeout=STOP_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, _ = proc.communicate()
+            lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("{")]
+            if node_id in self._killed or not lines:
+                ended = "killed" if node_id in self._killed else "crashed"
+                out[node_id] = NodeOutcome(node_id, ended, [], [])
+                continue
+            data = json.loads(lines[-1])
+            out[node_id] = NodeOutcome(
+                node_id,
+                data["ended"],
+                [(int(c), float(v)) for c, v in data["losses"]],
+                [(int(c), float(t)) for c, t in data["ends"]],
+            )
+        return out
+
+    @property
+    def log_dir(self) -> Path:
+        return self._log_dir
