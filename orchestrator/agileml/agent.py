@@ -309,6 +309,8 @@ class AgileMLNode:
         if op == "configure":
             if "epoch" in body:
                 server.set_epoch(int(body["epoch"]))
+            if "horizon" in body:
+                server.set_horizon(int(body["horizon"]), int(body["slack"]))
             if "backups" in body:
                 server.set_backups({int(p): e for p, e in body["backups"].items()})
             for p, version in body.get("init_own", {}).items():

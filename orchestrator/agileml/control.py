@@ -63,10 +63,17 @@ class TrainingSpec(BaseModel):
     thresholds: StageThresholds = StageThresholds()
     heartbeat_s: Annotated[float, Field(gt=0, le=10)] = 0.1
     failure_timeout_s: Annotated[float, Field(gt=0, le=600)] = 1.0
-    join_margin_clocks: Annotated[int, Field(ge=1, le=1000)] = 4
+    # how far ahead of the fastest worker servers let workers compute; joins and evictions
+    # take effect just past it, so no worker ever computes a clock on an outdated roster
+    horizon_clocks: Annotated[int, Field(ge=2, le=10_000)] = 8
 
     @model_validator(mode="after")
     def _timeouts(self) -> TrainingSpec:
+        if self.horizon_clocks <= self.slack + 1:
+            raise ValueError(
+                f"horizon_clocks ({self.horizon_clocks}) must exceed slack + 1 "
+                f"({self.slack + 1}); otherwise workers stall at the horizon"
+            )
         if self.failure_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError(
                 f"failure_timeout_s ({self.failure_timeout_s}) must exceed two heartbeats "

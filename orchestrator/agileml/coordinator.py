@@ -4,9 +4,12 @@ It tracks the job's nodes by tier and lifecycle, and drives every change of the 
 
 * start: once `min_nodes` are ready, pick the stage and roles (`plan_roles`), give each node its
   initial partitions and backups (`configure`), and publish the first view (epoch 1, clock 0);
+* a horizon: servers let workers compute at most `horizon_clocks` clocks past the fastest
+  worker's (the controller moves it on as they go), so a roster change scheduled just past the
+  horizon reaches every server before any worker computes a clock it affects;
 * scale-up in the background: a joining node loads its data and says `ready`; it enters the
-  roster `join_margin_clocks` clocks ahead of the fastest worker, so nobody waits for it, and
-  partitions move to new ActivePSs by hand-off while training goes on;
+  roster just past the horizon, so nobody waits for it, and partitions move to new ActivePSs by
+  hand-off while training goes on;
 * eviction with warning (`leaving`, or `notify_eviction` from the instance's notice): the node's
   worker leaves the roster at the next clock, and its partitions are handed to survivors (or,
   when no transient server is left, back to the BackupPSs, which become ParamServs);
@@ -118,6 +121,7 @@ class Coordinator:
         self._membership = Membership()
         self._view = View()
         self._table = PartitionTable(spec.num_partitions)
+        self._horizon = spec.horizon_clocks
         self._events: list[CoordinatorEvent] = []
         self._queue: queue.Queue[tuple[str, str]] = queue.Queue()
         self._stop = threading.Event()
@@ -326,6 +330,7 @@ class Coordinator:
         failed = self._detect_failures()
         if failed:
             self._fail(client, failed)
+        self._extend_horizon(client)
         leaving = [n for n in batch.get("leaving", []) if self._move(n, NodeState.LEAVING)]
         if leaving:
             self._evict(client, leaving)
@@ -348,6 +353,8 @@ class Coordinator:
             body = {
                 "op": "configure",
                 "epoch": 1,
+                "horizon": self._horizon,
+                "slack": self.spec.slack,
                 "roster": dump(roster),
                 "backups": backups,
                 "init_own": mine,
@@ -379,24 +386,42 @@ class Coordinator:
         self._rebalance(client, plan)
         self._record("evicted", leaving, f"out from clock {start}")
 
+    def _extend_horizon(self, client: ControlClient) -> None:
+        """Move the horizon on when the fastest worker is within half of it. Nodes that
+        missed a heartbeat are skipped (a dead one would stall this thread)."""
+        ahead = self._max_clock() + self.spec.horizon_clocks
+        if ahead - self._horizon < self.spec.horizon_clocks // 2:
+            return
+        self._horizon = ahead
+        body = {"op": "configure", "horizon": ahead, "slack": self.spec.slack}
+        fresh = self._now() - 2 * self.spec.heartbeat_s
+        for node in self._live_nodes():
+            with self._lock:
+                if self._nodes[node].last_seen_s < fresh:
+                    continue
+            try:
+                self._call(client, node, body)
+            except AgileMLError as exc:
+                log.warning("horizon not extended", extra={"node": node, "error": str(exc)})
+
     def _schedule(
         self, client: ControlClient, plan: RolePlan, change: Callable[[Roster, int], Roster]
     ) -> tuple[Roster, int]:
         """Apply a roster change at a clock no worker has reached; publish it with the plan.
 
-        The clock starts `join_margin_clocks` ahead of the fastest worker and moves further
-        ahead each time a server says it comes too late.
+        The change takes effect just past the horizon (no worker can have started that clock);
+        should a server still say it comes too late, it moves a horizon further.
         """
         view = self.view()
         assert view.roster is not None
         backups = self._backups(plan, self._endpoints())
-        start = self._max_clock() + self.spec.join_margin_clocks
+        start = self._horizon + 1
         for _ in range(ROSTER_RETRIES):
             roster = change(view.roster, start)
             if self._configure_all(client, roster, backups, view.epoch):
                 self._publish(stage=int(plan.stage), roster=roster, backups=backups)
                 return roster, start
-            start += self.spec.join_margin_clocks
+            start += self.spec.horizon_clocks
         raise AgileMLError("could not schedule a roster change: workers outran every clock tried")
 
     def _fail(self, client: ControlClient, failed: list[str]) -> None:
@@ -507,7 +532,14 @@ class Coordinator:
         """Give every live node the roster, backups and epoch; False if one refused the
         roster as too late. A node that does not answer is left to the failure detector."""
         ok = True
-        body = {"op": "configure", "epoch": epoch, "roster": dump(roster), "backups": backups}
+        body = {
+            "op": "configure",
+            "epoch": epoch,
+            "roster": dump(roster),
+            "backups": backups,
+            "horizon": self._horizon,
+            "slack": self.spec.slack,
+        }
         for node in self._live_nodes():
             try:
                 self._call(client, node, body)

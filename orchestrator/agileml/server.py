@@ -502,6 +502,10 @@ class ParamServer:
     clock its partition completes, the sum of that clock's pushes to the partition's BackupPS
     (one `replicate` message: updates coalesced across workers), in the background.
 
+    `horizon` (set by the elasticity controller) bounds the clocks workers may compute: pulls
+    beyond it wait, so a roster change scheduled past it reaches every server before any worker
+    computes a clock it affects.
+
     `epoch` counts roll-backs: a `restore` from a BackupPS sets a new epoch, and requests that
     name an older epoch are refused (`stale_epoch:<epoch>`), so no update computed before the
     roll-back lands after it. Requests without an epoch are not checked.
@@ -540,6 +544,9 @@ class ParamServer:
         self._stream_seq = 0
         self._handoff_seq = 0
         self.epoch = 0
+        # pulls for computing clocks past `horizon` wait (None: no limit); see `set_horizon`
+        self.horizon: int | None = None
+        self.slack = 0
         self._stats = ServerStats()
         self._lock = threading.Lock()
         self._acked = threading.Condition(self._lock)
@@ -631,6 +638,15 @@ class ParamServer:
             for p in list(self._held):
                 self._outbox.extend(self._release_held(p))
                 self._queue_stream(p)
+
+    def set_horizon(self, horizon: int, slack: int) -> None:
+        """Let workers compute clocks up to `horizon` (never lowered); a pull of min clock m
+        computes clock m + slack + 1. Held pulls now within it are answered."""
+        with self._lock:
+            self.slack = slack
+            self.horizon = max(horizon, self.horizon if self.horizon is not None else horizon)
+            for p in list(self._held):
+                self._outbox.extend(self._release_held(p))
 
     def set_epoch(self, epoch: int) -> None:
         """Enter `epoch` (never goes back): requests of older epochs are refused from now on."""
@@ -1084,10 +1100,17 @@ class ParamServer:
         self._check_serving(p)
         assert p is not None
         min_clock = header.clock if header.clock is not None else -1
-        if self._store.ready(p, min_clock):
-            return [self._pull_reply(p, _HeldPull(identity, header.seq, min_clock))]
-        self._held.setdefault(p, []).append(_HeldPull(identity, header.seq, min_clock))
+        pull = _HeldPull(identity, header.seq, min_clock)
+        if self._answerable(p, pull):
+            return [self._pull_reply(p, pull)]
+        self._held.setdefault(p, []).append(pull)
         return []
+
+    def _answerable(self, p: int, pull: _HeldPull) -> bool:
+        """Consistent enough, and for a clock within the horizon."""
+        computing = pull.min_clock + self.slack + 1
+        within = self.horizon is None or computing <= self.horizon
+        return within and self._store.ready(p, pull.min_clock)
 
     def _on_push(
         self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
@@ -1150,7 +1173,7 @@ class ParamServer:
         held = self._held.get(p, [])
         if p not in self._store.owned():
             return []
-        ready = [h for h in held if self._store.ready(p, h.min_clock)]
+        ready = [h for h in held if self._answerable(p, h)]
         if ready:
             self._held[p] = [h for h in held if h not in ready]
         return [self._pull_reply(p, h) for h in ready]
