@@ -48,7 +48,7 @@ def mlp_factory(n_features: int, hidden: int, n_classes: int) -> ModelFactory:
 
 
 class AdditiveProbe(nn.Module):
-    """out_i = w . x_i; with `additive_loss`, the update of a batch is lr times its row sum.
+    """out_i = w . x_i; with `additive_loss`, a clock adds lr x (its global batch row sum) / batch.
 
     Since the update does not depend on w, the exact final parameters of a run are known
     (`additive_expected`), which makes lost or doubled updates visible to the last bit (the
@@ -88,18 +88,26 @@ def build_data(spec: TrainingSpec) -> tuple[torch.Tensor, torch.Tensor]:
     return gaussian_mixture(spec.samples, m.features, m.classes, seed=spec.data_seed)
 
 
+def summed_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the batch (workers scale it by the global batch)."""
+    return nn.functional.cross_entropy(out, y, reduction="sum")
+
+
 def build_loss(spec: TrainingSpec) -> LossFn:
-    """The loss of a job's model."""
-    return additive_loss if spec.model.kind == "additive" else nn.functional.cross_entropy
+    """The loss of a job's model, summed over a batch (as roster workers need it)."""
+    return additive_loss if spec.model.kind == "additive" else summed_cross_entropy
 
 
 def additive_expected(spec: TrainingSpec, clocks: int) -> torch.Tensor:
-    """The exact parameters of an additive job after `clocks` clocks, each applied once."""
+    """The exact parameters of an additive job after `clocks` clocks, each applied once.
+
+    Exact in float32 when the global batch is a power of two (the data are small integers).
+    """
     x, _ = build_data(spec)
     total = torch.zeros(spec.model.features)
     for clock in range(clocks):
         rows = global_batch_indices(spec.seed, clock, len(x), spec.global_batch)
-        total += spec.lr * x[rows].sum(dim=0)
+        total += spec.lr * x[rows].sum(dim=0) / spec.global_batch
     return total
 
 
@@ -107,7 +115,7 @@ def full_loss(spec: TrainingSpec, model: nn.Module) -> float:
     """The job's loss over its whole training set."""
     x, y = build_data(spec)
     with torch.no_grad():
-        return float(build_loss(spec)(model(x), y).item())
+        return float(build_loss(spec)(model(x), y).item()) / len(x)
 
 
 def initial_model(factory: ModelFactory, seed: int) -> nn.Module:

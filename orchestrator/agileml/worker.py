@@ -73,6 +73,10 @@ class StaleViewError(AgileMLError):
 class Worker:
     """Runs iterations against the parameter servers named by a `PartitionTable`.
 
+    Without a roster, `loss_fn` is a mean over the minibatch of `spec.batch_size` rows. With a
+    roster, `spec.batch_size` is the global batch and `loss_fn` must return the *sum* over the
+    worker's share (e.g. `cross_entropy(..., reduction="sum")`); see `_compute`.
+
     Not thread-safe: call `run` from one thread; the ZMQ sockets live only inside `run`.
 
     Failure semantics: if a server refuses a request or does not answer within
@@ -198,13 +202,20 @@ class Worker:
         x, y = self._minibatch(identity, clock)
         self._model.zero_grad(set_to_none=True)
         loss = self._loss_fn(self._model(x), y)
+        if self.roster is not None:
+            # the loss is a sum over the share: scaled by the global batch, the workers'
+            # updates add up to the global batch's mean gradient whoever computes what
+            (loss / self.spec.batch_size).backward()
+            return float(loss.item()) / max(len(x), 1), self._push_requests(identity, clock)
         loss.backward()
+        return float(loss.item()), self._push_requests(identity, clock)
+
+    def _push_requests(self, identity: str, clock: int) -> list[_Request]:
         grads = self.layout.gather_grads(self._model)
-        pushes: list[_Request] = [
+        return [
             (p, MessageKind.PUSH, clock, {"delta": g.mul_(-self.spec.lr)}, identity)
             for p, g in enumerate(grads)
         ]
-        return float(loss.item()), pushes
 
     def close(self) -> None:
         """Close the sockets (a later `step` opens new ones)."""
