@@ -321,6 +321,8 @@ class Coordinator:
         for n in batch.get("left", []):
             if self._move(n, NodeState.GONE):
                 self._record("left", [n])
+        if self.view().done:
+            return  # nodes leave as they finish; nothing is reconfigured any more
         started = self.view().epoch > 0
         ready = [n for n in batch.get("ready", []) if self._move(n, NodeState.READY)]
         if not started:
@@ -381,7 +383,7 @@ class Coordinator:
     def _evict(self, client: ControlClient, leaving: list[str]) -> None:
         plan = plan_roles(self._nodes_in(NodeState.ACTIVE, NodeState.READY), self.spec.thresholds)
         roster, start = self._schedule(
-            client, plan, lambda r, clock: r.without(set(leaving), clock)
+            client, plan, lambda r, clock: r.with_change(clock, plan.workers)
         )
         self._rebalance(client, plan)
         self._record("evicted", leaving, f"out from clock {start}")
@@ -440,9 +442,9 @@ class Coordinator:
             ranges = {f: self._unfinished(client, f) for f in failed}
         roster = view.roster
         adoptions = dict(view.adoptions)
-        surrogates = [w for w in plan.workers if w not in failed] or list(plan.workers)
         for i, f in enumerate(sorted(failed)):
             first, end = ranges[f]
+            surrogates = [w for w in roster.members(first) if w not in failed]
             roster = roster.without({f}, end)
             if end > first and surrogates:
                 adoptions[f] = Adoption(
@@ -463,6 +465,10 @@ class Coordinator:
         kind = "rolled_back" if lost else "failed"
         detail = f"epoch {epoch}, redo from clock {restart}; " if lost else ""
         self._record(kind, failed, detail + f"shares adopted: {ranges}")
+        if set(roster.members(self._horizon + 1)) != set(plan.workers):
+            # the stage changed (e.g. reliable nodes compute again): past the horizon
+            self._schedule(client, plan, lambda r, clock: r.with_change(clock, plan.workers))
+        self._rebalance(client, plan)
 
     def _roll_back(
         self, client: ControlClient, view: View, failed: list[str], plan: RolePlan
@@ -540,7 +546,12 @@ class Coordinator:
             "horizon": self._horizon,
             "slack": self.spec.slack,
         }
+        owners = {self._table.owner(p) for p in range(self.spec.num_partitions)}
+        with self._lock:
+            leaving = set(self._membership.in_state(NodeState.LEAVING))
         for node in self._live_nodes():
+            if node in leaving and node not in owners:
+                continue  # it serves nothing any more, and may be gone already
             try:
                 self._call(client, node, body)
             except AgileMLError as exc:
