@@ -3,15 +3,19 @@
 It starts a real Redis and a moto EC2 server on loopback, replays the 2020 us-east-1 spot prices
 on a clock running `speed`× faster than real time, replays capacity evictions from the real
 32-node p3 trace (each with its 2-minute notice on the node's instance-metadata mock), runs the
-unchanged controller (BidBrain, EC2 adapter, Redis store), and starts a local process per GPU
-instance moto launches (the node agent: it reports progress; it trains once the AgileML runtime
-lands). It submits one job with a budget, prints a live progress line and ends with a summary.
+unchanged controller (BidBrain, EC2 adapter, Redis store), and starts a local process per
+instance moto launches (the node agent). The agents train a real PyTorch model with AgileML:
+spot instances are transient nodes (ActivePSs and workers), the on-demand CPU node is the
+reliable one (BackupPS, or ParamServ when no spot node is left), and the job's elasticity
+controller runs here. Evictions reach the training as eviction notices. It submits one job with
+a budget, prints a live progress line and ends with a summary that includes the training loss.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -19,8 +23,13 @@ from pathlib import Path
 
 from rich.console import Console
 
+from orchestrator.agileml.control import ModelSpec, TrainingSpec
+from orchestrator.agileml.coordinator import Coordinator
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.examples import build_model, full_loss, initial_model
+from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.cloud.ec2 import EC2Cloud
-from orchestrator.cloud.local.agents import LocalFleet
+from orchestrator.cloud.local.agents import LocalFleet, TrainingAccess
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer
 from orchestrator.cloud.local.moto_server import MotoEC2Server
@@ -43,6 +52,9 @@ DEFAULT_START = "2020-02-03T00:00:00Z"
 LOOP_WALL_S = 0.2
 #: Off a terminal (a log, CI), one progress line per this much simulated time.
 PLAIN_LINE_EVERY_SIM_S = 900.0
+#: Real seconds between two measurements of the model's loss (parameters pulled from the
+#: parameter servers, loss over the whole training set).
+LOSS_EVERY_WALL_S = 2.0
 
 
 @dataclass
@@ -59,6 +71,10 @@ class DemoSummary:
     sim_hours: float
     wall_seconds: float
     injected_evictions: int
+    loss_at_start: float  # the model's loss on the training set before any update
+    final_loss: float  # its loss at the last measurement before the job ended (NaN: none)
+    training_iterations: int  # clocks completed by the AgileML workers
+    training_events: list[str]  # what the elasticity controller did (started, evicted, ...)
 
 
 def sample_job(budget_usd: float) -> JobSubmission:
@@ -70,6 +86,45 @@ def sample_job(budget_usd: float) -> JobSubmission:
         max_gpus=4.0,
         instance_types=("p3.2xlarge", "p3.8xlarge", "p3.16xlarge"),
     )
+
+
+def training_spec() -> TrainingSpec:
+    """The demo job's model: multinomial logistic regression on a generated mixture, sized to
+    train at a visible pace on a few CPU processes."""
+    return TrainingSpec(
+        job_id=JOB_ID,
+        model=ModelSpec(kind="mlr", features=64, classes=8),
+        samples=4096,
+        global_batch=128,
+        lr=0.5,
+        iterations=10_000_000,  # runs until the controller's job ends
+        num_partitions=4,
+        min_nodes=2,
+        failure_timeout_s=3.0,  # many processes on few cores: be patient before "failed"
+    )
+
+
+class _LossProbe:
+    """Measures the training loss now and then from the parameter servers' current state."""
+
+    def __init__(self, coordinator: Coordinator, spec: TrainingSpec) -> None:
+        self.coordinator, self.spec = coordinator, spec
+        self.model = initial_model(build_model(spec), spec.seed)
+        self.layout = PartitionLayout(self.model, spec.num_partitions)
+        self.at_start = full_loss(spec, self.model)
+        self.last = math.nan
+        self._next = 0.0
+
+    def maybe_measure(self) -> None:
+        if time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + LOSS_EVERY_WALL_S
+        try:
+            params = self.coordinator.fetch_parameters(timeout_s=1.0, final=False)
+        except AgileMLError:
+            return  # not started yet, or an owner is moving: measure next time
+        self.layout.scatter(self.model, params)
+        self.last = full_loss(self.spec, self.model)
 
 
 def run_demo(
@@ -93,11 +148,15 @@ def run_demo(
     console = console or Console()
     wall0 = time.monotonic()
     job = sample_job(budget_usd)
+    spec = training_spec()
+    token = secrets.token_bytes(32)
     with (
         tempfile.TemporaryDirectory(prefix="orchestrator-demo-") as tmp,
         LocalRedis() as redis,
         MotoEC2Server() as aws,
+        Coordinator(spec, token=token) as training,
     ):
+        probe = _LossProbe(training, spec)
         store = Store.connect(redis.url, namespace=NAMESPACE)
         client = aws.client()
         clock = ReplayClock(to_epoch_seconds(start), speed)
@@ -136,6 +195,7 @@ def run_demo(
             controller_id=CONTROLLER_ID,
             replayer=replayer,
             log_dir=Path(tmp) / "agents",
+            training=TrainingAccess(training.endpoint, token),
         ) as fleet:
             while time.monotonic() - wall0 < timeout_s:
                 now = clock.now()
@@ -143,6 +203,7 @@ def run_demo(
                 launched.update(report.launched)
                 replayer.step()
                 fleet.step()
+                probe.maybe_measure()
                 record = store.get_job(JOB_ID)
                 if record.state.is_terminal:
                     break
@@ -150,7 +211,9 @@ def run_demo(
                 if done >= 0.5 and not replayer.evictions and injected == 0:
                     injected += _inject_eviction(store, replayer, now)
                 if console.is_terminal or now - last_line_s >= PLAIN_LINE_EVERY_SIM_S:
-                    _progress(console, controller, record, job, replayer, now, clock.start_s)
+                    _progress(
+                        console, controller, record, job, replayer, now, clock.start_s, probe.last
+                    )
                     last_line_s = now
                 time.sleep(LOOP_WALL_S)
             fleet.step()
@@ -169,6 +232,14 @@ def run_demo(
             sim_hours=round((clock.now() - clock.start_s) / 3600.0, 3),
             wall_seconds=round(time.monotonic() - wall0, 1),
             injected_evictions=injected,
+            loss_at_start=round(probe.at_start, 4),
+            final_loss=round(probe.last, 4),
+            training_iterations=max(
+                (c + 1 for ls in training.node_losses().values() for c, _ in ls), default=0
+            ),
+            training_events=[
+                f"{e.kind} {' '.join(e.nodes)} {e.detail}".strip() for e in training.events()
+            ],
         )
         store.close()
     _print_summary(console, summary)
@@ -190,6 +261,7 @@ def _progress(
     replayer: EvictionReplayer,
     now_s: float,
     start_s: float,
+    loss: float,
 ) -> None:
     """One progress line: rewritten in place on a terminal, appended otherwise."""
     alive = controller.store.list_instances(JOB_ID, alive_only=True)
@@ -199,7 +271,7 @@ def _progress(
     line = (
         f"t+{(now_s - start_s) / 3600:5.2f} h  work {pct:5.1f}%  spent ${spent:7.2f} / "
         f"${job.budget_usd:g}  nodes: {len(alive) - spot} reliable, {spot} spot  "
-        f"evictions {len(replayer.evictions)}  [{record.state}]"
+        f"evictions {len(replayer.evictions)}  loss {loss:.3f}  [{record.state}]"
     )
     if console.is_terminal:
         console.print(f"\r{line}   ", end="", highlight=False, soft_wrap=True, markup=False)
@@ -214,7 +286,8 @@ def _print_summary(console: Console, s: DemoSummary) -> None:
         f"({s.wall_seconds:.0f} s real); {s.instances_launched} instances launched, "
         f"{s.evictions} evicted"
         + (f" ({s.injected_evictions} injected)" if s.injected_evictions else "")
-        + f"; {s.orphans_after} left running.",
+        + f"; {s.orphans_after} left running. Training: loss {s.loss_at_start:.3f} -> "
+        f"{s.final_loss:.3f} in {s.training_iterations} AgileML iterations.",
         highlight=False,
     )
 

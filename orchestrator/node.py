@@ -1,11 +1,17 @@
-"""The node agent: the process that runs on (stands in for) one GPU instance.
+"""The node agent: the process that runs on (stands in for) one instance of a job.
 
     python -m orchestrator.node --redis-url URL --namespace NS --job-id J --instance-id I \\
         --work-rate R --clock-start S --clock-speed X [--clock-wall-origin W] \\
-        [--metadata-url URL] [--ready-after-sim-s 240]
+        [--metadata-url URL] [--ready-after-sim-s 240] \\
+        [--agileml-controller tcp://HOST:PORT --agileml-tier transient|reliable]
 
-Until the AgileML runtime lands, this process does NO training. It only accounts for the work
-its instance would do: `R` reference-GPU-hours per simulated hour, counted from
+With `--agileml-controller` it trains: it runs an AgileML node (`agileml.agent.AgileMLNode`,
+the job token in `ORCHESTRATOR_AGILEML_TOKEN`) that joins the job's elasticity controller,
+and a spot interruption notice becomes that node's eviction notice (it hands off and leaves).
+
+Training runs at the speed of this machine, while the controller's clock may run faster; so
+the agent also accounts for the work its instance would do: `R` reference-GPU-hours per
+simulated hour, counted from
 `--ready-after-sim-s` (σ, the add overhead: boot and data hand-off) after its start. Every
 `REPORT_INTERVAL_SECONDS` of real time it writes, in one Redis transaction,
 
@@ -42,6 +48,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from orchestrator.agileml.agent import TOKEN_ENV, AgileMLNode
+from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.cloud.imds import InterruptionNotice, NoticeWatcher
 from orchestrator.cloud.local.clock import ReplayClock, SimClock
 from orchestrator.logfmt import log_to_stderr
@@ -148,6 +156,8 @@ class AgentConfig:
     clock_wall_origin: float | None
     metadata_url: str | None
     ready_after_sim_s: float = DEFAULT_READY_AFTER_SIM_SECONDS
+    agileml_controller: str | None = None  # train in this AgileML job
+    agileml_tier: NodeTier = NodeTier.TRANSIENT
     report_interval_s: float = REPORT_INTERVAL_SECONDS
     notice_poll_s: float = DEFAULT_NOTICE_POLL_SECONDS
 
@@ -161,6 +171,7 @@ class NodeAgent:
         self.clock = clock
         self.meter = WorkMeter(config.work_rate, clock.now(), config.ready_after_sim_s)
         self.notices: list[InterruptionNotice] = []
+        self.trainer: AgileMLNode | None = None
         self._work_key = agent_work_key(config.namespace, config.job_id)
         self._heartbeat_key = agent_heartbeat_key(config.namespace, config.job_id)
 
@@ -178,6 +189,8 @@ class NodeAgent:
         )
         if notice.kind == "interruption":
             self.meter.stop_at(notice.notice_time.timestamp())
+            if self.trainer is not None:
+                self.trainer.leave()
 
     def report(self) -> bool:
         """Write the heartbeat and cumulative work once. False (logged) if Redis failed."""
@@ -194,6 +207,35 @@ class NodeAgent:
             return False
         return True
 
+    def _start_trainer(self) -> threading.Thread | None:
+        """Start the AgileML node on a thread, if this agent trains; None otherwise."""
+        controller = self.config.agileml_controller
+        if controller is None:
+            return None
+        token = bytes.fromhex(os.environ[TOKEN_ENV])
+        trainer = AgileMLNode(
+            self.config.instance_id,
+            self.config.agileml_tier,
+            job_id=self.config.job_id,
+            controller=controller,
+            token=token,
+        )
+        self.trainer = trainer
+
+        def train() -> None:
+            try:
+                result = trainer.run()
+                log.info(
+                    "training ended",
+                    extra={"ended": result.ended, "iterations": len(result.losses)},
+                )
+            except Exception:
+                log.exception("training failed")
+
+        thread = threading.Thread(target=train, name="agileml", daemon=True)
+        thread.start()
+        return thread
+
     def run(self, stop: threading.Event) -> None:
         """Report now and every interval until `stop` is set or the parent process dies."""
         watcher = None
@@ -206,9 +248,10 @@ class NodeAgent:
                 instance_id=self.config.instance_id,
             )
             watcher.start()
+        trainer_thread = self._start_trainer()
         parent = os.getppid()
         log.info(
-            "node agent started (no training: work is accounted only)",
+            "node agent started",
             extra={
                 "instance_id": self.config.instance_id,
                 "job_id": self.config.job_id,
@@ -227,6 +270,9 @@ class NodeAgent:
         finally:
             if watcher is not None:
                 watcher.stop()
+            if self.trainer is not None and trainer_thread is not None:
+                self.trainer.stop()
+                trainer_thread.join(timeout=10)
             log.info(
                 "node agent stopped",
                 extra={
@@ -240,7 +286,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
     """Parse the command line (exits with code 2 and usage on a bad one, as argparse does)."""
     p = argparse.ArgumentParser(
         prog="python -m orchestrator.node",
-        description="Node agent of the offline world (accounts work; no training yet).",
+        description="Node agent of the offline world (trains with AgileML; accounts work).",
     )
     p.add_argument("--redis-url", required=True)
     p.add_argument("--namespace", required=True)
@@ -259,7 +305,11 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
     p.add_argument("--ready-after-sim-s", type=float, default=DEFAULT_READY_AFTER_SIM_SECONDS)
     p.add_argument("--report-interval-s", type=float, default=REPORT_INTERVAL_SECONDS)
     p.add_argument("--notice-poll-s", type=float, default=DEFAULT_NOTICE_POLL_SECONDS)
+    p.add_argument("--agileml-controller", default=None, help="train: the job's controller")
+    p.add_argument("--agileml-tier", choices=[t.value for t in NodeTier], default="transient")
     a = p.parse_args(argv)
+    if a.agileml_controller and not os.environ.get(TOKEN_ENV):
+        p.error(f"--agileml-controller needs the job token (hex) in {TOKEN_ENV}")
     if not (math.isfinite(a.work_rate) and a.work_rate >= 0):
         p.error(f"--work-rate must be finite and >= 0, got {a.work_rate}")
     if not (math.isfinite(a.clock_speed) and a.clock_speed > 0):
@@ -279,6 +329,8 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         ready_after_sim_s=a.ready_after_sim_s,
         report_interval_s=a.report_interval_s,
         notice_poll_s=a.notice_poll_s,
+        agileml_controller=a.agileml_controller,
+        agileml_tier=NodeTier(a.agileml_tier),
     )
 
 

@@ -26,6 +26,10 @@ def test_the_offline_demo_finishes_the_job_within_budget_and_leaves_nothing_runn
     assert summary["orphans_after"] == 0
     assert summary["work_done_fraction"] == 1.0
     assert summary["wall_seconds"] < 300
+    # the agents trained a real model with AgileML through the evictions
+    assert summary["training_iterations"] > 0
+    assert summary["final_loss"] < summary["loss_at_start"]
+    assert any(event.startswith("evicted") for event in summary["training_events"])
     assert "Summary: job succeeded" in proc.stdout
 
 

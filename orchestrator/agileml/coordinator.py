@@ -195,14 +195,19 @@ class Coordinator:
         """Wait until every worker has finished `spec.iterations` clocks."""
         return self._done.wait(timeout_s)
 
-    def fetch_parameters(self, timeout_s: float = CONTROL_TIMEOUT_SECONDS) -> list[torch.Tensor]:
-        """Every partition's values once the job is done, pulled from its owner.
+    def fetch_parameters(
+        self, timeout_s: float = CONTROL_TIMEOUT_SECONDS, *, final: bool = True
+    ) -> list[torch.Tensor]:
+        """Every partition's values, pulled from its owner: once every clock of the job is in
+        them (`final`), or as they are now (a snapshot of a running job).
 
         Raises:
-            AgileMLError: a partition could not be pulled within `timeout_s`.
+            AgileMLError: a partition could not be pulled within `timeout_s`, or the job has
+                not started.
         """
         view = self.view()
-        assert self._ctx is not None
+        if self._ctx is None or view.epoch == 0:
+            raise AgileMLError("the job has not started; no parameters yet")
         out = []
         for p in range(self.spec.num_partitions):
             owner = self._table.owner(p)
@@ -216,7 +221,7 @@ class Coordinator:
                     "sender": SENDER,
                     "seq": p,
                     "partition": p,
-                    "clock": self.spec.iterations - 1,
+                    "clock": self.spec.iterations - 1 if final else -1,
                     "epoch": view.epoch,
                 }
                 sock.send_multipart(wire.encode(header, {}, self._token))

@@ -7,7 +7,10 @@ Each `step()`:
    service, attached to the `EvictionReplayer` so that notices appear at its
    `/latest/meta-data/spot/instance-action`) and one node agent process
    (`python -m orchestrator.node`, see `orchestrator.node`) at the instance type's work rate
-   (`Catalog.work_rate`). CPU instances (the reliable tier) get no agent;
+   (`Catalog.work_rate`). With `training` (an AgileML job's controller and token), every
+   agent also trains: spot instances as transient AgileML nodes, on-demand ones (the CPU
+   reliable tier included) as reliable nodes (BackupPS / ParamServ). Without it, CPU
+   instances get no agent;
 3. stops (SIGTERM, SIGKILL after `AGENT_STOP_TIMEOUT_SECONDS`) the agents of instances that are
    no longer running, and their metadata mocks;
 4. sums each job's `{ns}:job:{job_id}:agent-work` hash and records it with
@@ -39,6 +42,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import orchestrator
+from orchestrator.agileml.agent import TOKEN_ENV
+from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.cloud.ec2 import CloudInstance, EC2Cloud, InstanceState
 from orchestrator.cloud.errors import CloudError
 from orchestrator.cloud.imds import MetadataMock
@@ -92,6 +97,14 @@ _NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
 }
 
 
+@dataclass(frozen=True)
+class TrainingAccess:
+    """How the fleet's agents reach the AgileML job they train in."""
+
+    controller: str  # the elasticity controller's endpoint
+    token: bytes  # the job token (passed to agents in the environment, never on argv)
+
+
 @dataclass
 class LocalNode:
     """One running instance of ours and what stands in for it locally."""
@@ -139,6 +152,7 @@ class LocalFleet:
         catalog: work rates per instance type (default: the bundled catalog).
         log_dir: where agents' logs go (default: a temporary directory deleted by `close`).
         ready_after_sim_s: σ, passed to every agent.
+        training: if given, agents train in this AgileML job (see the module docstring).
 
     Not thread-safe: call `step` and `close` from one thread (the demo loop). Every agent and
     mock is stopped by `close` (or leaving the `with` block), also after a failure; an agent
@@ -163,8 +177,10 @@ class LocalFleet:
         ready_after_sim_s: float = DEFAULT_READY_AFTER_SIM_SECONDS,
         report_interval_s: float = REPORT_INTERVAL_SECONDS,
         notice_poll_s: float = DEFAULT_NOTICE_POLL_SECONDS,
+        training: TrainingAccess | None = None,
     ) -> None:
         self.redis_url = redis_url
+        self.training = training
         self.namespace = namespace
         self.clock = clock
         self.python = python
@@ -308,8 +324,8 @@ class LocalFleet:
             )
             work_rate = 0.0
         node = LocalNode(instance, work_rate, now)
-        if work_rate <= 0 or instance.job_id is None:
-            return node  # the reliable tier (CPU), or not a job's instance: nothing to run
+        if instance.job_id is None or (work_rate <= 0 and self.training is None):
+            return node  # not a job's instance, or a CPU node with nothing to train
         self._jobs.add(instance.job_id)
         mock = MetadataMock(instance.instance_id)
         try:
@@ -360,6 +376,10 @@ class LocalFleet:
             "--notice-poll-s", repr(self.notice_poll_s),
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.training is not None:
+            tier = NodeTier.TRANSIENT if instance.lifecycle == "spot" else NodeTier.RELIABLE
+            argv += ["--agileml-controller", self.training.controller, "--agileml-tier", tier]
+            env[TOKEN_ENV] = self.training.token.hex()
         source_root = str(Path(orchestrator.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
         with open(log_path, "ab") as out:
