@@ -61,6 +61,7 @@ class NodeResult:
     node_id: str
     losses: list[tuple[int, float]] = field(default_factory=list)
     ends: list[tuple[int, float]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per iteration phase
     ended: str = ""  # done | left | lost_controller
 
 
@@ -226,6 +227,7 @@ class AgileMLNode:
                 result.ends.append((worker.clock - 1, time.time()))
             return "stopped"
         finally:
+            result.timings = dict(worker.timings)
             worker.close()
 
     def _await_view(self, worker: Worker, roster_version: int | None, spec: TrainingSpec) -> None:

@@ -37,6 +37,7 @@ class NodeOutcome:
     ended: str  # done | left | stopped | killed | crashed
     losses: list[tuple[int, float]]
     ends: list[tuple[int, float]]  # (clock, wall-clock time the iteration ended)
+    timings: dict[str, float]  # seconds spent pulling, computing, pushing (all iterations)
 
 
 class LocalJob:
@@ -133,7 +134,7 @@ class LocalJob:
             lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("{")]
             if node_id in self._killed or not lines:
                 ended = "killed" if node_id in self._killed else "crashed"
-                out[node_id] = NodeOutcome(node_id, ended, [], [])
+                out[node_id] = NodeOutcome(node_id, ended, [], [], {})
                 continue
             data = json.loads(lines[-1])
             out[node_id] = NodeOutcome(
@@ -141,6 +142,7 @@ class LocalJob:
                 data["ended"],
                 [(int(c), float(v)) for c, v in data["losses"]],
                 [(int(c), float(t)) for c, t in data["ends"]],
+                {k: float(v) for k, v in data.get("timings", {}).items()},
             )
         return out
 

@@ -69,7 +69,8 @@ class PartitionLayout:
         return self.split(torch.cat([p.detach().reshape(-1).float() for p in params]))
 
     def gather_grads(self, model: nn.Module) -> list[torch.Tensor]:
-        """The parameters' gradients as N float32 partitions; a missing gradient counts as 0."""
+        """The parameters' gradients as N float32 partitions (views of one fresh vector); a
+        missing gradient counts as 0."""
         params = self._params(model)
         flat = torch.cat(
             [
@@ -77,7 +78,7 @@ class PartitionLayout:
                 for p in params
             ]
         )
-        return self.split(flat)
+        return [flat[start:stop] for start, stop in self._bounds]
 
     def scatter(self, model: nn.Module, parts: Sequence[torch.Tensor]) -> None:
         """Load N partitions into the model's parameters in place.

@@ -129,6 +129,7 @@ class _Partition:
     consistent: int = -1  # every roster member's pushes for clocks <= this are applied
     # updates applied here but not yet streamed to the BackupPS: clock -> (sum, workers)
     pending: dict[int, tuple[torch.Tensor, set[str]]] = field(default_factory=dict)
+    generation: int = 0  # bumped by every change of `values`
 
 
 @dataclass(frozen=True)
@@ -257,9 +258,11 @@ class PartitionStore:
         """A copy of partition p. Raises PartitionError if this store does not own it."""
         return self._get(p).values.clone()
 
-    def live_values(self, p: int) -> torch.Tensor:
-        """Partition p's values without a copy: read them under the caller's lock only."""
-        return self._get(p).values
+    def live_values(self, p: int) -> tuple[torch.Tensor, int]:
+        """Partition p's values without a copy, and their generation (it changes with them):
+        read them under the caller's lock only."""
+        part = self._get(p)
+        return part.values, part.generation
 
     def export_partition(self, p: int) -> PartitionSnapshot:
         """A snapshot of partition p (copies); the store keeps owning and serving it.
@@ -366,6 +369,7 @@ class PartitionStore:
         if self._applied(part, worker, clock):
             return PushOutcome.DUPLICATE
         part.values += delta
+        part.generation += 1
         part.applied.add((worker, clock))
         if track_pending:
             total, who = part.pending.get(clock, (None, set()))
@@ -399,6 +403,7 @@ class PartitionStore:
                 RejectReason.BAD_DELTA, f"clock {clock}: {sorted(done)} of {sorted(who)} applied"
             )
         part.values += delta
+        part.generation += 1
         part.applied.update((w, clock) for w in who)
         self._advance(part)
         return PushOutcome.APPLIED
@@ -536,6 +541,8 @@ class ParamServer:
         self._backup = PartitionStore()  # copies of partitions this server backs up
         self._backups: dict[int, str] = {}  # partition -> endpoint of its BackupPS
         self._held: dict[int, list[_HeldPull]] = {}
+        # partition -> (generation, the live tensor, a frozen copy) for pull replies
+        self._reply_values: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._moving: set[int] = set()  # hand-off in flight: frozen
         self._moved: dict[int, tuple[str, int]] = {}  # handed off: (new owner, version)
         self._outbox: list[Reply] = []  # replies from other threads, sent by the serve thread
@@ -1181,12 +1188,19 @@ class ParamServer:
     def _pull_reply(self, p: int, pull: _HeldPull) -> Reply:
         self._stats = replace(self._stats, pulls_answered=self._stats.pulls_answered + 1)
         consistent = self._store.consistent_clock(p)
+        values, generation = self._store.live_values(p)
+        cached = self._reply_values.get(p)
+        if cached is None or cached[0] != generation or cached[1] is not values:
+            # one frozen copy per state, shared by every pull of it (workers pull together)
+            cached = (generation, values, values.clone())
+            self._reply_values[p] = cached
         frames = self._encode(
             MessageKind.PULL_REPLY,
             pull.seq,
             partition=p,
             clock=pull.min_clock if consistent is None else consistent,
-            tensors={"values": self._store.live_values(p)},  # encode copies, under the lock
+            tensors={"values": cached[2]},
+            zero_copy=True,
         )
         return pull.identity, frames
 
@@ -1196,10 +1210,11 @@ class ParamServer:
         seq: int,
         *,
         tensors: dict[str, torch.Tensor] | None = None,
+        zero_copy: bool = False,
         **fields: Any,
-    ) -> list[bytes]:
+    ) -> list[bytes | memoryview]:
         header = {"kind": kind, "job_id": self.job_id, "sender": self.node_id, "seq": seq, **fields}
-        return wire.encode(header, tensors or {}, self._token)
+        return wire.encode(header, tensors or {}, self._token, zero_copy=zero_copy)
 
     def _reject(self, identity: bytes, seq: int, reason: str) -> Reply:
         with self._lock:

@@ -120,6 +120,8 @@ class Worker:
         # fault injection in tests: called with ("pulled" | "computed" | "pushing", clock);
         # "pushing" comes after half of the iteration's pushes are sent
         self.phase_hook = phase_hook
+        # seconds spent per phase, summed over iterations: where an iteration's time goes
+        self.timings: dict[str, float] = {"pull": 0.0, "compute": 0.0, "push": 0.0}
         self.clock = 0
         # failed workers whose shares this one computes: identity -> clocks [from, to)
         self.adoptions: dict[str, tuple[int, int]] = {}
@@ -160,7 +162,9 @@ class Worker:
                     self._pull(-1)
                     self._round_trip(self._compute(identity, clock)[1], MessageKind.PUSH_ACK)
                     self._adopted_done.add((identity, clock))
+        t0 = time.perf_counter()
         self._pull(self.clock - self.spec.slack - 1)
+        t1 = time.perf_counter()
         self._phase("pulled")
         identities = [self.spec.worker_id] + [
             w for w, (first, end) in sorted(self.adoptions.items()) if first <= self.clock < end
@@ -172,8 +176,12 @@ class Worker:
             loss, requests = self._compute(identity, self.clock)
             losses.append(loss)
             pushes.extend(requests)
+        t2 = time.perf_counter()
         self._phase("computed")
         self._round_trip(pushes, MessageKind.PUSH_ACK)
+        t3 = time.perf_counter()
+        for phase, seconds in (("pull", t1 - t0), ("compute", t2 - t1), ("push", t3 - t2)):
+            self.timings[phase] += seconds
         self._adopted_done.update((w, self.clock) for w in identities[1:])
         self.clock += 1
         return losses[0] if losses else float("nan")
@@ -317,7 +325,9 @@ class Worker:
         if kind is MessageKind.PUSH and self.roster is not None:
             fields["roster_version"] = self.roster.version
         sock = self._socket(self.table.owner(p))
-        sock.send_multipart(wire.encode(fields, tensors, self._token), copy=False)
+        # pushes frame the fresh gradient in place; nothing changes it after this
+        frames = wire.encode(fields, tensors, self._token, zero_copy=True)
+        sock.send_multipart(frames, copy=False)
 
     def _receive(self, sock: zmq.Socket[Any]) -> tuple[wire.Header, dict[str, torch.Tensor]]:
         try:
