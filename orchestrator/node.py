@@ -43,13 +43,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from orchestrator.agileml.agent import TOKEN_ENV, AgileMLNode
-from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.token import TOKEN_ENV, token_from_env
 from orchestrator.cloud.imds import InterruptionNotice, NoticeWatcher
 from orchestrator.cloud.local.clock import ReplayClock, SimClock
 from orchestrator.logfmt import log_to_stderr
@@ -157,7 +157,7 @@ class AgentConfig:
     metadata_url: str | None
     ready_after_sim_s: float = DEFAULT_READY_AFTER_SIM_SECONDS
     agileml_controller: str | None = None  # train in this AgileML job
-    agileml_tier: NodeTier = NodeTier.TRANSIENT
+    agileml_tier: str = "transient"  # or "reliable" (`agileml.elasticity.NodeTier`)
     report_interval_s: float = REPORT_INTERVAL_SECONDS
     notice_poll_s: float = DEFAULT_NOTICE_POLL_SECONDS
 
@@ -171,7 +171,7 @@ class NodeAgent:
         self.clock = clock
         self.meter = WorkMeter(config.work_rate, clock.now(), config.ready_after_sim_s)
         self.notices: list[InterruptionNotice] = []
-        self.trainer: AgileMLNode | None = None
+        self.trainer: Any = None  # the AgileMLNode, when training
         self._work_key = agent_work_key(config.namespace, config.job_id)
         self._heartbeat_key = agent_heartbeat_key(config.namespace, config.job_id)
 
@@ -212,10 +212,15 @@ class NodeAgent:
         controller = self.config.agileml_controller
         if controller is None:
             return None
-        token = bytes.fromhex(os.environ[TOKEN_ENV])
+        # imported here: torch takes seconds to load, and an agent that only accounts work
+        # must start (and see notices) at once
+        from orchestrator.agileml.agent import AgileMLNode
+        from orchestrator.agileml.elasticity import NodeTier
+
+        token = token_from_env()
         trainer = AgileMLNode(
             self.config.instance_id,
-            self.config.agileml_tier,
+            NodeTier(self.config.agileml_tier),
             job_id=self.config.job_id,
             controller=controller,
             token=token,
@@ -306,7 +311,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
     p.add_argument("--report-interval-s", type=float, default=REPORT_INTERVAL_SECONDS)
     p.add_argument("--notice-poll-s", type=float, default=DEFAULT_NOTICE_POLL_SECONDS)
     p.add_argument("--agileml-controller", default=None, help="train: the job's controller")
-    p.add_argument("--agileml-tier", choices=[t.value for t in NodeTier], default="transient")
+    p.add_argument("--agileml-tier", choices=["transient", "reliable"], default="transient")
     a = p.parse_args(argv)
     if a.agileml_controller and not os.environ.get(TOKEN_ENV):
         p.error(f"--agileml-controller needs the job token (hex) in {TOKEN_ENV}")
@@ -330,7 +335,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         report_interval_s=a.report_interval_s,
         notice_poll_s=a.notice_poll_s,
         agileml_controller=a.agileml_controller,
-        agileml_tier=NodeTier(a.agileml_tier),
+        agileml_tier=a.agileml_tier,
     )
 
 

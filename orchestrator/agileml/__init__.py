@@ -1,8 +1,8 @@
 """AgileML: an elastic parameter-server runtime for data-parallel PyTorch training.
 
-This first slice holds the wire protocol (`wire`), the fixed partitioning of model state
-(`partitions`), a parameter server with partition hand-off (`server`), a stateless worker
-(`worker`), small example models (`examples`) and the pure elasticity decisions: stage choice,
-role plans, partition assignment and the node lifecycle (`elasticity`). The live elasticity
-controller and ActivePS -> BackupPS replication come later.
+`wire` (authenticated messages), `partitions` (fixed partitions of model state), `roster`
+(worker sets by clock, batch shares), `server` (ParamServ / ActivePS / BackupPS), `worker`
+(stateless workers), `elasticity` (stages, roles, assignment, node lifecycle), `control` (the
+training spec, views, control messages), `coordinator` (the elasticity controller), `agent` (a
+node), `local` (a job on this machine), `examples` (models and generated data), `token`.
 """

@@ -6,7 +6,7 @@ every heartbeat reply carries, until the view says `done`/`shutdown` or the rost
 this worker (after an eviction: then, once the server has handed off its partitions, `left`).
 
 Run one per machine: `python -m orchestrator.agileml.agent --node-id ... --tier transient
---controller tcp://...`, with the job token hex in `ORCHESTRATOR_AGILEML_TOKEN`.
+--controller tcp://...`, with the job token hex in `ORCHESTRATOR_AGILEML_TOKEN` (`token.TOKEN_ENV`).
 """
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ from orchestrator.agileml.examples import build_data, build_loss, build_model, i
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.server import ParamServer
+from orchestrator.agileml.token import token_from_env
 from orchestrator.agileml.worker import StaleViewError, Worker, WorkerSpec
+from orchestrator.errors import UserError
 from orchestrator.logfmt import log_to_stderr
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "ORCHESTRATOR_AGILEML_TOKEN"
 JOIN_TIMEOUT_SECONDS = 10.0
 LOST_CONTROLLER_HEARTBEATS = 50  # heartbeats without an answer before the node gives up
 
@@ -348,9 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--controller", required=True, help="tcp://host:port of the controller")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve partitions on")
     args = parser.parse_args(argv)
-    token_hex = os.environ.get(TOKEN_ENV)
-    if not token_hex:
-        print(f"error: set {TOKEN_ENV} to the job token (hex)", file=sys.stderr)
+    try:
+        token = token_from_env()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     log_to_stderr(f"agileml[{args.node_id}]", os.environ.get("ORCHESTRATOR_LOG_LEVEL", "WARNING"))
     node = AgileMLNode(
@@ -358,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         NodeTier(args.tier),
         job_id=args.job_id,
         controller=args.controller,
-        token=bytes.fromhex(token_hex),
+        token=token,
         host=args.host,
     )
     signal.signal(signal.SIGUSR1, lambda *_: node.leave())  # the eviction notice

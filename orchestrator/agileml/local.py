@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.agileml.agent import TOKEN_ENV
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator, CoordinatorEvent
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.token import TOKEN_ENV
 
 STOP_GRACE_SECONDS = 10.0
 

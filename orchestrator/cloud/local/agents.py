@@ -42,8 +42,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import orchestrator
-from orchestrator.agileml.agent import TOKEN_ENV
-from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.token import TOKEN_ENV
 from orchestrator.cloud.ec2 import CloudInstance, EC2Cloud, InstanceState
 from orchestrator.cloud.errors import CloudError
 from orchestrator.cloud.imds import MetadataMock
@@ -377,7 +376,7 @@ class LocalFleet:
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.training is not None:
-            tier = NodeTier.TRANSIENT if instance.lifecycle == "spot" else NodeTier.RELIABLE
+            tier = "transient" if instance.lifecycle == "spot" else "reliable"
             argv += ["--agileml-controller", self.training.controller, "--agileml-tier", tier]
             env[TOKEN_ENV] = self.training.token.hex()
         source_root = str(Path(orchestrator.__file__).resolve().parents[1])
