@@ -187,8 +187,21 @@ class AgileMLNode:
         return self._worker
 
     def _should_abort(self) -> bool:
-        worker = self._worker
-        return self._stop.is_set() or (worker is not None and self._view.epoch != worker.epoch)
+        """Stop waiting: stopped, rolled back, or given a dead worker's shares (which the
+        pull it waits on may need)."""
+        worker, view = self._worker, self._view
+        if self._stop.is_set():
+            return True
+        if worker is None:
+            return False
+        return view.epoch != worker.epoch or self._adoptions(view) != worker.adoptions
+
+    def _adoptions(self, view: View) -> dict[str, tuple[int, int]]:
+        return {
+            w: (a.from_clock, a.to_clock)
+            for w, a in view.adoptions.items()
+            if a.surrogate == self.node_id
+        }
 
     def _train(self, spec: TrainingSpec, worker: Worker, result: NodeResult) -> str:
         was_member = False
@@ -254,11 +267,7 @@ class AgileMLNode:
             worker.table = PartitionTable(len(self._initial))
         worker.roster = view.roster
         worker.endpoints = dict(view.endpoints)
-        worker.adoptions = {
-            w: (a.from_clock, a.to_clock)
-            for w, a in view.adoptions.items()
-            if a.surrogate == self.node_id
-        }
+        worker.adoptions = self._adoptions(view)
         for p, owner in view.owners.items():
             if worker.table.get(p).owner is None:
                 worker.table.move(p, owner)

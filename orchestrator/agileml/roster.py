@@ -42,14 +42,16 @@ class RosterEntry(BaseModel):
 class Roster(BaseModel):
     """A schedule of `RosterEntry`s with strictly increasing `from_clock`, the first at 0.
 
-    `version` counts changes (`with_change` and `without` return version + 1), so that a
-    server can tell a push computed on an older roster.
+    `version` counts changes (`with_change` and `without` return version + 1) and `changes`
+    records where each began, so that a server can tell a push computed on an older roster.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     entries: tuple[RosterEntry, ...]
     version: Annotated[int, Field(ge=0)] = 0
+    # (version, first clock whose members it changed) of every change so far
+    changes: tuple[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]], ...] = ()
 
     @model_validator(mode="after")
     def _ordered(self) -> Roster:
@@ -80,7 +82,7 @@ class Roster(BaseModel):
             raise RosterError(f"from_clock must be >= 0, got {from_clock}")
         kept = tuple(e for e in self.entries if e.from_clock < from_clock)
         new = RosterEntry(from_clock=from_clock, workers=tuple(sorted(set(workers))))
-        return Roster(entries=(*kept, new), version=self.version + 1)
+        return self._changed((*kept, new))
 
     def without(self, removed: set[str] | frozenset[str], from_clock: int) -> Roster:
         """This roster with `removed` computing nothing from `from_clock` on (later scheduled
@@ -98,7 +100,15 @@ class Roster(BaseModel):
             if entries and entries[-1].workers == workers:
                 continue
             entries.append(RosterEntry(from_clock=entry.from_clock, workers=workers))
-        return Roster(entries=tuple(entries), version=self.version + 1)
+        return self._changed(tuple(entries))
+
+    def _changed(self, entries: tuple[RosterEntry, ...]) -> Roster:
+        """The next version with these entries, its change recorded (so that any holder of
+        it can tell whether a push made on an older version is stale)."""
+        new = Roster(entries=entries, version=self.version + 1)
+        first = self.first_difference(new)
+        changes = self.changes if first is None else (*self.changes, (new.version, first))
+        return new.model_copy(update={"changes": changes})
 
     def first_difference(self, other: Roster) -> int | None:
         """The first clock whose members differ between the two rosters (None: never)."""

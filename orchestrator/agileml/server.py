@@ -173,7 +173,6 @@ class PartitionStore:
         self._parts: dict[int, _Partition] = {}
         self._given_away: dict[int, int] = {}  # partition -> the version its new owner holds
         self.roster: Roster | None = None
-        self.changes: list[tuple[int, int]] = []  # (roster version, first clock it changed)
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -197,9 +196,7 @@ class PartitionStore:
             RosterError: the change comes too late for some partition (schedule it later);
                 nothing changed.
         """
-        changed_from = self.check_roster(roster)
-        if changed_from is not None:
-            self.changes.append((roster.version, changed_from))
+        self.check_roster(roster)
         self.roster = roster
         for part in self._parts.values():
             self._advance(part)
@@ -222,7 +219,10 @@ class PartitionStore:
     def is_stale(self, roster_version: int, clock: int) -> bool:
         """Whether a push of `clock` computed on roster `roster_version` missed a change that
         redraws that clock's shares."""
-        return any(v > roster_version and c <= clock for v, c in self.changes)
+        roster = self.roster
+        return roster is not None and any(
+            v > roster_version and c <= clock for v, c in roster.changes
+        )
 
     def worker_progress(self, p: int, worker: str) -> tuple[int, int, int]:
         """(frontier, latest, latest of anyone) at partition p: all of `worker`'s pushes up to
@@ -493,6 +493,7 @@ class _HeldPull:
     identity: bytes
     seq: int
     min_clock: int
+    epoch: int | None = None  # the request's epoch (None: unchecked)
 
 
 Reply = tuple[bytes, list[bytes]]
@@ -695,7 +696,8 @@ class ParamServer:
         """The consistent clock of each owned (or, with `backup`, backed-up) partition."""
         with self._lock:
             store = self._backup if backup else self._store
-            return {p: store.consistent_clock(p) or -1 for p in store.owned()}
+            clocks = {p: store.consistent_clock(p) for p in store.owned()}
+            return {p: -1 if c is None else c for p, c in clocks.items()}
 
     def worker_progress(self, worker: str) -> dict[int, tuple[int, int, int]]:
         """(frontier, latest) of `worker` at each owned partition (see PartitionStore)."""
@@ -846,14 +848,17 @@ class ParamServer:
         self._moved.pop(p, None)
         self._stats = replace(self._stats, restores=self._stats.restores + 1)
         replies: list[Reply] = []
-        if epoch > self.epoch:
-            self.epoch = epoch
-            detail = f"{RejectReason.STALE_EPOCH}:{epoch}"
-            for q, held in self._held.items():
-                for h in held:
+        self.epoch = max(self.epoch, epoch)
+        detail = f"{RejectReason.STALE_EPOCH}:{self.epoch}"
+        for q in list(self._held):
+            keep = []
+            for h in self._held[q]:
+                if h.epoch is not None and h.epoch < self.epoch:
                     frames = self._encode(MessageKind.ERROR, h.seq, partition=q, detail=detail)
                     replies.append((h.identity, frames))
-            self._held.clear()
+                else:
+                    keep.append(h)
+            self._held[q] = keep
         return replies
 
     def _request(
@@ -1107,7 +1112,7 @@ class ParamServer:
         self._check_serving(p)
         assert p is not None
         min_clock = header.clock if header.clock is not None else -1
-        pull = _HeldPull(identity, header.seq, min_clock)
+        pull = _HeldPull(identity, header.seq, min_clock, header.epoch)
         if self._answerable(p, pull):
             return [self._pull_reply(p, pull)]
         self._held.setdefault(p, []).append(pull)

@@ -1,0 +1,515 @@
+"""The AgileML runtime in one process: an elasticity controller and node threads training the
+additive probe, whose exact final parameters show any lost or doubled update.
+
+The tests pace the job with phase hooks (a node's worker is held at a clock until the test has
+seen what it waits for) and check outcomes (exact parameters, events, views), so a loaded machine
+mostly makes them slower. The one timing bound is coarse: a crash must be recovered from within
+`RECOVERY_S`, well under the workers' 30 s request timeout.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.agent import AgileMLNode, NodeResult
+from orchestrator.agileml.control import (
+    ControlClient,
+    ControlError,
+    Heartbeat,
+    Join,
+    Leaving,
+    ModelSpec,
+    Ready,
+    TrainingSpec,
+    View,
+    dump,
+)
+from orchestrator.agileml.coordinator import Coordinator
+from orchestrator.agileml.elasticity import NodeState, NodeTier
+from orchestrator.agileml.examples import additive_expected
+from orchestrator.agileml.roster import Roster
+from orchestrator.agileml.wire import MessageKind
+
+TOKEN = secrets.token_bytes(32)
+WAIT_S = 20.0  # bound on any one wait; only reached when something is broken
+GATE_S = 30.0  # a held worker is let go after this long whatever happens
+RECOVERY_S = 8.0  # from a crash to the end of the job; a worker's request timeout is 30 s
+PHASES = ("pulled", "computed", "pushing")
+
+Hook = Callable[[str, int], None]
+
+
+def _spec(job_id: str, *, iterations: int, min_nodes: int) -> TrainingSpec:
+    return TrainingSpec(
+        job_id=job_id,
+        model=ModelSpec(kind="additive", features=24),
+        samples=512,
+        global_batch=16,
+        lr=1.0,  # small-integer data: every float32 sum is exact
+        iterations=iterations,
+        num_partitions=4,
+        min_nodes=min_nodes,
+        heartbeat_s=0.05,
+        failure_timeout_s=0.5,
+    )
+
+
+class InjectedCrash(RuntimeError):
+    """Raised from a phase hook: the node dies right there."""
+
+
+class Gate:
+    """A phase hook that holds a worker at the start of `clock` (once pulled) until released.
+
+    `clock` may be set later (None: not armed yet), as long as the worker has not passed it.
+    """
+
+    def __init__(self, clock: int | None = None) -> None:
+        self.clock = clock
+        self.reached = threading.Event()
+        self.released = threading.Event()
+
+    def __call__(self, phase: str, clock: int) -> None:
+        if phase == "pulled" and clock == self.clock and not self.released.is_set():
+            self.reached.set()
+            self.released.wait(GATE_S)
+
+    def wait_reached(self) -> None:
+        assert self.reached.wait(WAIT_S), f"no worker reached clock {self.clock}"
+
+
+def _chain(*hooks: Hook) -> Hook:
+    def run(phase: str, clock: int) -> None:
+        for hook in hooks:
+            hook(phase, clock)
+
+    return run
+
+
+@dataclass
+class Job:
+    """A coordinator and the node threads of one job; `close` stops and joins everything."""
+
+    spec: TrainingSpec
+    coord: Coordinator
+    nodes: dict[str, AgileMLNode] = field(default_factory=dict)
+    outcomes: dict[str, NodeResult | BaseException] = field(default_factory=dict)
+    threads: list[threading.Thread] = field(default_factory=list)
+    gates: list[Gate] = field(default_factory=list)
+
+    def launch(
+        self, node_id: str, tier: NodeTier = NodeTier.TRANSIENT, hook: Hook | None = None
+    ) -> AgileMLNode:
+        node = AgileMLNode(
+            node_id,
+            tier,
+            job_id=self.spec.job_id,
+            controller=self.coord.endpoint,
+            token=TOKEN,
+            phase_hook=hook,
+        )
+
+        def run() -> None:
+            try:
+                self.outcomes[node_id] = node.run()
+            except BaseException as exc:  # a crash injected by the test, or a real failure
+                self.outcomes[node_id] = exc
+
+        thread = threading.Thread(target=run, name=f"test-node-{node_id}", daemon=True)
+        self.nodes[node_id] = node
+        self.threads.append(thread)
+        thread.start()
+        return node
+
+    def gate(self, clock: int | None = None) -> Gate:
+        gate = Gate(clock)
+        self.gates.append(gate)
+        return gate
+
+    def wait_for(self, what: str, predicate: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"timed out waiting for {what}; view: {self.coord.view()}; "
+                    f"events: {self.coord.events()}"
+                )
+            time.sleep(0.01)
+
+    def event_nodes(self, kind: str) -> set[str]:
+        return {n for e in self.coord.events() if e.kind == kind for n in e.nodes}
+
+    def gone(self, nodes: set[str]) -> bool:
+        """Whether these nodes' runs have ended and the controller counts them out of the job
+        (by their `left`, or, should that message be lost, by their missing heartbeats)."""
+        return all(n in self.outcomes and self.coord.node_state(n) is NodeState.GONE for n in nodes)
+
+    def wait_started(self) -> View:
+        self.wait_for("the job to start", lambda: self.coord.view().epoch > 0)
+        return self.coord.view()
+
+    def finish(self) -> torch.Tensor:
+        """Let every held worker go, wait for the job, return the final parameters."""
+        for gate in self.gates:
+            gate.released.set()
+        assert self.coord.wait_done(WAIT_S * 2), f"job not done; events: {self.coord.events()}"
+        return torch.cat(self.coord.fetch_parameters())
+
+    def expected(self) -> torch.Tensor:
+        return additive_expected(self.spec, self.spec.iterations)
+
+    def close(self) -> None:
+        for gate in self.gates:
+            gate.released.set()
+        try:
+            self.coord.stop()  # the view says shutdown: every node exits
+        finally:
+            for node in self.nodes.values():
+                node.stop()
+            for thread in self.threads:
+                thread.join(WAIT_S)
+        stuck = [t.name for t in self.threads if t.is_alive()]
+        assert not stuck, f"node threads did not exit: {stuck}"
+
+    def ended(self, node_id: str) -> str:
+        outcome = self.outcomes[node_id]
+        return outcome.ended if isinstance(outcome, NodeResult) else type(outcome).__name__
+
+
+@pytest.fixture
+def jobs() -> Iterator[Callable[[TrainingSpec], Job]]:
+    """Makes jobs; at the end closes them and checks that no thread outlives the test."""
+    before = set(threading.enumerate())
+    made: list[Job] = []
+
+    def make(spec: TrainingSpec) -> Job:
+        made.append(Job(spec, Coordinator(spec, token=TOKEN).start()))
+        return made[-1]
+
+    yield make
+    for job in made:
+        job.close()
+    deadline = time.monotonic() + 5.0
+    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not left, f"threads left running: {sorted(t.name for t in left)}"
+
+
+def _owners(view: View) -> set[str]:
+    return set(view.owners.values())
+
+
+def _first_clock_without(roster: Roster, nodes: set[str]) -> int:
+    """The clock from which none of `nodes` computes any more."""
+    clock = None
+    for entry in reversed(roster.entries):
+        if nodes & set(entry.workers):
+            break
+        clock = entry.from_clock
+    assert clock is not None, f"{sorted(nodes)} still compute at the end of {roster}"
+    return clock
+
+
+def _all_backed_up_on(view: View, node_id: str) -> bool:
+    endpoint = view.endpoints.get(node_id)
+    return endpoint is not None and view.backups == {p: endpoint for p in range(4)}
+
+
+# -- a job that just runs ----------------------------------------------------------------------
+
+
+def test_stage2_job_with_one_reliable_and_two_transient_nodes_is_exact(
+    jobs: Callable[[TrainingSpec], Job],
+) -> None:
+    job = jobs(_spec("plain", iterations=40, min_nodes=3))
+    job.launch("r0", NodeTier.RELIABLE)
+    for t in ("t0", "t1"):
+        job.launch(t)
+    view = job.wait_started()
+    assert view.stage == 2 and view.epoch == 1
+    assert len(_owners(view)) == 1 and _owners(view) <= {"t0", "t1"}  # ceil(2 / 2) ActivePS
+    assert _all_backed_up_on(view, "r0")
+    assert torch.equal(job.finish(), job.expected())
+    assert [e.kind for e in job.coord.events()] == ["started", "done"]
+    job.close()
+    for n in ("r0", "t0", "t1"):
+        assert job.ended(n) == "done"
+        result = job.outcomes[n]
+        assert isinstance(result, NodeResult)
+        assert sorted(c for c, _ in result.losses) == list(range(40))
+
+
+# -- stage transitions -------------------------------------------------------------------------
+
+
+def test_joins_move_the_job_to_stage2_and_evictions_back_to_stage1_exactly(
+    jobs: Callable[[TrainingSpec], Job],
+) -> None:
+    job = jobs(_spec("stages", iterations=60, min_nodes=2))
+    grow, shrink, alone = job.gate(10), job.gate(30), job.gate()
+    job.launch("r0", NodeTier.RELIABLE, hook=_chain(grow, shrink, alone))
+    job.launch("t0")
+    view = job.wait_started()
+    assert view.stage == 1  # 1:1 is not above the stage-2 threshold
+    assert _owners(view) == {"r0"} and view.backups == {}
+
+    grow.wait_reached()
+    job.launch("t1")
+
+    def two_to_one() -> bool:  # 2:1 is above the threshold: one ActivePS, the oldest
+        v = job.coord.view()
+        return (
+            v.stage == 2
+            and job.event_nodes("joined") == {"t1"}
+            and _owners(v) == {"t0"}
+            and _all_backed_up_on(v, "r0")
+        )
+
+    job.wait_for("stage 2 with one ActivePS", two_to_one)
+    # t2 joins once t1 has (a joiner that owns partitions must have seen every roster change
+    # its pushes could be stale against; kept sequential for a deterministic stage history)
+    job.launch("t2")
+
+    def grown() -> bool:
+        v = job.coord.view()
+        return (
+            v.stage == 2
+            and job.event_nodes("joined") == {"t1", "t2"}
+            and _owners(v) == {"t0", "t1"}  # ActivePSs on the ceil(3 / 2) oldest transients
+            and _all_backed_up_on(v, "r0")
+        )
+
+    job.wait_for("stage 2 with ActivePSs on transient nodes", grown)
+    assert job.coord.view().roster is not None
+    grow.released.set()
+
+    shrink.wait_reached()
+    for t in ("t0", "t1", "t2"):
+        job.nodes[t].leave()
+
+    def shrunk() -> bool:
+        v = job.coord.view()
+        return (
+            v.stage == 1
+            and job.event_nodes("evicted") == {"t0", "t1", "t2"}
+            and v.owners == {p: "r0" for p in range(4)}
+            and v.backups == {}
+        )
+
+    job.wait_for("stage 1 with the reliable node owning everything", shrunk)
+    roster = job.coord.view().roster
+    assert roster is not None and roster.members(59) == ("r0",)
+    alone.clock = _first_clock_without(roster, {"t0", "t1", "t2"}) + 1
+    assert alone.clock < 59
+    shrink.released.set()
+    # r0 waits for the evicted nodes to finish their last clocks and leave (not just see done)
+    alone.wait_reached()
+    job.wait_for("the transient nodes to leave", lambda: job.gone({"t0", "t1", "t2"}))
+    assert torch.equal(job.finish(), job.expected())
+    job.close()
+    assert {n: job.ended(n) for n in job.nodes} == {
+        "r0": "done",
+        "t0": "left",
+        "t1": "left",
+        "t2": "left",
+    }
+
+
+def test_eviction_of_half_the_transient_nodes_mid_run_is_exact(
+    jobs: Callable[[TrainingSpec], Job],
+) -> None:
+    job = jobs(_spec("evict", iterations=40, min_nodes=5))
+    gate, after = job.gate(12), job.gate()
+    job.launch("r0", NodeTier.RELIABLE, hook=_chain(gate, after))
+    transient = [f"t{i}" for i in range(4)]
+    for t in transient:
+        job.launch(t)
+    view = job.wait_started()
+    assert view.stage == 2 and len(_owners(view)) == 2
+    gate.wait_reached()
+    active = sorted(_owners(view))
+    workers_only = sorted(set(transient) - set(active))
+    leaving = {active[0], workers_only[0]}  # one ActivePS (hands off) and one worker
+    for n in leaving:
+        job.nodes[n].leave()
+    job.wait_for(
+        "the eviction to be planned",
+        lambda: job.event_nodes("evicted") == leaving and not (_owners(job.coord.view()) & leaving),
+    )
+    view = job.coord.view()
+    assert view.stage == 2 and _all_backed_up_on(view, "r0")
+    assert view.roster is not None
+    after.clock = _first_clock_without(view.roster, leaving) + 1
+    assert after.clock < 39
+    gate.released.set()
+    after.wait_reached()  # the evicted nodes leave before the job can be done
+    job.wait_for("the evicted nodes to leave", lambda: job.gone(leaving))
+    assert torch.equal(job.finish(), job.expected())
+    job.close()
+    for n in leaving:
+        assert job.ended(n) == "left"
+        result = job.outcomes[n]
+        assert isinstance(result, NodeResult) and max(c for c, _ in result.losses) < 39
+    assert all(job.ended(n) == "done" for n in set(job.nodes) - leaving)
+
+
+# -- failures without warning ------------------------------------------------------------------
+
+
+@dataclass
+class Crasher:
+    """Phase hooks for every transient node; kills `target` at (`phase`, `clock`) once armed."""
+
+    target: str = ""
+    phase: str = ""
+    clock: int = -1
+    fired: threading.Event = field(default_factory=threading.Event)
+
+    def hook(self, node_id: str) -> Hook:
+        def run(phase: str, clock: int) -> None:
+            armed = (node_id, phase, clock) == (self.target, self.phase, self.clock)
+            if armed and not self.fired.is_set():
+                self.fired.set()
+                raise InjectedCrash(f"{node_id} crashed at {phase} of clock {clock}")
+
+        return run
+
+
+CRASH_CASES = [
+    *(pytest.param("active_ps", phase, id=f"active_ps-{phase}") for phase in PHASES),
+    *(pytest.param("worker", phase, id=f"worker-{phase}") for phase in PHASES),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("role", "phase"), CRASH_CASES)
+def test_crash_at_any_phase_of_an_iteration_still_ends_exact(
+    jobs: Callable[[TrainingSpec], Job], role: str, phase: str
+) -> None:
+    """1 reliable + 3 transient nodes (stage 2, two ActivePSs); one transient node dies, and
+    the job recovers well within a worker's request timeout (30 s)."""
+    job = jobs(_spec(f"crash-{role}-{phase}", iterations=40, min_nodes=4))
+    crasher, start = Crasher(), job.gate(3)
+    job.launch("r0", NodeTier.RELIABLE, hook=start)
+    transient = ("t0", "t1", "t2")
+    for t in transient:
+        job.launch(t, hook=crasher.hook(t))
+    view = job.wait_started()
+    assert view.stage == 2
+    start.wait_reached()  # nobody is past clock 4 yet: arm the crash now
+    active = sorted(_owners(view))
+    assert len(active) == 2
+    victims = active if role == "active_ps" else sorted(set(transient) - set(active))
+    crasher.target = victims[0]
+    crasher.phase = phase
+    crasher.clock = random.Random(f"{role}/{phase}").randint(8, 24)
+    start.released.set()
+
+    job.wait_for("the crash", crasher.fired.is_set)
+    assert job.coord.wait_done(RECOVERY_S), f"not done; events: {job.coord.events()}"
+    assert torch.equal(job.finish(), job.expected())
+    kind = "rolled_back" if role == "active_ps" else "failed"
+    assert job.event_nodes(kind) == {crasher.target}, job.coord.events()
+    assert not job.event_nodes("rolled_back" if kind == "failed" else "failed")
+    assert job.coord.node_state(crasher.target) is NodeState.GONE
+    assert crasher.target not in _owners(job.coord.view())
+    job.close()
+    assert isinstance(job.outcomes[crasher.target], InjectedCrash)
+    assert all(job.ended(n) == "done" for n in set(job.nodes) - {crasher.target})
+
+
+def test_worker_failure_that_drops_to_stage1_keeps_every_partition_recoverable(
+    jobs: Callable[[TrainingSpec], Job],
+) -> None:
+    """1 reliable + 2 transient nodes; the worker-only one dies, so the job drops to stage 1
+    (no BackupPSs): the partitions must not stay on the transient ActivePS, whose own failure
+    could then not be rolled back."""
+    job = jobs(_spec("drop-stage", iterations=40, min_nodes=3))
+    crasher, start = Crasher(), job.gate(3)
+    job.launch("r0", NodeTier.RELIABLE, hook=start)
+    for t in ("t0", "t1"):
+        job.launch(t, hook=crasher.hook(t))
+    view = job.wait_started()
+    start.wait_reached()
+    (active,) = _owners(view)
+    crasher.target, crasher.phase, crasher.clock = ({"t0", "t1"} - {active}).pop(), "pulled", 8
+    start.released.set()
+    job.wait_for("the failure to be handled", lambda: bool(job.event_nodes("failed")))
+    assert job.coord.view().stage == 1
+
+    def recoverable() -> bool:  # every partition on a transient node has a BackupPS
+        v = job.coord.view()
+        return all(o == "r0" or p in v.backups for p, o in v.owners.items())
+
+    job.wait_for("every partition to be recoverable", recoverable, timeout_s=3.0)
+
+
+# -- the control plane refuses what it cannot authenticate -------------------------------------
+
+
+def test_unauthenticated_control_messages_change_nothing(
+    jobs: Callable[[TrainingSpec], Job],
+) -> None:
+    job = jobs(_spec("auth", iterations=5, min_nodes=2))  # never starts: one node at most
+    coord = job.coord
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(coord.endpoint)
+
+    def send(sender: str, body: Any, token: bytes, **fields: Any) -> dict[str, Any] | None:
+        header = {"kind": MessageKind.CONTROL, "job_id": "auth", "sender": sender, "seq": 1}
+        sock.send_multipart(wire.encode({**header, **fields}, wire.json_body(body), token))
+        if not sock.poll(300):
+            return None
+        reply, tensors = wire.decode(sock.recv_multipart(), TOKEN)
+        out = wire.parse_json_body(tensors)
+        assert isinstance(out, dict)
+        return out
+
+    join = dump(Join(tier=NodeTier.RELIABLE, endpoint="tcp://127.0.0.1:9"))
+    forged = b"not-the-job-token"
+    try:
+        assert send("intruder", join, forged) is None  # dropped without an answer
+        assert coord.node_state("intruder") is None
+        wrong_job = send("intruder", join, TOKEN, job_id="another-job")
+        assert wrong_job is not None and wrong_job["ok"] is False
+        assert coord.node_state("intruder") is None
+
+        client = ControlClient(job_id="auth", sender="n1", token=TOKEN)
+        try:
+            assert client.call(coord.endpoint, join, 2.0)["ok"] is True
+        finally:
+            client.close()
+        assert coord.node_state("n1") is NodeState.JOINING
+        for message in (Ready(), Leaving(), Heartbeat(clock=3)):
+            assert send("n1", dump(message), forged) is None
+        time.sleep(5 * job.spec.heartbeat_s)  # the controller would have acted by now
+        assert coord.node_state("n1") is NodeState.JOINING
+        assert coord.events() == [] and coord.view().epoch == 0
+
+        impostor = ControlClient(job_id="auth", sender="n1", token=forged)
+        try:
+            with pytest.raises(ControlError, match="timeout"):
+                impostor.call(coord.endpoint, dump(Ready()), 0.3)
+        finally:
+            impostor.close()
+        assert coord.node_state("n1") is NodeState.JOINING
+
+        genuine = send("n1", dump(Ready()), TOKEN)  # the genuine message is acted on
+        assert genuine is not None and genuine["ok"] is True
+        job.wait_for("n1 to be ready", lambda: coord.node_state("n1") is NodeState.READY)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
