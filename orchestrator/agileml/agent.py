@@ -51,7 +51,8 @@ from orchestrator.logfmt import log_to_stderr
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_SECONDS = 10.0
-LOST_CONTROLLER_HEARTBEATS = 50  # heartbeats without an answer before the node gives up
+LOST_CONTROLLER_HEARTBEATS = 50
+LEFT_ATTEMPTS = 3  # heartbeats without an answer before the node gives up
 
 
 @dataclass
@@ -143,7 +144,9 @@ class AgileMLNode:
             self._stop.set()
             beat.join(5)
             if result.ended == "left":
-                self._send(client, Left())
+                for _ in range(LEFT_ATTEMPTS):  # else the controller takes it for a failure
+                    if self._send(client, Left()) is not None:
+                        break
             return result
         finally:
             self._stop.set()

@@ -402,7 +402,7 @@ class Coordinator:
         self._horizon = ahead
         body = {"op": "configure", "horizon": ahead, "slack": self.spec.slack}
         fresh = self._now() - 2 * self.spec.heartbeat_s
-        for node in self._live_nodes():
+        for node in self._serving_nodes():
             with self._lock:
                 if self._nodes[node].last_seen_s < fresh:
                     continue
@@ -551,12 +551,7 @@ class Coordinator:
             "horizon": self._horizon,
             "slack": self.spec.slack,
         }
-        owners = {self._table.owner(p) for p in range(self.spec.num_partitions)}
-        with self._lock:
-            leaving = set(self._membership.in_state(NodeState.LEAVING))
-        for node in self._live_nodes():
-            if node in leaving and node not in owners:
-                continue  # it serves nothing any more, and may be gone already
+        for node in self._serving_nodes():
             try:
                 self._call(client, node, body)
             except AgileMLError as exc:
@@ -639,6 +634,13 @@ class Coordinator:
             return list(
                 self._membership.in_state(NodeState.READY, NodeState.ACTIVE, NodeState.LEAVING)
             )
+
+    def _serving_nodes(self) -> list[str]:
+        """Live nodes, less leaving ones that serve nothing any more (they may be gone)."""
+        owners = {self._table.owner(p) for p in range(self.spec.num_partitions)}
+        with self._lock:
+            leaving = set(self._membership.in_state(NodeState.LEAVING))
+        return [n for n in self._live_nodes() if n not in leaving or n in owners]
 
     def _endpoints(self) -> dict[str, str]:
         with self._lock:
