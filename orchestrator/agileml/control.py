@@ -8,7 +8,6 @@ eviction says `leaving`; once its partitions are handed off and its last clock i
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
 import zmq
@@ -218,28 +217,24 @@ class ControlClient:
             "seq": self._seq,
         }
         sock.send_multipart(wire.encode(header, wire.json_body(body), self._token))
-        deadline = time.monotonic() + timeout_s
-        while (remaining_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-            if not sock.poll(remaining_ms):
-                break
-            try:
-                reply, tensors = wire.decode(sock.recv_multipart(), self._token)
-            except WireError as exc:
-                raise ControlError(endpoint, str(exc.reason)) from exc
-            if reply.seq != self._seq:
-                continue  # the late answer to a call that timed out
-            if reply.kind is MessageKind.ERROR:
-                raise ControlError(endpoint, reply.detail or "error")
-            try:
-                out = wire.parse_json_body(tensors)
-            except WireError as exc:
-                raise ControlError(endpoint, str(exc.reason)) from exc
-            if not isinstance(out, dict):
-                raise ControlError(endpoint, "answer is not a JSON object")
-            return out
-        sock.close(linger=0)
-        del self._socks[endpoint]
-        raise ControlError(endpoint, "timeout")
+        try:
+            got = wire.await_reply(sock, self._seq, self._token, timeout_s)
+        except WireError as exc:
+            raise ControlError(endpoint, str(exc.reason)) from exc
+        if got is None:
+            sock.close(linger=0)  # a late answer must not meet the next call
+            del self._socks[endpoint]
+            raise ControlError(endpoint, "timeout")
+        reply, tensors = got
+        if reply.kind is MessageKind.ERROR:
+            raise ControlError(endpoint, reply.detail or "error")
+        try:
+            out = wire.parse_json_body(tensors)
+        except WireError as exc:
+            raise ControlError(endpoint, str(exc.reason)) from exc
+        if not isinstance(out, dict):
+            raise ControlError(endpoint, "answer is not a JSON object")
+        return out
 
     def close(self) -> None:
         for sock in self._socks.values():

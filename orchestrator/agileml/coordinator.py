@@ -225,9 +225,10 @@ class Coordinator:
                     "epoch": view.epoch,
                 }
                 sock.send_multipart(wire.encode(header, {}, self._token))
-                if not sock.poll(int(timeout_s * 1000)):
+                got = wire.await_reply(sock, p, self._token, timeout_s)
+                if got is None:
                     raise AgileMLError(f"partition {p}: no answer from {owner}")
-                reply, tensors = wire.decode(sock.recv_multipart(), self._token)
+                reply, tensors = got
                 if reply.kind is not MessageKind.PULL_REPLY:
                     raise AgileMLError(f"partition {p}: {owner} answered {reply.detail}")
                 out.append(tensors["values"])

@@ -880,22 +880,18 @@ class ParamServer:
         try:
             sock.connect(endpoint)
             sock.send_multipart(frames)
-            deadline = time.monotonic() + timeout_s
-            while (remaining_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-                if not sock.poll(remaining_ms):
-                    break
-                try:
-                    header, reply = wire.decode(sock.recv_multipart(), self._token)
-                except WireError as exc:
-                    raise HandoffError(p, str(exc.reason), outcome_unknown=True) from exc
-                if header.seq != seq:
-                    continue
-                if header.kind is MessageKind.ERROR:
-                    raise HandoffError(p, header.detail or "error")
-                if header.kind is not want or header.partition != p:
-                    raise HandoffError(p, f"unexpected {header.kind} reply", outcome_unknown=True)
-                return header, reply
-            raise HandoffError(p, "timeout", outcome_unknown=True)
+            try:
+                got = wire.await_reply(sock, seq, self._token, timeout_s)
+            except WireError as exc:
+                raise HandoffError(p, str(exc.reason), outcome_unknown=True) from exc
+            if got is None:
+                raise HandoffError(p, "timeout", outcome_unknown=True)
+            header, reply = got
+            if header.kind is MessageKind.ERROR:
+                raise HandoffError(p, header.detail or "error")
+            if header.kind is not want or header.partition != p:
+                raise HandoffError(p, f"unexpected {header.kind} reply", outcome_unknown=True)
+            return header, reply
         finally:
             sock.close(linger=0)
             ctx.term()

@@ -27,6 +27,7 @@ import hmac
 import json
 import math
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any
@@ -307,3 +308,22 @@ def parse_json_body(tensors: Mapping[str, torch.Tensor]) -> Any:
         return json.loads(body.numpy().tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(WireReason.BAD_JSON, f"body: {exc}") from None
+
+
+def await_reply(
+    sock: Any, seq: int, token: bytes, timeout_s: float
+) -> tuple[Header, dict[str, torch.Tensor]] | None:
+    """Wait on a DEALER socket for the authenticated reply to request `seq`; replies to other
+    (earlier, abandoned) requests are skipped. None after `timeout_s`.
+
+    Raises:
+        WireError: a reply that fails `decode` (it cannot be trusted).
+    """
+    deadline = time.monotonic() + timeout_s
+    while (remaining_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+        if not sock.poll(remaining_ms):
+            return None
+        header, tensors = decode(sock.recv_multipart(), token)
+        if header.seq == seq:
+            return header, tensors
+    return None
