@@ -221,3 +221,10 @@ def test_shares_of_different_member_sets_cover_the_same_rows() -> None:
     for members in [("a",), ("a", "b"), ("a", "b", "c"), tuple(f"w{i}" for i in range(16))]:
         got = torch.cat([rows[worker_share(members, w, 16)] for w in members])
         assert torch.equal(got, rows), members
+
+
+def test_last_clock_of_finds_the_last_clock_a_worker_computes_up_to_a_bound() -> None:
+    roster = Roster.starting(["a", "b"]).with_change(5, ["a"]).with_change(9, ["a", "b"])
+    assert [roster.last_clock_of("b", upto) for upto in (-1, 0, 3, 7, 12)] == [-1, 0, 3, 4, 12]
+    assert roster.last_clock_of("a", 7) == 7
+    assert roster.last_clock_of("c", 12) == -1

@@ -118,6 +118,14 @@ class Roster(BaseModel):
                 return clock
         return None
 
+    def last_clock_of(self, worker: str, upto: int) -> int:
+        """The last clock <= `upto` that `worker` computes (-1: none)."""
+        ends = [e.from_clock for e in self.entries[1:]] + [upto + 1]
+        for entry, end in reversed(list(zip(self.entries, ends, strict=True))):
+            if entry.from_clock <= upto and worker in entry.workers:
+                return min(end - 1, upto)
+        return -1
+
     def first_clock_of(self, worker: str, at_or_after: int) -> int | None:
         """The first clock >= `at_or_after` that `worker` computes, or None if it never does."""
         if worker in self.members(at_or_after):

@@ -232,8 +232,7 @@ class PartitionStore:
         roster = self.roster
         frontier = latest = -1
         if roster is not None:
-            done = [c for c in range(part.consistent + 1) if worker in roster.members(c)]
-            latest = done[-1] if done else -1
+            latest = roster.last_clock_of(worker, part.consistent)
             frontier = part.consistent
         mine = sorted(c for w, c in part.applied if w == worker)
         if mine:
