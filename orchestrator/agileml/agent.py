@@ -159,7 +159,8 @@ class AgileMLNode:
         server.start()
         reply = self._send(client, Join(tier=self.tier, endpoint=server.endpoint))
         if reply is None or not reply.ok or reply.spec is None:
-            raise ControlError(self._controller, reply.error if reply else "no answer to join")
+            why = (reply.error or "refused") if reply is not None else "no answer to join"
+            raise ControlError(self._controller, why)
         self._spec = reply.spec
         if reply.view is not None:
             self._view = reply.view

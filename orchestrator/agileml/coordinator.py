@@ -253,7 +253,7 @@ class Coordinator:
                     log.warning("controller dropped a message", extra={"why": str(exc)})
                     continue
                 reply = self._on_message(header, tensors)
-                frames = wire.encode(
+                answer = wire.encode(
                     {
                         "kind": MessageKind.CONTROL_REPLY,
                         "job_id": self.spec.job_id,
@@ -263,7 +263,7 @@ class Coordinator:
                     wire.json_body(dump(reply)),
                     self._token,
                 )
-                sock.send_multipart([identity, *frames])
+                sock.send_multipart([identity, *answer])
         except Exception:
             log.exception("elasticity controller message loop crashed")
         finally:

@@ -495,7 +495,8 @@ class _HeldPull:
     epoch: int | None = None  # the request's epoch (None: unchecked)
 
 
-Reply = tuple[bytes, list[bytes]]
+Frames = list[bytes | memoryview]
+Reply = tuple[bytes, Frames]
 
 
 class ParamServer:
@@ -546,7 +547,7 @@ class ParamServer:
         self._moving: set[int] = set()  # hand-off in flight: frozen
         self._moved: dict[int, tuple[str, int]] = {}  # handed off: (new owner, version)
         self._outbox: list[Reply] = []  # replies from other threads, sent by the serve thread
-        self._stream_out: list[tuple[str, list[bytes]]] = []  # (backup endpoint, frames)
+        self._stream_out: list[tuple[str, Frames]] = []  # (backup endpoint, frames)
         self._unacked: dict[int, int] = {}  # replicate seq -> partition
         self._stream_seq = 0
         self._handoff_seq = 0

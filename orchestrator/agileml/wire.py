@@ -165,7 +165,9 @@ def _tensor_bytes(
     t = tensor.detach().cpu().contiguous()
     spec = {"name": name, "dtype": dtype_name, "shape": list(t.shape)}
     array = t.numpy()
-    return spec, memoryview(array).cast("B") if zero_copy and array.size else array.tobytes()
+    if zero_copy and array.size:
+        return spec, array.data.cast("B")
+    return spec, array.tobytes()
 
 
 def encode(

@@ -270,9 +270,9 @@ class Worker:
             for sock, _ in poller.poll(min(remaining_ms, WAIT_SLICE_MS)):
                 while sock.poll(0):
                     header, tensors = self._receive(sock)
-                    i = outstanding.pop(header.seq, None)
-                    if i is None:
+                    if header.seq not in outstanding:
                         continue  # a late reply to an earlier, abandoned request
+                    i = outstanding.pop(header.seq)
                     p = requests[i][0]
                     if header.kind is MessageKind.ERROR:
                         self._retry_or_raise(p, header.detail or "error")
@@ -299,10 +299,10 @@ class Worker:
         if reason == RejectReason.STALE_EPOCH:
             raise StaleViewError(f"worker {self.spec.worker_id}: {detail}")
         if reason == RejectReason.STALE_ROSTER:
-            version = detail.partition(":")[2]
+            wanted = detail.partition(":")[2]
             raise StaleViewError(
                 f"worker {self.spec.worker_id}: {detail}",
-                roster_version=int(version) if version.isdigit() else None,
+                roster_version=int(wanted) if wanted.isdigit() else None,
             )
         if reason in (RejectReason.MOVING, RejectReason.FUTURE_EPOCH):
             time.sleep(RETRY_DELAY_SECONDS)
