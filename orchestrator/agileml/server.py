@@ -253,6 +253,9 @@ class PartitionStore:
     def owned(self) -> list[int]:
         return sorted(self._parts)
 
+    def owns(self, p: int) -> bool:
+        return p in self._parts
+
     def values(self, p: int) -> torch.Tensor:
         """A copy of partition p. Raises PartitionError if this store does not own it."""
         return self._get(p).values.clone()
@@ -645,7 +648,8 @@ class ParamServer:
             self._backup.set_roster(roster)
             for p in list(self._held):
                 self._outbox.extend(self._release_held(p))
-                self._queue_stream(p)
+            for p in self._store.owned():
+                self._queue_stream(p)  # the change may have completed clocks
 
     def set_horizon(self, horizon: int, slack: int) -> None:
         """Let workers compute clocks up to `horizon` (never lowered); a pull of min clock m
@@ -1037,12 +1041,12 @@ class ParamServer:
         """Raise the right RejectedError unless this server serves p right now."""
         if p is not None and p in self._moving:
             raise RejectedError(RejectReason.MOVING, f"partition {p}")
-        if p is not None and p not in self._store.owned() and p in self._moved:
+        if p is not None and not self._store.owns(p) and p in self._moved:
             owner, version = self._moved[p]
             raise RejectedError(
                 RejectReason.MOVED, f"partition {p}", wire_detail=moved_detail(owner, version)
             )
-        if p is None or p not in self._store.owned():
+        if p is None or not self._store.owns(p):
             raise RejectedError(RejectReason.NOT_OWNER, f"partition {p}")
 
     def _on_handoff(
@@ -1065,7 +1069,8 @@ class ParamServer:
             extra={"node": self.node_id, "partition": p, "from": header.sender},
         )
         ack = self._encode(MessageKind.HANDOFF_ACK, header.seq, partition=p, clock=version)
-        return [(identity, ack), *self._queue_stream(p)]
+        self._queue_stream(p)
+        return [(identity, ack)]
 
     def _on_restore(
         self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
@@ -1156,11 +1161,11 @@ class ParamServer:
             self._queue_stream(p)
         return replies
 
-    def _queue_stream(self, p: int) -> list[Reply]:
+    def _queue_stream(self, p: int) -> None:
         """Queue the complete clocks of owned partition p for its BackupPS (if elsewhere)."""
         backup = self._backups.get(p)
-        if backup in (None, self.endpoint) or p not in self._store.owned():
-            return []
+        if backup in (None, self.endpoint) or not self._store.owns(p):
+            return
         for chunk in self._store.take_streamable(p):
             self._stream_seq += 1
             frames = self._encode(
@@ -1175,11 +1180,10 @@ class ParamServer:
             self._unacked[self._stream_seq] = p
             self._stream_out.append((backup, frames))
             self._stats = replace(self._stats, chunks_streamed=self._stats.chunks_streamed + 1)
-        return []
 
     def _release_held(self, p: int) -> list[Reply]:
         held = self._held.get(p, [])
-        if p not in self._store.owned():
+        if not self._store.owns(p):
             return []
         ready = [h for h in held if self._answerable(p, h)]
         if ready:

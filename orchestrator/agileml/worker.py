@@ -258,15 +258,18 @@ class Worker:
             outstanding[self._seq] = i
         deadline = time.monotonic() + self.spec.request_timeout_s
         results: dict[int, dict[str, torch.Tensor]] = {}
+        poller = zmq.Poller()
+        polled: set[zmq.Socket[Any]] = set()
         while outstanding:
             if self._abort():
                 raise StaleViewError(f"worker {self.spec.worker_id}: aborted by its node")
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 raise WorkerError(self.spec.worker_id, "timeout")
-            poller = zmq.Poller()
-            for sock in self._sockets.values():
-                poller.register(sock, zmq.POLLIN)
+            for sock in self._sockets.values():  # a `moved` reply may have added one
+                if sock not in polled:
+                    poller.register(sock, zmq.POLLIN)
+                    polled.add(sock)
             for sock, _ in poller.poll(min(remaining_ms, WAIT_SLICE_MS)):
                 while sock.poll(0):
                     header, tensors = self._receive(sock)
