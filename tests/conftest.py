@@ -8,6 +8,7 @@ from typing import Any
 import boto3
 import pytest
 import redis
+from agileml_jobs import jobs  # noqa: F401  (the fixture, for the AgileML runtime tests)
 from moto import mock_aws
 from redis_server import RedisServerError, start_redis
 

@@ -10,19 +10,19 @@ mostly makes them slower. The one timing bound is coarse: a crash must be recove
 from __future__ import annotations
 
 import random
-import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 import zmq
+from agileml_jobs import TOKEN, Hook, Job, chain
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.agent import AgileMLNode, NodeResult
+from orchestrator.agileml.agent import NodeResult
 from orchestrator.agileml.control import (
     ControlClient,
     ControlError,
@@ -35,19 +35,12 @@ from orchestrator.agileml.control import (
     View,
     dump,
 )
-from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.elasticity import NodeState, NodeTier
-from orchestrator.agileml.examples import additive_expected
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.wire import MessageKind
 
-TOKEN = secrets.token_bytes(32)
-WAIT_S = 20.0  # bound on any one wait; only reached when something is broken
-GATE_S = 30.0  # a held worker is let go after this long whatever happens
 RECOVERY_S = 8.0  # from a crash to the end of the job; a worker's request timeout is 30 s
 PHASES = ("pulled", "computed", "pushing")
-
-Hook = Callable[[str, int], None]
 
 
 def _spec(job_id: str, *, iterations: int, min_nodes: int) -> TrainingSpec:
@@ -67,143 +60,6 @@ def _spec(job_id: str, *, iterations: int, min_nodes: int) -> TrainingSpec:
 
 class InjectedCrash(RuntimeError):
     """Raised from a phase hook: the node dies right there."""
-
-
-class Gate:
-    """A phase hook that holds a worker at the start of `clock` (once pulled) until released.
-
-    `clock` may be set later (None: not armed yet), as long as the worker has not passed it.
-    """
-
-    def __init__(self, clock: int | None = None) -> None:
-        self.clock = clock
-        self.reached = threading.Event()
-        self.released = threading.Event()
-
-    def __call__(self, phase: str, clock: int) -> None:
-        if phase == "pulled" and clock == self.clock and not self.released.is_set():
-            self.reached.set()
-            self.released.wait(GATE_S)
-
-    def wait_reached(self) -> None:
-        assert self.reached.wait(WAIT_S), f"no worker reached clock {self.clock}"
-
-
-def _chain(*hooks: Hook) -> Hook:
-    def run(phase: str, clock: int) -> None:
-        for hook in hooks:
-            hook(phase, clock)
-
-    return run
-
-
-@dataclass
-class Job:
-    """A coordinator and the node threads of one job; `close` stops and joins everything."""
-
-    spec: TrainingSpec
-    coord: Coordinator
-    nodes: dict[str, AgileMLNode] = field(default_factory=dict)
-    outcomes: dict[str, NodeResult | BaseException] = field(default_factory=dict)
-    threads: list[threading.Thread] = field(default_factory=list)
-    gates: list[Gate] = field(default_factory=list)
-
-    def launch(
-        self, node_id: str, tier: NodeTier = NodeTier.TRANSIENT, hook: Hook | None = None
-    ) -> AgileMLNode:
-        node = AgileMLNode(
-            node_id,
-            tier,
-            job_id=self.spec.job_id,
-            controller=self.coord.endpoint,
-            token=TOKEN,
-            phase_hook=hook,
-        )
-
-        def run() -> None:
-            try:
-                self.outcomes[node_id] = node.run()
-            except BaseException as exc:  # a crash injected by the test, or a real failure
-                self.outcomes[node_id] = exc
-
-        thread = threading.Thread(target=run, name=f"test-node-{node_id}", daemon=True)
-        self.nodes[node_id] = node
-        self.threads.append(thread)
-        thread.start()
-        return node
-
-    def gate(self, clock: int | None = None) -> Gate:
-        gate = Gate(clock)
-        self.gates.append(gate)
-        return gate
-
-    def wait_for(self, what: str, predicate: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"timed out waiting for {what}; view: {self.coord.view()}; "
-                    f"events: {self.coord.events()}"
-                )
-            time.sleep(0.01)
-
-    def event_nodes(self, kind: str) -> set[str]:
-        return {n for e in self.coord.events() if e.kind == kind for n in e.nodes}
-
-    def gone(self, nodes: set[str]) -> bool:
-        """Whether these nodes' runs have ended and the controller counts them out of the job
-        (by their `left`, or, should that message be lost, by their missing heartbeats)."""
-        return all(n in self.outcomes and self.coord.node_state(n) is NodeState.GONE for n in nodes)
-
-    def wait_started(self) -> View:
-        self.wait_for("the job to start", lambda: self.coord.view().epoch > 0)
-        return self.coord.view()
-
-    def finish(self) -> torch.Tensor:
-        """Let every held worker go, wait for the job, return the final parameters."""
-        for gate in self.gates:
-            gate.released.set()
-        assert self.coord.wait_done(WAIT_S * 2), f"job not done; events: {self.coord.events()}"
-        return torch.cat(self.coord.fetch_parameters())
-
-    def expected(self) -> torch.Tensor:
-        return additive_expected(self.spec, self.spec.iterations)
-
-    def close(self) -> None:
-        for gate in self.gates:
-            gate.released.set()
-        try:
-            self.coord.stop()  # the view says shutdown: every node exits
-        finally:
-            for node in self.nodes.values():
-                node.stop()
-            for thread in self.threads:
-                thread.join(WAIT_S)
-        stuck = [t.name for t in self.threads if t.is_alive()]
-        assert not stuck, f"node threads did not exit: {stuck}"
-
-    def ended(self, node_id: str) -> str:
-        outcome = self.outcomes[node_id]
-        return outcome.ended if isinstance(outcome, NodeResult) else type(outcome).__name__
-
-
-@pytest.fixture
-def jobs() -> Iterator[Callable[[TrainingSpec], Job]]:
-    """Makes jobs; at the end closes them and checks that no thread outlives the test."""
-    before = set(threading.enumerate())
-    made: list[Job] = []
-
-    def make(spec: TrainingSpec) -> Job:
-        made.append(Job(spec, Coordinator(spec, token=TOKEN).start()))
-        return made[-1]
-
-    yield make
-    for job in made:
-        job.close()
-    deadline = time.monotonic() + 5.0
-    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not left, f"threads left running: {sorted(t.name for t in left)}"
 
 
 def _owners(view: View) -> set[str]:
@@ -258,7 +114,7 @@ def test_joins_move_the_job_to_stage2_and_evictions_back_to_stage1_exactly(
 ) -> None:
     job = jobs(_spec("stages", iterations=60, min_nodes=2))
     grow, shrink, alone = job.gate(10), job.gate(30), job.gate()
-    job.launch("r0", NodeTier.RELIABLE, hook=_chain(grow, shrink, alone))
+    job.launch("r0", NodeTier.RELIABLE, hook=chain(grow, shrink, alone))
     job.launch("t0")
     view = job.wait_started()
     assert view.stage == 1  # 1:1 is not above the stage-2 threshold
@@ -331,7 +187,7 @@ def test_eviction_of_half_the_transient_nodes_mid_run_is_exact(
 ) -> None:
     job = jobs(_spec("evict", iterations=40, min_nodes=5))
     gate, after = job.gate(12), job.gate()
-    job.launch("r0", NodeTier.RELIABLE, hook=_chain(gate, after))
+    job.launch("r0", NodeTier.RELIABLE, hook=chain(gate, after))
     transient = [f"t{i}" for i in range(4)]
     for t in transient:
         job.launch(t)

@@ -41,6 +41,8 @@ from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.examples import build_data, build_loss, build_model, initial_model
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
+from orchestrator.agileml.peers import PeerLink
+from orchestrator.agileml.reassign import Reassigner
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.server import ParamServer
 from orchestrator.agileml.token import token_from_env
@@ -64,6 +66,7 @@ class NodeResult:
     losses: list[tuple[int, float]] = field(default_factory=list)
     ends: list[tuple[int, float]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per iteration phase
+    straggler: dict[str, float] = field(default_factory=dict)  # FlexRR counters (ReassignStats)
     ended: str = ""  # done | left | lost_controller
 
 
@@ -100,6 +103,8 @@ class AgileMLNode:
         self._last_loss: float | None = None
         self._lost = False
         self._worker: Worker | None = None
+        self._reassigner: Reassigner | None = None
+        self._link: PeerLink | None = None
         self._refresh = threading.Event()  # the trainer wants a heartbeat (and view) now
 
     def leave(self) -> None:
@@ -129,6 +134,8 @@ class AgileMLNode:
         )
         self._server = server
         client = ControlClient(job_id=self.job_id, sender=self.node_id, token=self._token)
+        # the FlexRR inbox is bound before the join so that peers learn it from the view
+        self._link = PeerLink(self.node_id, job_id=self.job_id, token=self._token, host=self._host)
         result = NodeResult(self.node_id)
         try:
             spec = self._join(client, server)
@@ -152,12 +159,19 @@ class AgileMLNode:
             self._stop.set()
             client.close()
             server.stop()
+            if self._reassigner is not None:
+                self._reassigner.close()
+            elif self._link is not None:
+                self._link.close()
 
     # -- phases -----------------------------------------------------------------------------
 
     def _join(self, client: ControlClient, server: ParamServer) -> TrainingSpec:
         server.start()
-        reply = self._send(client, Join(tier=self.tier, endpoint=server.endpoint))
+        peer = self._link.endpoint if self._link is not None else None
+        reply = self._send(
+            client, Join(tier=self.tier, endpoint=server.endpoint, peer_endpoint=peer)
+        )
         if reply is None or not reply.ok or reply.spec is None:
             why = (reply.error or "refused") if reply is not None else "no answer to join"
             raise ControlError(self._controller, why)
@@ -188,6 +202,18 @@ class AgileMLNode:
             abort=self._should_abort,
             phase_hook=self._phase_hook,
         )
+        straggler = spec.straggler
+        if straggler.flexrr or straggler.injected is not None:
+            self._reassigner = Reassigner(
+                straggler,
+                worker_id=self.node_id,
+                link=self._link if straggler.flexrr else None,
+                leaving=self._leaving.is_set,
+            )
+            self._worker.reassigner = self._reassigner
+        if not straggler.flexrr and self._link is not None:
+            self._link.close()
+            self._link = None
         return self._worker
 
     def _should_abort(self) -> bool:
@@ -246,6 +272,8 @@ class AgileMLNode:
             return "stopped"
         finally:
             result.timings = dict(worker.timings)
+            if self._reassigner is not None:
+                result.straggler = self._reassigner.summary()
             worker.close()
 
     def _await_view(self, worker: Worker, roster_version: int | None, spec: TrainingSpec) -> None:
@@ -271,6 +299,8 @@ class AgileMLNode:
             worker.table = PartitionTable(len(self._initial))
         worker.roster = view.roster
         worker.endpoints = dict(view.endpoints)
+        if self._reassigner is not None:
+            self._reassigner.update_view(epoch=view.epoch, roster=view.roster, peers=view.peers)
         worker.adoptions = self._adoptions(view)
         for p, owner in view.owners.items():
             if worker.table.get(p).owner is None:

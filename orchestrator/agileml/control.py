@@ -18,6 +18,7 @@ from orchestrator.agileml.elasticity import NodeTier, StageThresholds
 from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.wire import MessageKind
+from orchestrator.straggler.spec import StragglerSpec
 
 NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
 
@@ -65,6 +66,8 @@ class TrainingSpec(BaseModel):
     # how far ahead of the fastest worker servers let workers compute; joins and evictions
     # take effect just past it, so no worker ever computes a clock on an outdated roster
     horizon_clocks: Annotated[int, Field(ge=2, le=10_000)] = 8
+    # FlexRR (RapidReassignment between workers); `{"flexrr": false}` turns it off
+    straggler: StragglerSpec = StragglerSpec()
 
     @model_validator(mode="after")
     def _timeouts(self) -> TrainingSpec:
@@ -105,6 +108,7 @@ class View(BaseModel):
     owners: dict[int, str] = {}
     versions: dict[int, int] = {}  # ownership version of each partition, as last known
     endpoints: dict[str, str] = {}  # node id -> parameter-server endpoint
+    peers: dict[str, str] = {}  # node id -> its worker's inbox for FlexRR messages
     backups: dict[int, str] = {}  # partition -> BackupPS endpoint (empty in stage 1)
     adoptions: dict[str, Adoption] = {}  # failed worker -> who computes its last shares
     done: bool = False  # every worker finished the job's iterations
@@ -117,6 +121,7 @@ class Join(BaseModel):
     op: Literal["join"] = "join"
     tier: NodeTier
     endpoint: str
+    peer_endpoint: str | None = None  # the worker's FlexRR inbox (None: FlexRR off)
 
 
 class Ready(BaseModel):

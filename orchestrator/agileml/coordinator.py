@@ -84,6 +84,7 @@ class _NodeInfo:
     last_seen_s: float
     clock: int = 0
     losses: list[tuple[int, float]] = field(default_factory=list)  # (clock, loss) heard
+    peer_endpoint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,9 @@ class Coordinator:
             if isinstance(m, Join):
                 if info is not None:
                     return Reply(ok=False, error=f"node {node} already joined; use a new id")
-                self._nodes[node] = _NodeInfo(m.tier, m.endpoint, now, now)
+                self._nodes[node] = _NodeInfo(
+                    m.tier, m.endpoint, now, now, peer_endpoint=m.peer_endpoint
+                )
                 self._membership.join(node, now)
                 return Reply(spec=self.spec, view=self._view)
             if info is None:
@@ -587,8 +590,17 @@ class Coordinator:
             }
             versions = {p: self._table.get(p).version for p in owners}
             endpoints = {n: i.endpoint for n, i in self._nodes.items()}
+            peers = {}
+            if self.spec.straggler.flexrr:  # nodes bind an inbox before they know the spec
+                peers = {n: i.peer_endpoint for n, i in self._nodes.items() if i.peer_endpoint}
             self._view = self._view.model_copy(
-                update={"owners": owners, "versions": versions, "endpoints": endpoints, **changes}
+                update={
+                    "owners": owners,
+                    "versions": versions,
+                    "endpoints": endpoints,
+                    "peers": peers,
+                    **changes,
+                }
             )
 
     def _backups(self, plan: RolePlan, endpoints: dict[str, str]) -> dict[int, str]:

@@ -38,6 +38,7 @@ class NodeOutcome:
     losses: list[tuple[int, float]]
     ends: list[tuple[int, float]]  # (clock, wall-clock time the iteration ended)
     timings: dict[str, float]  # seconds spent pulling, computing, pushing (all iterations)
+    straggler: dict[str, float]  # FlexRR counters (`reassign.ReassignStats`)
 
 
 class LocalJob:
@@ -134,7 +135,7 @@ class LocalJob:
             lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("{")]
             if node_id in self._killed or not lines:
                 ended = "killed" if node_id in self._killed else "crashed"
-                out[node_id] = NodeOutcome(node_id, ended, [], [], {})
+                out[node_id] = NodeOutcome(node_id, ended, [], [], {}, {})
                 continue
             data = json.loads(lines[-1])
             out[node_id] = NodeOutcome(
@@ -143,6 +144,7 @@ class LocalJob:
                 [(int(c), float(v)) for c, v in data["losses"]],
                 [(int(c), float(t)) for c, t in data["ends"]],
                 {k: float(v) for k, v in data.get("timings", {}).items()},
+                {k: float(v) for k, v in data.get("straggler", {}).items()},
             )
         return out
 

@@ -71,6 +71,9 @@ class MessageKind(StrEnum):
     replicate -> replicate_ack, ActivePS to BackupPS: the coalesced update of one partition for
     one clock (tensor `delta`; `workers` names whose pushes it sums).
     control -> control_reply, elasticity controller to nodes and back: a JSON body (`json_body`).
+    peer: one-way, worker to worker (FlexRR's RapidReassignment): a JSON `body` (a
+    `straggler.protocol` message) and, for `completed`, the helped rows' gradient partitions
+    `g0`..`g{N-1}` float32.
     """
 
     PULL = "pull"
@@ -89,6 +92,7 @@ class MessageKind(StrEnum):
     REPLICATE_ACK = "replicate_ack"
     CONTROL = "control"
     CONTROL_REPLY = "control_reply"
+    PEER = "peer"
 
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]

@@ -17,11 +17,12 @@ partition to its new owner and asks again. A server that refuses the worker's ep
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -33,6 +34,9 @@ from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
 from orchestrator.agileml.server import RejectReason, parse_moved
 from orchestrator.agileml.wire import MessageKind
+
+if TYPE_CHECKING:
+    from orchestrator.agileml.reassign import Reassigner
 
 DEFAULT_REQUEST_TIMEOUT_SECONDS = 30.0  # a pull may legitimately wait for the slowest worker
 RETRY_DELAY_SECONDS = 0.002  # before asking again about a partition in flight
@@ -129,6 +133,12 @@ class Worker:
         self._seq = 0
         self._ctx: zmq.Context[Any] | None = None
         self._sockets: dict[str, zmq.Socket[Any]] = {}
+        # FlexRR: computes the own share in chunks, trading rows with peers (roster jobs only)
+        self.reassigner: Reassigner | None = None
+        # (identity, clock, roster version) -> dataset rows of the share
+        self._rows_cache: dict[tuple[str, int, int], torch.Tensor] = {}
+        # same key -> (first row cached, inputs, labels): helpees' input, preloaded
+        self._preloaded: dict[tuple[str, int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}
 
     def run(self, iterations: int) -> list[float]:
         """Run `iterations` iterations; returns each one's minibatch loss (before its update).
@@ -162,6 +172,8 @@ class Worker:
                     self._pull(-1)
                     self._round_trip(self._compute(identity, clock)[1], MessageKind.PUSH_ACK)
                     self._adopted_done.add((identity, clock))
+        if self.reassigner is not None:
+            self.reassigner.at_clock(self.clock)
         t0 = time.perf_counter()
         self._pull(self.clock - self.spec.slack - 1)
         t1 = time.perf_counter()
@@ -173,12 +185,17 @@ class Worker:
         for identity in identities:
             if self.roster is not None and identity not in self.roster.members(self.clock):
                 continue
-            loss, requests = self._compute(identity, self.clock)
+            if identity == self.spec.worker_id and self.reassigner is not None:
+                loss, requests = self._compute_reassigned(self.reassigner, self.clock)
+            else:
+                loss, requests = self._compute(identity, self.clock)
             losses.append(loss)
             pushes.extend(requests)
         t2 = time.perf_counter()
         self._phase("computed")
         self._round_trip(pushes, MessageKind.PUSH_ACK)
+        if self.reassigner is not None:
+            self.reassigner.check(self)  # FlexRR: the offers saved for after our own push
         t3 = time.perf_counter()
         for phase, seconds in (("pull", t1 - t0), ("compute", t2 - t1), ("push", t3 - t2)):
             self.timings[phase] += seconds
@@ -218,8 +235,108 @@ class Worker:
         loss.backward()
         return float(loss.item()), self._push_requests(identity, clock)
 
-    def _push_requests(self, identity: str, clock: int) -> list[_Request]:
+    def _compute_reassigned(
+        self, reassigner: Reassigner, clock: int
+    ) -> tuple[float, list[_Request]]:
+        """The own share of `clock` in chunks, some rows perhaps computed by helpers."""
+        self._model.zero_grad(set_to_none=True)
+        loss_sum, rows, helped = reassigner.compute_own(self, clock)
         grads = self.layout.gather_grads(self._model)
+        for parts in helped:
+            for g, h in zip(grads, parts, strict=True):
+                g.add_(h)
+        return loss_sum / rows, self._push_requests(self.spec.worker_id, clock, grads)
+
+    # -- what the reassigner uses ------------------------------------------------------------
+
+    def share_rows(self, identity: str, clock: int) -> int:
+        """How many rows of the global batch of `clock` are `identity`'s.
+
+        Raises:
+            RosterError: `identity` does not compute `clock`.
+        """
+        return len(self._share_rows(identity, clock))
+
+    def backward_rows(self, identity: str, clock: int, start: int, end: int) -> tuple[float, bool]:
+        """Rows [start, end) of `identity`'s share of `clock` through the loaded model; their
+        gradient (scaled by the global batch) accumulates in it. Returns (loss sum, whether the
+        input came from the preloaded cache)."""
+        cached = self._preloaded.get((identity, clock, self._roster_version()))
+        if cached is not None and start >= cached[0]:
+            first, xs, ys = cached
+            x, y, hit = xs[start - first : end - first], ys[start - first : end - first], True
+        else:
+            rows = self._share_rows(identity, clock)[start:end]
+            x, y, hit = self._x[rows], self._y[rows], False
+        loss = self._loss_fn(self._model(x), y)
+        (loss / self.spec.batch_size).backward()
+        return float(loss.item()), hit
+
+    def preload(self, identity: str, clock: int, fraction: float) -> None:
+        """Cache the last `fraction` of `identity`'s input rows of `clock` (offers are cut from
+        the end), keeping the two newest clocks."""
+        key = (identity, clock, self._roster_version())
+        if key in self._preloaded:
+            return
+        try:
+            rows = self._share_rows(identity, clock)
+        except AgileMLError:
+            return  # not a member at that clock: nothing to help with
+        first = len(rows) - math.ceil(len(rows) * fraction)
+        self._preloaded[key] = (first, self._x[rows[first:]], self._y[rows[first:]])
+        for old in [k for k in self._preloaded if k[1] < clock - 1]:
+            del self._preloaded[old]
+
+    def stash_grads(self) -> list[torch.Tensor | None]:
+        """Set the accumulated gradients aside (the model's gradients are then empty)."""
+        params = list(self._model.parameters())
+        stash = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return stash
+
+    def restore_grads(self, stash: list[torch.Tensor | None]) -> None:
+        for p, g in zip(self._model.parameters(), stash, strict=True):
+            p.grad = g
+
+    def take_grads(self) -> list[torch.Tensor]:
+        """The accumulated gradients as partitions; the model's are emptied."""
+        grads = self.layout.gather_grads(self._model)
+        self._model.zero_grad(set_to_none=True)
+        return grads
+
+    def check_abort(self) -> None:
+        """Raise StaleViewError if the caller wants the iteration given up."""
+        if self._abort():
+            raise StaleViewError(f"worker {self.spec.worker_id}: aborted by its node")
+
+    def _roster_version(self) -> int:
+        return self.roster.version if self.roster is not None else -1
+
+    def _share_rows(self, identity: str, clock: int) -> torch.Tensor:
+        """The dataset rows of `identity`'s share of `clock` under the current roster.
+
+        Raises:
+            AgileMLError: no roster; RosterError: `identity` does not compute `clock`.
+        """
+        key = (identity, clock, self._roster_version())
+        rows = self._rows_cache.get(key)
+        if rows is None:
+            if self.roster is None:
+                raise AgileMLError("row shares need a roster")
+            batch = global_batch_indices(self.spec.seed, clock, len(self._x), self.spec.batch_size)
+            share = worker_share(self.roster.members(clock), identity, self.spec.batch_size)
+            rows = batch[share]
+            if len(self._rows_cache) > 64:
+                self._rows_cache.clear()
+            self._rows_cache[key] = rows
+        return rows
+
+    def _push_requests(
+        self, identity: str, clock: int, grads: list[torch.Tensor] | None = None
+    ) -> list[_Request]:
+        if grads is None:
+            grads = self.layout.gather_grads(self._model)
         return [
             (p, MessageKind.PUSH, clock, {"delta": g.mul_(-self.spec.lr)}, identity)
             for p, g in enumerate(grads)
@@ -236,9 +353,8 @@ class Worker:
 
     def _minibatch(self, identity: str, clock: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.roster is not None:
-            rows = global_batch_indices(self.spec.seed, clock, len(self._x), self.spec.batch_size)
-            share = worker_share(self.roster.members(clock), identity, self.spec.batch_size)
-            return self._x[rows[share]], self._y[rows[share]]
+            rows = self._share_rows(identity, clock)
+            return self._x[rows], self._y[rows]
         key = f"{self.spec.seed}/{identity}/{clock}".encode()
         gen = torch.Generator().manual_seed(zlib.crc32(key))
         idx = torch.randint(0, len(self._x), (self.spec.batch_size,), generator=gen)
@@ -260,6 +376,10 @@ class Worker:
         results: dict[int, dict[str, torch.Tensor]] = {}
         poller = zmq.Poller()
         polled: set[zmq.Socket[Any]] = set()
+        inbox = self.reassigner.socket if self.reassigner is not None else None
+        if inbox is not None:
+            poller.register(inbox, zmq.POLLIN)
+            polled.add(inbox)
         while outstanding:
             if self._abort():
                 raise StaleViewError(f"worker {self.spec.worker_id}: aborted by its node")
@@ -271,6 +391,10 @@ class Worker:
                     poller.register(sock, zmq.POLLIN)
                     polled.add(sock)
             for sock, _ in poller.poll(min(remaining_ms, WAIT_SLICE_MS)):
+                if sock is inbox:
+                    assert self.reassigner is not None
+                    self.reassigner.check(self)  # FlexRR: help peers while we wait
+                    continue
                 while sock.poll(0):
                     header, tensors = self._receive(sock)
                     if header.seq not in outstanding:

@@ -1,0 +1,106 @@
+"""Worker-to-worker messages (FlexRR) over the runtime's authenticated wire.
+
+Each worker binds one PULL inbox and sends through one PUSH socket per peer: messages are
+one-way, and ZMQ keeps each sender-to-receiver stream in order, which RapidReassignment relies
+on (a `do_this` always arrives before the `cancel` that withdraws it). Sends never block: a
+message to a peer that is gone, or whose queue is full, is dropped, and the protocol's deadlines
+and cancellations cover the loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import zmq
+from pydantic import ValidationError
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.errors import WireError
+from orchestrator.agileml.wire import MessageKind
+from orchestrator.straggler.protocol import PEER_MESSAGE, PeerMessage
+
+log = logging.getLogger(__name__)
+
+SEND_QUEUE_MESSAGES = 1000  # per peer; beyond it messages are dropped, never waited on
+
+
+class PeerLink:
+    """One worker's inbox and its sockets to peers. Not thread-safe: use from one thread."""
+
+    def __init__(self, worker_id: str, *, job_id: str, token: bytes, host: str = "127.0.0.1"):
+        self.worker_id, self.job_id, self._token = worker_id, job_id, token
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self.inbox: zmq.Socket[Any] = self._ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        port = self.inbox.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._out: dict[str, zmq.Socket[Any]] = {}
+        self._seq = 0
+        self.sent = self.dropped_out = self.refused_in = 0
+
+    def send(
+        self,
+        endpoint: str,
+        message: PeerMessage,
+        *,
+        epoch: int,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+    ) -> bool:
+        """Queue `message` for the peer at `endpoint`; False if it had to be dropped."""
+        sock = self._out.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, SEND_QUEUE_MESSAGES)
+            sock.connect(endpoint)
+            self._out[endpoint] = sock
+        self._seq += 1
+        fields = {
+            "kind": MessageKind.PEER,
+            "job_id": self.job_id,
+            "sender": self.worker_id,
+            "seq": self._seq,
+            "clock": message.clock,
+            "epoch": epoch,
+        }
+        body = wire.json_body(message.model_dump(mode="json"))
+        frames = wire.encode(fields, {**body, **(tensors or {})}, self._token)
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped_out += 1
+            return False
+        self.sent += 1
+        return True
+
+    def receive(
+        self, timeout_ms: int = 0
+    ) -> tuple[str, int, PeerMessage, dict[str, torch.Tensor]] | None:
+        """The next valid message as (sender, epoch, message, tensors), waiting up to
+        `timeout_ms`; None if there is none. Unauthenticated or malformed messages are
+        dropped (and counted), never acted on."""
+        while self.inbox.poll(timeout_ms):
+            timeout_ms = 0
+            frames = self.inbox.recv_multipart()
+            try:
+                header, tensors = wire.decode(frames, self._token)
+                if header.kind is not MessageKind.PEER or header.epoch is None:
+                    raise WireError(wire.WireReason.SCHEMA, "not a peer message")
+                message = PEER_MESSAGE.validate_python(wire.parse_json_body(tensors))
+            except (WireError, ValidationError) as exc:
+                self.refused_in += 1
+                log.warning("dropped a peer message", extra={"error": str(exc)[:200]})
+                continue
+            tensors.pop("body", None)
+            return header.sender, header.epoch, message, tensors
+        return None
+
+    def close(self) -> None:
+        for sock in self._out.values():
+            sock.close(linger=0)
+        self._out.clear()
+        self.inbox.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,2 @@
+"""FlexRR: straggler mitigation (RapidReassignment protocol, worker groups) and injected straggler
+patterns."""
