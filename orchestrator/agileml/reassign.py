@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 AVERAGE_WEIGHT = 0.3  # of the newest iteration in the running average iteration time
 WAIT_POLL_MS = 5  # how long a worker waiting on its helpers sleeps on its inbox
 
+CALIBRATION_ROWS = 32  # the larger of the two chunks timed to size chunks
+
 _Groups = dict[str, tuple[str, ...]]  # worker -> its helpers (or helpees)
 
 
@@ -125,6 +127,7 @@ class Reassigner:
         self._avg_iteration_s: float | None = None
         self._last_start: float | None = None
         self._clock = 0  # the worker's clock, for Algorithm 2
+        self._min_chunk_rows: int | None = None  # from `_calibrate`
 
     @property
     def endpoint(self) -> str | None:
@@ -166,6 +169,8 @@ class Reassigner:
             self._avg_iteration_s = took if avg is None else avg + AVERAGE_WEIGHT * (took - avg)
         self._last_start = now
         self._ensure_pacer(rows)
+        if self._min_chunk_rows is None:
+            self._min_chunk_rows = self._calibrate(w, clock, rows)
         own = OwnWork(
             self.spec,
             clock=clock,
@@ -173,10 +178,11 @@ class Reassigner:
             started_at=now,
             avg_iteration_s=self._avg_iteration_s,
             first_assignment=self._next_assignment,
+            min_assignment_rows=self._min_chunk_rows,
         )
         self._own, self._help_results = own, []
         self._preload(w, clock)
-        chunk = max(1, math.ceil(rows / self.spec.checks_per_iteration))
+        chunk = self._chunk_rows(rows)
         loss = 0.0
         own_end_at: float | None = None
         while True:
@@ -328,7 +334,7 @@ class Reassigner:
         done_end, loss = offer.start, 0.0
         try:
             self._send(helpee, Begun(clock=offer.clock, assignment=offer.assignment))
-            chunk = max(1, math.ceil(offer.rows / self.spec.checks_per_iteration))
+            chunk = self._chunk_rows(offer.rows)
             while done_end < offer.end:
                 if self._leaving():
                     self.stats.returned += 1
@@ -388,6 +394,45 @@ class Reassigner:
             )
         self.stats.busy_s += time.perf_counter() - t0
         return loss
+
+    def _chunk_rows(self, rows: int) -> int:
+        """Rows per chunk for a share of `rows`: `checks_per_iteration` chunks, unless that
+        makes chunks smaller than the calibrated minimum."""
+        return max(self._min_chunk_rows or 1, math.ceil(rows / self.spec.checks_per_iteration))
+
+    def _calibrate(self, w: Worker, clock: int, rows: int) -> int:
+        """The smallest chunk whose fixed cost stays within `max_chunk_overhead` of its work.
+
+        Times the forward/backward of 1 row and of up to 32 rows (best of 3, gradients
+        discarded) and fits t(rows) = fixed + rows x per_row; injected work adds to per_row.
+        """
+        big = min(rows, CALIBRATION_ROWS)
+        if big < 2:
+            return 1
+        stash = w.stash_grads()
+        try:
+            timed = {}
+            for n in (1, big):
+                best = math.inf
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    w.backward_rows(self.worker_id, clock, 0, n)
+                    best = min(best, time.perf_counter() - t0)
+                timed[n] = best
+            w.take_grads()
+        finally:
+            w.restore_grads(stash)
+        per_row = max((timed[big] - timed[1]) / (big - 1), 1e-9)
+        fixed = max(timed[1] - per_row, 0.0)
+        if self.spec.injected is not None:
+            per_row += self.spec.injected.row_ms / 1000
+        min_rows = max(1, math.ceil(fixed / (self.spec.max_chunk_overhead * per_row)))
+        log.info(
+            "chunk size calibrated",
+            extra={"fixed_ms": round(fixed * 1000, 3), "per_row_ms": round(per_row * 1000, 4),
+                   "min_chunk_rows": min_rows},
+        )  # fmt: skip
+        return min_rows
 
     def _ensure_pacer(self, rows: int) -> None:
         injected = self.spec.injected

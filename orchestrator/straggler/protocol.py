@@ -184,6 +184,7 @@ class OwnWork:
         started_at: float,
         avg_iteration_s: float | None,
         first_assignment: int = 0,
+        min_assignment_rows: int = 1,
     ) -> None:
         if rows < 1:
             raise ValueError("an iteration needs at least one row")
@@ -192,6 +193,7 @@ class OwnWork:
         self.rows = rows
         self.started_at = started_at
         self.avg_iteration_s = avg_iteration_s
+        self.min_assignment_rows = max(1, min_assignment_rows)  # smaller does not pay
         self.front = 0  # rows [0, front) are taken by this worker
         self.tail = rows  # rows [tail, rows) are offered to helpers
         self.taken_back: list[tuple[int, int]] = []  # cancelled, reclaimed or returned ranges
@@ -363,7 +365,7 @@ class OwnWork:
         return out
 
     def _assign(self, helper: str, fraction: float, now: float) -> DoThis | None:
-        size = max(1, round(fraction * self.rows))
+        size = max(self.min_assignment_rows, round(fraction * self.rows))
         if self.tail - self.front < 2 * size:
             return None  # too little left: giving it away would only add waiting
         self.tail -= size

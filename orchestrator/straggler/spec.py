@@ -27,6 +27,10 @@ class StragglerSpec(BaseModel):
     initial_assignment: Annotated[float, Field(gt=0, le=0.5)] = 0.025  # of the iteration
     follow_up_assignment: Annotated[float, Field(gt=0, le=0.5)] = 0.05
     checks_per_iteration: Annotated[int, Field(ge=1, le=50_000)] = 100
+    # chunks (one message check each) are made larger when their fixed cost (on a CPU, a
+    # dense layer's weights and gradient stream through memory once per chunk) would add more
+    # than this to the iteration's compute; measured on the worker's first iteration
+    max_chunk_overhead: Annotated[float, Field(gt=0, le=10)] = 0.1
     trigger_threshold: Annotated[float, Field(gt=0, le=1)] = 0.20  # of an iteration behind
     progress_checkpoint: Annotated[float, Field(gt=0, lt=1)] = 0.75  # when to report progress
     # which of the helpees' input a worker caches ahead: all of it, or the tail that
