@@ -16,6 +16,7 @@ import pytest
 import torch
 import zmq
 from agileml_jobs import TOKEN, WAIT_S, Job
+from pydantic import ValidationError
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.agent import AgileMLNode, NodeResult
@@ -193,3 +194,27 @@ def test_forged_and_foreign_peer_messages_are_dropped(jobs: Callable[[TrainingSp
     stats = _stats(job)["n0"]
     assert stats["refused_messages"] >= 1
     assert stats["dropped_messages"] >= 1
+
+
+def test_training_spec_turns_flexrr_off_from_json() -> None:
+    on = TrainingSpec.model_validate({"job_id": "j"})
+    assert on.straggler.flexrr and on.straggler.helper_group_size == 4  # Table 3.1 defaults
+    off = TrainingSpec.model_validate_json('{"job_id": "j", "straggler": {"flexrr": false}}')
+    assert not off.straggler.flexrr
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"initial_assignment": 0}, "initial_assignment"),
+        ({"initial_assignment": 0.1, "follow_up_assignment": 0.05}, "follow_up_assignment"),
+        ({"checks_per_iteration": 0}, "checks_per_iteration"),
+        ({"injected": {"pattern": {"kind": "power_law", "alpha": 1.5}}}, "alpha"),
+        ({"flexr": False}, "flexr"),
+    ],
+)
+def test_bad_straggler_settings_are_refused_naming_the_field(
+    settings: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ValidationError, match=field):
+        TrainingSpec.model_validate({"job_id": "j", "straggler": settings})

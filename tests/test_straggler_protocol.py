@@ -79,6 +79,7 @@ def completed(offer: DoThis, done_end: int | None = None) -> Completed:
         start=offer.start,
         end=offer.end,
         done_end=offer.end if done_end is None else done_end,
+        roster_version=offer.roster_version,
     )
 
 
@@ -1216,3 +1217,17 @@ def test_helper_silent_mid_help_is_reclaimed_at_deadline_and_its_late_completion
     assert own.finished() and own.helped_rows == 0
     world.check_terminal()  # every row once, all by H
     assert world.computed == [1] * MODEL_ROWS
+
+
+def test_completion_of_rows_cut_by_another_roster_is_dropped() -> None:
+    """A helper that computed the helpee's rows by another roster computed other rows (the
+    shares moved): the helpee must not add that gradient."""
+    own = OwnWork(SPEC, clock=CLOCK, rows=200, started_at=0.0, avg_iteration_s=10.0,
+                  roster_version=3)  # fmt: skip
+    offer = offer_to(own, "f")
+    assert offer.roster_version == 3
+    begun(own, "f", offer)
+    stale = completed(offer).model_copy(update={"roster_version": 2})
+    assert not own.on_completed("f", stale)
+    assert own.dropped == 1 and own.helped_rows == 0
+    assert own.on_completed("f", completed(offer))

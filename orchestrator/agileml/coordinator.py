@@ -592,7 +592,12 @@ class Coordinator:
             endpoints = {n: i.endpoint for n, i in self._nodes.items()}
             peers = {}
             if self.spec.straggler.flexrr:  # nodes bind an inbox before they know the spec
-                peers = {n: i.peer_endpoint for n, i in self._nodes.items() if i.peer_endpoint}
+                gone = (NodeState.FAILED, NodeState.GONE)
+                peers = {
+                    n: i.peer_endpoint
+                    for n, i in self._nodes.items()
+                    if i.peer_endpoint and self._membership.state(n) not in gone
+                }
             self._view = self._view.model_copy(
                 update={
                     "owners": owners,

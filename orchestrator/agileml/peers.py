@@ -98,6 +98,11 @@ class PeerLink:
             return header.sender, header.epoch, message, tensors
         return None
 
+    def forget_except(self, endpoints: set[str]) -> None:
+        """Close the sockets to peers no longer listed (their queued messages are dropped)."""
+        for endpoint in [e for e in self._out if e not in endpoints]:
+            self._out.pop(endpoint).close(linger=0)
+
     def close(self) -> None:
         for sock in self._out.values():
             sock.close(linger=0)

@@ -128,6 +128,7 @@ class Reassigner:
         self._last_start: float | None = None
         self._clock = 0  # the worker's clock, for Algorithm 2
         self._min_chunk_rows: int | None = None  # from `_calibrate`
+        self._last_clock = -2  # of the last `compute_own`
 
     @property
     def endpoint(self) -> str | None:
@@ -149,6 +150,8 @@ class Reassigner:
             self._last_start = None
         self._roster = roster
         self.peers = dict(peers)
+        if self.link is not None:
+            self.link.forget_except(set(peers.values()))
 
     # -- the worker's own rows ---------------------------------------------------------------
 
@@ -163,6 +166,9 @@ class Reassigner:
         self._clock = clock
         rows = w.share_rows(self.worker_id, clock)
         now = self._now()
+        if clock != self._last_clock + 1:
+            self._last_start = None  # a redo or a gap: not an iteration's length
+        self._last_clock = clock
         if self._last_start is not None:
             took = now - self._last_start
             avg = self._avg_iteration_s
@@ -179,43 +185,45 @@ class Reassigner:
             avg_iteration_s=self._avg_iteration_s,
             first_assignment=self._next_assignment,
             min_assignment_rows=self._min_chunk_rows,
+            roster_version=self._roster.version if self._roster is not None else 0,
         )
         self._own, self._help_results = own, []
         self._preload(w, clock)
         chunk = self._chunk_rows(rows)
         loss = 0.0
         own_end_at: float | None = None
-        while True:
-            w.check_abort()
-            span = own.next_chunk(chunk)
-            if span is None and own.own_range_done and not own.cancelled:
-                own_end_at = self._now()
-                self.check(w)  # a `begun` already here keeps its assignment
-                for helper, cancel in own.cancel_unbegun(self._now()).items():
-                    self.stats.cancelled_offers += len(cancel.assignments)
-                    self._send(helper, cancel)
-                # Algorithm 2, end of own rows: the saved offers are helped right after this
-                # worker's push (its own update should not wait for them), at the next check
-                self._pending.extend(self.desk.take_saved())
-                continue
-            if span is not None:
-                from_front = span[1] <= own.tail  # taken-back ranges lie past the tail
-                fraction = (span[0] / rows, span[1] / rows) if from_front else None
-                loss += self._work(w, self.worker_id, clock, span, fraction)
-                own.record_done(span[1] - span[0])
-                if own.progress_due():
-                    self._report_progress(clock)
-                self.check(w)
-                continue
-            if own.finished():
-                break
-            members = set(self._roster.members(clock)) if self._roster is not None else set()
-            for a in own.reclaim(self._now(), frozenset(members & set(self.peers))):
-                self.stats.reclaimed += 1
-                log.info("took back a begun assignment", extra={"helper": a.helper, "id": a.id})
-            self.check(w, WAIT_POLL_MS)
-        self._own = None  # closed: offers of this clock are helped from the next check on
-        self._next_assignment = own.next_id
+        try:
+            while True:
+                w.check_abort()
+                span = own.next_chunk(chunk)
+                if span is None and own.own_range_done and not own.cancelled:
+                    own_end_at = self._now()
+                    self.check(w)  # a `begun` already here keeps its assignment
+                    for helper, cancel in own.cancel_unbegun(self._now()).items():
+                        self.stats.cancelled_offers += len(cancel.assignments)
+                        self._send(helper, cancel)
+                    # Algorithm 2, end of own rows: the saved offers are helped right after this
+                    # worker's push (its own update should not wait for them), at the next check
+                    self._pending.extend(self.desk.take_saved())
+                    continue
+                if span is not None:
+                    from_front = span[1] <= own.tail  # taken-back ranges lie past the tail
+                    fraction = (span[0] / rows, span[1] / rows) if from_front else None
+                    loss += self._work(w, self.worker_id, clock, span, fraction)
+                    own.record_done(span[1] - span[0])
+                    if own.progress_due():
+                        self._report_progress(clock)
+                    self.check(w)
+                    continue
+                if own.finished():
+                    break
+                members = set(self._roster.members(clock)) if self._roster is not None else set()
+                for a in own.reclaim(self._now(), frozenset(members & set(self.peers))):
+                    self.stats.reclaimed += 1
+                    log.info("took back a begun assignment", extra={"helper": a.helper, "id": a.id})
+                self.check(w, WAIT_POLL_MS)
+        finally:
+            self._close_own(own)
         if log.isEnabledFor(logging.DEBUG):
             end = self._now()
             log.debug(
@@ -237,6 +245,15 @@ class Reassigner:
         self.stats.iterations += 1
         results, self._help_results = self._help_results, []
         return loss + sum(s for _, s in results), rows, [g for g, _ in results]
+
+    def _close_own(self, own: OwnWork) -> None:
+        """The iteration's rows are settled, or given up (StaleViewError): withdraw what no
+        helper has begun, and never reuse its assignment ids."""
+        if not own.cancelled:
+            for helper, cancel in own.cancel_unbegun(self._now()).items():
+                self._send(helper, cancel)
+        self._next_assignment = own.next_id
+        self._own = None  # offers of this clock are helped from the next check on
 
     def at_clock(self, clock: int) -> None:
         """The worker starts (pulling for) `clock`: offers of earlier clocks are help-now."""
@@ -326,8 +343,13 @@ class Reassigner:
             rows = w.share_rows(helpee, offer.clock)
         except AgileMLError:
             rows = -1
-        if rows != offer.rows:  # not the share we know (another roster): let it be cancelled
+        version = self._roster.version if self._roster is not None else 0
+        if rows != offer.rows or offer.roster_version != version or helpee not in self.peers:
+            # rows cut by another roster than ours, or a helpee we cannot answer: say nothing,
+            # and the helpee does them itself when it reaches them
             self.stats.dropped_messages += 1
+            return
+        if self._leaving():
             return
         self._helping = True
         stash = w.stash_grads()
@@ -350,6 +372,7 @@ class Reassigner:
             done = Completed(
                 clock=offer.clock,
                 assignment=offer.assignment,
+                roster_version=offer.roster_version,
                 start=offer.start,
                 end=offer.end,
                 done_end=done_end,

@@ -393,7 +393,9 @@ class Worker:
             for sock, _ in poller.poll(min(remaining_ms, WAIT_SLICE_MS)):
                 if sock is inbox:
                     assert self.reassigner is not None
+                    helped_from = time.monotonic()
                     self.reassigner.check(self)  # FlexRR: help peers while we wait
+                    deadline += time.monotonic() - helped_from  # helping is not the server's
                     continue
                 while sock.poll(0):
                     header, tensors = self._receive(sock)

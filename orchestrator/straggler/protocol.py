@@ -53,11 +53,12 @@ class Progress(_Message):
 
 
 class DoThis(_Message):
-    """Rows [start, end) of the sender's share (of `rows` rows) of `clock`, offered as
-    `assignment` (unique per sender and epoch) at `timer`."""
+    """Rows [start, end) of the sender's share (of `rows` rows) of `clock` under roster
+    `roster_version`, offered as `assignment` (unique per sender and epoch) at `timer`."""
 
     type: Literal["do_this"] = "do_this"
     assignment: Annotated[int, Field(ge=0)]
+    roster_version: Annotated[int, Field(ge=0)] = 0
     start: Row
     end: Row
     rows: Annotated[int, Field(ge=1)]
@@ -91,6 +92,7 @@ class Completed(_Message):
 
     type: Literal["completed"] = "completed"
     assignment: Annotated[int, Field(ge=0)]
+    roster_version: Annotated[int, Field(ge=0)] = 0  # the offer's: whose rows were computed
     start: Row
     end: Row
     done_end: Row
@@ -185,6 +187,7 @@ class OwnWork:
         avg_iteration_s: float | None,
         first_assignment: int = 0,
         min_assignment_rows: int = 1,
+        roster_version: int = 0,
     ) -> None:
         if rows < 1:
             raise ValueError("an iteration needs at least one row")
@@ -194,6 +197,7 @@ class OwnWork:
         self.started_at = started_at
         self.avg_iteration_s = avg_iteration_s
         self.min_assignment_rows = max(1, min_assignment_rows)  # smaller does not pay
+        self.roster_version = roster_version  # the roster the rows are cut by
         self.front = 0  # rows [0, front) are taken by this worker
         self.tail = rows  # rows [tail, rows) are offered to helpers
         self.taken_back: list[tuple[int, int]] = []  # cancelled, reclaimed or returned ranges
@@ -301,16 +305,12 @@ class OwnWork:
         """Accept the helper's update of [start, done_end) if the assignment is begun and
         still ours to accept; returns whether the caller must add the update."""
         a = self._own(helper, msg.assignment, msg.clock)
-        if (
-            a is None
-            or a.state is not AssignmentState.BEGUN
-            or (msg.start, msg.end)
-            != (
-                a.start,
-                a.end,
-            )
-        ):
+        if a is None:
             self.dropped += 1
+            return False
+        same = (msg.start, msg.end, msg.roster_version) == (a.start, a.end, self.roster_version)
+        if a.state is not AssignmentState.BEGUN or not same:
+            self.dropped += 1  # not what we offered (or offered by another roster's rows)
             return False
         a.move(AssignmentState.COMPLETED)
         a.done_end = msg.done_end
@@ -379,6 +379,7 @@ class OwnWork:
             end=a.end,
             rows=self.rows,
             timer=now,
+            roster_version=self.roster_version,
         )
 
     def _own(self, helper: str, assignment: int, clock: int) -> Assignment | None:
