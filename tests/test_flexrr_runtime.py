@@ -52,6 +52,7 @@ def _spec(
             initial_assignment=0.125,  # 2 rows of 16
             follow_up_assignment=0.25,  # 4 rows
             checks_per_iteration=16,  # one check per row
+            max_chunk_overhead=10.0,  # rows stay 1-row chunks even on a loaded machine
             injected=InjectedWork(pattern=UnevenWorkload(heavy_share=0.75), row_ms=4.0),
         ),
     )
