@@ -41,7 +41,20 @@ from orchestrator.agileml.examples import (
 )
 from orchestrator.cloud.local.redis_process import free_port
 
-FACTORIES: dict[str, Callable[..., ModelFactory]] = {"mlr": mlr_factory, "mlp": mlp_factory}
+
+def chain_factory(**kwargs: Any) -> ModelFactory:
+    """The pipeline benchmark's chain MLP (`pipeline.stage.build_chain`) as a factory."""
+    from orchestrator.agileml.pipeline.stage import ChainModelSpec, build_chain
+
+    spec = ChainModelSpec(**kwargs)
+    return lambda: build_chain(spec, 0)
+
+
+FACTORIES: dict[str, Callable[..., ModelFactory]] = {
+    "mlr": mlr_factory,
+    "mlp": mlp_factory,
+    "chain": chain_factory,
+}
 KILL_GRACE_SECONDS = 5.0  # after terminate(), before kill()
 
 
@@ -74,6 +87,7 @@ class _Plan:
     seed: int
     init_method: str
     timeout_s: float
+    emulated_ms: float = 0.0  # sleep per iteration after the backward (emulated compute)
 
 
 def make_factory(model: str, model_kwargs: dict[str, Any]) -> ModelFactory:
@@ -110,6 +124,8 @@ def _train(rank: int, plan: _Plan) -> tuple[list[float], list[float]]:
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
         loss.backward()  # DDP all-reduces (averages) the gradients here
+        if plan.emulated_ms > 0:
+            time.sleep(plan.emulated_ms / 1000)
         optimizer.step()
         ends.append(time.perf_counter())
         losses.append(float(loss.item()))
@@ -186,6 +202,7 @@ def ddp_seconds_per_iteration(
     warmup: int = 3,
     seed: int = 0,
     timeout_s: float = 300,
+    emulated_ms: float = 0.0,
 ) -> DdpResult:
     """Run `warmup` + `iterations` DDP iterations on `workers` local gloo processes.
 
@@ -214,6 +231,7 @@ def ddp_seconds_per_iteration(
         seed=seed,
         init_method=f"tcp://127.0.0.1:{free_port()}",
         timeout_s=timeout_s,
+        emulated_ms=emulated_ms,
     )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

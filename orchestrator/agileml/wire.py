@@ -74,6 +74,8 @@ class MessageKind(StrEnum):
     peer: one-way, worker to worker (FlexRR's RapidReassignment): a JSON `body` (a
     `straggler.protocol` message) and, for `completed`, the helped rows' gradient partitions
     `g0`..`g{N-1}` float32.
+    pipe: one-way, between pipeline stages and their launcher: `detail` says what (act, grad,
+    hello, peers, done), `clock` the minibatch, `epoch` an activation's weight version.
     """
 
     PULL = "pull"
@@ -93,6 +95,7 @@ class MessageKind(StrEnum):
     CONTROL = "control"
     CONTROL_REPLY = "control_reply"
     PEER = "peer"
+    PIPE = "pipe"
 
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]

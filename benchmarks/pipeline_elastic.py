@@ -1,0 +1,129 @@
+"""Pipeline-parallel training on local processes (issue #6, first slice): throughput of 1F1B
+(PipeDream, weight stashing) vs GPipe-style flush vs PipeDream-Flush vs 2BW vs data
+parallelism, for a chain MLP of >= 8 layers on 4 processes. Prints one JSON object; progress
+goes to stderr.
+
+* emulated: each stage's compute is the profiler's measured forward/backward time of its layers
+  (`pipeline.profiler.profile_sequential`), scaled so a stage takes `--stage-ms` per microbatch,
+  and slept (calibrated sleeps), so two cores do not hide the schedules' bubbles. Data
+  parallelism gets the same work: each of the 4 ranks sleeps a quarter of the whole model's
+  time per minibatch, then all-reduces the real gradients (gloo DDP).
+* real: the same runs with no sleeps (the real compute of this small model on 2 shared cores).
+* GPipe and Flush step on `--in-flight` microbatches (the same in-flight count as 1F1B's NOAM =
+  stages); 2BW accumulates `--in-flight` microbatches per update.
+
+Not measured yet (later slices of issue #6): a stage eviction's recovery time and the loss with
+and without an eviction; they are listed under `not_measured`.
+
+    python -m benchmarks.pipeline_elastic [--minibatches 64 --stage-ms 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.ddp_baseline import ddp_seconds_per_iteration
+from orchestrator.agileml.pipeline.local import run_pipeline
+from orchestrator.agileml.pipeline.profiler import profile_sequential
+from orchestrator.agileml.pipeline.schedule import Schedule
+from orchestrator.agileml.pipeline.stage import ChainModelSpec, build_chain
+
+STAGES = 4
+TARGET_1F1B_OVER_GPIPE = 1.3
+
+
+def progress(message: str) -> None:
+    print(f"[pipeline-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def even_boundaries(layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, as even as the layer count allows."""
+    base, extra = divmod(layers, stages)
+    out, first = [], 0
+    for k in range(stages):
+        last = first + base + (1 if k < extra else 0) - 1
+        out.append((first, last))
+        first = last + 1
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depth", type=int, default=6, help="Linear layers (2*depth-1 modules)")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--minibatches", type=int, default=64)
+    parser.add_argument("--microbatch-size", type=int, default=32)
+    parser.add_argument("--in-flight", type=int, default=STAGES)
+    parser.add_argument("--stage-ms", type=float, default=30.0, help="emulated F+B per stage")
+    args = parser.parse_args()
+    started = time.monotonic()
+    spec = ChainModelSpec(features=64, hidden=args.hidden, classes=10, depth=args.depth)
+    model = build_chain(spec, 0)
+    layers = len(model)
+    profile = profile_sequential(model, torch.randn(args.microbatch_size, spec.features))
+    bounds = even_boundaries(layers, STAGES)
+    fwd = [sum(p.forward_ms for p in profile.layers[a : b + 1]) for a, b in bounds]
+    bwd = [sum(p.backward_ms for p in profile.layers[a : b + 1]) for a, b in bounds]
+    scale = args.stage_ms / max(f + b for f, b in zip(fwd, bwd, strict=True))
+    fwd_ms = [f * scale for f in fwd]
+    bwd_ms = [b * scale for b in bwd]
+    progress(f"{layers} layers on {STAGES} stages {bounds}; emulated x{scale:.0f} of profile")
+    runs = {
+        "gpipe": (Schedule.GPIPE, args.in_flight),
+        "flush": (Schedule.FLUSH, args.in_flight),
+        "1f1b": (Schedule.ONE_F_ONE_B, 1),
+        "2bw": (Schedule.TWO_BW, args.in_flight),
+    }
+    result: dict[str, Any] = {
+        "layers": layers,
+        "stages": bounds,
+        "minibatches": args.minibatches,
+        "microbatch_size": args.microbatch_size,
+        "in_flight": args.in_flight,
+        "emulated_stage_ms": {"forward": fwd_ms, "backward": bwd_ms},
+        "emulated": {},
+        "real": {},
+    }
+    for mode in ("emulated", "real"):
+        for name, (schedule, micro) in runs.items():
+            emulate = mode == "emulated"
+            r = run_pipeline(
+                model=spec,
+                boundaries=bounds,
+                schedule=schedule,
+                minibatches=args.minibatches,
+                microbatches=micro,
+                microbatch_size=args.microbatch_size,
+                forward_ms=fwd_ms if emulate else None,
+                backward_ms=bwd_ms if emulate else None,
+            )
+            result[mode][name] = round(r.throughput_per_s(args.minibatches), 2)
+            progress(f"{mode} {name}: {result[mode][name]} minibatches/s")
+        whole_ms = sum(fwd_ms) + sum(bwd_ms)
+        ddp = ddp_seconds_per_iteration(
+            "chain",
+            {"features": 64, "hidden": args.hidden, "classes": 10, "depth": args.depth},
+            {"n_samples": spec.samples, "n_features": 64, "n_classes": 10},
+            workers=STAGES,
+            global_batch=args.microbatch_size,
+            lr=0.05,
+            iterations=args.minibatches,
+            emulated_ms=whole_ms / STAGES if mode == "emulated" else 0.0,
+        )
+        result[mode]["data_parallel"] = round(1 / ddp.seconds_per_iteration, 2)
+        progress(f"{mode} data parallel: {result[mode]['data_parallel']} minibatches/s")
+        result[mode]["1f1b_over_gpipe"] = round(result[mode]["1f1b"] / result[mode]["gpipe"], 3)
+    result["target_1f1b_over_gpipe"] = TARGET_1F1B_OVER_GPIPE
+    result["not_measured"] = ["stage_eviction_recovery_s", "loss_with_and_without_eviction"]
+    result["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""One pipeline stage: a process that runs its layers of an `nn.Sequential` by a schedule.
+
+Activations go downstream and gradients upstream as authenticated `pipe` messages on the
+runtime's ZMQ wire (one PULL inbox per stage). Weights are versioned: a forward runs on a
+version's own leaf tensors (`torch.func.functional_call`), so the backward of that minibatch
+computes its gradient on exactly those weights while newer versions exist (weight stashing);
+an update makes a new version from the live weights and the summed gradients. With
+`vertical_sync`, every stage runs minibatch i on the version number the input stage used.
+
+Run by `pipeline.local.PipelineJob`: `python -m orchestrator.agileml.pipeline.stage CONFIG.json`
+with the job token hex in `ORCHESTRATOR_AGILEML_TOKEN`; prints its result as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import torch
+import zmq
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch.func import functional_call
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.pipeline.schedule import Schedule, stage_ops
+from orchestrator.agileml.roster import global_batch_indices
+from orchestrator.agileml.token import token_from_env
+from orchestrator.agileml.wire import MessageKind
+
+RECEIVE_TIMEOUT_S = 60.0
+
+
+class ChainModelSpec(BaseModel):
+    """An MLP as a chain of `depth` Linear layers with ReLUs between them (2 * depth - 1
+    modules), on a generated Gaussian-mixture classification task."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    features: Annotated[int, Field(ge=1, le=100_000)] = 32
+    hidden: Annotated[int, Field(ge=1, le=100_000)] = 64
+    classes: Annotated[int, Field(ge=2, le=100_000)] = 8
+    depth: Annotated[int, Field(ge=1, le=1000)] = 5
+    samples: Annotated[int, Field(ge=1)] = 4096
+    data_seed: int = 0
+
+
+def build_chain(spec: ChainModelSpec, seed: int) -> nn.Sequential:
+    """The whole model, initialised from `seed` (every stage builds it, then keeps its slice)."""
+    torch.manual_seed(seed)
+    dims = [spec.features] + [spec.hidden] * (spec.depth - 1) + [spec.classes]
+    layers: list[nn.Module] = []
+    for k in range(spec.depth):
+        layers.append(nn.Linear(dims[k], dims[k + 1]))
+        if k < spec.depth - 1:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def build_chain_data(spec: ChainModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    from orchestrator.agileml.examples import gaussian_mixture
+
+    return gaussian_mixture(spec.samples, spec.features, spec.classes, seed=spec.data_seed)
+
+
+class StageConfig(BaseModel):
+    """What one stage runs. Layers [first_layer, last_layer] are indexes into the chain."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job_id: str
+    stage: Annotated[int, Field(ge=0)]
+    stages: Annotated[int, Field(ge=1)]
+    first_layer: Annotated[int, Field(ge=0)]
+    last_layer: Annotated[int, Field(ge=0)]
+    model: ChainModelSpec = ChainModelSpec()
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    minibatches: Annotated[int, Field(ge=1)]
+    microbatches: Annotated[int, Field(ge=1)] = 1
+    microbatch_size: Annotated[int, Field(ge=1)] = 32
+    lr: Annotated[float, Field(gt=0)] = 0.05
+    seed: int = 0
+    vertical_sync: bool = False
+    # emulated compute per microbatch (calibrated sleeps), added to the real compute
+    forward_ms: Annotated[float, Field(ge=0)] = 0.0
+    backward_ms: Annotated[float, Field(ge=0)] = 0.0
+    rendezvous: str  # the launcher's endpoint
+    host: str = "127.0.0.1"
+    out_dir: str  # where the final weights go (`stage{N}.npy`)
+
+
+class Stage:
+    """The stage's state and its operations (see the module docstring)."""
+
+    def __init__(self, config: StageConfig, token: bytes) -> None:
+        self.config = config
+        self._token = token
+        full = build_chain(config.model, config.seed)
+        self.module = full[config.first_layer : config.last_layer + 1]
+        self.names = [n for n, _ in self.module.named_parameters()]
+        self.live = [p.detach().clone() for p in self.module.parameters()]
+        self.current = 0
+        self.versions: dict[int, list[torch.Tensor]] = {0: self._leaves(self.live)}
+        self.recent: deque[int] = deque([0])  # kept for vertical sync
+        self.in_flight: dict[int, int] = {}  # version -> minibatches using it
+        self.acc = [torch.zeros_like(p) for p in self.live]
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.first, self.last = config.stage == 0, config.stage == config.stages - 1
+        if self.first or self.last:
+            self.x, self.y = build_chain_data(config.model)
+        accumulation = 1 if config.schedule is Schedule.ONE_F_ONE_B else config.microbatches
+        self.loss_scale = 1.0 / (config.microbatch_size * accumulation)
+        self.losses: list[float] = []
+        self.busy_s = 0.0
+        self.versions_kept_max = 1  # the most weight versions alive at once
+
+    @staticmethod
+    def _leaves(values: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [v.detach().clone().requires_grad_(True) for v in values]
+
+    def rows(self, minibatch: int) -> torch.Tensor:
+        c = self.config
+        return global_batch_indices(c.seed, minibatch, len(self.x), c.microbatch_size)
+
+    def forward(self, minibatch: int, x_in: torch.Tensor | None, version: int | None) -> Any:
+        """Run the stage's layers on minibatch `minibatch`; returns what goes downstream
+        (activation, version), or None at the last stage."""
+        c = self.config
+        if self.first:
+            x_in = self.x[self.rows(minibatch)]
+            version = self.current
+        assert x_in is not None
+        if not self.first:
+            x_in.requires_grad_(True)
+        v = version if c.vertical_sync and version is not None else self.current
+        if v not in self.versions:
+            raise AgileMLError(f"stage {c.stage}: weight version {v} is gone")
+        params = dict(zip(self.names, self.versions[v], strict=True))
+        out = functional_call(self.module, params, (x_in,))
+        self.in_flight[v] = self.in_flight.get(v, 0) + 1
+        self.versions_kept_max = max(self.versions_kept_max, len(self.versions))
+        if self.last:
+            loss = nn.functional.cross_entropy(out, self.y[self.rows(minibatch)], reduction="sum")
+            self.losses.append(float(loss.item()) / c.microbatch_size)
+            self.saved[minibatch] = (x_in, loss * self.loss_scale, v)
+            return None
+        self.saved[minibatch] = (x_in, out, v)
+        return out.detach(), version
+
+    def backward(self, minibatch: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward of `minibatch` on the weights its forward used; returns the gradient for
+        upstream (None at the first stage)."""
+        x_in, out, v = self.saved.pop(minibatch)
+        torch.autograd.backward(out, grad_out)
+        for acc, leaf in zip(self.acc, self.versions[v], strict=True):
+            if leaf.grad is not None:
+                acc.add_(leaf.grad)
+                leaf.grad = None
+        self.in_flight[v] -= 1
+        self._drop_unused()
+        return None if self.first else x_in.grad
+
+    def update(self) -> None:
+        """SGD on the summed gradients: a new weight version."""
+        with torch.no_grad():
+            for w, g in zip(self.live, self.acc, strict=True):
+                w.add_(g, alpha=-self.config.lr)
+                g.zero_()
+        self.current += 1
+        self.versions[self.current] = self._leaves(self.live)
+        self.versions_kept_max = max(self.versions_kept_max, len(self.versions))
+        self.recent.append(self.current)
+        if len(self.recent) > self.config.stages + 1:
+            self.recent.popleft()
+        self._drop_unused()
+
+    def _drop_unused(self) -> None:
+        keep = set(self.recent) if self.config.vertical_sync else {self.current}
+        for v in [v for v in self.versions if v not in keep and not self.in_flight.get(v)]:
+            del self.versions[v]
+            self.in_flight.pop(v, None)
+
+    def flat_weights(self) -> np.ndarray:
+        return torch.cat([w.reshape(-1) for w in self.live]).numpy()
+
+
+class _Link:
+    """The stage's inbox and its sockets to the neighbours and the launcher."""
+
+    def __init__(self, config: StageConfig, token: bytes) -> None:
+        self.config, self._token = config, token
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        port = self.inbox.bind_to_random_port(f"tcp://{config.host}")
+        self.endpoint = f"tcp://{config.host}:{port}"
+        self.out: dict[str, zmq.Socket[Any]] = {}
+        self.pending: dict[tuple[str, int], tuple[wire.Header, dict[str, torch.Tensor]]] = {}
+        self._seq = 0
+
+    def send(
+        self,
+        endpoint: str,
+        detail: str,
+        minibatch: int,
+        tensors: dict[str, Any],
+        *,
+        epoch: int | None = None,
+    ) -> None:
+        sock = self.out.get(endpoint)
+        if sock is None:
+            sock = self.out[endpoint] = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(endpoint)
+        self._seq += 1
+        fields = {
+            "kind": MessageKind.PIPE,
+            "job_id": self.config.job_id,
+            "sender": f"stage{self.config.stage}",
+            "seq": self._seq,
+            "clock": minibatch,
+            "detail": detail,
+        }
+        if epoch is not None:
+            fields["epoch"] = epoch  # the weight version the input stage used
+        sock.send_multipart(wire.encode(fields, tensors, self._token))
+
+    def receive(self, detail: str, minibatch: int) -> tuple[wire.Header, dict[str, torch.Tensor]]:
+        """The message `detail` for `minibatch`, buffering others that arrive first."""
+        deadline = time.monotonic() + RECEIVE_TIMEOUT_S
+        while (detail, minibatch) not in self.pending:
+            remaining = int((deadline - time.monotonic()) * 1000)
+            if remaining <= 0 or not self.inbox.poll(remaining):
+                raise AgileMLError(
+                    f"stage {self.config.stage}: no {detail} for minibatch {minibatch}"
+                )
+            header, tensors = wire.decode(self.inbox.recv_multipart(), self._token)
+            if header.kind is MessageKind.PIPE and header.detail and header.clock is not None:
+                self.pending[(header.detail, header.clock)] = (header, tensors)
+        return self.pending.pop((detail, minibatch))
+
+    def close(self) -> None:
+        for sock in self.out.values():
+            sock.close()
+        self.inbox.close(linger=0)
+        self.ctx.term()
+
+
+def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
+    """Rendezvous, run every operation of the schedule, save the weights; returns the
+    stage's result (timings and losses)."""
+    torch.set_num_threads(1)
+    stage = Stage(config, token)
+    link = _Link(config, token)
+    try:
+        link.send(
+            config.rendezvous, "hello", config.stage, wire.json_body({"inbox": link.endpoint})
+        )
+        _, body = link.receive("peers", 0)
+        inboxes = {int(k): v for k, v in wire.parse_json_body(body).items()}
+        down = inboxes.get(config.stage + 1)
+        up = inboxes.get(config.stage - 1)
+        ops = stage_ops(
+            config.schedule,
+            stages=config.stages,
+            stage=config.stage,
+            minibatches=config.minibatches,
+            microbatches=config.microbatches,
+        )
+        started = time.time()
+        for op in ops:
+            if op.kind == "F":
+                x_in, version = None, None
+                if not stage.first:
+                    header, tensors = link.receive("act", op.minibatch)
+                    x_in, version = tensors["x"], header.epoch
+                t0 = time.perf_counter()
+                out = stage.forward(op.minibatch, x_in, version)
+                _emulate(config.forward_ms)  # the output exists once the compute is done
+                if out is not None and down is not None:
+                    activation, v = out
+                    link.send(down, "act", op.minibatch, {"x": activation}, epoch=v)
+            elif op.kind == "B":
+                grad_out = None
+                if not stage.last:
+                    grad_out = link.receive("grad", op.minibatch)[1]["x"]
+                t0 = time.perf_counter()
+                grad_in = stage.backward(op.minibatch, grad_out)
+                _emulate(config.backward_ms)
+                if grad_in is not None and up is not None:
+                    link.send(up, "grad", op.minibatch, {"x": grad_in})
+            else:
+                t0 = time.perf_counter()
+                stage.update()
+            stage.busy_s += time.perf_counter() - t0
+        ended = time.time()
+        np.save(Path(config.out_dir) / f"stage{config.stage}.npy", stage.flat_weights())
+        link.send(config.rendezvous, "done", config.stage, {})
+        return {
+            "stage": config.stage,
+            "started": started,
+            "ended": ended,
+            "busy_s": stage.busy_s,
+            "losses": stage.losses,
+            "versions_kept_max": stage.versions_kept_max,
+        }
+    finally:
+        link.close()
+
+
+def _emulate(ms: float) -> None:
+    if ms > 0:
+        time.sleep(ms / 1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m orchestrator.agileml.pipeline.stage CONFIG.json", file=sys.stderr)
+        return 2
+    config = StageConfig.model_validate_json(Path(args[0]).read_text())
+    result = run_stage(config, token_from_env())
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The `plan` command of the `orchestrator` CLI: PipeDream's partitioner on a PROFILE.json.
+
+Importing this module registers it on `orchestrator.cli.app` (cli.py does so). numpy and the
+planner are imported inside the command. Exit codes: 0 ok; 2 user errors (missing or invalid
+profile, bad --workers/--bandwidth/--levels/--stages), printed as `error: ...` and
+`To fix: ...` without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.table import Table
+
+from orchestrator.cli import app, out
+from orchestrator.errors import UserError
+
+if TYPE_CHECKING:
+    from orchestrator.agileml.pipeline import ModelProfile, Plan
+
+#: planner argument -> the option that sets it, for error messages
+_OPTION_OF_ARGUMENT = {
+    "workers": "--workers",
+    "bandwidth_bytes_per_s": "--bandwidth",
+    "levels": "--levels",
+    "stages": "--stages",
+    "layers": "--profile",
+}
+_LEVELS_FIX = "write workers-per-component:bytes-per-s from the lowest level up, e.g. 4:1e10,2:1e9"
+
+
+@app.command("plan")
+def plan_command(
+    profile: Annotated[
+        Path,
+        typer.Option(
+            "--profile",
+            help='PROFILE.json: {"layers": [{"name", "forward_ms", "backward_ms", '
+            '"activation_bytes", "parameter_bytes"}]}.',
+        ),
+    ],
+    workers: Annotated[int, typer.Option("--workers", help="Workers (GPUs) to use, all of them.")],
+    bandwidth: Annotated[
+        float, typer.Option("--bandwidth", help="Link bandwidth in bytes/s (one flat level).")
+    ],
+    levels: Annotated[
+        str | None,
+        typer.Option(
+            "--levels",
+            help="Hierarchical topology, lowest level first: `m:bytes_per_s,...`, e.g. "
+            "4:1e10,2:1e9 for 2 servers of 4 GPUs; replaces --bandwidth.",
+        ),
+    ] = None,
+    stages: Annotated[
+        int | None, typer.Option("--stages", help="Force this many stages (pipeline depth).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Split a profiled model into pipeline stages with replicas (PipeDream's planner)."""
+    from orchestrator.agileml.pipeline import ModelProfile, PlanError, plan
+
+    model = ModelProfile.from_json(profile)
+    topology = _parse_levels(levels) if levels is not None else None
+    try:
+        result = plan(model, workers, bandwidth, levels=topology, stages=stages)
+    except PlanError as exc:
+        option = _OPTION_OF_ARGUMENT.get(exc.field or "", exc.field or "input")
+        raise UserError(f"{option}: {exc.message}", fix=exc.fix, field=option) from None
+    if as_json:
+        sys.stdout.write(json.dumps(result.as_dict()) + "\n")
+    else:
+        _render(model, result, profile)
+
+
+def _parse_levels(text: str) -> list[tuple[int, float]]:
+    """'4:1e10,2:1e9' -> [(4, 1e10), (2, 1e9)]. Raises UserError naming --levels."""
+    levels = []
+    for part in text.split(","):
+        devices, sep, bandwidth = part.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            levels.append((int(devices), float(bandwidth)))
+        except ValueError:
+            raise UserError(
+                f"--levels: cannot read {part.strip()!r} as workers:bytes_per_s",
+                fix=_LEVELS_FIX,
+                field="--levels",
+            ) from None
+    return levels
+
+
+def _render(model: ModelProfile, result: Plan, profile: Path) -> None:
+    table = Table(title=f"Pipeline plan for {profile}")
+    for column in ("stage", "layers", "first .. last layer", "replicas"):
+        table.add_column(column, justify="left" if column == "first .. last layer" else "right")
+    for number, stage in enumerate(result.stages, start=1):
+        names = f"{model.layers[stage.first_layer].name} .. {model.layers[stage.last_layer].name}"
+        span = f"{stage.first_layer}-{stage.last_layer}"
+        table.add_row(str(number), span, names, str(stage.replicas))
+    out.print(table)
+    out.print(
+        f"NOAM {result.noam} in-flight minibatches per input-stage replica; "
+        f"{result.time_per_minibatch_ms:.3f} ms per minibatch "
+        f"({result.throughput_per_s():.1f}/s) vs {result.data_parallel_ms:.3f} ms data-parallel: "
+        f"{result.speedup_vs_data_parallel:.2f}x"
+    )

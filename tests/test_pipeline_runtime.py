@@ -1,0 +1,125 @@
+"""Pipeline schedules (pure) and the stage runtime on real processes: Flush and GPipe equal
+plain SGD on one process, 1F1B with weight stashing trains, 2BW keeps at most two versions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.pipeline.local import run_pipeline
+from orchestrator.agileml.pipeline.schedule import Op, Schedule, stage_ops
+from orchestrator.agileml.pipeline.stage import ChainModelSpec, build_chain, build_chain_data
+from orchestrator.agileml.roster import global_batch_indices
+
+SPEC = ChainModelSpec(features=16, hidden=32, classes=4, depth=4, samples=1024)
+BOUNDS = [(0, 1), (2, 3), (4, 6)]  # 7 modules (4 Linear + 3 ReLU) on 3 stages
+
+
+def _in_flight_max(ops: list[Op]) -> int:
+    live, most = 0, 0
+    for op in ops:
+        live += 1 if op.kind == "F" else -1 if op.kind == "B" else 0
+        most = max(most, live)
+    return most
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_every_schedule_runs_each_minibatch_forward_then_backward_once(
+    schedule: Schedule, stage: int
+) -> None:
+    ops = stage_ops(schedule, stages=4, stage=stage, minibatches=8, microbatches=4)
+    forwards = [op.minibatch for op in ops if op.kind == "F"]
+    backwards = [op.minibatch for op in ops if op.kind == "B"]
+    assert sorted(forwards) == sorted(backwards) == list(range(8))
+    for m in range(8):
+        assert ops.index(Op("F", m)) < ops.index(Op("B", m))
+
+
+def test_one_f_one_b_keeps_stages_minus_stage_in_flight() -> None:
+    for stage in range(4):
+        ops = stage_ops(Schedule.ONE_F_ONE_B, stages=4, stage=stage, minibatches=16, microbatches=1)
+        assert _in_flight_max(ops) == 4 - stage  # the input stage admits NOAM = 4
+        assert sum(op.kind == "U" for op in ops) == 16  # an update after every backward
+
+
+def test_gpipe_keeps_a_whole_step_in_flight_and_flush_does_not() -> None:
+    gpipe = stage_ops(Schedule.GPIPE, stages=4, stage=0, minibatches=8, microbatches=8)
+    flush = stage_ops(Schedule.FLUSH, stages=4, stage=0, minibatches=8, microbatches=8)
+    assert _in_flight_max(gpipe) == 8
+    assert _in_flight_max(flush) == 4
+    assert [op for op in gpipe if op.kind == "U"] == [Op("U", -1)]
+    two_bw = stage_ops(Schedule.TWO_BW, stages=4, stage=0, minibatches=8, microbatches=4)
+    assert sum(op.kind == "U" for op in two_bw) == 2
+
+
+def test_bad_schedule_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiple"):
+        stage_ops(Schedule.FLUSH, stages=2, stage=0, minibatches=5, microbatches=2)
+    with pytest.raises(ValueError, match="stage 2"):
+        stage_ops(Schedule.GPIPE, stages=2, stage=2, minibatches=4, microbatches=2)
+
+
+def _sgd_reference(steps: int, microbatches: int, size: int, lr: float) -> torch.Tensor:
+    model = build_chain(SPEC, 0)
+    x, y = build_chain_data(SPEC)
+    for k in range(steps):
+        rows = torch.cat(
+            [
+                global_batch_indices(0, k * microbatches + j, len(x), size)
+                for j in range(microbatches)
+            ]
+        )
+        model.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows], reduction="sum")
+        (loss / (microbatches * size)).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-lr)  # type: ignore[arg-type]
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("schedule", [Schedule.FLUSH, Schedule.GPIPE])
+def test_flush_schedules_equal_plain_sgd_on_one_process(schedule: Schedule) -> None:
+    result = run_pipeline(
+        model=SPEC,
+        boundaries=BOUNDS,
+        schedule=schedule,
+        minibatches=12,
+        microbatches=4,
+        microbatch_size=8,
+        lr=0.1,
+        timeout_s=120,
+    )
+    expected = _sgd_reference(steps=3, microbatches=4, size=8, lr=0.1)
+    assert torch.allclose(result.weights, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "vertical_sync"),
+    [(Schedule.ONE_F_ONE_B, False), (Schedule.ONE_F_ONE_B, True), (Schedule.TWO_BW, False)],
+)
+def test_asynchronous_schedules_train(schedule: Schedule, vertical_sync: bool) -> None:
+    result = run_pipeline(
+        model=SPEC,
+        boundaries=BOUNDS,
+        schedule=schedule,
+        minibatches=60,
+        microbatches=3,
+        microbatch_size=16,
+        lr=0.6 if schedule is Schedule.TWO_BW else 0.2,  # 2BW steps on 3 summed microbatches
+        vertical_sync=vertical_sync,
+        timeout_s=120,
+    )
+    losses = result.losses
+    assert len(losses) == 60
+    assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10
+    if schedule is Schedule.TWO_BW:
+        assert all(s["versions_kept_max"] <= 2 for s in result.stages), result.stages
+
+
+def test_boundaries_that_skip_layers_are_refused() -> None:
+    with pytest.raises(AgileMLError, match="cover"):
+        run_pipeline(model=SPEC, boundaries=[(0, 2), (4, 6)], schedule=Schedule.GPIPE,
+                     minibatches=2, microbatches=2)  # fmt: skip
