@@ -3,12 +3,16 @@
 parallelism, for a chain MLP of >= 8 layers on 4 processes. Prints one JSON object; progress
 goes to stderr.
 
+* stages: the planner's balanced split of the profiled model into 4 single-worker stages.
 * emulated: each stage's compute is the profiler's measured forward/backward time of its layers
   (`pipeline.profiler.profile_sequential`), scaled so a stage takes `--stage-ms` per microbatch,
   and slept (calibrated sleeps), so two cores do not hide the schedules' bubbles. Data
   parallelism gets the same work: each of the 4 ranks sleeps a quarter of the whole model's
   time per minibatch, then all-reduces the real gradients (gloo DDP).
 * real: the same runs with no sleeps (the real compute of this small model on 2 shared cores).
+* throughput: minibatches per second through the input stage's backward passes after the
+  first `--skip` (process warm-up and pipeline fill; a multiple of `--in-flight`, so GPipe and
+  Flush are timed over whole steps); data parallelism: the median DDP iteration.
 * GPipe and Flush step on `--in-flight` microbatches (the same in-flight count as 1F1B's NOAM =
   stages); 2BW accumulates `--in-flight` microbatches per update.
 
@@ -30,11 +34,13 @@ import torch
 
 from benchmarks.ddp_baseline import ddp_seconds_per_iteration
 from orchestrator.agileml.pipeline.local import run_pipeline
+from orchestrator.agileml.pipeline.planner import plan
 from orchestrator.agileml.pipeline.profiler import profile_sequential
 from orchestrator.agileml.pipeline.schedule import Schedule
 from orchestrator.agileml.pipeline.stage import ChainModelSpec, build_chain
 
 STAGES = 4
+LOOPBACK_BYTES_PER_S = 1e9  # what the planner assumes between stage processes
 TARGET_1F1B_OVER_GPIPE = 1.3
 
 
@@ -42,22 +48,14 @@ def progress(message: str) -> None:
     print(f"[pipeline-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def even_boundaries(layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous layer ranges, as even as the layer count allows."""
-    base, extra = divmod(layers, stages)
-    out, first = [], 0
-    for k in range(stages):
-        last = first + base + (1 if k < extra else 0) - 1
-        out.append((first, last))
-        first = last + 1
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depth", type=int, default=6, help="Linear layers (2*depth-1 modules)")
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--minibatches", type=int, default=64)
+    parser.add_argument("--minibatches", type=int, default=96)
+    parser.add_argument(
+        "--skip", type=int, default=16, help="minibatches not timed (start-up, pipeline fill)"
+    )
     parser.add_argument("--microbatch-size", type=int, default=32)
     parser.add_argument("--in-flight", type=int, default=STAGES)
     parser.add_argument("--stage-ms", type=float, default=30.0, help="emulated F+B per stage")
@@ -67,7 +65,9 @@ def main() -> None:
     model = build_chain(spec, 0)
     layers = len(model)
     profile = profile_sequential(model, torch.randn(args.microbatch_size, spec.features))
-    bounds = even_boundaries(layers, STAGES)
+    # the planner's balanced split into exactly STAGES stages of one worker each
+    planned = plan(profile, STAGES, LOOPBACK_BYTES_PER_S, stages=STAGES)
+    bounds = [(st.first_layer, st.last_layer) for st in planned.stages]
     fwd = [sum(p.forward_ms for p in profile.layers[a : b + 1]) for a, b in bounds]
     bwd = [sum(p.backward_ms for p in profile.layers[a : b + 1]) for a, b in bounds]
     scale = args.stage_ms / max(f + b for f, b in zip(fwd, bwd, strict=True))
@@ -103,7 +103,7 @@ def main() -> None:
                 forward_ms=fwd_ms if emulate else None,
                 backward_ms=bwd_ms if emulate else None,
             )
-            result[mode][name] = round(r.throughput_per_s(args.minibatches), 2)
+            result[mode][name] = round(r.throughput_per_s(skip=args.skip), 2)
             progress(f"{mode} {name}: {result[mode][name]} minibatches/s")
         whole_ms = sum(fwd_ms) + sum(bwd_ms)
         ddp = ddp_seconds_per_iteration(

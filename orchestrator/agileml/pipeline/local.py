@@ -39,8 +39,14 @@ class PipelineResult:
     stages: list[dict[str, Any]]
     weights: torch.Tensor
 
-    def throughput_per_s(self, minibatches: int) -> float:
-        return minibatches / self.seconds
+    def throughput_per_s(self, skip: int = 0) -> float:
+        """Minibatches per second through the input stage's backward passes, after the first
+        `skip` (start-up: process warm-up and the pipeline filling)."""
+        ends = self.stages[0]["backward_ends"]
+        if skip >= len(ends) - 1:
+            raise AgileMLError(f"skip {skip} leaves nothing to time of {len(ends)} minibatches")
+        first = ends[skip - 1] if skip > 0 else self.stages[0]["started"]
+        return (len(ends) - skip) / (ends[-1] - first)
 
 
 def run_pipeline(

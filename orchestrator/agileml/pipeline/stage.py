@@ -274,6 +274,7 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
             microbatches=config.microbatches,
         )
         started = time.time()
+        backward_ends: list[float] = []  # wall time each backward ended, in schedule order
         for op in ops:
             if op.kind == "F":
                 x_in, version = None, None
@@ -295,6 +296,7 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
                 _emulate(config.backward_ms)
                 if grad_in is not None and up is not None:
                     link.send(up, "grad", op.minibatch, {"x": grad_in})
+                backward_ends.append(time.time())
             else:
                 t0 = time.perf_counter()
                 stage.update()
@@ -307,6 +309,7 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
             "started": started,
             "ended": ended,
             "busy_s": stage.busy_s,
+            "backward_ends": backward_ends,
             "losses": stage.losses,
             "versions_kept_max": stage.versions_kept_max,
         }
