@@ -16,8 +16,12 @@ goes to stderr.
 * GPipe and Flush step on `--in-flight` microbatches (the same in-flight count as 1F1B's NOAM =
   stages); 2BW accumulates `--in-flight` microbatches per update.
 
-Not measured yet (later slices of issue #6): a stage eviction's recovery time and the loss with
-and without an eviction; they are listed under `not_measured`.
+* eviction: Flush with every step backed up on the launcher (the reliable tier); stage 1's
+  process is SIGKILLed after a third of the steps and not replaced: the planner re-plans the
+  model onto 3 stages, the last backed-up step is sliced into them, and the interrupted step
+  is replayed. `recovery_s` runs from the kill to the input stage's next completed minibatch;
+  the loss (mean of the last 4 steps' minibatches) and weights are compared with the same run
+  without the eviction.
 
     python -m benchmarks.pipeline_elastic [--minibatches 64 --stage-ms 30]
 """
@@ -46,6 +50,57 @@ TARGET_1F1B_OVER_GPIPE = 1.3
 
 def progress(message: str) -> None:
     print(f"[pipeline-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run_eviction(
+    args: argparse.Namespace,
+    spec: ChainModelSpec,
+    profile: Any,
+    bounds: list[tuple[int, int]],
+    fwd_ms: list[float],
+    bwd_ms: list[float],
+) -> dict[str, Any]:
+    """Flush with backups: stage 1's process is SIGKILLed mid-run and not replaced, so the
+    job re-plans onto 3 nodes and resumes from the last backed-up step; against the same run
+    without the eviction."""
+    common: dict[str, Any] = dict(
+        model=spec,
+        boundaries=bounds,
+        schedule=Schedule.FLUSH,
+        minibatches=args.minibatches,
+        microbatches=args.in_flight,
+        microbatch_size=args.microbatch_size,
+        forward_ms=fwd_ms,
+        backward_ms=bwd_ms,
+        backup=True,
+    )
+    steps = args.minibatches // args.in_flight
+    plain = run_pipeline(**common)
+    progress("eviction: baseline run done")
+
+    def replan(nodes: int) -> list[tuple[int, int]]:
+        p = plan(profile, nodes, LOOPBACK_BYTES_PER_S, stages=nodes)
+        return [(st.first_layer, st.last_layer) for st in p.stages]
+
+    evicted = run_pipeline(**common, evict=(1, steps // 3), replan=replan)
+    recovery = evicted.recoveries[0]
+    progress(f"eviction: recovered in {recovery.seconds:.2f} s onto {recovery.boundaries}")
+    last = args.in_flight * 4  # the final 4 steps' minibatches
+
+    def tail(losses: list[float]) -> float:
+        return sum(losses[-last:]) / last
+
+    return {
+        "evicted_stage": 1,
+        "evicted_after_step": steps // 3,
+        "resumed_at_step": recovery.resumed_step,
+        "replanned_stages": recovery.boundaries,
+        "recovery_s": round(recovery.seconds or float("nan"), 3),
+        "loss_without_eviction": round(tail(plain.losses), 6),
+        "loss_with_eviction": round(tail(evicted.losses), 6),
+        "max_weight_difference": float((plain.weights - evicted.weights).abs().max()),
+        "target_recovery_s": 10.0,
+    }
 
 
 def main() -> None:
@@ -120,7 +175,7 @@ def main() -> None:
         progress(f"{mode} data parallel: {result[mode]['data_parallel']} minibatches/s")
         result[mode]["1f1b_over_gpipe"] = round(result[mode]["1f1b"] / result[mode]["gpipe"], 3)
     result["target_1f1b_over_gpipe"] = TARGET_1F1B_OVER_GPIPE
-    result["not_measured"] = ["stage_eviction_recovery_s", "loss_with_and_without_eviction"]
+    result["eviction"] = run_eviction(args, spec, profile, bounds, fwd_ms, bwd_ms)
     result["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result, indent=2))
 

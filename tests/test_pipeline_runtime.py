@@ -123,3 +123,44 @@ def test_boundaries_that_skip_layers_are_refused() -> None:
     with pytest.raises(AgileMLError, match="cover"):
         run_pipeline(model=SPEC, boundaries=[(0, 2), (4, 6)], schedule=Schedule.GPIPE,
                      minibatches=2, microbatches=2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "replan",
+    [None, lambda nodes: [(0, 3), (4, 6)]],
+    ids=["replacement_node", "replanned_on_fewer_nodes"],
+)
+def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(replan) -> None:  # type: ignore[no-untyped-def]
+    """Stage 1 is SIGKILLed after step 2: the job resumes from the last step every stage backed
+    up, replays the interrupted step, and ends where plain SGD does."""
+    result = run_pipeline(
+        model=SPEC,
+        boundaries=BOUNDS,
+        schedule=Schedule.FLUSH,
+        minibatches=24,
+        microbatches=4,
+        microbatch_size=8,
+        lr=0.1,
+        backup=True,
+        evict=(1, 2),
+        replan=replan,
+        timeout_s=120,
+    )
+    assert len(result.recoveries) == 1
+    recovery = result.recoveries[0]
+    assert recovery.stage == 1 and recovery.resumed_step >= 2
+    assert recovery.seconds is not None and recovery.seconds < 10
+    if replan is not None:
+        assert recovery.boundaries == [(0, 3), (4, 6)]
+    assert len(result.losses) == 24
+    expected = _sgd_reference(steps=6, microbatches=4, size=8, lr=0.1)
+    assert torch.allclose(result.weights, expected, atol=1e-6, rtol=0)
+
+
+def test_eviction_needs_a_synchronous_schedule_and_backups() -> None:
+    with pytest.raises(AgileMLError, match="synchronous"):
+        run_pipeline(model=SPEC, boundaries=BOUNDS, schedule=Schedule.ONE_F_ONE_B,
+                     minibatches=4, backup=True)  # fmt: skip
+    with pytest.raises(AgileMLError, match="backup"):
+        run_pipeline(model=SPEC, boundaries=BOUNDS, schedule=Schedule.FLUSH, minibatches=4,
+                     microbatches=2, evict=(0, 1))  # fmt: skip

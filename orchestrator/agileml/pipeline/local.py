@@ -2,6 +2,14 @@
 
 The launcher binds a rendezvous inbox, starts the stages, tells each one every stage's inbox
 once all have said hello, and collects their results and final weights.
+
+Elastic runs (`backup=True`, gpipe or flush): after every step each stage sends its weights
+here, the reliable tier's copy. When a stage's process dies (an eviction: `evict=(stage,
+step)` injects one with SIGKILL), the launcher stops the others, re-plans the stages for the
+nodes now held (`replan(nodes)`, or the same layout on a replacement node), slices the last
+step every stage backed up into the new stages, and restarts them there; the minibatches of
+the interrupted step are replayed. Flush and GPipe steps are synchronous, so the result is the
+same as without the eviction.
 """
 
 from __future__ import annotations
@@ -9,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +38,36 @@ from orchestrator.agileml.pipeline.stage import ChainModelSpec, StageConfig, bui
 from orchestrator.agileml.token import TOKEN_ENV
 from orchestrator.agileml.wire import MessageKind
 
+Boundaries = list[tuple[int, int]]
+
+
+@dataclass
+class Recovery:
+    """One eviction: when the stage was killed, the step the job resumed at, the new layout,
+    and when the next minibatch completed after it."""
+
+    stage: int
+    killed_at: float
+    resumed_step: int
+    boundaries: Boundaries
+    next_minibatch_at: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.next_minibatch_at is None else self.next_minibatch_at - self.killed_at
+
 
 @dataclass(frozen=True)
 class PipelineResult:
-    """What a run did: seconds from the first stage's start to the last stage's end, the
-    last stage's losses by minibatch, each stage's result, and the final weights (flat)."""
+    """What a run did: seconds from the first stage's start to the last stage's end (of the
+    last attempt), the losses by minibatch, each stage's result (last attempt), the final
+    weights (flat, in layer order) and the recoveries."""
 
     seconds: float
     losses: list[float]
     stages: list[dict[str, Any]]
     weights: torch.Tensor
+    recoveries: list[Recovery] = field(default_factory=list)
 
     def throughput_per_s(self, skip: int = 0) -> float:
         """Minibatches per second through the input stage's backward passes, after the first
@@ -49,10 +79,15 @@ class PipelineResult:
         return (len(ends) - skip) / (ends[-1] - first)
 
 
+def layer_sizes(model: ChainModelSpec, seed: int) -> list[int]:
+    """Parameter count of each layer of the chain, in order."""
+    return [sum(p.numel() for p in layer.parameters()) for layer in build_chain(model, seed)]
+
+
 def run_pipeline(
     *,
     model: ChainModelSpec,
-    boundaries: list[tuple[int, int]],
+    boundaries: Boundaries,
     schedule: Schedule,
     minibatches: int,
     microbatches: int = 1,
@@ -63,15 +98,88 @@ def run_pipeline(
     forward_ms: list[float] | None = None,
     backward_ms: list[float] | None = None,
     timeout_s: float = 300.0,
+    backup: bool = False,
+    evict: tuple[int, int] | None = None,
+    replan: Callable[[int], Boundaries] | None = None,
 ) -> PipelineResult:
     """Train with one process per stage; stage k runs layers `boundaries[k]` (inclusive).
 
-    `forward_ms`/`backward_ms` emulate each stage's compute per microbatch with sleeps.
+    `forward_ms`/`backward_ms` emulate each stage's compute per microbatch with sleeps (per
+    stage; after a re-plan, spread by layer count). `evict=(stage, step)` kills that stage's
+    process once stage 0 backed up `step` (needs `backup`); `replan(nodes)` gives the layout
+    for the nodes left (default: the same layout, on a replacement node).
 
     Raises:
-        AgileMLError: bad boundaries, or a stage that failed or did not finish in time.
+        AgileMLError: bad boundaries, a stage that failed, or a run not done in time.
     """
-    layers = len(build_chain(model, seed))
+    sizes = layer_sizes(model, seed)
+    _check_boundaries(boundaries, len(sizes))
+    if (backup or evict) and schedule not in (Schedule.GPIPE, Schedule.FLUSH):
+        raise AgileMLError("elastic runs need a synchronous schedule: gpipe or flush")
+    if evict is not None and not backup:
+        raise AgileMLError("an injected eviction needs backup=True (nothing to recover from)")
+    token = secrets.token_bytes(32)
+    ctx: zmq.Context[Any] = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.LINGER, 0)
+    port = inbox.bind_to_random_port("tcp://127.0.0.1")
+    out_dir = Path(tempfile.mkdtemp(prefix="pipeline-"))
+    deadline = time.monotonic() + timeout_s
+    launch = _Launch(
+        ctx, inbox, f"tcp://127.0.0.1:{port}", token, out_dir, deadline,
+        dict(model=model, schedule=schedule, minibatches=minibatches, microbatches=microbatches,
+             microbatch_size=microbatch_size, lr=lr, seed=seed, vertical_sync=vertical_sync,
+             backup=backup),
+    )  # fmt: skip
+    emulated = (forward_ms, backward_ms)
+    losses: dict[int, list[float]] = {}  # step -> the last stage's losses of that step
+    backups: dict[int, dict[int, np.ndarray]] = {}  # step -> stage -> weights
+    recoveries: list[Recovery] = []
+    first_step, initial = 0, None
+    layout = boundaries
+    try:
+        while True:
+            times = _spread(emulated, boundaries, layout)
+            procs = launch.start(layout, first_step, initial, times)
+            outcome = launch.run(procs, len(layout), evict, losses, backups, recoveries)
+            if outcome == "done":
+                break
+            # a stage died: restart from the last step every stage backed up
+            evict = None
+            step = max((s for s, b in backups.items() if len(b) == len(layout)), default=0)
+            if step == 0:
+                initial = None
+            else:
+                full = np.concatenate([backups[step][k] for k in range(len(layout))])
+                initial = full
+            nodes = len(layout) if replan is None else len(layout) - 1
+            layout = replan(nodes) if replan is not None else layout
+            _check_boundaries(layout, len(sizes))
+            first_step = step
+            backups = {s: b for s, b in backups.items() if s <= step}
+            recoveries[-1].resumed_step, recoveries[-1].boundaries = step, layout
+        results = launch.results
+        weights = torch.cat(
+            [torch.from_numpy(np.load(out_dir / f"stage{k}.npy")) for k in range(len(layout))]
+        )
+        if losses:
+            all_losses = [v for s in sorted(losses) for v in losses[s]]
+        else:
+            all_losses = results[-1]["losses"]
+        return PipelineResult(
+            seconds=max(r["ended"] for r in results) - min(r["started"] for r in results),
+            losses=all_losses,
+            stages=results,
+            weights=weights,
+            recoveries=recoveries,
+        )
+    finally:
+        launch.kill_all()
+        inbox.close()
+        ctx.term()
+
+
+def _check_boundaries(boundaries: Boundaries, layers: int) -> None:
     expected = 0
     for first, last in boundaries:
         if first != expected or last < first:
@@ -79,104 +187,159 @@ def run_pipeline(
         expected = last + 1
     if expected != layers:
         raise AgileMLError(f"stage boundaries {boundaries} do not cover all {layers} layers")
-    token = secrets.token_bytes(32)
-    job_id = f"pipe-{secrets.token_hex(4)}"
-    stages = len(boundaries)
-    ctx: zmq.Context[Any] = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.setsockopt(zmq.LINGER, 0)
-    port = inbox.bind_to_random_port("tcp://127.0.0.1")
-    out_dir = Path(tempfile.mkdtemp(prefix="pipeline-"))
-    procs: list[subprocess.Popen[str]] = []
-    env = {**os.environ, TOKEN_ENV: token.hex(), "OMP_NUM_THREADS": "1"}
-    try:
-        for k, (first, last) in enumerate(boundaries):
+
+
+def _spread(
+    emulated: tuple[list[float] | None, list[float] | None], original: Boundaries, now: Boundaries
+) -> tuple[list[float], list[float]]:
+    """Per-stage emulated ms for layout `now`, from per-stage ms of `original` spread evenly
+    over each original stage's layers."""
+    out = []
+    for per_stage in emulated:
+        per_layer: list[float] = []
+        for (first, last), ms in zip(original, per_stage or [0.0] * len(original), strict=True):
+            per_layer += [ms / (last - first + 1)] * (last - first + 1)
+        out.append([sum(per_layer[a : b + 1]) for a, b in now])
+    return out[0], out[1]
+
+
+class _Launch:
+    """Starting, watching and stopping one attempt's stage processes."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        inbox: zmq.Socket[Any],
+        rendezvous: str,
+        token: bytes,
+        out_dir: Path,
+        deadline: float,
+        common: dict[str, Any],
+    ) -> None:
+        self.ctx, self.inbox, self.rendezvous, self.token = ctx, inbox, rendezvous, token
+        self.out_dir, self.deadline, self.common = out_dir, deadline, common
+        self.procs: list[subprocess.Popen[str]] = []
+        self.results: list[dict[str, Any]] = []
+        self.attempt = 0
+
+    def start(
+        self,
+        layout: Boundaries,
+        first_step: int,
+        initial: np.ndarray | None,
+        times: tuple[list[float], list[float]],
+    ) -> list[subprocess.Popen[str]]:
+        self.attempt += 1
+        self._started_at = time.time()
+        self.job_id = f"pipe-{secrets.token_hex(4)}"
+        env = {**os.environ, TOKEN_ENV: self.token.hex(), "OMP_NUM_THREADS": "1"}
+        offsets = np.cumsum([0] + layer_sizes(self.common["model"], self.common["seed"]))
+        self.procs = []
+        for k, (first, last) in enumerate(layout):
+            weights = None
+            if initial is not None:
+                weights = str(self.out_dir / f"initial{self.attempt}-{k}.npy")
+                np.save(weights, initial[offsets[first] : offsets[last + 1]])
             config = StageConfig(
-                job_id=job_id,
+                job_id=self.job_id,
                 stage=k,
-                stages=stages,
+                stages=len(layout),
                 first_layer=first,
                 last_layer=last,
-                model=model,
-                schedule=schedule,
-                minibatches=minibatches,
-                microbatches=microbatches,
-                microbatch_size=microbatch_size,
-                lr=lr,
-                seed=seed,
-                vertical_sync=vertical_sync,
-                forward_ms=(forward_ms or [0.0] * stages)[k],
-                backward_ms=(backward_ms or [0.0] * stages)[k],
-                rendezvous=f"tcp://127.0.0.1:{port}",
-                out_dir=str(out_dir),
+                forward_ms=times[0][k],
+                backward_ms=times[1][k],
+                rendezvous=self.rendezvous,
+                out_dir=str(self.out_dir),
+                first_step=first_step,
+                initial_weights=weights,
+                **self.common,
             )
-            path = out_dir / f"stage{k}.json"
+            path = self.out_dir / f"stage{k}-{self.attempt}.json"
             path.write_text(config.model_dump_json())
-            procs.append(
+            log = (self.out_dir / f"stage{k}-{self.attempt}.log").open("w")
+            self.procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "orchestrator.agileml.pipeline.stage", str(path)],
                     stdout=subprocess.PIPE,
-                    stderr=(out_dir / f"stage{k}.log").open("w"),
+                    stderr=log,
                     text=True,
                     env=env,
                 )
             )
-        deadline = time.monotonic() + timeout_s
-        hellos = _collect(inbox, "hello", stages, deadline, token, procs, out_dir)
-        peers = {str(k): wire.parse_json_body(t)["inbox"] for k, t in hellos.items()}
-        for k in range(stages):  # one socket per stage: PUSH round-robins across peers
-            sock = ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 2000)
-            sock.connect(peers[str(k)])
-            fields = {"kind": MessageKind.PIPE, "job_id": job_id, "sender": "launcher",
-                      "seq": k, "clock": 0, "detail": "peers"}  # fmt: skip
-            sock.send_multipart(wire.encode(fields, wire.json_body(peers), token))
-            sock.close()
-        _collect(inbox, "done", stages, deadline, token, procs, out_dir)
-        results = []
+        return self.procs
+
+    def run(
+        self,
+        procs: list[subprocess.Popen[str]],
+        stages: int,
+        evict: tuple[int, int] | None,
+        losses: dict[int, list[float]],
+        backups: dict[int, dict[int, np.ndarray]],
+        recoveries: list[Recovery],
+    ) -> str:
+        """Rendezvous and watch until every stage is done ("done") or one died ("lost")."""
+        hellos: dict[int, str] = {}
+        done: set[int] = set()
+        while len(done) < stages:
+            dead = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if dead:
+                if not self.common["backup"]:
+                    raise AgileMLError(f"stage {dead[0]} failed (logs in {self.out_dir})")
+                if not recoveries or recoveries[-1].killed_at < self._started_at:
+                    recoveries.append(Recovery(dead[0], time.time(), 0, []))  # not injected
+                self.kill_all()
+                return "lost"
+            remaining = int((self.deadline - time.monotonic()) * 1000)
+            if remaining <= 0:
+                raise AgileMLError(f"the pipeline did not finish in time (logs in {self.out_dir})")
+            if not self.inbox.poll(min(remaining, 100)):
+                continue
+            header, tensors = wire.decode(self.inbox.recv_multipart(), self.token)
+            if header.job_id != self.job_id or header.clock is None:
+                continue  # a late message of an earlier attempt
+            if header.detail == "hello":
+                hellos[header.clock] = wire.parse_json_body(tensors)["inbox"]
+                if len(hellos) == stages:
+                    self._send_peers(hellos)
+            elif header.detail == "backup":
+                stage, step = int(header.sender.removeprefix("stage")), header.clock
+                backups.setdefault(step, {})[stage] = tensors["w"].numpy().copy()
+                if stage == stages - 1:
+                    losses[step] = tensors["loss"].tolist()
+                if evict is not None and stage == 0 and step >= evict[1]:
+                    procs[evict[0]].send_signal(signal.SIGKILL)
+                    recoveries.append(Recovery(evict[0], time.time(), 0, []))
+                    evict = None
+            elif header.detail == "first":  # stage 0 completed its first minibatch
+                if recoveries and recoveries[-1].next_minibatch_at is None:
+                    recoveries[-1].next_minibatch_at = time.time()
+            elif header.detail == "done":
+                done.add(header.clock)
+        self.results = []
         for proc in procs:
-            stdout, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            stdout, _ = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
             lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
             if proc.returncode != 0 or not lines:
-                raise AgileMLError(f"a stage failed (logs in {out_dir})")
-            results.append(json.loads(lines[-1]))
-        weights = torch.cat(
-            [torch.from_numpy(np.load(out_dir / f"stage{k}.npy")) for k in range(stages)]
-        )
-        results.sort(key=lambda r: r["stage"])
-        return PipelineResult(
-            seconds=max(r["ended"] for r in results) - min(r["started"] for r in results),
-            losses=results[-1]["losses"],
-            stages=results,
-            weights=weights,
-        )
-    finally:
-        for proc in procs:
+                raise AgileMLError(f"a stage failed (logs in {self.out_dir})")
+            self.results.append(json.loads(lines[-1]))
+        self.results.sort(key=lambda r: r["stage"])
+        return "done"
+
+    def _send_peers(self, hellos: dict[int, str]) -> None:
+        self._started_at = time.time()
+        peers = {str(k): v for k, v in hellos.items()}
+        for k, endpoint in hellos.items():
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(endpoint)
+            fields = {"kind": MessageKind.PIPE, "job_id": self.job_id, "sender": "launcher",
+                      "seq": k, "clock": 0, "detail": "peers"}  # fmt: skip
+            sock.send_multipart(wire.encode(fields, wire.json_body(peers), self.token))
+            sock.close()
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
-        inbox.close()
-        ctx.term()
-
-
-def _collect(
-    inbox: zmq.Socket[Any],
-    detail: str,
-    stages: int,
-    deadline: float,
-    token: bytes,
-    procs: list[subprocess.Popen[str]],
-    out_dir: Path,
-) -> dict[int, dict[str, torch.Tensor]]:
-    got: dict[int, dict[str, torch.Tensor]] = {}
-    while len(got) < stages:
-        if any(p.poll() not in (None, 0) for p in procs):
-            raise AgileMLError(f"a stage exited early (logs in {out_dir})")
-        remaining = int((deadline - time.monotonic()) * 1000)
-        if remaining <= 0:
-            raise AgileMLError(f"stages did not say {detail!r} in time (logs in {out_dir})")
-        if inbox.poll(min(remaining, 200)):
-            header, tensors = wire.decode(inbox.recv_multipart(), token)
-            if header.detail == detail and header.clock is not None:
-                got[header.clock] = tensors
-    return got
+        for proc in self.procs:
+            proc.wait()

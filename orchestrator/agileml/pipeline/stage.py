@@ -29,7 +29,7 @@ from torch.func import functional_call
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.pipeline.schedule import Schedule, stage_ops
+from orchestrator.agileml.pipeline.schedule import Op, Schedule, stage_ops
 from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.token import token_from_env
 from orchestrator.agileml.wire import MessageKind
@@ -93,6 +93,13 @@ class StageConfig(BaseModel):
     rendezvous: str  # the launcher's endpoint
     host: str = "127.0.0.1"
     out_dir: str  # where the final weights go (`stage{N}.npy`)
+    # resuming after an eviction: start at this step (gpipe/flush: a step is `microbatches`
+    # minibatches and ends with an update) from these weights (a flat float32 .npy)
+    first_step: Annotated[int, Field(ge=0)] = 0
+    initial_weights: str | None = None
+    # after every update of a gpipe/flush step, send the weights to the launcher (the reliable
+    # tier keeps them) so a lost stage can be re-created from the last step
+    backup: bool = False
 
 
 class Stage:
@@ -105,6 +112,14 @@ class Stage:
         self.module = full[config.first_layer : config.last_layer + 1]
         self.names = [n for n, _ in self.module.named_parameters()]
         self.live = [p.detach().clone() for p in self.module.parameters()]
+        if config.initial_weights is not None:
+            flat = torch.from_numpy(np.load(config.initial_weights))
+            if flat.numel() != sum(w.numel() for w in self.live):
+                raise AgileMLError(f"stage {config.stage}: initial weights of the wrong size")
+            offset = 0
+            for w in self.live:
+                w.copy_(flat[offset : offset + w.numel()].view_as(w))
+                offset += w.numel()
         self.current = 0
         self.versions: dict[int, list[torch.Tensor]] = {0: self._leaves(self.live)}
         self.recent: deque[int] = deque([0])  # kept for vertical sync
@@ -266,13 +281,20 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
         inboxes = {int(k): v for k, v in wire.parse_json_body(body).items()}
         down = inboxes.get(config.stage + 1)
         up = inboxes.get(config.stage - 1)
-        ops = stage_ops(
-            config.schedule,
-            stages=config.stages,
-            stage=config.stage,
-            minibatches=config.minibatches,
-            microbatches=config.microbatches,
-        )
+        offset = config.first_step * config.microbatches
+        if config.first_step and config.schedule not in (Schedule.GPIPE, Schedule.FLUSH):
+            raise AgileMLError("only gpipe and flush runs resume at a step")
+        ops = [
+            Op(op.kind, op.minibatch + offset if op.kind != "U" else -1)
+            for op in stage_ops(
+                config.schedule,
+                stages=config.stages,
+                stage=config.stage,
+                minibatches=config.minibatches - offset,
+                microbatches=config.microbatches,
+            )
+        ]
+        step, step_losses = config.first_step, 0
         started = time.time()
         backward_ends: list[float] = []  # wall time each backward ended, in schedule order
         for op in ops:
@@ -297,9 +319,17 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
                 if grad_in is not None and up is not None:
                     link.send(up, "grad", op.minibatch, {"x": grad_in})
                 backward_ends.append(time.time())
+                if stage.first and len(backward_ends) == 1:
+                    link.send(config.rendezvous, "first", op.minibatch, {})
             else:
                 t0 = time.perf_counter()
                 stage.update()
+                step += 1
+                if config.backup:
+                    losses = torch.tensor(stage.losses[step_losses:], dtype=torch.float64)
+                    step_losses = len(stage.losses)
+                    weights = torch.from_numpy(stage.flat_weights())
+                    link.send(config.rendezvous, "backup", step, {"w": weights, "loss": losses})
             stage.busy_s += time.perf_counter() - t0
         ended = time.time()
         np.save(Path(config.out_dir) / f"stage{config.stage}.npy", stage.flat_weights())
