@@ -23,7 +23,7 @@ goes to stderr.
   the loss (mean of the last 4 steps' minibatches) and weights are compared with the same run
   without the eviction.
 
-    python -m benchmarks.pipeline_elastic [--minibatches 64 --stage-ms 30]
+    python -m benchmarks.pipeline_elastic [--minibatches 96 --stage-ms 30]
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ import torch
 import zmq
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.pipeline.schedule import Schedule
 from orchestrator.agileml.pipeline.stage import ChainModelSpec, StageConfig, build_chain
 from orchestrator.agileml.token import TOKEN_ENV
@@ -101,6 +102,7 @@ def run_pipeline(
     backup: bool = False,
     evict: tuple[int, int] | None = None,
     replan: Callable[[int], Boundaries] | None = None,
+    max_recoveries: int = 3,
 ) -> PipelineResult:
     """Train with one process per stage; stage k runs layers `boundaries[k]` (inclusive).
 
@@ -116,8 +118,18 @@ def run_pipeline(
     _check_boundaries(boundaries, len(sizes))
     if (backup or evict) and schedule not in (Schedule.GPIPE, Schedule.FLUSH):
         raise AgileMLError("elastic runs need a synchronous schedule: gpipe or flush")
+    if schedule is Schedule.TWO_BW and microbatches < len(boundaries):
+        raise AgileMLError(
+            f"2bw keeps two weight versions only when it accumulates at least as many "
+            f"microbatches as there are stages: microbatches {microbatches} < "
+            f"{len(boundaries)} stages"
+        )
     if evict is not None and not backup:
         raise AgileMLError("an injected eviction needs backup=True (nothing to recover from)")
+    if evict is not None and not (
+        0 <= evict[0] < len(boundaries) and 0 < evict[1] < minibatches // microbatches
+    ):
+        raise AgileMLError(f"evict={evict}: want (a stage, a step before the last)")
     token = secrets.token_bytes(32)
     ctx: zmq.Context[Any] = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -133,31 +145,23 @@ def run_pipeline(
     )  # fmt: skip
     emulated = (forward_ms, backward_ms)
     losses: dict[int, list[float]] = {}  # step -> the last stage's losses of that step
-    backups: dict[int, dict[int, np.ndarray]] = {}  # step -> stage -> weights
+    backups = _Backups()
     recoveries: list[Recovery] = []
-    first_step, initial = 0, None
     layout = boundaries
     try:
         while True:
             times = _spread(emulated, boundaries, layout)
-            procs = launch.start(layout, first_step, initial, times)
+            procs = launch.start(layout, backups.step, backups.weights, times)
             outcome = launch.run(procs, len(layout), evict, losses, backups, recoveries)
             if outcome == "done":
                 break
-            # a stage died: restart from the last step every stage backed up
-            evict = None
-            step = max((s for s, b in backups.items() if len(b) == len(layout)), default=0)
-            if step == 0:
-                initial = None
-            else:
-                full = np.concatenate([backups[step][k] for k in range(len(layout))])
-                initial = full
-            nodes = len(layout) if replan is None else len(layout) - 1
-            layout = replan(nodes) if replan is not None else layout
-            _check_boundaries(layout, len(sizes))
-            first_step = step
-            backups = {s: b for s, b in backups.items() if s <= step}
-            recoveries[-1].resumed_step, recoveries[-1].boundaries = step, layout
+            if len(recoveries) > max_recoveries:
+                raise AgileMLError(f"{len(recoveries)} stage losses; giving up (logs in {out_dir})")
+            evict = None  # injected once
+            if replan is not None:
+                layout = replan(len(layout) - 1)  # the lost node is not replaced
+                _check_boundaries(layout, len(sizes))
+            recoveries[-1].resumed_step, recoveries[-1].boundaries = backups.step, layout
         results = launch.results
         weights = torch.cat(
             [torch.from_numpy(np.load(out_dir / f"stage{k}.npy")) for k in range(len(layout))]
@@ -166,6 +170,7 @@ def run_pipeline(
             all_losses = [v for s in sorted(losses) for v in losses[s]]
         else:
             all_losses = results[-1]["losses"]
+        shutil.rmtree(out_dir, ignore_errors=True)  # kept, with the logs, when a run fails
         return PipelineResult(
             seconds=max(r["ended"] for r in results) - min(r["started"] for r in results),
             losses=all_losses,
@@ -177,6 +182,26 @@ def run_pipeline(
         launch.kill_all()
         inbox.close()
         ctx.term()
+
+
+class _Backups:
+    """The reliable tier's copy: the weights (flat, in layer order, whatever the layout) of the
+    last step that every stage backed up, and the partial newer steps."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.weights: np.ndarray | None = None  # None: the initial weights
+        self._partial: dict[int, dict[int, np.ndarray]] = {}
+
+    def add(self, step: int, stage: int, stages: int, weights: np.ndarray) -> None:
+        parts = self._partial.setdefault(step, {})
+        parts[stage] = weights
+        if len(parts) == stages and step > self.step:
+            self.step, self.weights = step, np.concatenate([parts[k] for k in range(stages)])
+            self._partial = {s: p for s, p in self._partial.items() if s > step}
+
+    def forget_partial(self) -> None:
+        self._partial.clear()
 
 
 def _check_boundaries(boundaries: Boundaries, layers: int) -> None:
@@ -274,7 +299,7 @@ class _Launch:
         stages: int,
         evict: tuple[int, int] | None,
         losses: dict[int, list[float]],
-        backups: dict[int, dict[int, np.ndarray]],
+        backups: _Backups,
         recoveries: list[Recovery],
     ) -> str:
         """Rendezvous and watch until every stage is done ("done") or one died ("lost")."""
@@ -288,13 +313,17 @@ class _Launch:
                 if not recoveries or recoveries[-1].killed_at < self._started_at:
                     recoveries.append(Recovery(dead[0], time.time(), 0, []))  # not injected
                 self.kill_all()
+                backups.forget_partial()  # steps not every stage reached are redone
                 return "lost"
             remaining = int((self.deadline - time.monotonic()) * 1000)
             if remaining <= 0:
                 raise AgileMLError(f"the pipeline did not finish in time (logs in {self.out_dir})")
             if not self.inbox.poll(min(remaining, 100)):
                 continue
-            header, tensors = wire.decode(self.inbox.recv_multipart(), self.token)
+            try:
+                header, tensors = wire.decode(self.inbox.recv_multipart(), self.token)
+            except WireError:
+                continue  # not ours or malformed: dropped unread
             if header.job_id != self.job_id or header.clock is None:
                 continue  # a late message of an earlier attempt
             if header.detail == "hello":
@@ -303,7 +332,7 @@ class _Launch:
                     self._send_peers(hellos)
             elif header.detail == "backup":
                 stage, step = int(header.sender.removeprefix("stage")), header.clock
-                backups.setdefault(step, {})[stage] = tensors["w"].numpy().copy()
+                backups.add(step, stage, stages, tensors["w"].numpy().copy())
                 if stage == stages - 1:
                     losses[step] = tensors["loss"].tolist()
                 if evict is not None and stage == 0 and step >= evict[1]:
@@ -317,7 +346,10 @@ class _Launch:
                 done.add(header.clock)
         self.results = []
         for proc in procs:
-            stdout, _ = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
+            try:
+                stdout, _ = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AgileMLError(f"a stage did not exit (logs in {self.out_dir})") from None
             lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
             if proc.returncode != 0 or not lines:
                 raise AgileMLError(f"a stage failed (logs in {self.out_dir})")

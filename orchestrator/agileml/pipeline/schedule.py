@@ -60,6 +60,11 @@ def stage_ops(
     if microbatches < 1 or minibatches < 1:
         raise ValueError("minibatches and microbatches must be at least 1")
     order = list(range(minibatches))
+    if schedule is not Schedule.ONE_F_ONE_B and minibatches % microbatches:
+        raise ValueError(
+            f"{schedule} updates on whole groups of microbatches: minibatches ({minibatches}) "
+            f"must be a multiple of microbatches ({microbatches})"
+        )
     if schedule in (Schedule.GPIPE, Schedule.FLUSH):
         if minibatches % microbatches:
             raise ValueError(
@@ -82,6 +87,6 @@ def stage_ops(
         ops.append(op)
         if op.kind == "B":
             backwards += 1
-            if backwards % every == 0 or backwards == minibatches:
+            if backwards % every == 0:
                 ops.append(Op("U", -1))
     return ops

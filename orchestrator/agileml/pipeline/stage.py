@@ -28,7 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.pipeline.schedule import Op, Schedule, stage_ops
 from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.token import token_from_env
@@ -153,7 +153,7 @@ class Stage:
         assert x_in is not None
         if not self.first:
             x_in.requires_grad_(True)
-        v = version if c.vertical_sync and version is not None else self.current
+        v = version if c.vertical_sync and version is not None else self.current  # None: stage 0
         if v not in self.versions:
             raise AgileMLError(f"stage {c.stage}: weight version {v} is gone")
         params = dict(zip(self.names, self.versions[v], strict=True))
@@ -202,6 +202,8 @@ class Stage:
             self.in_flight.pop(v, None)
 
     def flat_weights(self) -> np.ndarray:
+        if not self.live:
+            return np.zeros(0, dtype=np.float32)  # a stage of parameter-free layers
         return torch.cat([w.reshape(-1) for w in self.live]).numpy()
 
 
@@ -255,8 +257,17 @@ class _Link:
                 raise AgileMLError(
                     f"stage {self.config.stage}: no {detail} for minibatch {minibatch}"
                 )
-            header, tensors = wire.decode(self.inbox.recv_multipart(), self._token)
-            if header.kind is MessageKind.PIPE and header.detail and header.clock is not None:
+            try:
+                header, tensors = wire.decode(self.inbox.recv_multipart(), self._token)
+            except WireError:
+                continue  # unauthenticated or malformed: dropped unread
+            ours = header.job_id == self.config.job_id  # not an earlier attempt's
+            if (
+                ours
+                and header.kind is MessageKind.PIPE
+                and header.detail
+                and header.clock is not None
+            ):
                 self.pending[(header.detail, header.clock)] = (header, tensors)
         return self.pending.pop((detail, minibatch))
 
