@@ -21,7 +21,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
@@ -76,11 +76,9 @@ class ReassignStats:
     preload_hits: int = 0
     preload_misses: int = 0
     iterations: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
-        out = {k: float(v) for k, v in self.__dict__.items() if k != "extra"}
-        return {**out, **self.extra}
+        return {k: float(v) for k, v in self.__dict__.items()}
 
 
 class HelpAborted(AgileMLError):
@@ -129,10 +127,6 @@ class Reassigner:
         self._clock = 0  # the worker's clock, for Algorithm 2
         self._min_chunk_rows: int | None = None  # from `_calibrate`
         self._last_clock = -2  # of the last `compute_own`
-
-    @property
-    def endpoint(self) -> str | None:
-        return self.link.endpoint if self.link is not None else None
 
     @property
     def socket(self) -> zmq.Socket[Any] | None:
