@@ -11,6 +11,7 @@ import pytest
 import torch
 import zmq
 from torch import nn
+from wire_client import REPLY_TIMEOUT_MS, WireClient
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import HandoffError, OwnershipConflictError
@@ -23,34 +24,11 @@ from orchestrator.agileml.server import (
     parse_moved,
     snapshot_to_wire,
 )
-from orchestrator.agileml.wire import Header, MessageKind
+from orchestrator.agileml.wire import MessageKind
 from orchestrator.agileml.worker import Worker, WorkerSpec
 
 JOB, TOKEN = "job-h", b"handoff-test-token"
 INITIAL = torch.tensor([1.0, 2.0, 3.0, 4.0])
-REPLY_TIMEOUT_MS = 2000
-
-
-class Client:
-    """A raw DEALER client speaking the wire format as `sender`."""
-
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, sender: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.sender, self.seq = sender, 0
-
-    def request(
-        self, kind: MessageKind, tensors: dict[str, torch.Tensor] | None = None, **fields: Any
-    ) -> tuple[Header, dict[str, torch.Tensor]]:
-        self.seq += 1
-        header = {"kind": kind, "job_id": JOB, "sender": self.sender, "seq": self.seq, **fields}
-        self.sock.send_multipart(wire.encode(header, tensors or {}, TOKEN))
-        assert self.sock.poll(REPLY_TIMEOUT_MS), "no reply"
-        return wire.decode(self.sock.recv_multipart(), TOKEN)
-
-    def push(self, clock: int, delta: torch.Tensor, partition: int = 0) -> Header:
-        return self.request(MessageKind.PUSH, {"delta": delta}, partition=partition, clock=clock)[0]
 
 
 @pytest.fixture
@@ -109,7 +87,7 @@ def test_handoff_moves_state_and_applied_set_over_the_wire(
     pair: tuple[ParamServer, ParamServer], ctx: zmq.Context[Any]
 ) -> None:
     old, new = pair
-    w0 = Client(ctx, old.endpoint, "w0")
+    w0 = WireClient(ctx, old.endpoint, "w0", job_id=JOB, token=TOKEN)
     d = torch.tensor([0.5, -1.0, 0.0, 2.0])
     assert w0.push(0, d).detail == "applied"
     result = old.handoff_to(0, new.endpoint)
@@ -121,7 +99,7 @@ def test_handoff_moves_state_and_applied_set_over_the_wire(
     assert (old.stats().handoffs_sent, new.stats().handoffs_received) == (1, 1)
 
     # The push applied before the hand-off, replayed to the new owner, is a duplicate.
-    w0_new = Client(ctx, new.endpoint, "w0")
+    w0_new = WireClient(ctx, new.endpoint, "w0", job_id=JOB, token=TOKEN)
     assert w0_new.push(0, d).detail == "duplicate"
     assert torch.equal(new.state(0), INITIAL + d)
     assert w0_new.push(1, d).detail == "applied"
@@ -139,7 +117,7 @@ def test_held_pull_gets_moved_error_when_its_partition_is_handed_off(
     pair: tuple[ParamServer, ParamServer], ctx: zmq.Context[Any]
 ) -> None:
     old, new = pair
-    w0 = Client(ctx, old.endpoint, "w0")
+    w0 = WireClient(ctx, old.endpoint, "w0", job_id=JOB, token=TOKEN)
     w0.push(0, torch.ones(4))
     w0.seq += 1
     w0.sock.send_multipart(
@@ -171,7 +149,7 @@ def test_older_snapshot_over_the_wire_is_refused(
     stale = old.snapshot(0)
     old.handoff_to(0, new.endpoint)
     workers, tensors = snapshot_to_wire(stale)
-    replay = Client(ctx, new.endpoint, "ps-a")
+    replay = WireClient(ctx, new.endpoint, "ps-a", job_id=JOB, token=TOKEN)
     header, _ = replay.request(MessageKind.HANDOFF, tensors, partition=0, workers=workers)
     assert (header.kind, header.detail) == (MessageKind.ERROR, "stale_version")
     assert new.snapshot(0).version == 1 and torch.equal(new.state(0), INITIAL)
@@ -189,7 +167,12 @@ def test_refused_handoff_leaves_the_sender_serving(ctx: zmq.Context[Any]) -> Non
             old.handoff_to(0, newer.endpoint, timeout_s=2.0)
         assert (info.value.reason, info.value.outcome_unknown) == ("stale_version", False)
         assert old.owned() == [0] and old.stats().handoffs_sent == 0
-        assert Client(ctx, old.endpoint, "w0").push(0, torch.ones(4)).detail == "applied"
+        assert (
+            WireClient(ctx, old.endpoint, "w0", job_id=JOB, token=TOKEN)
+            .push(0, torch.ones(4))
+            .detail
+            == "applied"
+        )
 
 
 def test_unauthenticated_ack_keeps_the_partition_frozen_until_resumed(
@@ -204,7 +187,7 @@ def test_unauthenticated_ack_keeps_the_partition_frozen_until_resumed(
         with pytest.raises(HandoffError) as info:
             old.handoff_to(0, stranger.endpoint, timeout_s=2.0)
         assert (info.value.reason, info.value.outcome_unknown) == ("bad_mac", True)
-        w0 = Client(ctx, old.endpoint, "w0")
+        w0 = WireClient(ctx, old.endpoint, "w0", job_id=JOB, token=TOKEN)
         assert w0.push(0, torch.ones(4)).detail == "moving"  # frozen: outcome unknown
         old.resume_partition(0)  # the operator checked: the stranger did not take it
         assert w0.push(0, torch.ones(4)).detail == "applied"

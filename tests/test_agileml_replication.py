@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import zmq
+from wire_client import HELD_CHECK_MS, WireClient, WireClients
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import OwnershipConflictError, PartitionError, RosterError
@@ -31,8 +31,6 @@ from orchestrator.agileml.wire import Header, MessageKind
 JOB, TOKEN = "job-r", b"replication-test-token"
 WORKERS = ("w0", "w1")
 INITIAL = torch.tensor([1.0, 2.0, 3.0, 4.0])
-REPLY_TIMEOUT_MS = 3000
-HELD_CHECK_MS = 300  # long enough that a wrongly answered pull would have arrived
 
 
 def _delta(worker: str, clock: int) -> torch.Tensor:
@@ -343,71 +341,26 @@ def test_malformed_snapshot_is_refused_and_changes_nothing(bad: dict[str, Any]) 
 # -- ParamServer over sockets ------------------------------------------------------------------
 
 
-class Client:
-    """A raw DEALER client speaking the wire format as `sender`."""
+class Client(WireClient):
+    """Pushes default to the sender's known delta of the clock (`_delta`)."""
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, sender: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.sender, self.seq = sender, 0
-
-    def send(
-        self,
-        kind: MessageKind,
-        tensors: dict[str, torch.Tensor] | None = None,
-        *,
-        token: bytes = TOKEN,
-        tamper: Callable[[list[bytes]], list[bytes]] | None = None,
-        **fields: Any,
-    ) -> int:
-        self.seq += 1
-        header = {"kind": kind, "job_id": JOB, "sender": self.sender, "seq": self.seq, **fields}
-        frames = wire.encode(header, tensors or {}, token)
-        self.sock.send_multipart(tamper(frames) if tamper else frames)
-        return self.seq
-
-    def recv(self, timeout_ms: int = REPLY_TIMEOUT_MS) -> tuple[Header, dict[str, torch.Tensor]]:
-        assert self.sock.poll(timeout_ms), "no reply"
-        return wire.decode(self.sock.recv_multipart(), TOKEN)
-
-    def request(
-        self, kind: MessageKind, tensors: dict[str, torch.Tensor] | None = None, **fields: Any
-    ) -> tuple[Header, dict[str, torch.Tensor]]:
-        seq = self.send(kind, tensors, **fields)
-        header, out = self.recv()
-        assert header.seq == seq
-        return header, out
-
-    def push(self, clock: int, delta: torch.Tensor | None = None, **fields: Any) -> Header:
+    def push(
+        self, clock: int, delta: torch.Tensor | None = None, partition: int = 0, **fields: Any
+    ) -> Header:
         d = _delta(self.sender, clock) if delta is None else delta
-        fields.setdefault("partition", 0)
-        return self.request(MessageKind.PUSH, {"delta": d}, clock=clock, **fields)[0]
-
-    def silent(self, timeout_ms: int = HELD_CHECK_MS) -> bool:
-        return not self.sock.poll(timeout_ms)
+        return super().push(clock, d, partition, **fields)
 
 
-class Clients:
-    """Makes clients on one context and closes every socket at the end of the test."""
-
-    def __init__(self) -> None:
-        self.context: zmq.Context[Any] = zmq.Context()
-        self.made: list[Client] = []
-
+class Clients(WireClients):
     def __call__(self, endpoint: str, sender: str) -> Client:
-        self.made.append(Client(self.context, endpoint, sender))
-        return self.made[-1]
-
-    def close(self) -> None:
-        for client in self.made:
-            client.sock.close(linger=0)
-        self.context.term()
+        client = Client(self.context, endpoint, sender, job_id=self.job_id, token=self.token)
+        self.made.append(client)
+        return client
 
 
 @pytest.fixture
 def clients() -> Iterator[Clients]:
-    made = Clients()
+    made = Clients(job_id=JOB, token=TOKEN)
     yield made
     made.close()
 

@@ -8,53 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-import zmq
+from wire_client import WireClients
 
-from orchestrator.agileml import wire
 from orchestrator.agileml.errors import ServerError
 from orchestrator.agileml.server import ParamServer
-from orchestrator.agileml.wire import Header, MessageKind
+from orchestrator.agileml.wire import MessageKind
 
 JOB, TOKEN = "job-1", b"server-test-token"
 INITIAL = torch.tensor([1.0, 2.0, 3.0, 4.0])
-REPLY_TIMEOUT_MS = 2000
-HELD_CHECK_MS = 300  # long enough that a wrongly answered pull would have arrived
-
-
-class Client:
-    """A raw DEALER client speaking the wire format as worker `sender`."""
-
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, sender: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.sender = sender
-        self.seq = 0
-
-    def send(
-        self,
-        kind: MessageKind,
-        *,
-        token: bytes = TOKEN,
-        job_id: str = JOB,
-        tensors: dict[str, torch.Tensor] | None = None,
-        **fields: Any,
-    ) -> int:
-        self.seq += 1
-        header = {"kind": kind, "job_id": job_id, "sender": self.sender, "seq": self.seq, **fields}
-        self.sock.send_multipart(wire.encode(header, tensors or {}, token))
-        return self.seq
-
-    def recv(self, timeout_ms: int = REPLY_TIMEOUT_MS) -> tuple[Header, dict[str, torch.Tensor]]:
-        assert self.sock.poll(timeout_ms), "no reply"
-        return wire.decode(self.sock.recv_multipart(), TOKEN)
-
-    def silent(self, timeout_ms: int = HELD_CHECK_MS) -> bool:
-        return not self.sock.poll(timeout_ms)
-
-    def push(self, clock: int, delta: torch.Tensor, **kw: Any) -> Header:
-        self.send(MessageKind.PUSH, partition=0, clock=clock, tensors={"delta": delta}, **kw)
-        return self.recv()[0]
 
 
 @pytest.fixture
@@ -68,31 +29,14 @@ def server() -> Iterator[ParamServer]:
     assert threading.active_count() == threads_before
 
 
-class Clients:
-    """Makes clients on one context and closes every socket at the end of the test."""
-
-    def __init__(self) -> None:
-        self.context: zmq.Context[Any] = zmq.Context()
-        self.made: list[Client] = []
-
-    def __call__(self, endpoint: str, sender: str) -> Client:
-        self.made.append(Client(self.context, endpoint, sender))
-        return self.made[-1]
-
-    def close(self) -> None:
-        for client in self.made:
-            client.sock.close(linger=0)
-        self.context.term()
-
-
 @pytest.fixture
-def ctx() -> Iterator[Clients]:
-    clients = Clients()
+def ctx() -> Iterator[WireClients]:
+    clients = WireClients(job_id=JOB, token=TOKEN)
     yield clients
     clients.close()
 
 
-def test_duplicated_push_is_applied_exactly_once(server: ParamServer, ctx: Clients) -> None:
+def test_duplicated_push_is_applied_exactly_once(server: ParamServer, ctx: WireClients) -> None:
     w0, w1 = ctx(server.endpoint, "w0"), ctx(server.endpoint, "w1")
     d0, d1 = torch.tensor([0.5, 0.0, -1.0, 2.0]), torch.tensor([0.25, 1.0, 1.0, 1.0])
     first = w0.push(0, d0)
@@ -106,7 +50,7 @@ def test_duplicated_push_is_applied_exactly_once(server: ParamServer, ctx: Clien
     assert (stats.pushes_applied, stats.pushes_duplicate) == (2, 1)
 
 
-def test_bsp_pull_waits_for_the_slowest_worker(server: ParamServer, ctx: Clients) -> None:
+def test_bsp_pull_waits_for_the_slowest_worker(server: ParamServer, ctx: WireClients) -> None:
     w0, w1 = ctx(server.endpoint, "w0"), ctx(server.endpoint, "w1")
     d = torch.ones(4)
     w0.push(0, d)
@@ -120,7 +64,7 @@ def test_bsp_pull_waits_for_the_slowest_worker(server: ParamServer, ctx: Clients
     assert server.stats().pulls_held == 0
 
 
-def test_ssp_pull_is_answered_within_the_slack(server: ParamServer, ctx: Clients) -> None:
+def test_ssp_pull_is_answered_within_the_slack(server: ParamServer, ctx: WireClients) -> None:
     slack = 1
     w0, w1 = ctx(server.endpoint, "w0"), ctx(server.endpoint, "w1")
     w0.push(0, torch.ones(4))  # w0 finishes clock 0 while w1 has pushed nothing
@@ -135,7 +79,7 @@ def test_ssp_pull_is_answered_within_the_slack(server: ParamServer, ctx: Clients
     assert w0.recv()[0].kind is MessageKind.PULL_REPLY
 
 
-def test_unauthenticated_push_changes_nothing(server: ParamServer, ctx: Clients) -> None:
+def test_unauthenticated_push_changes_nothing(server: ParamServer, ctx: WireClients) -> None:
     w0 = ctx(server.endpoint, "w0")
     reply = w0.push(0, torch.full((4,), 100.0), token=b"not-the-job-token")
     assert (reply.kind, reply.detail) == (MessageKind.ERROR, "bad_mac")
@@ -156,7 +100,7 @@ def test_unauthenticated_push_changes_nothing(server: ParamServer, ctx: Clients)
     ],
 )
 def test_refused_push_gets_an_error_and_changes_nothing(
-    server: ParamServer, ctx: Clients, sender: str, fields: dict[str, Any], detail: str
+    server: ParamServer, ctx: WireClients, sender: str, fields: dict[str, Any], detail: str
 ) -> None:
     client = ctx(server.endpoint, sender)
     delta = fields.pop("delta", torch.ones(4))
@@ -168,7 +112,9 @@ def test_refused_push_gets_an_error_and_changes_nothing(
     assert server.stats().rejected == 1
 
 
-def test_unparseable_message_is_dropped_without_reply(server: ParamServer, ctx: Clients) -> None:
+def test_unparseable_message_is_dropped_without_reply(
+    server: ParamServer, ctx: WireClients
+) -> None:
     client = ctx(server.endpoint, "w0")
     client.sock.send_multipart([b"\x80not json", b"junk"])
     assert client.silent()
