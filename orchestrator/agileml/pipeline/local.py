@@ -151,8 +151,8 @@ def run_pipeline(
     try:
         while True:
             times = _spread(emulated, boundaries, layout)
-            procs = launch.start(layout, backups.step, backups.weights, times)
-            outcome = launch.run(procs, len(layout), evict, losses, backups, recoveries)
+            launch.start(layout, backups.step, backups.weights, times)
+            outcome = launch.run(evict, losses, backups, recoveries)
             if outcome == "done":
                 break
             if len(recoveries) > max_recoveries:
@@ -253,7 +253,7 @@ class _Launch:
         first_step: int,
         initial: np.ndarray | None,
         times: tuple[list[float], list[float]],
-    ) -> list[subprocess.Popen[str]]:
+    ) -> None:
         self.attempt += 1
         self._started_at = time.time()
         self.job_id = f"pipe-{secrets.token_hex(4)}"
@@ -291,18 +291,16 @@ class _Launch:
                     env=env,
                 )
             )
-        return self.procs
 
     def run(
         self,
-        procs: list[subprocess.Popen[str]],
-        stages: int,
         evict: tuple[int, int] | None,
         losses: dict[int, list[float]],
         backups: _Backups,
         recoveries: list[Recovery],
     ) -> str:
         """Rendezvous and watch until every stage is done ("done") or one died ("lost")."""
+        procs, stages = self.procs, len(self.procs)
         hellos: dict[int, str] = {}
         done: set[int] = set()
         while len(done) < stages:

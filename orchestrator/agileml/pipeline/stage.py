@@ -122,7 +122,9 @@ class Stage:
                 offset += w.numel()
         self.current = 0
         self.versions: dict[int, list[torch.Tensor]] = {0: self._leaves(self.live)}
-        self.recent: deque[int] = deque([0])  # kept for vertical sync
+        # kept for vertical sync: a stage never runs more than `stages` updates ahead of the
+        # version the input stage used
+        self.recent: deque[int] = deque([0], maxlen=config.stages + 1)
         self.in_flight: dict[int, int] = {}  # version -> minibatches using it
         self.acc = [torch.zeros_like(p) for p in self.live]
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -191,8 +193,6 @@ class Stage:
         self.versions[self.current] = self._leaves(self.live)
         self.versions_kept_max = max(self.versions_kept_max, len(self.versions))
         self.recent.append(self.current)
-        if len(self.recent) > self.config.stages + 1:
-            self.recent.popleft()
         self._drop_unused()
 
     def _drop_unused(self) -> None:
