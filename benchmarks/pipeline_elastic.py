@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from benchmarks.ddp_baseline import ddp_seconds_per_iteration
-from orchestrator.agileml.pipeline.local import run_pipeline
+from orchestrator.agileml.pipeline.local import Layout, describe, run_pipeline
 from orchestrator.agileml.pipeline.planner import plan
 from orchestrator.agileml.pipeline.profiler import profile_sequential
 from orchestrator.agileml.pipeline.schedule import Schedule
@@ -56,7 +56,7 @@ def run_eviction(
     args: argparse.Namespace,
     spec: ChainModelSpec,
     profile: Any,
-    bounds: list[tuple[int, int]],
+    layout: Layout,
     fwd_ms: list[float],
     bwd_ms: list[float],
 ) -> dict[str, Any]:
@@ -65,7 +65,7 @@ def run_eviction(
     without the eviction."""
     common: dict[str, Any] = dict(
         model=spec,
-        boundaries=bounds,
+        layout=layout,
         schedule=Schedule.FLUSH,
         minibatches=args.minibatches,
         microbatches=args.in_flight,
@@ -78,13 +78,12 @@ def run_eviction(
     plain = run_pipeline(**common)
     progress("eviction: baseline run done")
 
-    def replan(nodes: int) -> list[tuple[int, int]]:
-        p = plan(profile, nodes, LOOPBACK_BYTES_PER_S, stages=nodes)
-        return [(st.first_layer, st.last_layer) for st in p.stages]
+    def replan(nodes: int) -> Layout:
+        return plan(profile, nodes, LOOPBACK_BYTES_PER_S, stages=nodes).stages
 
     evicted = run_pipeline(**common, evict=(1, steps // 3), replan=replan)
     recovery = evicted.recoveries[0]
-    progress(f"eviction: recovered in {recovery.seconds:.2f} s onto {recovery.boundaries}")
+    progress(f"eviction: recovered in {recovery.seconds:.2f} s onto {describe(recovery.layout)}")
     last = args.in_flight * 4  # the final 4 steps' minibatches
 
     def tail(losses: list[float]) -> float:
@@ -94,7 +93,7 @@ def run_eviction(
         "evicted_stage": 1,
         "evicted_after_step": steps // 3,
         "resumed_at_step": recovery.resumed_step,
-        "replanned_stages": recovery.boundaries,
+        "replanned_stages": describe(recovery.layout),
         "recovery_s": round(recovery.seconds or float("nan"), 3),
         "loss_without_eviction": round(tail(plain.losses), 6),
         "loss_with_eviction": round(tail(evicted.losses), 6),
@@ -122,7 +121,8 @@ def main() -> None:
     profile = profile_sequential(model, torch.randn(args.microbatch_size, spec.features))
     # the planner's balanced split into exactly STAGES stages of one worker each
     planned = plan(profile, STAGES, LOOPBACK_BYTES_PER_S, stages=STAGES)
-    bounds = [(st.first_layer, st.last_layer) for st in planned.stages]
+    layout = planned.stages
+    bounds = [(st.first_layer, st.last_layer) for st in layout]
     fwd = [sum(p.forward_ms for p in profile.layers[a : b + 1]) for a, b in bounds]
     bwd = [sum(p.backward_ms for p in profile.layers[a : b + 1]) for a, b in bounds]
     scale = args.stage_ms / max(f + b for f, b in zip(fwd, bwd, strict=True))
@@ -137,7 +137,7 @@ def main() -> None:
     }
     result: dict[str, Any] = {
         "layers": layers,
-        "stages": bounds,
+        "stages": describe(layout),
         "minibatches": args.minibatches,
         "microbatch_size": args.microbatch_size,
         "in_flight": args.in_flight,
@@ -150,7 +150,7 @@ def main() -> None:
             emulate = mode == "emulated"
             r = run_pipeline(
                 model=spec,
-                boundaries=bounds,
+                layout=layout,
                 schedule=schedule,
                 minibatches=args.minibatches,
                 microbatches=micro,
@@ -175,7 +175,7 @@ def main() -> None:
         progress(f"{mode} data parallel: {result[mode]['data_parallel']} minibatches/s")
         result[mode]["1f1b_over_gpipe"] = round(result[mode]["1f1b"] / result[mode]["gpipe"], 3)
     result["target_1f1b_over_gpipe"] = TARGET_1F1B_OVER_GPIPE
-    result["eviction"] = run_eviction(args, spec, profile, bounds, fwd_ms, bwd_ms)
+    result["eviction"] = run_eviction(args, spec, profile, layout, fwd_ms, bwd_ms)
     result["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result, indent=2))
 

@@ -58,22 +58,53 @@ def plan_command(
     stages: Annotated[
         int | None, typer.Option("--stages", help="Force this many stages (pipeline depth).")
     ] = None,
+    minibatches: Annotated[
+        int | None,
+        typer.Option(
+            "--minibatches",
+            min=1,
+            help="Size a job of this many minibatches for BidBrain: adds its work_gpu_hours, "
+            "max_gpus and gpu_work_rates (the catalog's, scaled by the planned parallel "
+            "efficiency) for the job spec. The profile is taken as measured on one V100.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Split a profiled model into pipeline stages with replicas (PipeDream's planner)."""
     from orchestrator.agileml.pipeline import ModelProfile, PlanError, plan
+    from orchestrator.agileml.pipeline.sizing import size_pipeline_job
+    from orchestrator.market.catalog import Catalog
 
     model = ModelProfile.from_json(profile)
     topology = _parse_levels(levels) if levels is not None else None
     try:
         result = plan(model, workers, bandwidth, levels=topology, stages=stages)
+        sizing = None
+        if minibatches is not None:
+            rates = Catalog.load().gpu_work_rates
+            sizing = size_pipeline_job(model, workers, bandwidth, minibatches, rates,
+                                       levels=topology)  # fmt: skip
     except PlanError as exc:
         option = _OPTION_OF_ARGUMENT.get(exc.field or "", exc.field or "input")
         raise UserError(f"{option}: {exc.message}", fix=exc.fix, field=option) from None
     if as_json:
-        sys.stdout.write(json.dumps(result.as_dict()) + "\n")
+        body = result.as_dict()
+        if sizing is not None:
+            body["bidbrain"] = {
+                **sizing.job_fields(),
+                "parallel_efficiency": sizing.parallel_efficiency,
+                "single_worker_per_s": sizing.single_worker_per_s,
+            }
+        sys.stdout.write(json.dumps(body) + "\n")
     else:
         _render(model, result, profile)
+        if sizing is not None:
+            out.print(
+                f"For BidBrain ({minibatches} minibatches): work_gpu_hours "
+                f"{sizing.work_gpu_hours:.4g}, max_gpus {workers}, parallel efficiency "
+                f"{sizing.parallel_efficiency:.3f} (gpu_work_rates = the catalog's x that); "
+                "--json prints them as job-spec fields"
+            )
 
 
 def _parse_levels(text: str) -> list[tuple[int, float]]:

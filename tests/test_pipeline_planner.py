@@ -395,3 +395,36 @@ def test_plan_command_bad_input_exits_2_without_traceback(
     assert "error:" in stderr and "To fix:" in stderr
     for needle in needles:
         assert needle in stderr, (needle, proc.stderr)
+
+
+def test_bidbrain_rates_for_a_pipeline_job_come_from_the_planned_throughput(tmp_path: Path) -> None:
+    """Holding `workers` V100s, BidBrain's Σ k·ν is the planner's T(N)/T(1); the job's work is
+    what one V100 needs for the minibatches; the fields make a valid job submission."""
+    from orchestrator.agileml.pipeline.sizing import size_pipeline_job
+    from orchestrator.bidbrain.model import Footprint, HeldAllocation
+    from orchestrator.jobspec import JobSubmission
+    from orchestrator.market.catalog import Catalog
+    from orchestrator.market.prices import Market
+
+    # communication-heavy: 8 workers give far less than 8x
+    profile = profile_of([10.0] * 8, [40_000_000] * 8, [40_000_000] * 8)
+    catalog = Catalog.load()
+    sizing = size_pipeline_job(profile, 8, 1e9, 36_000, catalog.gpu_work_rates)
+    one = plan(profile, 1, 1e9).throughput_per_s()
+    eight = plan(profile, 8, 1e9).throughput_per_s()
+    assert sizing.work_gpu_hours == pytest.approx(36_000 / one / 3600)
+    assert sizing.parallel_efficiency == pytest.approx(eight / (8 * one)) and eight < 8 * one
+    spec = JobSubmission(name="pipe", budget_usd=100, **sizing.job_fields()).job_spec()
+    rate = catalog.work_rate("p3.2xlarge", spec.gpu_work_rates)  # one V100
+    held = Footprint([HeldAllocation("a", Market("p3.2xlarge", "us-east-1a"), 8, rate, 3.0, 0.0)])
+    assert held.work_rate == pytest.approx(eight / one)
+    assert spec.max_work_rate == 8
+
+    path = write_profile(tmp_path, GOOD_PROFILE)
+    proc = run_cli("plan", "--profile", path, "--workers", "4", "--bandwidth", "1e9",
+                   "--minibatches", "1000", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    fields = json.loads(proc.stdout)["bidbrain"]
+    assert set(fields) == {"work_gpu_hours", "max_gpus", "gpu_work_rates", "parallel_efficiency",
+                           "single_worker_per_s"}  # fmt: skip
+    assert fields["max_gpus"] == 4 and 0 < fields["parallel_efficiency"] <= 1

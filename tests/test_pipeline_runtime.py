@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.pipeline.local import run_pipeline
-from orchestrator.agileml.pipeline.schedule import Op, Schedule, stage_ops
+from orchestrator.agileml.pipeline.local import chain_layout, run_pipeline
+from orchestrator.agileml.pipeline.schedule import Op, Schedule, stage_ops, stuck_worker
 from orchestrator.agileml.pipeline.stage import ChainModelSpec, build_chain, build_chain_data
 from orchestrator.agileml.roster import global_batch_indices
 
 SPEC = ChainModelSpec(features=16, hidden=32, classes=4, depth=4, samples=1024)
-BOUNDS = [(0, 1), (2, 3), (4, 6)]  # 7 modules (4 Linear + 3 ReLU) on 3 stages
+BOUNDS = chain_layout([(0, 1), (2, 3), (4, 6)])  # 7 modules (4 Linear + 3 ReLU) on 3 stages
 
 
 def _in_flight_max(ops: list[Op]) -> int:
@@ -85,7 +85,7 @@ def _sgd_reference(steps: int, microbatches: int, size: int, lr: float) -> torch
 def test_flush_schedules_equal_plain_sgd_on_one_process(schedule: Schedule) -> None:
     result = run_pipeline(
         model=SPEC,
-        boundaries=BOUNDS,
+        layout=BOUNDS,
         schedule=schedule,
         minibatches=12,
         microbatches=4,
@@ -104,7 +104,7 @@ def test_flush_schedules_equal_plain_sgd_on_one_process(schedule: Schedule) -> N
 def test_asynchronous_schedules_train(schedule: Schedule, vertical_sync: bool) -> None:
     result = run_pipeline(
         model=SPEC,
-        boundaries=BOUNDS,
+        layout=BOUNDS,
         schedule=schedule,
         minibatches=60,
         microbatches=3,
@@ -124,13 +124,13 @@ def test_asynchronous_schedules_train(schedule: Schedule, vertical_sync: bool) -
 
 def test_boundaries_that_skip_layers_are_refused() -> None:
     with pytest.raises(AgileMLError, match="cover"):
-        run_pipeline(model=SPEC, boundaries=[(0, 2), (4, 6)], schedule=Schedule.GPIPE,
+        run_pipeline(model=SPEC, layout=chain_layout([(0, 2), (4, 6)]), schedule=Schedule.GPIPE,
                      minibatches=2, microbatches=2)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "replan",
-    [None, lambda nodes: [(0, 3), (4, 6)]],
+    [None, lambda nodes: chain_layout([(0, 3), (4, 6)])],
     ids=["replacement_node", "replanned_on_fewer_nodes"],
 )
 def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(replan) -> None:  # type: ignore[no-untyped-def]
@@ -138,7 +138,7 @@ def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(repla
     up, replays the interrupted step, and ends where plain SGD does."""
     result = run_pipeline(
         model=SPEC,
-        boundaries=BOUNDS,
+        layout=BOUNDS,
         schedule=Schedule.FLUSH,
         minibatches=24,
         microbatches=4,
@@ -155,7 +155,7 @@ def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(repla
     assert recovery.stage == 1 and recovery.resumed_step in (1, 2)
     assert recovery.seconds is not None and recovery.seconds < 10
     if replan is not None:
-        assert recovery.boundaries == [(0, 3), (4, 6)]
+        assert recovery.layout == chain_layout([(0, 3), (4, 6)])
     assert len(result.losses) == 24
     expected = _sgd_reference(steps=6, microbatches=4, size=8, lr=0.1)
     assert torch.allclose(result.weights, expected, atol=1e-6, rtol=0)
@@ -163,10 +163,10 @@ def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(repla
 
 def test_eviction_needs_a_synchronous_schedule_and_backups() -> None:
     with pytest.raises(AgileMLError, match="synchronous"):
-        run_pipeline(model=SPEC, boundaries=BOUNDS, schedule=Schedule.ONE_F_ONE_B,
+        run_pipeline(model=SPEC, layout=BOUNDS, schedule=Schedule.ONE_F_ONE_B,
                      minibatches=4, backup=True)  # fmt: skip
     with pytest.raises(AgileMLError, match="backup"):
-        run_pipeline(model=SPEC, boundaries=BOUNDS, schedule=Schedule.FLUSH, minibatches=4,
+        run_pipeline(model=SPEC, layout=BOUNDS, schedule=Schedule.FLUSH, minibatches=4,
                      microbatches=2, evict=(0, 1))  # fmt: skip
 
 
@@ -188,5 +188,136 @@ def test_reliable_copy_keeps_the_last_step_every_stage_backed_up_in_layer_order(
 
 def test_two_bw_with_fewer_microbatches_than_stages_is_refused() -> None:
     with pytest.raises(AgileMLError, match="2bw"):
-        run_pipeline(model=SPEC, boundaries=BOUNDS, schedule=Schedule.TWO_BW, minibatches=4,
+        run_pipeline(model=SPEC, layout=BOUNDS, schedule=Schedule.TWO_BW, minibatches=4,
                      microbatches=2)  # fmt: skip
+
+
+# --- replicated stages (1F1B-RR) ---
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+@pytest.mark.parametrize("replicas", [(2, 1), (1, 3), (3, 1, 2), (2, 2), (4,), (1, 2, 1, 3)])
+def test_replicated_layouts_never_deadlock(schedule: Schedule, replicas: tuple[int, ...]) -> None:
+    assert stuck_worker(schedule, replicas=replicas, minibatches=48, microbatches=4) is None
+
+
+def test_a_deadlocking_order_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.agileml.pipeline import schedule as module
+
+    def backward_first(*args: object, **kwargs: object) -> list[Op]:
+        return [Op("B", 0), Op("F", 0)]  # a backward before its forward
+
+    monkeypatch.setattr(module, "stage_ops", backward_first)
+    assert stuck_worker(Schedule.ONE_F_ONE_B, replicas=(1, 1), minibatches=1, microbatches=1) == (
+        0, 0, Op("B", 0)
+    )  # fmt: skip
+
+
+def test_replicas_split_minibatches_round_robin_and_the_input_stage_admits_one_per_worker() -> None:
+    replicas = (2, 1, 1)  # 4 workers; NOAM = ceil(4 / 2) = 2 per input replica
+    for r in range(2):
+        ops = stage_ops(Schedule.ONE_F_ONE_B, stages=3, stage=0, minibatches=16, microbatches=1,
+                        replicas=replicas, replica=r)  # fmt: skip
+        assert {op.minibatch for op in ops if op.kind != "U"} == set(range(r, 16, 2))
+        assert _in_flight_max(ops) == 2
+        assert sum(op.kind == "U" for op in ops) == 8  # one update per own minibatch
+    with pytest.raises(ValueError, match="multiple of 2"):
+        stage_ops(Schedule.ONE_F_ONE_B, stages=3, stage=0, minibatches=15, microbatches=1,
+                  replicas=replicas, replica=0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("schedule", "replicas"),
+    [(Schedule.FLUSH, [2, 1, 1]), (Schedule.GPIPE, [1, 1, 3])],
+)
+def test_replicated_flush_equals_plain_sgd_and_replicas_agree(
+    schedule: Schedule, replicas: list[int]
+) -> None:
+    result = run_pipeline(
+        model=SPEC,
+        layout=chain_layout([(0, 1), (2, 3), (4, 6)], replicas),
+        schedule=schedule,
+        minibatches=12,
+        microbatches=4,
+        microbatch_size=8,
+        lr=0.1,
+        timeout_s=120,
+    )
+    assert len(result.stages) == sum(replicas)
+    expected = _sgd_reference(steps=3, microbatches=4, size=8, lr=0.1)
+    assert torch.allclose(result.weights, expected, atol=1e-6, rtol=0)
+    for stage in range(3):
+        digests = {r["weights_sha256"] for r in result.stages if r["stage"] == stage}
+        assert len(digests) == 1  # the replicas of a stage hold the same bits
+    outputs = [r for r in result.stages if r["stage"] == 2]
+    for r in outputs:  # round-robin: each output replica computed the loss of its own share
+        assert all(m % len(outputs) == r["replica"] for m in r["loss_minibatches"])
+    assert len(result.losses) == 12
+
+
+def test_replicated_one_f_one_b_trains_with_replicas_in_step() -> None:
+    result = run_pipeline(
+        model=SPEC,
+        layout=chain_layout([(0, 3), (4, 6)], [2, 1]),
+        schedule=Schedule.ONE_F_ONE_B,
+        minibatches=60,
+        microbatch_size=16,
+        lr=0.2,
+        timeout_s=120,
+    )
+    assert len(result.losses) == 60
+    assert sum(result.losses[-10:]) / 10 < 0.8 * sum(result.losses[:10]) / 10
+    inputs = [r for r in result.stages if r["stage"] == 0]
+    assert len(inputs) == 2 and inputs[0]["weights_sha256"] == inputs[1]["weights_sha256"]
+
+
+def test_eviction_of_a_replicated_stage_replans_with_the_planner() -> None:
+    """4 workers as stages of 2+1+1 replicas; one of stage 0's workers is killed and the
+    planner lays the job out on the 3 left; the result still equals plain SGD."""
+    from orchestrator.agileml.pipeline.planner import plan
+    from orchestrator.agileml.pipeline.profiler import LayerProfile, ModelProfile
+
+    profile = ModelProfile(
+        layers=[
+            LayerProfile(
+                name=f"l{i}",
+                forward_ms=1.0,
+                backward_ms=2.0,
+                activation_bytes=1000,
+                parameter_bytes=1000,
+            )
+            for i in range(7)
+        ]
+    )
+
+    def replan(nodes: int):  # type: ignore[no-untyped-def]
+        return plan(profile, nodes, 1e9, stages=3).stages
+
+    result = run_pipeline(
+        model=SPEC,
+        layout=chain_layout([(0, 1), (2, 3), (4, 6)], [2, 1, 1]),
+        schedule=Schedule.FLUSH,
+        minibatches=24,
+        microbatches=4,
+        microbatch_size=8,
+        lr=0.1,
+        backup=True,
+        evict=(0, 2),
+        replan=replan,
+        timeout_s=120,
+    )
+    (recovery,) = result.recoveries
+    assert recovery.stage == 0
+    assert [st.replicas for st in recovery.layout] == [1, 1, 1]
+    assert len(result.stages) == 3
+    expected = _sgd_reference(steps=6, microbatches=4, size=8, lr=0.1)
+    assert torch.allclose(result.weights, expected, atol=1e-6, rtol=0)
+
+
+def test_vertical_sync_with_replicated_stages_is_refused() -> None:
+    with pytest.raises(AgileMLError, match="vertical_sync"):
+        run_pipeline(model=SPEC, layout=chain_layout([(0, 3), (4, 6)], [2, 1]),
+                     schedule=Schedule.ONE_F_ONE_B, minibatches=4, vertical_sync=True)  # fmt: skip
+    with pytest.raises(AgileMLError, match="multiple of 2"):
+        run_pipeline(model=SPEC, layout=chain_layout([(0, 3), (4, 6)], [2, 1]),
+                     schedule=Schedule.ONE_F_ONE_B, minibatches=5)  # fmt: skip

@@ -3,13 +3,16 @@
 The launcher binds a rendezvous inbox, starts the stages, tells each one every stage's inbox
 once all have said hello, and collects their results and final weights.
 
+A layout is the planner's stages: layer ranges, each run by `replicas` workers (one process
+each) that split its minibatches round-robin and sum their gradients at every update.
+
 Elastic runs (`backup=True`, gpipe or flush): after every step each stage sends its weights
-here, the reliable tier's copy. When a stage's process dies (an eviction: `evict=(stage,
-step)` injects one with SIGKILL), the launcher stops the others, re-plans the stages for the
-nodes now held (`replan(nodes)`, or the same layout on a replacement node), slices the last
-step every stage backed up into the new stages, and restarts them there; the minibatches of
-the interrupted step are replayed. Flush and GPipe steps are synchronous, so the result is the
-same as without the eviction.
+here, the reliable tier's copy. When a worker's process dies (an eviction: `evict=(stage,
+step)` injects one with SIGKILL), the launcher stops the others, re-plans the layout for the
+nodes now held (`replan(nodes)`, e.g. the planner's stages for that many workers, or the same
+layout on a replacement node), slices the last step every stage backed up into the new stages,
+and restarts them there; the minibatches of the interrupted step are replayed. Flush and GPipe
+steps are synchronous, so the result is the same as without the eviction.
 """
 
 from __future__ import annotations
@@ -34,23 +37,41 @@ import zmq
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError, WireError
-from orchestrator.agileml.pipeline.schedule import Schedule
+from orchestrator.agileml.pipeline.planner import Stage as PlannedStage
+from orchestrator.agileml.pipeline.schedule import Schedule, stuck_worker
 from orchestrator.agileml.pipeline.stage import ChainModelSpec, StageConfig, build_chain
 from orchestrator.agileml.token import TOKEN_ENV
 from orchestrator.agileml.wire import MessageKind
 
-Boundaries = list[tuple[int, int]]
+Layout = tuple[PlannedStage, ...]
+
+
+def chain_layout(boundaries: list[tuple[int, int]], replicas: list[int] | None = None) -> Layout:
+    """The layout of stages `boundaries[k]` (first and last layer, inclusive), stage k run by
+    `replicas[k]` workers (default 1)."""
+    counts = replicas if replicas is not None else [1] * len(boundaries)
+    if len(counts) != len(boundaries):
+        raise AgileMLError(f"replicas {counts} do not give one count per stage {boundaries}")
+    return tuple(
+        PlannedStage(first_layer=a, last_layer=b, replicas=r)
+        for (a, b), r in zip(boundaries, counts, strict=True)
+    )
+
+
+def describe(layout: Layout) -> list[list[int]]:
+    """[first_layer, last_layer, replicas] per stage: a layout as plain JSON."""
+    return [[st.first_layer, st.last_layer, st.replicas] for st in layout]
 
 
 @dataclass
 class Recovery:
-    """One eviction: when the stage was killed, the step the job resumed at, the new layout,
-    and when the next minibatch completed after it."""
+    """One eviction: when the stage's worker was killed, the step the job resumed at, the new
+    layout, and when the next minibatch completed after it."""
 
     stage: int
     killed_at: float
     resumed_step: int
-    boundaries: Boundaries
+    layout: Layout
     next_minibatch_at: float | None = None
 
     @property
@@ -61,8 +82,8 @@ class Recovery:
 @dataclass(frozen=True)
 class PipelineResult:
     """What a run did: seconds from the first stage's start to the last stage's end (of the
-    last attempt), the losses by minibatch, each stage's result (last attempt), the final
-    weights (flat, in layer order) and the recoveries."""
+    last attempt), the losses by minibatch, each worker's result (last attempt; stages in
+    order, replicas within), the final weights (flat, in layer order) and the recoveries."""
 
     seconds: float
     losses: list[float]
@@ -73,10 +94,11 @@ class PipelineResult:
     def throughput_per_s(self, skip: int = 0) -> float:
         """Minibatches per second through the input stage's backward passes, after the first
         `skip` (start-up: process warm-up and the pipeline filling)."""
-        ends = self.stages[0]["backward_ends"]
+        inputs = [r for r in self.stages if r["stage"] == 0]
+        ends = sorted(t for r in inputs for t in r["backward_ends"])
         if skip >= len(ends) - 1:
             raise AgileMLError(f"skip {skip} leaves nothing to time of {len(ends)} minibatches")
-        first = ends[skip - 1] if skip > 0 else self.stages[0]["started"]
+        first = ends[skip - 1] if skip > 0 else min(r["started"] for r in inputs)
         return (len(ends) - skip) / (ends[-1] - first)
 
 
@@ -88,7 +110,7 @@ def layer_sizes(model: ChainModelSpec, seed: int) -> list[int]:
 def run_pipeline(
     *,
     model: ChainModelSpec,
-    boundaries: Boundaries,
+    layout: Layout,
     schedule: Schedule,
     minibatches: int,
     microbatches: int = 1,
@@ -101,33 +123,40 @@ def run_pipeline(
     timeout_s: float = 300.0,
     backup: bool = False,
     evict: tuple[int, int] | None = None,
-    replan: Callable[[int], Boundaries] | None = None,
+    replan: Callable[[int], Layout] | None = None,
     max_recoveries: int = 3,
 ) -> PipelineResult:
-    """Train with one process per stage; stage k runs layers `boundaries[k]` (inclusive).
+    """Train with one process per worker of `layout` (see `chain_layout`, or a plan's stages).
 
     `forward_ms`/`backward_ms` emulate each stage's compute per microbatch with sleeps (per
-    stage; after a re-plan, spread by layer count). `evict=(stage, step)` kills that stage's
-    process once stage 0 backed up `step` (needs `backup`); `replan(nodes)` gives the layout
-    for the nodes left (default: the same layout, on a replacement node).
+    stage; after a re-plan, spread by layer count). `evict=(stage, step)` kills the stage's
+    first worker once an input-stage worker backed up `step` (needs `backup`); `replan(nodes)`
+    gives the layout for the workers left (default: the same layout, on a replacement node).
 
     Raises:
-        AgileMLError: bad boundaries, a stage that failed, or a run not done in time.
+        AgileMLError: a layout that does not cover the layers or cannot run the schedule, a
+            worker that failed, or a run not done in time.
     """
+    layout = tuple(layout)
     sizes = layer_sizes(model, seed)
-    _check_boundaries(boundaries, len(sizes))
+    _check_layout(layout, len(sizes), schedule, minibatches, microbatches)
+    if vertical_sync and any(st.replicas > 1 for st in layout):
+        raise AgileMLError(
+            "vertical_sync numbers weight versions by update, and replicated stages update "
+            "once per replica group: use unreplicated stages with vertical_sync"
+        )
     if (backup or evict) and schedule not in (Schedule.GPIPE, Schedule.FLUSH):
         raise AgileMLError("elastic runs need a synchronous schedule: gpipe or flush")
-    if schedule is Schedule.TWO_BW and microbatches < len(boundaries):
+    if schedule is Schedule.TWO_BW and microbatches < len(layout):
         raise AgileMLError(
             f"2bw keeps two weight versions only when it accumulates at least as many "
             f"microbatches as there are stages: microbatches {microbatches} < "
-            f"{len(boundaries)} stages"
+            f"{len(layout)} stages"
         )
     if evict is not None and not backup:
         raise AgileMLError("an injected eviction needs backup=True (nothing to recover from)")
     if evict is not None and not (
-        0 <= evict[0] < len(boundaries) and 0 < evict[1] < minibatches // microbatches
+        0 <= evict[0] < len(layout) and 0 < evict[1] < minibatches // microbatches
     ):
         raise AgileMLError(f"evict={evict}: want (a stage, a step before the last)")
     token = secrets.token_bytes(32)
@@ -144,32 +173,33 @@ def run_pipeline(
              backup=backup),
     )  # fmt: skip
     emulated = (forward_ms, backward_ms)
-    losses: dict[int, list[float]] = {}  # step -> the last stage's losses of that step
+    losses: dict[int, float] = {}  # minibatch -> loss, from the output stage's backups
     backups = _Backups()
     recoveries: list[Recovery] = []
-    layout = boundaries
+    planned = layout
     try:
         while True:
-            times = _spread(emulated, boundaries, layout)
+            times = _spread(emulated, planned, layout)
             launch.start(layout, backups.step, backups.weights, times)
             outcome = launch.run(evict, losses, backups, recoveries)
             if outcome == "done":
                 break
             if len(recoveries) > max_recoveries:
-                raise AgileMLError(f"{len(recoveries)} stage losses; giving up (logs in {out_dir})")
+                raise AgileMLError(f"{len(recoveries)} lost workers; giving up (logs in {out_dir})")
             evict = None  # injected once
             if replan is not None:
-                layout = replan(len(layout) - 1)  # the lost node is not replaced
-                _check_boundaries(layout, len(sizes))
-            recoveries[-1].resumed_step, recoveries[-1].boundaries = backups.step, layout
+                workers = sum(st.replicas for st in layout)
+                layout = tuple(replan(workers - 1))  # the lost node is not replaced
+                _check_layout(layout, len(sizes), schedule, minibatches, microbatches)
+            recoveries[-1].resumed_step, recoveries[-1].layout = backups.step, layout
         results = launch.results
         weights = torch.cat(
             [torch.from_numpy(np.load(out_dir / f"stage{k}.npy")) for k in range(len(layout))]
         )
-        if losses:
-            all_losses = [v for s in sorted(losses) for v in losses[s]]
-        else:
-            all_losses = results[-1]["losses"]
+        if not losses:
+            for r in results:
+                losses.update(zip(r["loss_minibatches"], r["losses"], strict=True))
+        all_losses = [losses[m] for m in sorted(losses)]
         shutil.rmtree(out_dir, ignore_errors=True)  # kept, with the logs, when a run fails
         return PipelineResult(
             seconds=max(r["ended"] for r in results) - min(r["started"] for r in results),
@@ -204,27 +234,40 @@ class _Backups:
         self._partial.clear()
 
 
-def _check_boundaries(boundaries: Boundaries, layers: int) -> None:
+def _check_layout(
+    layout: Layout, layers: int, schedule: Schedule, minibatches: int, microbatches: int
+) -> None:
     expected = 0
-    for first, last in boundaries:
-        if first != expected or last < first:
-            raise AgileMLError(f"stage boundaries {boundaries} must cover the layers in order")
-        expected = last + 1
+    for st in layout:
+        if st.first_layer != expected:
+            raise AgileMLError(f"stages {describe(layout)} must cover the layers in order")
+        expected = st.last_layer + 1
     if expected != layers:
-        raise AgileMLError(f"stage boundaries {boundaries} do not cover all {layers} layers")
+        raise AgileMLError(f"stages {describe(layout)} do not cover all {layers} layers")
+    try:
+        stuck = stuck_worker(schedule, replicas=[st.replicas for st in layout],
+                             minibatches=minibatches, microbatches=microbatches)  # fmt: skip
+    except ValueError as e:
+        raise AgileMLError(f"stages {describe(layout)}: {e}") from None
+    if stuck is not None:
+        raise AgileMLError(
+            f"stages {describe(layout)} would deadlock under {schedule}: stage {stuck[0]} "
+            f"replica {stuck[1]} waits forever at {stuck[2]}"
+        )
 
 
 def _spread(
-    emulated: tuple[list[float] | None, list[float] | None], original: Boundaries, now: Boundaries
+    emulated: tuple[list[float] | None, list[float] | None], original: Layout, now: Layout
 ) -> tuple[list[float], list[float]]:
     """Per-stage emulated ms for layout `now`, from per-stage ms of `original` spread evenly
     over each original stage's layers."""
     out = []
     for per_stage in emulated:
         per_layer: list[float] = []
-        for (first, last), ms in zip(original, per_stage or [0.0] * len(original), strict=True):
-            per_layer += [ms / (last - first + 1)] * (last - first + 1)
-        out.append([sum(per_layer[a : b + 1]) for a, b in now])
+        for st, ms in zip(original, per_stage or [0.0] * len(original), strict=True):
+            width = st.last_layer - st.first_layer + 1
+            per_layer += [ms / width] * width
+        out.append([sum(per_layer[st.first_layer : st.last_layer + 1]) for st in now])
     return out[0], out[1]
 
 
@@ -244,12 +287,13 @@ class _Launch:
         self.ctx, self.inbox, self.rendezvous, self.token = ctx, inbox, rendezvous, token
         self.out_dir, self.deadline, self.common = out_dir, deadline, common
         self.procs: list[subprocess.Popen[str]] = []
+        self.workers: list[tuple[int, int]] = []
         self.results: list[dict[str, Any]] = []
         self.attempt = 0
 
     def start(
         self,
-        layout: Boundaries,
+        layout: Layout,
         first_step: int,
         initial: np.ndarray | None,
         times: tuple[list[float], list[float]],
@@ -259,57 +303,64 @@ class _Launch:
         self.job_id = f"pipe-{secrets.token_hex(4)}"
         env = {**os.environ, TOKEN_ENV: self.token.hex(), "OMP_NUM_THREADS": "1"}
         offsets = np.cumsum([0] + layer_sizes(self.common["model"], self.common["seed"]))
-        self.procs = []
-        for k, (first, last) in enumerate(layout):
+        self.procs, self.workers = [], []  # workers: (stage, replica) of each process
+        counts = tuple(st.replicas for st in layout)
+        for k, st in enumerate(layout):
             weights = None
             if initial is not None:
                 weights = str(self.out_dir / f"initial{self.attempt}-{k}.npy")
-                np.save(weights, initial[offsets[first] : offsets[last + 1]])
-            config = StageConfig(
-                job_id=self.job_id,
-                stage=k,
-                stages=len(layout),
-                first_layer=first,
-                last_layer=last,
-                forward_ms=times[0][k],
-                backward_ms=times[1][k],
-                rendezvous=self.rendezvous,
-                out_dir=str(self.out_dir),
-                first_step=first_step,
-                initial_weights=weights,
-                **self.common,
-            )
-            path = self.out_dir / f"stage{k}-{self.attempt}.json"
-            path.write_text(config.model_dump_json())
-            log = (self.out_dir / f"stage{k}-{self.attempt}.log").open("w")
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "orchestrator.agileml.pipeline.stage", str(path)],
-                    stdout=subprocess.PIPE,
-                    stderr=log,
-                    text=True,
-                    env=env,
+                np.save(weights, initial[offsets[st.first_layer] : offsets[st.last_layer + 1]])
+            for r in range(st.replicas):
+                config = StageConfig(
+                    job_id=self.job_id,
+                    stage=k,
+                    stages=len(layout),
+                    replicas=counts,
+                    replica=r,
+                    first_layer=st.first_layer,
+                    last_layer=st.last_layer,
+                    forward_ms=times[0][k],
+                    backward_ms=times[1][k],
+                    rendezvous=self.rendezvous,
+                    out_dir=str(self.out_dir),
+                    first_step=first_step,
+                    initial_weights=weights,
+                    **self.common,
                 )
-            )
+                name = f"stage{k}.{r}-{self.attempt}"
+                path = self.out_dir / f"{name}.json"
+                path.write_text(config.model_dump_json())
+                log = (self.out_dir / f"{name}.log").open("w")
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "orchestrator.agileml.pipeline.stage", str(path)],
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        text=True,
+                        env=env,
+                    )
+                )
+                self.workers.append((k, r))
 
     def run(
         self,
         evict: tuple[int, int] | None,
-        losses: dict[int, list[float]],
+        losses: dict[int, float],
         backups: _Backups,
         recoveries: list[Recovery],
     ) -> str:
-        """Rendezvous and watch until every stage is done ("done") or one died ("lost")."""
-        procs, stages = self.procs, len(self.procs)
+        """Rendezvous and watch until every worker is done ("done") or one died ("lost")."""
+        procs, workers = self.procs, len(self.procs)
+        stages = self.workers[-1][0] + 1
         hellos: dict[int, str] = {}
         done: set[int] = set()
-        while len(done) < stages:
-            dead = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
+        while len(done) < workers:
+            dead = [self.workers[w][0] for w, p in enumerate(procs) if p.poll() not in (None, 0)]
             if dead:
                 if not self.common["backup"]:
                     raise AgileMLError(f"stage {dead[0]} failed (logs in {self.out_dir})")
                 if not recoveries or recoveries[-1].killed_at < self._started_at:
-                    recoveries.append(Recovery(dead[0], time.time(), 0, []))  # not injected
+                    recoveries.append(Recovery(dead[0], time.time(), 0, ()))  # not injected
                 self.kill_all()
                 backups.forget_partial()  # steps not every stage reached are redone
                 return "lost"
@@ -326,16 +377,19 @@ class _Launch:
                 continue  # a late message of an earlier attempt
             if header.detail == "hello":
                 hellos[header.clock] = wire.parse_json_body(tensors)["inbox"]
-                if len(hellos) == stages:
+                if len(hellos) == workers:
                     self._send_peers(hellos)
             elif header.detail == "backup":
-                stage, step = int(header.sender.removeprefix("stage")), header.clock
-                backups.add(step, stage, stages, tensors["w"].numpy().copy())
-                if stage == stages - 1:
-                    losses[step] = tensors["loss"].tolist()
+                worker, step = self._worker_of(header.sender), header.clock
+                if worker is None:
+                    continue
+                stage, replica = self.workers[worker]
+                if replica == 0:
+                    backups.add(step, stage, stages, tensors["w"].numpy().copy())
+                losses.update(zip(tensors["mb"].tolist(), tensors["loss"].tolist(), strict=True))
                 if evict is not None and stage == 0 and step >= evict[1]:
-                    procs[evict[0]].send_signal(signal.SIGKILL)
-                    recoveries.append(Recovery(evict[0], time.time(), 0, []))
+                    procs[self.workers.index((evict[0], 0))].send_signal(signal.SIGKILL)
+                    recoveries.append(Recovery(evict[0], time.time(), 0, ()))
                     evict = None
             elif header.detail == "first":  # stage 0 completed its first minibatch
                 if recoveries and recoveries[-1].next_minibatch_at is None:
@@ -352,8 +406,15 @@ class _Launch:
             if proc.returncode != 0 or not lines:
                 raise AgileMLError(f"a stage failed (logs in {self.out_dir})")
             self.results.append(json.loads(lines[-1]))
-        self.results.sort(key=lambda r: r["stage"])
+        self.results.sort(key=lambda r: (r["stage"], r["replica"]))
         return "done"
+
+    def _worker_of(self, sender: str | None) -> int | None:
+        try:
+            worker = int((sender or "").removeprefix("worker"))
+        except ValueError:
+            return None
+        return worker if 0 <= worker < len(self.workers) else None
 
     def _send_peers(self, hellos: dict[int, str]) -> None:
         self._started_at = time.time()

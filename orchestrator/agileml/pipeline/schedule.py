@@ -10,12 +10,17 @@ each stage runs (PipeDream 1F1B, PipeDream-Flush, 2BW; GPipe for comparison).
     2bw     PipeDream-2BW: 1F1B without flushes, U after every M-th B (gradient accumulation),
             so at most two weight versions are live
 
-A stage's 1F1B order: `S - s - 1` forwards of warm-up, then alternately F and B, then the
-remaining Bs. Every schedule is a pure function of (schedule, stages, stage, minibatches, M).
+A replicated stage (1F1B-RR) runs each minibatch on one replica, round-robin; its replicas sum
+their gradients at every U, so they hold the same weights.
+
+A stage's 1F1B order: forwards of warm-up (`S - s - 1` with one worker per stage; the workers
+after it in general), then alternately F and B, then the remaining Bs. Every schedule is a pure
+function of (schedule, stages, stage, minibatches, M, replicas, replica).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -34,9 +39,10 @@ class Op(NamedTuple):
     minibatch: int
 
 
-def one_f_one_b(stages: int, stage: int, minibatches: list[int]) -> list[Op]:
-    """The 1F1B order of `minibatches` at `stage` (warm-up, steady 1F1B, cool-down)."""
-    warmup = min(stages - stage - 1, len(minibatches))
+def one_f_one_b(warmup: int, minibatches: list[int]) -> list[Op]:
+    """The 1F1B order of `minibatches` after `warmup` forwards (warm-up, steady 1F1B,
+    cool-down)."""
+    warmup = min(warmup, len(minibatches))
     ops = [Op("F", m) for m in minibatches[:warmup]]
     for j in range(len(minibatches) - warmup):
         ops += [Op("F", minibatches[warmup + j]), Op("B", minibatches[j])]
@@ -45,48 +51,120 @@ def one_f_one_b(stages: int, stage: int, minibatches: list[int]) -> list[Op]:
 
 
 def stage_ops(
-    schedule: Schedule, *, stages: int, stage: int, minibatches: int, microbatches: int
+    schedule: Schedule,
+    *,
+    stages: int,
+    stage: int,
+    minibatches: int,
+    microbatches: int,
+    replicas: Sequence[int] | None = None,
+    replica: int = 0,
 ) -> list[Op]:
-    """Every operation `stage` runs, in order.
+    """Every operation one replica of `stage` runs, in order.
 
-    `microbatches` (M) is the step size of gpipe/flush and the accumulation of 2bw; for gpipe
-    and flush `minibatches` must be a multiple of it.
+    `microbatches` (M) is the step size of gpipe/flush and the accumulation of 2bw.
+    `replicas[k]` workers run stage k (default 1 each); minibatch m goes to replica
+    `m % replicas[k]` (round-robin), and replica r runs the stage's order filtered to its own
+    minibatches. Stage k's warm-up counts the workers from k to the output stage, so the input
+    stage admits one minibatch per worker and a replica never waits on a forward that needs its
+    own backward first; for one worker per stage that is PipeDream's `S - k - 1`.
 
     Raises:
-        ValueError: a stage outside [0, stages), or minibatches not a multiple of M.
+        ValueError: a stage or replica out of range, or minibatches that do not split into
+            whole steps (gpipe/flush: a multiple of M) or equal shares of updates per replica
+            (1f1b: of replicas[stage]; 2bw: of M * replicas[stage]).
     """
+    counts = list(replicas) if replicas is not None else [1] * stages
+    if len(counts) != stages or min(counts) < 1:
+        raise ValueError(f"replicas {counts} must give at least 1 for each of {stages} stages")
     if not 0 <= stage < stages:
         raise ValueError(f"stage {stage} is not in [0, {stages})")
+    if not 0 <= replica < counts[stage]:
+        raise ValueError(f"replica {replica} is not in [0, {counts[stage]})")
     if microbatches < 1 or minibatches < 1:
         raise ValueError("minibatches and microbatches must be at least 1")
-    order = list(range(minibatches))
-    if schedule is not Schedule.ONE_F_ONE_B and minibatches % microbatches:
+    share = counts[stage]
+    group = {Schedule.ONE_F_ONE_B: share, Schedule.TWO_BW: share * microbatches}.get(
+        schedule, microbatches
+    )
+    if minibatches % group:
         raise ValueError(
-            f"{schedule} updates on whole groups of microbatches: minibatches ({minibatches}) "
-            f"must be a multiple of microbatches ({microbatches})"
+            f"{schedule} updates on whole groups of {group} minibatches (microbatches "
+            f"{microbatches}, {share} replicas of stage {stage}): minibatches ({minibatches}) "
+            f"must be a multiple of {group}"
         )
+    warmup = sum(counts[stage:]) - 1
+
+    def own(ops: list[Op]) -> list[Op]:
+        return [op for op in ops if op.minibatch % share == replica]
+
+    order = list(range(minibatches))
+    ops: list[Op] = []
     if schedule in (Schedule.GPIPE, Schedule.FLUSH):
-        if minibatches % microbatches:
-            raise ValueError(
-                f"{schedule} runs whole steps: minibatches ({minibatches}) must be a multiple "
-                f"of microbatches ({microbatches})"
-            )
-        ops: list[Op] = []
         for first in range(0, minibatches, microbatches):
             step = order[first : first + microbatches]
             if schedule is Schedule.GPIPE:
-                ops += [Op("F", m) for m in step] + [Op("B", m) for m in step]
+                ops += own([Op("F", m) for m in step] + [Op("B", m) for m in step])
             else:
-                ops += one_f_one_b(stages, stage, step)
+                ops += own(one_f_one_b(warmup, step))
             ops.append(Op("U", -1))
         return ops
     every = 1 if schedule is Schedule.ONE_F_ONE_B else microbatches
-    ops = []
     backwards = 0
-    for op in one_f_one_b(stages, stage, order):
+    for op in own(one_f_one_b(warmup, order)):
         ops.append(op)
         if op.kind == "B":
             backwards += 1
             if backwards % every == 0:
                 ops.append(Op("U", -1))
     return ops
+
+
+def stuck_worker(
+    schedule: Schedule, *, replicas: Sequence[int], minibatches: int, microbatches: int
+) -> tuple[int, int, Op] | None:
+    """Play every replica's order against the others with unbounded buffers: a forward waits
+    for the upstream forward of its minibatch, a backward for its own forward and the
+    downstream backward, an
+    update for every replica of its stage to reach the same update. Returns the first
+    (stage, replica, op) left waiting, or None when every operation can complete."""
+    stages = len(replicas)
+    orders = {
+        (k, r): stage_ops(schedule, stages=stages, stage=k, minibatches=minibatches,
+                          microbatches=microbatches, replicas=replicas, replica=r)
+        for k in range(stages)
+        for r in range(replicas[k])
+    }  # fmt: skip
+    at = dict.fromkeys(orders, 0)  # index of the next operation
+    done: set[tuple[str, int, int]] = set()  # (kind, stage, minibatch)
+    reached = dict.fromkeys(orders, 0)  # updates reached (gradients sent), by worker
+    at_update: set[tuple[tuple[int, int], int]] = set()  # (worker, position) of reached Us
+
+    def ready(k: int, r: int, op: Op) -> bool:
+        if op.kind == "F":
+            return k == 0 or ("F", k - 1, op.minibatch) in done
+        if op.kind == "B":
+            own_forward = ("F", k, op.minibatch) in done
+            return own_forward and (k == stages - 1 or ("B", k + 1, op.minibatch) in done)
+        return all(reached[(k, q)] >= reached[(k, r)] for q in range(replicas[k]))
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for worker, ops in orders.items():
+            while at[worker] < len(ops):
+                op = ops[at[worker]]
+                if op.kind == "U" and (worker, at[worker]) not in at_update:
+                    at_update.add((worker, at[worker]))
+                    reached[worker] += 1
+                    progressed = True
+                if not ready(*worker, op):
+                    break
+                if op.kind != "U":
+                    done.add((op.kind, worker[0], op.minibatch))
+                at[worker] += 1
+                progressed = True
+    for worker, ops in orders.items():
+        if at[worker] < len(ops):
+            return worker[0], worker[1], ops[at[worker]]
+    return None

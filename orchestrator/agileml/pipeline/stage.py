@@ -13,6 +13,7 @@ with the job token hex in `ORCHESTRATOR_AGILEML_TOKEN`; prints its result as one
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -23,7 +24,7 @@ from typing import Annotated, Any
 import numpy as np
 import torch
 import zmq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.func import functional_call
 
@@ -77,6 +78,10 @@ class StageConfig(BaseModel):
     job_id: str
     stage: Annotated[int, Field(ge=0)]
     stages: Annotated[int, Field(ge=1)]
+    # workers per stage (default one each); this one is replica `replica` of its stage and runs
+    # the minibatches m with m % replicas[stage] == replica (round-robin)
+    replicas: tuple[int, ...] | None = None
+    replica: Annotated[int, Field(ge=0)] = 0
     first_layer: Annotated[int, Field(ge=0)]
     last_layer: Annotated[int, Field(ge=0)]
     model: ChainModelSpec = ChainModelSpec()
@@ -100,6 +105,29 @@ class StageConfig(BaseModel):
     # after every update of a gpipe/flush step, send the weights to the launcher (the reliable
     # tier keeps them) so a lost stage can be re-created from the last step
     backup: bool = False
+
+    @model_validator(mode="after")
+    def _replica_in_range(self) -> StageConfig:
+        counts = self.replica_counts
+        if len(counts) != self.stages or min(counts) < 1:
+            raise ValueError(f"replicas {counts} must give at least 1 for each of {self.stages}")
+        if not (self.stage < self.stages and self.replica < counts[self.stage]):
+            raise ValueError(f"stage {self.stage} replica {self.replica} is not in {counts}")
+        return self
+
+    @property
+    def replica_counts(self) -> tuple[int, ...]:
+        return self.replicas if self.replicas is not None else (1,) * self.stages
+
+    def worker(self, stage: int, minibatch: int) -> int:
+        """The worker index (stages in order, replicas within) that runs `minibatch` at
+        `stage`."""
+        counts = self.replica_counts
+        return sum(counts[:stage]) + minibatch % counts[stage]
+
+    @property
+    def worker_index(self) -> int:
+        return sum(self.replica_counts[: self.stage]) + self.replica
 
 
 class Stage:
@@ -131,8 +159,14 @@ class Stage:
         self.first, self.last = config.stage == 0, config.stage == config.stages - 1
         if self.first or self.last:
             self.x, self.y = build_chain_data(config.model)
-        accumulation = 1 if config.schedule is Schedule.ONE_F_ONE_B else config.microbatches
-        self.loss_scale = 1.0 / (config.microbatch_size * accumulation)
+        # the gradient of an update is the mean over the minibatches it sums: a step's M
+        # (gpipe/flush, whichever replicas ran them), or each replica's 1 (1f1b) or M (2bw)
+        share = config.replica_counts[config.stage]
+        accumulation = {Schedule.ONE_F_ONE_B: share, Schedule.TWO_BW: share * config.microbatches}
+        self.loss_scale = 1.0 / (
+            config.microbatch_size * accumulation.get(config.schedule, config.microbatches)
+        )
+        self.loss_minibatches: list[int] = []
         self.losses: list[float] = []
         self.busy_s = 0.0
         self.versions_kept_max = 1  # the most weight versions alive at once
@@ -165,6 +199,7 @@ class Stage:
         if self.last:
             loss = nn.functional.cross_entropy(out, self.y[self.rows(minibatch)], reduction="sum")
             self.losses.append(float(loss.item()) / c.microbatch_size)
+            self.loss_minibatches.append(minibatch)
             self.saved[minibatch] = (x_in, loss * self.loss_scale, v)
             return None
         self.saved[minibatch] = (x_in, out, v)
@@ -183,8 +218,20 @@ class Stage:
         self._drop_unused()
         return None if self.first else x_in.grad
 
-    def update(self) -> None:
-        """SGD on the summed gradients: a new weight version."""
+    def flat_gradient(self) -> torch.Tensor:
+        """The gradients accumulated since the last update, flat in parameter order."""
+        if not self.acc:
+            return torch.zeros(0)
+        return torch.cat([g.reshape(-1) for g in self.acc])
+
+    def update(self, summed: torch.Tensor | None = None) -> None:
+        """SGD on the accumulated gradients (or `summed`, the replicas' flat sum): a new
+        weight version."""
+        if summed is not None:
+            offset = 0
+            for g in self.acc:
+                g.copy_(summed[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
         with torch.no_grad():
             for w, g in zip(self.live, self.acc, strict=True):
                 w.add_(g, alpha=-self.config.lr)
@@ -239,7 +286,7 @@ class _Link:
         fields = {
             "kind": MessageKind.PIPE,
             "job_id": self.config.job_id,
-            "sender": f"stage{self.config.stage}",
+            "sender": f"worker{self.config.worker_index}",
             "seq": self._seq,
             "clock": minibatch,
             "detail": detail,
@@ -280,18 +327,17 @@ class _Link:
 
 def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
     """Rendezvous, run every operation of the schedule, save the weights; returns the
-    stage's result (timings and losses)."""
+    worker's result (timings and losses)."""
     torch.set_num_threads(1)
     stage = Stage(config, token)
     link = _Link(config, token)
+    me = config.worker_index
     try:
-        link.send(
-            config.rendezvous, "hello", config.stage, wire.json_body({"inbox": link.endpoint})
-        )
+        link.send(config.rendezvous, "hello", me, wire.json_body({"inbox": link.endpoint}))
         _, body = link.receive("peers", 0)
         inboxes = {int(k): v for k, v in wire.parse_json_body(body).items()}
-        down = inboxes.get(config.stage + 1)
-        up = inboxes.get(config.stage - 1)
+        share = config.replica_counts[config.stage]
+        mates = [inboxes[me - config.replica + r] for r in range(share) if r != config.replica]
         offset = config.first_step * config.microbatches
         if config.first_step and config.schedule not in (Schedule.GPIPE, Schedule.FLUSH):
             raise AgileMLError("only gpipe and flush runs resume at a step")
@@ -303,6 +349,8 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
                 stage=config.stage,
                 minibatches=config.minibatches - offset,
                 microbatches=config.microbatches,
+                replicas=config.replica_counts,
+                replica=config.replica,
             )
         ]
         step, step_losses = config.first_step, 0
@@ -317,8 +365,9 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 out = stage.forward(op.minibatch, x_in, version)
                 _emulate(config.forward_ms)  # the output exists once the compute is done
-                if out is not None and down is not None:
+                if out is not None:
                     activation, v = out
+                    down = inboxes[config.worker(config.stage + 1, op.minibatch)]
                     link.send(down, "act", op.minibatch, {"x": activation}, epoch=v)
             elif op.kind == "B":
                 grad_out = None
@@ -327,35 +376,64 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 grad_in = stage.backward(op.minibatch, grad_out)
                 _emulate(config.backward_ms)
-                if grad_in is not None and up is not None:
+                if grad_in is not None:
+                    up = inboxes[config.worker(config.stage - 1, op.minibatch)]
                     link.send(up, "grad", op.minibatch, {"x": grad_in})
                 backward_ends.append(time.time())
                 if stage.first and len(backward_ends) == 1:
                     link.send(config.rendezvous, "first", op.minibatch, {})
             else:
                 t0 = time.perf_counter()
-                stage.update()
+                stage.update(_replicas_sum(link, config, mates, step, stage.flat_gradient()))
                 step += 1
                 if config.backup:
                     losses = torch.tensor(stage.losses[step_losses:], dtype=torch.float64)
+                    indexes = torch.tensor(stage.loss_minibatches[step_losses:])
                     step_losses = len(stage.losses)
-                    weights = torch.from_numpy(stage.flat_weights())
-                    link.send(config.rendezvous, "backup", step, {"w": weights, "loss": losses})
+                    # replicas hold the same weights: replica 0 sends them for the stage
+                    weights = torch.from_numpy(stage.flat_weights() if config.replica == 0
+                                               else np.zeros(0, dtype=np.float32))  # fmt: skip
+                    link.send(config.rendezvous, "backup", step,
+                              {"w": weights, "loss": losses, "mb": indexes})  # fmt: skip
             stage.busy_s += time.perf_counter() - t0
         ended = time.time()
-        np.save(Path(config.out_dir) / f"stage{config.stage}.npy", stage.flat_weights())
-        link.send(config.rendezvous, "done", config.stage, {})
+        final = stage.flat_weights()
+        if config.replica == 0:
+            np.save(Path(config.out_dir) / f"stage{config.stage}.npy", final)
+        link.send(config.rendezvous, "done", me, {})
         return {
             "stage": config.stage,
+            "replica": config.replica,
             "started": started,
             "ended": ended,
             "busy_s": stage.busy_s,
             "backward_ends": backward_ends,
             "losses": stage.losses,
+            "loss_minibatches": stage.loss_minibatches,
             "versions_kept_max": stage.versions_kept_max,
+            "weights_sha256": hashlib.sha256(final.tobytes()).hexdigest(),
         }
     finally:
         link.close()
+
+
+def _replicas_sum(
+    link: _Link, config: StageConfig, mates: list[str], update: int, own: torch.Tensor
+) -> torch.Tensor | None:
+    """The stage's replicas exchange their gradients for update `update` and each sums them in
+    replica order, so every replica applies the same bits. None for an unreplicated stage."""
+    if not mates:
+        return None
+    for endpoint in mates:
+        link.send(endpoint, f"sync{config.replica}", update, {"g": own})
+    parts = [
+        own if r == config.replica else link.receive(f"sync{r}", update)[1]["g"]
+        for r in range(config.replica_counts[config.stage])
+    ]
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 def _emulate(ms: float) -> None:
