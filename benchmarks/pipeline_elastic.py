@@ -13,6 +13,8 @@ goes to stderr.
 * throughput: minibatches per second through the input stage's backward passes after the
   first `--skip` (process warm-up and pipeline fill; a multiple of `--in-flight`, so GPipe and
   Flush are timed over whole steps); data parallelism: the median DDP iteration.
+* 1f1b_rr: 1F1B-RR, the first two stages merged into one stage (twice the compute) run by 2
+  replicas that take alternate minibatches, so 4 workers still run 3 balanced stages.
 * GPipe and Flush step on `--in-flight` microbatches (the same in-flight count as 1F1B's NOAM =
   stages); 2BW accumulates `--in-flight` microbatches per update.
 
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks.ddp_baseline import ddp_seconds_per_iteration
-from orchestrator.agileml.pipeline.local import Layout, describe, run_pipeline
+from orchestrator.agileml.pipeline.local import Layout, chain_layout, describe, run_pipeline
 from orchestrator.agileml.pipeline.planner import plan
 from orchestrator.agileml.pipeline.profiler import profile_sequential
 from orchestrator.agileml.pipeline.schedule import Schedule
@@ -102,6 +104,11 @@ def run_eviction(
     }
 
 
+def _merge(per_stage: list[float] | None) -> list[float] | None:
+    """Per-stage ms with the first two stages merged into one."""
+    return None if per_stage is None else [per_stage[0] + per_stage[1], *per_stage[2:]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depth", type=int, default=6, help="Linear layers (2*depth-1 modules)")
@@ -145,18 +152,25 @@ def main() -> None:
         "emulated": {},
         "real": {},
     }
+    # 1F1B-RR: the first two stages merged into one of twice the work, run by 2 replicas
+    merged = chain_layout(
+        [(bounds[0][0], bounds[1][1]), *bounds[2:]], [2] + [1] * (len(bounds) - 2)
+    )
+    result["stages_rr"] = describe(merged)
     for mode in ("emulated", "real"):
-        for name, (schedule, micro) in runs.items():
+        for name, (schedule, micro) in {**runs, "1f1b_rr": (Schedule.ONE_F_ONE_B, 1)}.items():
             emulate = mode == "emulated"
+            rr = name == "1f1b_rr"
+            per_stage = (fwd_ms, bwd_ms) if emulate else (None, None)
             r = run_pipeline(
                 model=spec,
-                layout=layout,
+                layout=merged if rr else layout,
                 schedule=schedule,
                 minibatches=args.minibatches,
                 microbatches=micro,
                 microbatch_size=args.microbatch_size,
-                forward_ms=fwd_ms if emulate else None,
-                backward_ms=bwd_ms if emulate else None,
+                forward_ms=_merge(per_stage[0]) if rr else per_stage[0],
+                backward_ms=_merge(per_stage[1]) if rr else per_stage[1],
             )
             result[mode][name] = round(r.throughput_per_s(skip=args.skip), 2)
             progress(f"{mode} {name}: {result[mode][name]} minibatches/s")
