@@ -18,12 +18,13 @@ goes to stderr.
 * GPipe and Flush step on `--in-flight` microbatches (the same in-flight count as 1F1B's NOAM =
   stages); 2BW accumulates `--in-flight` microbatches per update.
 
-* eviction: Flush with every step backed up on the launcher (the reliable tier); stage 1's
-  process is SIGKILLed after a third of the steps and not replaced: the planner re-plans the
-  model onto 3 stages, the last backed-up step is sliced into them, and the interrupted step
-  is replayed. `recovery_s` runs from the kill to the input stage's next completed minibatch;
-  the loss (mean of the last 4 steps' minibatches) and weights are compared with the same run
-  without the eviction.
+* eviction_flush, eviction_1f1b: every update backed up on the launcher (the reliable tier);
+  stage 1's process is SIGKILLed a third of the way and not replaced: the planner re-plans the
+  model onto 3 stages, the weights of the last minibatch count every stage backed up are
+  sliced into them, and the minibatches after it are replayed. `recovery_s` runs from the kill
+  to the input stage's next completed minibatch; the loss (mean of the last 16 minibatches)
+  and weights are compared with the same run without the eviction (Flush: equal; 1F1B refills
+  the pipeline from the cut, so close).
 
     python -m benchmarks.pipeline_elastic [--minibatches 96 --stage-ms 30]
 """
@@ -48,6 +49,9 @@ from orchestrator.agileml.pipeline.stage import ChainModelSpec, build_chain
 STAGES = 4
 LOOPBACK_BYTES_PER_S = 1e9  # what the planner assumes between stage processes
 TARGET_1F1B_OVER_GPIPE = 1.3
+# learning rates at which this chain visibly learns in the eviction runs (Flush updates once
+# per step of in-flight microbatches, on their mean)
+EVICTION_LR = {Schedule.FLUSH: 1.0, Schedule.ONE_F_ONE_B: 0.25}
 
 
 def progress(message: str) -> None:
@@ -59,44 +63,53 @@ def run_eviction(
     spec: ChainModelSpec,
     profile: Any,
     layout: Layout,
-    fwd_ms: list[float],
-    bwd_ms: list[float],
+    emulated: tuple[list[float], list[float]],
+    schedule: Schedule,
 ) -> dict[str, Any]:
-    """Flush with backups: stage 1's process is SIGKILLed mid-run and not replaced, so the
-    job re-plans onto 3 nodes and resumes from the last backed-up step; against the same run
-    without the eviction."""
+    """`schedule` with backups: stage 1's process is SIGKILLed a third of the way and not
+    replaced, so the job re-plans onto 3 nodes and resumes from the last minibatch count every
+    stage backed up; against the same run without the eviction."""
+    micro = args.in_flight if schedule is Schedule.FLUSH else 1
+    lr = EVICTION_LR[schedule]
     common: dict[str, Any] = dict(
         model=spec,
         layout=layout,
-        schedule=Schedule.FLUSH,
-        minibatches=args.minibatches,
-        microbatches=args.in_flight,
+        schedule=schedule,
+        minibatches=args.eviction_minibatches,
+        microbatches=micro,
         microbatch_size=args.microbatch_size,
-        forward_ms=fwd_ms,
-        backward_ms=bwd_ms,
+        lr=lr,
+        forward_ms=emulated[0],
+        backward_ms=emulated[1],
         backup=True,
     )
-    steps = args.minibatches // args.in_flight
     plain = run_pipeline(**common)
-    progress("eviction: baseline run done")
+    progress(f"eviction {schedule}: baseline run done")
 
     def replan(nodes: int) -> Layout:
         return plan(profile, nodes, LOOPBACK_BYTES_PER_S, stages=nodes).stages
 
-    evicted = run_pipeline(**common, evict=(1, steps // 3), replan=replan)
+    kill_after = args.eviction_minibatches // 3 // micro * micro
+    evicted = run_pipeline(**common, evict=(1, kill_after), replan=replan)
     recovery = evicted.recoveries[0]
-    progress(f"eviction: recovered in {recovery.seconds:.2f} s onto {describe(recovery.layout)}")
-    last = args.in_flight * 4  # the final 4 steps' minibatches
+    progress(
+        f"eviction {schedule}: recovered in {recovery.seconds:.2f} s onto "
+        f"{describe(recovery.layout)}"
+    )
+    last = 16
 
     def tail(losses: list[float]) -> float:
         return sum(losses[-last:]) / last
 
     return {
+        "lr": lr,
+        "minibatches": args.eviction_minibatches,
         "evicted_stage": 1,
-        "evicted_after_step": steps // 3,
-        "resumed_at_step": recovery.resumed_step,
+        "evicted_after_minibatches": kill_after,
+        "resumed_at_minibatch": recovery.resumed_minibatch,
         "replanned_stages": describe(recovery.layout),
         "recovery_s": round(recovery.seconds or float("nan"), 3),
+        "loss_first_16": round(sum(plain.losses[:last]) / last, 6),
         "loss_without_eviction": round(tail(plain.losses), 6),
         "loss_with_eviction": round(tail(evicted.losses), 6),
         "max_weight_difference": float((plain.weights - evicted.weights).abs().max()),
@@ -120,6 +133,9 @@ def main() -> None:
     parser.add_argument("--microbatch-size", type=int, default=32)
     parser.add_argument("--in-flight", type=int, default=STAGES)
     parser.add_argument("--stage-ms", type=float, default=30.0, help="emulated F+B per stage")
+    parser.add_argument(
+        "--eviction-minibatches", type=int, default=384, help="minibatches of each eviction run"
+    )
     args = parser.parse_args()
     started = time.monotonic()
     spec = ChainModelSpec(features=64, hidden=args.hidden, classes=10, depth=args.depth)
@@ -189,7 +205,10 @@ def main() -> None:
         progress(f"{mode} data parallel: {result[mode]['data_parallel']} minibatches/s")
         result[mode]["1f1b_over_gpipe"] = round(result[mode]["1f1b"] / result[mode]["gpipe"], 3)
     result["target_1f1b_over_gpipe"] = TARGET_1F1B_OVER_GPIPE
-    result["eviction"] = run_eviction(args, spec, profile, layout, fwd_ms, bwd_ms)
+    for schedule in EVICTION_LR:
+        result[f"eviction_{schedule}"] = run_eviction(
+            args, spec, profile, layout, (fwd_ms, bwd_ms), schedule
+        )
     result["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result, indent=2))
 

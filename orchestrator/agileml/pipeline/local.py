@@ -6,13 +6,16 @@ once all have said hello, and collects their results and final weights.
 A layout is the planner's stages: layer ranges, each run by `replicas` workers (one process
 each) that split its minibatches round-robin and sum their gradients at every update.
 
-Elastic runs (`backup=True`, gpipe or flush): after every step each stage sends its weights
-here, the reliable tier's copy. When a worker's process dies (an eviction: `evict=(stage,
-step)` injects one with SIGKILL), the launcher stops the others, re-plans the layout for the
-nodes now held (`replan(nodes)`, e.g. the planner's stages for that many workers, or the same
-layout on a replacement node), slices the last step every stage backed up into the new stages,
-and restarts them there; the minibatches of the interrupted step are replayed. Flush and GPipe
-steps are synchronous, so the result is the same as without the eviction.
+Elastic runs (`backup=True`, any schedule): after every update each stage sends its weights
+here, the reliable tier's copy, with the number of minibatches they include. When a worker's
+process dies (an eviction: `evict=(stage, minibatches)` injects one with SIGKILL), the launcher
+stops the others, re-plans the layout for the nodes now held (`replan(nodes)`, e.g. the
+planner's stages for that many workers, or the same layout on a replacement node), slices the
+weights of the last minibatch count every stage backed up into the new stages, and restarts
+them there; the minibatches after it, in flight or not begun, are replayed. Flush and GPipe
+steps are synchronous, so their result is the same as without the eviction; 1F1B and 2BW
+refill the pipeline from that cut (every stage's weights include exactly the same minibatches),
+so the replayed minibatches see fresher weights than they would have: close, not equal.
 """
 
 from __future__ import annotations
@@ -65,12 +68,12 @@ def describe(layout: Layout) -> list[list[int]]:
 
 @dataclass
 class Recovery:
-    """One eviction: when the stage's worker was killed, the step the job resumed at, the new
-    layout, and when the next minibatch completed after it."""
+    """One eviction: when the stage's worker was killed, the minibatch the job resumed at, the
+    new layout, and when the next minibatch completed after it."""
 
     stage: int
     killed_at: float
-    resumed_step: int
+    resumed_minibatch: int
     layout: Layout
     next_minibatch_at: float | None = None
 
@@ -129,8 +132,9 @@ def run_pipeline(
     """Train with one process per worker of `layout` (see `chain_layout`, or a plan's stages).
 
     `forward_ms`/`backward_ms` emulate each stage's compute per microbatch with sleeps (per
-    stage; after a re-plan, spread by layer count). `evict=(stage, step)` kills the stage's
-    first worker once an input-stage worker backed up `step` (needs `backup`); `replan(nodes)`
+    stage; after a re-plan, spread by layer count). `evict=(stage, minibatches)` kills the
+    stage's first worker once an input-stage worker backed up weights including that many
+    minibatches (needs `backup`); `replan(nodes)`
     gives the layout for the workers left (default: the same layout, on a replacement node).
 
     Raises:
@@ -145,8 +149,6 @@ def run_pipeline(
             "vertical_sync numbers weight versions by update, and replicated stages update "
             "once per replica group: use unreplicated stages with vertical_sync"
         )
-    if (backup or evict) and schedule not in (Schedule.GPIPE, Schedule.FLUSH):
-        raise AgileMLError("elastic runs need a synchronous schedule: gpipe or flush")
     if schedule is Schedule.TWO_BW and microbatches < len(layout):
         raise AgileMLError(
             f"2bw keeps two weight versions only when it accumulates at least as many "
@@ -155,10 +157,8 @@ def run_pipeline(
         )
     if evict is not None and not backup:
         raise AgileMLError("an injected eviction needs backup=True (nothing to recover from)")
-    if evict is not None and not (
-        0 <= evict[0] < len(layout) and 0 < evict[1] < minibatches // microbatches
-    ):
-        raise AgileMLError(f"evict={evict}: want (a stage, a step before the last)")
+    if evict is not None and not (0 <= evict[0] < len(layout) and 0 < evict[1] < minibatches):
+        raise AgileMLError(f"evict={evict}: want (a stage, a minibatch count before the last)")
     token = secrets.token_bytes(32)
     ctx: zmq.Context[Any] = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -180,7 +180,7 @@ def run_pipeline(
     try:
         while True:
             times = _spread(emulated, planned, layout)
-            launch.start(layout, backups.step, backups.weights, times)
+            launch.start(layout, backups.done, backups.weights, times)
             outcome = launch.run(evict, losses, backups, recoveries)
             if outcome == "done":
                 break
@@ -190,15 +190,15 @@ def run_pipeline(
             if replan is not None:
                 workers = sum(st.replicas for st in layout)
                 layout = tuple(replan(workers - 1))  # the lost node is not replaced
-                _check_layout(layout, len(sizes), schedule, minibatches, microbatches)
-            recoveries[-1].resumed_step, recoveries[-1].layout = backups.step, layout
+                left = minibatches - backups.done
+                _check_layout(layout, len(sizes), schedule, left, microbatches)
+            recoveries[-1].resumed_minibatch, recoveries[-1].layout = backups.done, layout
         results = launch.results
         weights = torch.cat(
             [torch.from_numpy(np.load(out_dir / f"stage{k}.npy")) for k in range(len(layout))]
         )
-        if not losses:
-            for r in results:
-                losses.update(zip(r["loss_minibatches"], r["losses"], strict=True))
+        for r in results:  # the last attempt's own, backed up or not
+            losses.update(zip(r["loss_minibatches"], r["losses"], strict=True))
         all_losses = [losses[m] for m in sorted(losses)]
         shutil.rmtree(out_dir, ignore_errors=True)  # kept, with the logs, when a run fails
         return PipelineResult(
@@ -215,20 +215,21 @@ def run_pipeline(
 
 
 class _Backups:
-    """The reliable tier's copy: the weights (flat, in layer order, whatever the layout) of the
-    last step that every stage backed up, and the partial newer steps."""
+    """The reliable tier's copy: the weights (flat, in layer order, whatever the layout) that
+    include the first `done` minibatches, the most that every stage backed up, and the partial
+    newer counts (stages whose updates sum different group sizes meet at common multiples)."""
 
     def __init__(self) -> None:
-        self.step = 0
+        self.done = 0
         self.weights: np.ndarray | None = None  # None: the initial weights
         self._partial: dict[int, dict[int, np.ndarray]] = {}
 
-    def add(self, step: int, stage: int, stages: int, weights: np.ndarray) -> None:
-        parts = self._partial.setdefault(step, {})
+    def add(self, done: int, stage: int, stages: int, weights: np.ndarray) -> None:
+        parts = self._partial.setdefault(done, {})
         parts[stage] = weights
-        if len(parts) == stages and step > self.step:
-            self.step, self.weights = step, np.concatenate([parts[k] for k in range(stages)])
-            self._partial = {s: p for s, p in self._partial.items() if s > step}
+        if len(parts) == stages and done > self.done:
+            self.done, self.weights = done, np.concatenate([parts[k] for k in range(stages)])
+            self._partial = {s: p for s, p in self._partial.items() if s > done}
 
     def forget_partial(self) -> None:
         self._partial.clear()
@@ -294,7 +295,7 @@ class _Launch:
     def start(
         self,
         layout: Layout,
-        first_step: int,
+        first_minibatch: int,
         initial: np.ndarray | None,
         times: tuple[list[float], list[float]],
     ) -> None:
@@ -323,7 +324,7 @@ class _Launch:
                     backward_ms=times[1][k],
                     rendezvous=self.rendezvous,
                     out_dir=str(self.out_dir),
-                    first_step=first_step,
+                    first_minibatch=first_minibatch,
                     initial_weights=weights,
                     **self.common,
                 )
@@ -362,7 +363,7 @@ class _Launch:
                 if not recoveries or recoveries[-1].killed_at < self._started_at:
                     recoveries.append(Recovery(dead[0], time.time(), 0, ()))  # not injected
                 self.kill_all()
-                backups.forget_partial()  # steps not every stage reached are redone
+                backups.forget_partial()  # minibatches not every stage backed up are redone
                 return "lost"
             remaining = int((self.deadline - time.monotonic()) * 1000)
             if remaining <= 0:
@@ -380,14 +381,14 @@ class _Launch:
                 if len(hellos) == workers:
                     self._send_peers(hellos)
             elif header.detail == "backup":
-                worker, step = self._worker_of(header.sender), header.clock
+                worker, included = self._worker_of(header.sender), header.clock
                 if worker is None:
                     continue
                 stage, replica = self.workers[worker]
                 if replica == 0:
-                    backups.add(step, stage, stages, tensors["w"].numpy().copy())
+                    backups.add(included, stage, stages, tensors["w"].numpy().copy())
                 losses.update(zip(tensors["mb"].tolist(), tensors["loss"].tolist(), strict=True))
-                if evict is not None and stage == 0 and step >= evict[1]:
+                if evict is not None and stage == 0 and included >= evict[1]:
                     procs[self.workers.index((evict[0], 0))].send_signal(signal.SIGKILL)
                     recoveries.append(Recovery(evict[0], time.time(), 0, ()))
                     evict = None

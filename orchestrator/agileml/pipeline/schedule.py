@@ -59,8 +59,10 @@ def stage_ops(
     microbatches: int,
     replicas: Sequence[int] | None = None,
     replica: int = 0,
+    first_minibatch: int = 0,
 ) -> list[Op]:
-    """Every operation one replica of `stage` runs, in order.
+    """Every operation one replica of `stage` runs, in order, on minibatches
+    `first_minibatch` .. `minibatches - 1` (a resumed run starts past 0).
 
     `microbatches` (M) is the step size of gpipe/flush and the accumulation of 2bw.
     `replicas[k]` workers run stage k (default 1 each); minibatch m goes to replica
@@ -72,7 +74,8 @@ def stage_ops(
     Raises:
         ValueError: a stage or replica out of range, or minibatches that do not split into
             whole steps (gpipe/flush: a multiple of M) or equal shares of updates per replica
-            (1f1b: of replicas[stage]; 2bw: of M * replicas[stage]).
+            (1f1b: of replicas[stage]; 2bw: of M * replicas[stage]), counted from
+            `first_minibatch`.
     """
     counts = list(replicas) if replicas is not None else [1] * stages
     if len(counts) != stages or min(counts) < 1:
@@ -81,16 +84,15 @@ def stage_ops(
         raise ValueError(f"stage {stage} is not in [0, {stages})")
     if not 0 <= replica < counts[stage]:
         raise ValueError(f"replica {replica} is not in [0, {counts[stage]})")
-    if microbatches < 1 or minibatches < 1:
-        raise ValueError("minibatches and microbatches must be at least 1")
+    count = minibatches - first_minibatch
+    if microbatches < 1 or count < 1 or first_minibatch < 0:
+        raise ValueError("minibatches (after first_minibatch) and microbatches must be at least 1")
     share = counts[stage]
-    group = {Schedule.ONE_F_ONE_B: share, Schedule.TWO_BW: share * microbatches}.get(
-        schedule, microbatches
-    )
-    if minibatches % group:
+    group = update_group(schedule, microbatches, share)
+    if count % group:
         raise ValueError(
             f"{schedule} updates on whole groups of {group} minibatches (microbatches "
-            f"{microbatches}, {share} replicas of stage {stage}): minibatches ({minibatches}) "
+            f"{microbatches}, {share} replicas of stage {stage}): minibatches ({count}) "
             f"must be a multiple of {group}"
         )
     warmup = sum(counts[stage:]) - 1
@@ -98,10 +100,10 @@ def stage_ops(
     def own(ops: list[Op]) -> list[Op]:
         return [op for op in ops if op.minibatch % share == replica]
 
-    order = list(range(minibatches))
+    order = list(range(first_minibatch, minibatches))
     ops: list[Op] = []
     if schedule in (Schedule.GPIPE, Schedule.FLUSH):
-        for first in range(0, minibatches, microbatches):
+        for first in range(0, count, microbatches):
             step = order[first : first + microbatches]
             if schedule is Schedule.GPIPE:
                 ops += own([Op("F", m) for m in step] + [Op("B", m) for m in step])
@@ -118,6 +120,14 @@ def stage_ops(
             if backwards % every == 0:
                 ops.append(Op("U", -1))
     return ops
+
+
+def update_group(schedule: Schedule, microbatches: int, replicas: int) -> int:
+    """Minibatches each update of a stage run by `replicas` workers sums: a step of M (gpipe,
+    flush), one per replica (1f1b), M per replica (2bw)."""
+    return {Schedule.ONE_F_ONE_B: replicas, Schedule.TWO_BW: replicas * microbatches}.get(
+        schedule, microbatches
+    )
 
 
 def stuck_worker(

@@ -30,7 +30,7 @@ from torch.func import functional_call
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError, WireError
-from orchestrator.agileml.pipeline.schedule import Op, Schedule, stage_ops
+from orchestrator.agileml.pipeline.schedule import Schedule, stage_ops, update_group
 from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.token import token_from_env
 from orchestrator.agileml.wire import MessageKind
@@ -98,12 +98,12 @@ class StageConfig(BaseModel):
     rendezvous: str  # the launcher's endpoint
     host: str = "127.0.0.1"
     out_dir: str  # where the final weights go (`stage{N}.npy`)
-    # resuming after an eviction: start at this step (gpipe/flush: a step is `microbatches`
-    # minibatches and ends with an update) from these weights (a flat float32 .npy)
-    first_step: Annotated[int, Field(ge=0)] = 0
+    # resuming after an eviction: start at this minibatch (every stage's update boundary) from
+    # these weights (a flat float32 .npy)
+    first_minibatch: Annotated[int, Field(ge=0)] = 0
     initial_weights: str | None = None
-    # after every update of a gpipe/flush step, send the weights to the launcher (the reliable
-    # tier keeps them) so a lost stage can be re-created from the last step
+    # after every update, send the weights to the launcher (the reliable tier keeps them) with
+    # the number of minibatches they include, so a lost stage can be re-created from there
     backup: bool = False
 
     @model_validator(mode="after")
@@ -162,10 +162,8 @@ class Stage:
         # the gradient of an update is the mean over the minibatches it sums: a step's M
         # (gpipe/flush, whichever replicas ran them), or each replica's 1 (1f1b) or M (2bw)
         share = config.replica_counts[config.stage]
-        accumulation = {Schedule.ONE_F_ONE_B: share, Schedule.TWO_BW: share * config.microbatches}
-        self.loss_scale = 1.0 / (
-            config.microbatch_size * accumulation.get(config.schedule, config.microbatches)
-        )
+        self.group = update_group(config.schedule, config.microbatches, share)
+        self.loss_scale = 1.0 / (config.microbatch_size * self.group)
         self.loss_minibatches: list[int] = []
         self.losses: list[float] = []
         self.busy_s = 0.0
@@ -338,22 +336,17 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
         inboxes = {int(k): v for k, v in wire.parse_json_body(body).items()}
         share = config.replica_counts[config.stage]
         mates = [inboxes[me - config.replica + r] for r in range(share) if r != config.replica]
-        offset = config.first_step * config.microbatches
-        if config.first_step and config.schedule not in (Schedule.GPIPE, Schedule.FLUSH):
-            raise AgileMLError("only gpipe and flush runs resume at a step")
-        ops = [
-            Op(op.kind, op.minibatch + offset if op.kind != "U" else -1)
-            for op in stage_ops(
-                config.schedule,
-                stages=config.stages,
-                stage=config.stage,
-                minibatches=config.minibatches - offset,
-                microbatches=config.microbatches,
-                replicas=config.replica_counts,
-                replica=config.replica,
-            )
-        ]
-        step, step_losses = config.first_step, 0
+        ops = stage_ops(
+            config.schedule,
+            stages=config.stages,
+            stage=config.stage,
+            minibatches=config.minibatches,
+            microbatches=config.microbatches,
+            replicas=config.replica_counts,
+            replica=config.replica,
+            first_minibatch=config.first_minibatch,
+        )
+        completed, sent_losses = config.first_minibatch, 0  # minibatches in the weights
         started = time.time()
         backward_ends: list[float] = []  # wall time each backward ended, in schedule order
         for op in ops:
@@ -384,16 +377,17 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
                     link.send(config.rendezvous, "first", op.minibatch, {})
             else:
                 t0 = time.perf_counter()
-                stage.update(_replicas_sum(link, config, mates, step, stage.flat_gradient()))
-                step += 1
+                grads = stage.flat_gradient()
+                stage.update(_replicas_sum(link, config, mates, completed, grads))
+                completed += stage.group
                 if config.backup:
-                    losses = torch.tensor(stage.losses[step_losses:], dtype=torch.float64)
-                    indexes = torch.tensor(stage.loss_minibatches[step_losses:])
-                    step_losses = len(stage.losses)
+                    losses = torch.tensor(stage.losses[sent_losses:], dtype=torch.float64)
+                    indexes = torch.tensor(stage.loss_minibatches[sent_losses:])
+                    sent_losses = len(stage.losses)
                     # replicas hold the same weights: replica 0 sends them for the stage
                     weights = torch.from_numpy(stage.flat_weights() if config.replica == 0
                                                else np.zeros(0, dtype=np.float32))  # fmt: skip
-                    link.send(config.rendezvous, "backup", step,
+                    link.send(config.rendezvous, "backup", completed,
                               {"w": weights, "loss": losses, "mb": indexes})  # fmt: skip
             stage.busy_s += time.perf_counter() - t0
         ended = time.time()
