@@ -369,3 +369,27 @@ def test_unauthenticated_control_messages_change_nothing(
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def test_losing_every_reliable_node_aborts_the_job_with_a_clear_reason(
+    jobs: Callable[[TrainingSpec], Job],
+) -> None:
+    """1 reliable + 1 transient node; the reliable one dies without warning. The reliable
+    copies of the partitions are gone, so the controller aborts the job, tells the nodes to
+    shut down and says why, instead of retrying forever."""
+    job = jobs(_spec("no-reliable", iterations=400, min_nodes=2))
+    crasher, start = Crasher(), job.gate(3)
+    job.launch("r0", NodeTier.RELIABLE, hook=chain(start, crasher.hook("r0")))
+    job.launch("t0")
+    job.wait_started()
+    start.wait_reached()
+    crasher.target, crasher.phase, crasher.clock = "r0", "pulled", 6
+    start.released.set()
+    job.wait_for("the crash", crasher.fired.is_set)
+    assert job.coord.wait_done(RECOVERY_S), f"not aborted; events: {job.coord.events()}"
+    assert job.coord.error is not None and "reliable node" in job.coord.error
+    assert job.coord.view().shutdown
+    assert job.event_nodes("aborted") == set()  # recorded, naming no node
+    assert any(e.kind == "aborted" for e in job.coord.events())
+    job.close()
+    assert job.ended("t0") == "stopped"  # told to shut down, not crashed

@@ -323,7 +323,11 @@ class AgileMLNode:
                 if self._leaving.is_set() and not told_leaving:
                     told_leaving = self._send(client, Leaving()) is not None
                 self._refresh.clear()
-                reply = self._send(client, Heartbeat(clock=self._clock, loss=self._last_loss))
+                helped = (
+                    0 if self._reassigner is None else self._reassigner.stats.rows_helped_by_others
+                )
+                beat = Heartbeat(clock=self._clock, loss=self._last_loss, reassigned_rows=helped)
+                reply = self._send(client, beat)
                 misses = 0 if reply is not None else misses + 1
                 if misses >= LOST_CONTROLLER_HEARTBEATS:
                     self._lost = True

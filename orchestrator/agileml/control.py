@@ -136,6 +136,8 @@ class Heartbeat(BaseModel):
     op: Literal["heartbeat"] = "heartbeat"
     clock: Annotated[int, Field(ge=0)]  # the clock the node's worker is at (done below it)
     loss: float | None = None  # the loss of the last iteration, if any
+    # rows of this node's shares that FlexRR had helpers compute, so far
+    reassigned_rows: Annotated[int, Field(ge=0)] = 0
 
 
 class Leaving(BaseModel):

@@ -63,7 +63,7 @@ from orchestrator.agileml.elasticity import (
     assign_partitions,
     plan_roles,
 )
-from orchestrator.agileml.errors import AgileMLError, WireError
+from orchestrator.agileml.errors import AgileMLError, NoReliableNodeError, WireError
 from orchestrator.agileml.partitions import PartitionTable
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.wire import MessageKind
@@ -85,6 +85,17 @@ class _NodeInfo:
     clock: int = 0
     losses: list[tuple[int, float]] = field(default_factory=list)  # (clock, loss) heard
     peer_endpoint: str | None = None
+    reassigned_rows: int = 0  # FlexRR: rows of its shares helpers computed, as last heard
+
+
+@dataclass(frozen=True)
+class TrainingProgress:
+    """The job's training as the controller hears it: the furthest clock a node reported,
+    FlexRR's reassigned rows (summed over nodes) and the AgileML stage changes so far."""
+
+    iteration: int
+    reassigned_rows: int
+    stage_transitions: int
 
 
 @dataclass(frozen=True)
@@ -92,7 +103,7 @@ class CoordinatorEvent:
     """Something the controller did, for logs, tests and benchmarks."""
 
     at_s: float
-    kind: str  # started | joined | evicted | failed | rolled_back | done
+    kind: str  # started | joined | evicted | failed | rolled_back | done | aborted
     nodes: tuple[str, ...]
     detail: str = ""
 
@@ -121,6 +132,8 @@ class Coordinator:
         self._nodes: dict[str, _NodeInfo] = {}
         self._membership = Membership()
         self._view = View()
+        self._stage_transitions = 0
+        self._error: str | None = None
         self._table = PartitionTable(spec.num_partitions)
         self._horizon = spec.horizon_clocks
         self._events: list[CoordinatorEvent] = []
@@ -193,8 +206,24 @@ class Coordinator:
         self._queue.put(("leaving", node_id))
 
     def wait_done(self, timeout_s: float) -> bool:
-        """Wait until every worker has finished `spec.iterations` clocks."""
+        """Wait until every worker has finished `spec.iterations` clocks, or the job was
+        aborted (then `error` says why)."""
         return self._done.wait(timeout_s)
+
+    @property
+    def error(self) -> str | None:
+        """Why the job was aborted (None: it was not)."""
+        with self._lock:
+            return self._error
+
+    def _abort(self, reason: str) -> None:
+        """The job cannot go on: record why, tell every node to shut down, wake waiters."""
+        log.error("agileml job aborted", extra={"error": reason})
+        with self._lock:
+            self._error = reason
+            self._view = self._view.model_copy(update={"done": True, "shutdown": True})
+        self._record("aborted", [], reason)
+        self._done.set()
 
     def fetch_parameters(
         self, timeout_s: float = CONTROL_TIMEOUT_SECONDS, *, final: bool = True
@@ -294,6 +323,7 @@ class Coordinator:
             info.last_seen_s = now
             if isinstance(m, Heartbeat):
                 info.clock = m.clock
+                info.reassigned_rows = m.reassigned_rows
                 if m.loss is not None and (not info.losses or info.losses[-1][0] != m.clock):
                     info.losses.append((m.clock, m.loss))
             elif isinstance(m, Ready):
@@ -321,6 +351,9 @@ class Coordinator:
                     pass
                 try:
                     self._step(client, batch)
+                except NoReliableNodeError as exc:
+                    self._abort(str(exc))
+                    return
                 except (AgileMLError, ValidationError) as exc:
                     log.exception("reconfiguration failed", extra={"error": str(exc)})
         finally:
@@ -581,8 +614,19 @@ class Coordinator:
 
     # -- state helpers ----------------------------------------------------------------------
 
+    def progress(self) -> TrainingProgress:
+        """Iterations, reassigned rows and stage transitions so far (for the dashboard)."""
+        with self._lock:
+            return TrainingProgress(
+                iteration=max((i.clock for i in self._nodes.values()), default=0),
+                reassigned_rows=sum(i.reassigned_rows for i in self._nodes.values()),
+                stage_transitions=self._stage_transitions,
+            )
+
     def _publish(self, **changes: Any) -> None:
         with self._lock:
+            if "stage" in changes and self._view.epoch > 0 and changes["stage"] != self._view.stage:
+                self._stage_transitions += 1
             owners = {
                 p: self._table.owner(p)
                 for p in range(self.spec.num_partitions)

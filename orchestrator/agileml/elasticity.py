@@ -22,7 +22,12 @@ from typing import NoReturn
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from orchestrator.agileml.errors import ElasticityError, IllegalTransitionError, PartitionError
+from orchestrator.agileml.errors import (
+    ElasticityError,
+    IllegalTransitionError,
+    NoReliableNodeError,
+    PartitionError,
+)
 from orchestrator.agileml.partitions import PartitionTable
 
 
@@ -78,7 +83,7 @@ def _count(nodes: Sequence[Node]) -> tuple[int, int]:
         raise ElasticityError(f"duplicate node ids in {sorted(ids)}")
     reliable = sum(1 for n in nodes if n.tier is NodeTier.RELIABLE)
     if reliable == 0:
-        raise ElasticityError(
+        raise NoReliableNodeError(
             "AgileML needs at least one reliable node (BackupPSs and ParamServs live there). "
             "To fix: add an on-demand node to the job."
         )

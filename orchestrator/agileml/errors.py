@@ -107,6 +107,11 @@ class ElasticityError(AgileMLError):
     """
 
 
+class NoReliableNodeError(ElasticityError):
+    """No reliable node is left (or there never was one): the partitions' reliable copies
+    live there, so the job cannot go on; the elasticity controller aborts it."""
+
+
 class IllegalTransitionError(ElasticityError):
     """A membership move that the lifecycle table does not allow; the node's state is unchanged.
 

@@ -107,6 +107,8 @@ class LocalJob:
         """Wait for the job to be done; returns the final partitions and each node's outcome."""
         if not self.coordinator.wait_done(timeout_s):
             raise AgileMLError(f"job not done in {timeout_s}s: {self.events()}")
+        if self.coordinator.error is not None:
+            raise AgileMLError(f"the job was aborted: {self.coordinator.error}")
         params = self.coordinator.fetch_parameters()
         self.coordinator.stop()
         return params, self._collect()
