@@ -175,7 +175,13 @@ def simulate(
         ),
     ] = None,
     plot: Annotated[
-        Path | None, typer.Option("--plot", help="Save a PNG of cost and runtime per strategy.")
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Save a PNG of cost and runtime per strategy; a path ending in .html gets the "
+            "dashboard's run report instead (every strategy replayed from the first start: "
+            "spend, nodes and evictions, prices; one self-contained file).",
+        ),
     ] = None,
     config_file: Annotated[
         Path | None,
@@ -243,7 +249,13 @@ def simulate(
         sys.stdout.write(json.dumps(report.as_dict()) + "\n")
     else:
         render_table(report, out)
-    if plot is not None:
+    if plot is not None and plot.suffix.lower() in (".html", ".htm"):
+        from orchestrator.sim.dashboard import write_run_report
+
+        shown = write_run_report(config, world, report.ondemand_cost_usd, plot)
+        if not as_json:
+            out.print(f"report saved to {plot} (every strategy replayed from {shown})")
+    elif plot is not None:
         save_plot(report, plot)
         if not as_json:
             out.print(f"plot saved to {plot}")
@@ -294,9 +306,30 @@ def demo(
     json_summary: Annotated[
         Path | None, typer.Option("--json-summary", help="Write the summary as JSON here.")
     ] = None,
+    port: Annotated[
+        int,
+        typer.Option(
+            "--port",
+            min=0,
+            max=65535,
+            help="Serve the API and the live dashboard on 127.0.0.1:PORT (0: any free port).",
+        ),
+    ] = 8750,
+    no_dashboard: Annotated[
+        bool, typer.Option("--no-dashboard", help="Do not serve the API and dashboard.")
+    ] = False,
+    linger: Annotated[
+        float,
+        typer.Option(
+            "--linger",
+            min=0.0,
+            help="Keep serving the dashboard this many seconds after the job ends.",
+        ),  # fmt: skip
+    ] = 0.0,
 ) -> None:
     """The offline demo: Redis, a moto EC2 server, replayed 2020 prices and p3 evictions, the
-    controller and local node agents, running one job with a budget to the end."""
+    controller and local node agents, running one job with a budget to the end, watched on a
+    live dashboard."""
     from orchestrator.demo import job_state_ok, run_demo, write_summary
 
     if budget <= 0 or not math.isfinite(budget):
@@ -311,7 +344,14 @@ def demo(
             field="--json-summary",
             fix="create the folder first",
         )
-    summary = run_demo(speed=speed, budget_usd=budget, seed=seed, console=out)
+    summary = run_demo(
+        speed=speed,
+        budget_usd=budget,
+        seed=seed,
+        console=out,
+        port=None if no_dashboard else port,
+        linger_s=linger,
+    )
     if json_summary is not None:
         write_summary(summary, json_summary)
     if not job_state_ok(summary):

@@ -242,6 +242,34 @@ def show_job(
     out.print(table)
 
 
+# -- report -------------------------------------------------------------------------------
+
+
+@app.command()
+def report(
+    job_id: Annotated[str, typer.Argument(metavar="ID", help="The job id, e.g. job-1a2b3c4d.")],
+    out_path: Annotated[
+        Path, typer.Option("--out", help="The HTML file to write (one self-contained page).")
+    ] = Path("report.html"),
+    api: ApiOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Write the job's dashboard as one self-contained HTML file to share: spend vs budget,
+    cost per work, spot prices, nodes and evictions, training and events, as of now."""
+    from orchestrator.api.views import dashboard_html
+
+    if not out_path.parent.is_dir():
+        raise UserError(
+            f"cannot write {out_path}: folder {out_path.parent} does not exist",
+            field="--out",
+            fix="create the folder first, or pass another --out",
+        )
+    with _client(api, token) as client:
+        data = {"fleet": client.fleet_dashboard(), "job": client.job_dashboard(job_id)}
+    out_path.write_text(dashboard_html(data))
+    out.print(f"wrote {out_path} ({out_path.stat().st_size / 1024:.0f} KiB): job {job_id}")
+
+
 # -- cancel -------------------------------------------------------------------------------
 
 

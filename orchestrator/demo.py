@@ -13,6 +13,7 @@ a budget, prints a live progress line and ends with a summary that includes the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import secrets
@@ -21,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pydantic import SecretStr
 from rich.console import Console
 
 from orchestrator.agileml.control import ModelSpec, TrainingSpec
@@ -28,6 +30,8 @@ from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.examples import build_model, full_loss, initial_model
 from orchestrator.agileml.partitions import PartitionLayout
+from orchestrator.api.app import create_app
+from orchestrator.api.serve import BackgroundServer
 from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.agents import LocalFleet, TrainingAccess
 from orchestrator.cloud.local.clock import ReplayClock
@@ -40,7 +44,8 @@ from orchestrator.market.billing import PerSecondBilling
 from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_datetime, to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
-from orchestrator.store.models import JobRecord, JobState
+from orchestrator.settings import ApiSettings, Settings
+from orchestrator.store.models import JobRecord, JobState, TrainingReport
 from orchestrator.store.redis_store import Store
 
 CONTROLLER_ID = "demo"
@@ -55,6 +60,8 @@ PLAIN_LINE_EVERY_SIM_S = 900.0
 #: Real seconds between two measurements of the model's loss (parameters pulled from the
 #: parameter servers, loss over the whole training set).
 LOSS_EVERY_WALL_S = 2.0
+#: Where the demo serves the API and dashboard (the API's default port, so the CLI finds it).
+DEFAULT_PORT = 8750
 
 
 @dataclass
@@ -115,16 +122,38 @@ class _LossProbe:
         self.last = math.nan
         self._next = 0.0
 
-    def maybe_measure(self) -> None:
+    def maybe_measure(self) -> bool:
+        """Measure if it is time; True when a new loss was measured."""
         if time.monotonic() < self._next:
-            return
+            return False
         self._next = time.monotonic() + LOSS_EVERY_WALL_S
         try:
             params = self.coordinator.fetch_parameters(timeout_s=1.0, final=False)
         except AgileMLError:
-            return  # not started yet, or an owner is moving: measure next time
+            return False  # not started yet, or an owner is moving: measure next time
         self.layout.scatter(self.model, params)
         self.last = full_loss(self.spec, self.model)
+        return True
+
+
+def _report_training(store: Store, training: Coordinator, probe: _LossProbe, now_s: float) -> None:
+    """What the runtime reports to the controller for the dashboard and /metrics."""
+    progress = training.progress()
+    report = TrainingReport(
+        at_s=now_s,
+        iteration=progress.iteration,
+        loss=probe.last if math.isfinite(probe.last) else None,
+        reassigned=progress.reassigned_rows,
+        stage_transitions=progress.stage_transitions,
+    )
+    store.append_training(JOB_ID, report)
+
+
+def _dashboard(store: Store, clock: ReplayClock, port: int) -> BackgroundServer:
+    """The API and dashboard over the demo's store, on the demo's clock (read-only use: the
+    token is random and not shown)."""
+    settings = Settings(api=ApiSettings(token=SecretStr(secrets.token_hex(16))))
+    return BackgroundServer(create_app(store, settings, clock=clock.now), port=port)
 
 
 def run_demo(
@@ -135,15 +164,20 @@ def run_demo(
     seed: int = 1,
     timeout_s: float = 240.0,
     console: Console | None = None,
+    port: int | None = DEFAULT_PORT,
+    linger_s: float = 0.0,
 ) -> DemoSummary:
     """Run the demo until the job ends or `timeout_s` real seconds pass.
 
     If the replayed trace has not evicted anything by the time half the work is done, one spot
     node is evicted on purpose (with its notice), so that the demo always shows recovery; the
-    summary counts such injected evictions separately.
+    summary counts such injected evictions separately. The controller's API and dashboard are
+    served on 127.0.0.1:`port` (0: any free port; None: not served) until the job ends, then
+    `linger_s` more seconds.
 
     Raises:
-        UserError: redis-server is missing (with the apt-get command), or a server cannot start.
+        UserError: redis-server is missing (with the apt-get command), a server cannot start,
+            or `port` is taken.
     """
     console = console or Console()
     wall0 = time.monotonic()
@@ -155,11 +189,13 @@ def run_demo(
         LocalRedis() as redis,
         MotoEC2Server() as aws,
         Coordinator(spec, token=token) as training,
+        contextlib.ExitStack() as stack,
     ):
         probe = _LossProbe(training, spec)
         store = Store.connect(redis.url, namespace=NAMESPACE)
         client = aws.client()
         clock = ReplayClock(to_epoch_seconds(start), speed)
+        server = None if port is None else stack.enter_context(_dashboard(store, clock, port))
         controller = Controller(
             store=store,
             cloud=EC2Cloud(REGION, CONTROLLER_ID, client=client),
@@ -184,6 +220,8 @@ def run_demo(
             f"{speed:g}x real time. Redis {redis.url}, EC2 (moto) {aws.endpoint_url}.",
             highlight=False,
         )
+        if server is not None:
+            console.print(f"Dashboard: {server.url}/dashboard", highlight=False)
         injected = 0
         last_line_s = -float("inf")
         launched: set[str] = set()
@@ -203,7 +241,8 @@ def run_demo(
                 launched.update(report.launched)
                 replayer.step()
                 fleet.step()
-                probe.maybe_measure()
+                if probe.maybe_measure():
+                    _report_training(store, training, probe, now)
                 record = store.get_job(JOB_ID)
                 if record.state.is_terminal:
                     break
@@ -219,6 +258,9 @@ def run_demo(
             fleet.step()
         if console.is_terminal:
             console.print()
+        if server is not None and linger_s > 0:
+            console.print(f"Serving the dashboard {linger_s:g} s more: {server.url}/dashboard")
+            time.sleep(linger_s)
         final = store.get_job(JOB_ID)
         orphans = len(EC2Cloud(REGION, CONTROLLER_ID, client=client).describe())
         summary = DemoSummary(

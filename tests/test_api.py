@@ -36,6 +36,7 @@ from orchestrator.store import (
     JobRecord,
     JobState,
     LedgerEntry,
+    PriceSnapshot,
     Store,
 )
 
@@ -44,6 +45,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*httpx2", category=UserWarning)
     from fastapi.testclient import TestClient
 
+REPO = Path(__file__).resolve().parents[1]
 NS = "apitest"
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -412,33 +414,164 @@ def test_healthz_is_503_degraded_after_redis_stops() -> None:
         own_redis.close()
 
 
-def test_metrics_expose_jobs_spend_budget_work_evictions_and_instances(
-    client: TestClient, store: Store
-) -> None:
+def _feed_a_running_job(client: TestClient, store: Store) -> str:
+    """A running job with spend, work, a decision, a warned and an unwarned eviction, a
+    launch, a capacity error, two alive spot nodes, prices and a training report."""
     job_id = submit(client, budget_usd=123.5)["job_id"]
-    submit(client, name="other")
+    to_state(store, job_id, JobState.RUNNING)
     store.append_ledger(charge(job_id, 0.0))
     store.update_progress(job_id, 1.25, now_s=9.0)
-    store.append_event(Event(job_id=job_id, kind=EventKind.EVICTION, at_s=9.0))
+    decision = {"spent_usd": 0.15, "work_done_gpu_hours": 1.25, "projected_cost_usd": 2.5,
+                "expected_cost_per_work": 0.8}  # fmt: skip
+    store.append_event(Event(job_id=job_id, kind=EventKind.DECISION, at_s=5.0, fields=decision))
+    store.append_event(Event(job_id=job_id, kind=EventKind.LAUNCH, at_s=5.0,
+                             fields={"instance_id": "i-1"}))  # fmt: skip
+    store.append_event(Event(job_id=job_id, kind=EventKind.LAUNCH_FAILED, at_s=5.0,
+                             fields={"market": "p3.8xlarge@us-east-1b",
+                                     "code": "InsufficientInstanceCapacity"}))  # fmt: skip
+    store.append_event(Event(job_id=job_id, kind=EventKind.NOTICE, at_s=6.0,
+                             fields={"instance_id": "i-7", "notice": "interruption"}))  # fmt: skip
+    for instance_id in ("i-7", "i-8"):
+        store.append_event(Event(job_id=job_id, kind=EventKind.EVICTION, at_s=8.0,
+                                 fields={"instance_id": instance_id}))  # fmt: skip
     store.put_instance(spot_instance("i-1", job_id))
     store.put_instance(spot_instance("i-2", job_id))
+    store.append_prices(
+        job_id,
+        PriceSnapshot(
+            at_s=5.0, prices={"p3.2xlarge@us-east-1a": 0.9, "p3.8xlarge@us-east-1b": 4.0}
+        ),
+    )
+    response = client.post(f"/v1/jobs/{job_id}/training", headers=AUTH,
+                           json={"iteration": 42, "loss": 0.5, "reassigned": 3,
+                                 "stage_transitions": 2})  # fmt: skip
+    assert response.status_code == 202, response.text
+    return job_id
+
+
+def test_metrics_expose_spend_projection_evictions_nodes_prices_and_training(
+    client: TestClient, store: Store
+) -> None:
+    job_id = _feed_a_running_job(client, store)
+    submit(client, name="other")
 
     response = client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    lines = set(response.text.splitlines())
-    label = f'job_id="{job_id}"'
-    for line in [
-        "orchestrator_store_up 1.0",
-        'orchestrator_jobs{state="queued"} 2.0',
-        'orchestrator_jobs{state="running"} 0.0',
-        f"orchestrator_job_budget_usd{{{label}}} 123.5",
-        f"orchestrator_job_spent_usd{{{label}}} 0.15",
-        f"orchestrator_job_work_done_gpu_hours{{{label}}} 1.25",
-        f"orchestrator_job_evictions_total{{{label}}} 1.0",
-        f'orchestrator_instances_alive{{{label},lifecycle="spot"}} 2.0',
-    ]:
-        assert line in lines, f"{line!r} not in\n{response.text}"
+    samples = scrape_samples(response.text)
+    job = {"job_id": job_id}
+    spot = {"tier": "transient", "lifecycle": "spot", "instance_type": "p3.2xlarge",
+            "zone": "us-east-1a"}  # fmt: skip
+    for name, labels, value in [
+        ("orchestrator_store_up", {}, 1.0),
+        ("orchestrator_jobs", {"state": "queued"}, 1.0),
+        ("orchestrator_jobs", {"state": "running"}, 1.0),
+        ("orchestrator_job_budget_usd", job, 123.5),
+        ("orchestrator_job_spent_usd", job, 0.15),
+        ("orchestrator_job_work_done_gpu_hours", job, 1.25),
+        ("orchestrator_job_projected_cost_usd", job, 2.5),
+        ("orchestrator_job_cost_per_work_usd", job, 0.12),
+        ("orchestrator_job_expected_cost_per_work_usd", job, 0.8),
+        ("orchestrator_job_evictions_total", job | {"warned": "true"}, 1.0),
+        ("orchestrator_job_evictions_total", job | {"warned": "false"}, 1.0),
+        ("orchestrator_job_launches_total", job, 1.0),
+        ("orchestrator_job_launch_failures_total", job | {"code": "InsufficientInstanceCapacity"},
+         1.0),
+        ("orchestrator_instances_alive", job | spot, 2.0),
+        ("orchestrator_spot_price_usd_per_hour",
+         {"instance_type": "p3.2xlarge", "zone": "us-east-1a", "held": "true"}, 0.9),
+        ("orchestrator_spot_price_usd_per_hour",
+         {"instance_type": "p3.8xlarge", "zone": "us-east-1b", "held": "false"}, 4.0),
+        ("orchestrator_job_training_iterations_total", job, 42.0),
+        ("orchestrator_job_training_loss", job, 0.5),
+        ("orchestrator_job_reassigned_work_total", job, 3.0),
+        ("orchestrator_job_stage_transitions_total", job, 2.0),
+    ]:  # fmt: skip
+        key = (name, frozenset(labels.items()))
+        assert samples.get(key) == pytest.approx(value), f"{key} in\n{response.text}"
+
+
+def test_every_metric_the_grafana_dashboard_queries_exists_in_a_live_scrape(
+    client: TestClient, store: Store
+) -> None:
+    import re
+
+    _feed_a_running_job(client, store)
+    exported = {name for name, _ in scrape_samples(client.get("/metrics").text)}
+    board = json.loads((REPO / "dashboards" / "grafana" / "orchestrator.json").read_text())
+    queried = {
+        name
+        for panel in board["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\borchestrator_[a-z_]+", target["expr"])
+    }
+    variables = {v["query"]["query"] for v in board["templating"]["list"]}
+    queried |= {n for q in variables for n in re.findall(r"\borchestrator_[a-z_]+", q)}
+    assert len(queried) >= 15
+    assert queried <= exported, f"panels query metrics /metrics lacks: {queried - exported}"
+    ids = [panel["id"] for panel in board["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def scrape_samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """(sample name, labels) -> value of a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_dashboard_data_follows_the_contract(client: TestClient, store: Store) -> None:
+    job_id = _feed_a_running_job(client, store)
+    fleet = client.get("/v1/dashboard").json()
+    (summary,) = fleet["jobs"]
+    assert summary["job_id"] == job_id and summary["evictions"] == 2
+    assert summary["nodes_alive"] == {"reliable": 0, "transient": 2}
+    assert summary["iterations"] == 42 and summary["loss"] == 0.5
+    assert summary["cost_per_work_usd"] == pytest.approx(0.12)
+    page = client.get(f"/v1/jobs/{job_id}/dashboard").json()
+    assert set(page) == {"now_s", "job", "spend", "prices", "nodes", "marks", "training",
+                         "events"}  # fmt: skip
+    assert page["job"] == summary
+    assert page["spend"] == [
+        {"t": 5.0, "spent_usd": 0.15, "work_done_gpu_hours": 1.25, "projected_cost_usd": 2.5,
+         "expected_cost_per_work_usd": 0.8}
+    ]  # fmt: skip
+    assert {p["market"]: p["held"] for p in page["prices"]} == {
+        "p3.2xlarge@us-east-1a": True, "p3.8xlarge@us-east-1b": False
+    }  # fmt: skip
+    assert [n["instance_id"] for n in page["nodes"]] == ["i-1", "i-2"]
+    kinds = [(m["kind"], m["instance_id"]) for m in page["marks"]]
+    assert kinds == [("launch_failed", None), ("notice", "i-7"), ("eviction", "i-7"),
+                     ("eviction", "i-8")]  # fmt: skip
+    assert "warned" in page["marks"][2]["detail"] and "no warning" in page["marks"][3]["detail"]
+    assert page["training"][0]["iteration"] == 42
+    assert page["events"][0]["kind"] == "eviction" and len(page["events"]) == 7
+    assert client.get("/v1/jobs/job-nope/dashboard").status_code == 404
+
+
+def test_training_reports_need_the_token_and_valid_numbers(
+    client: TestClient, store: Store
+) -> None:
+    job_id = submit(client)["job_id"]
+    assert client.post(f"/v1/jobs/{job_id}/training", json={"iteration": 1}).status_code == 401
+    error = error_of(
+        client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json={"iteration": -1}), 422
+    )
+    assert "iteration" in error["field"]
+    assert store.training(job_id) == []
+
+
+def test_dashboard_page_and_its_assets_are_served(client: TestClient) -> None:
+    page = client.get("/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'src="static/dashboard.js"' in page.text
+    for asset in ("dashboard.js", "dashboard.css"):
+        assert client.get(f"/static/{asset}").status_code == 200
+    assert client.get("/", follow_redirects=False).headers["location"] == "dashboard"
 
 
 # --- settings and the client on its own

@@ -1,24 +1,59 @@
-"""The README's main command, end to end: `orchestrator demo --json-summary PATH`."""
+"""The README's main command, end to end: `orchestrator demo`, watched on its dashboard in a
+real headless Chromium (Debian's chromium and chromedriver, through selenium), then shared as
+a report (`orchestrator report`)."""
 
 from __future__ import annotations
 
 import json
+import os
+import queue
+import re
+import shutil
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "artifacts"
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+#: .ci/run installs Chromium and sets this, so that CI never skips the browser checks.
+REQUIRE_BROWSER = os.environ.get("ORCHESTRATOR_REQUIRE_CHROMIUM") == "1"
+LIVE_LAG_S = 5.0  # the dashboard shows a change within this long of the API
 
 
 @pytest.mark.slow
-def test_the_offline_demo_finishes_the_job_within_budget_and_leaves_nothing_running(tmp_path):
+def test_the_offline_demo_finishes_within_budget_and_its_dashboard_follows_it_live(tmp_path):
     summary_path = tmp_path / "summary.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "demo", "--json-summary", str(summary_path)],
-        capture_output=True,
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "demo", "--json-summary", str(summary_path),
+         "--port", "0", "--linger", "20"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=290,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    )  # fmt: skip
+    lines = _lines_of(proc)
+    output: list[str] = []
+    try:
+        url = _dashboard_url(lines, output, timeout_s=60)
+        if CHROMIUM and CHROMEDRIVER:
+            _watch_in_chromium(url, tmp_path)
+        elif REQUIRE_BROWSER:
+            pytest.fail("chromium and chromedriver are required here (apt-get install chromium "
+                        "chromium-driver)")  # fmt: skip
+        proc.wait(timeout=290)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output += _drain(lines)
+    text = "".join(output)
+    assert proc.returncode == 0, text[-4000:]
     summary = json.loads(summary_path.read_text())
     assert summary["job_state"] == "succeeded"
     assert summary["spent_usd"] <= summary["budget_usd"]
@@ -30,7 +65,10 @@ def test_the_offline_demo_finishes_the_job_within_budget_and_leaves_nothing_runn
     assert summary["training_iterations"] > 0
     assert summary["final_loss"] < summary["loss_at_start"]
     assert any(event.startswith("evicted") for event in summary["training_events"])
-    assert "Summary: job succeeded" in proc.stdout
+    assert "Summary: job succeeded" in text
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("the demo passed; chromium/chromedriver missing, so the dashboard was not "
+                    "checked in a browser")  # fmt: skip
 
 
 def test_demo_refuses_a_non_positive_budget():
@@ -42,3 +80,197 @@ def test_demo_refuses_a_non_positive_budget():
     )
     assert proc.returncode == 2
     assert "--budget" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --- the browser side
+
+
+def _watch_in_chromium(url: str, tmp_path: Path) -> None:
+    """While the demo runs: the page follows the API's spend and evictions within LIVE_LAG_S.
+    Once the job has ended: every number and chart matches the API; a screenshot is saved; the
+    report of the job renders the same."""
+    api = url.removesuffix("/dashboard")
+    driver = _chromium()
+    try:
+        driver.get(url)
+        _until(lambda: _body(driver, "state") == "ready" and _body(driver, "job") == "job-demo",
+               30, "the dashboard to show job-demo")  # fmt: skip
+        _assert_follows_live(driver, api)
+        _until(lambda: _job(api)["job"]["state"] == "succeeded", 240, "the job to succeed")
+        final = _job(api)
+        _until(lambda: float(_body(driver, "renderedAt") or 0) >= final["now_s"], 10,
+               "the page to render the ended job")  # fmt: skip
+        final = _job(api)  # the clock moves on; the numbers of an ended job do not
+        _assert_page_matches(driver, final, _fleet(api))
+        ARTIFACTS.mkdir(exist_ok=True)
+        driver.save_screenshot(str(ARTIFACTS / "dashboard-demo.png"))
+        report = tmp_path / "report.html"
+        cli = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "report", "job-demo", "--api", api,
+             "--out", str(report)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert cli.returncode == 0, cli.stdout + cli.stderr
+        html = report.read_text()
+        assert 'src="static/' not in html and 'href="static/' not in html  # self-contained
+        driver.get(report.as_uri())
+        _until(lambda: _body(driver, "state") == "ready", 10, "the report to render")
+        _assert_page_matches(driver, _job(api), _fleet(api))
+        driver.save_screenshot(str(ARTIFACTS / "report-demo.png"))
+    finally:
+        driver.quit()
+
+
+def _assert_follows_live(driver: Any, api: str) -> None:
+    """Each time the API shows more spend or a new eviction, the page shows it too within
+    LIVE_LAG_S (until the job ends or both were seen after an eviction)."""
+    seen_eviction = False
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not seen_eviction:
+        data = _job(api)
+        job = data["job"]
+        if job["state"] not in ("queued", "running"):
+            break
+        at = time.monotonic()
+        _until(lambda job=job: _value(driver, "spent") >= job["spent_usd"] - 1e-9, LIVE_LAG_S,
+               f"the page to show spend ${job['spent_usd']:.4f}")  # fmt: skip
+        if job["evictions"] >= 1:
+            _until(lambda job=job: _value(driver, "evictions") >= job["evictions"], LIVE_LAG_S,
+                   f"the page to show {job['evictions']} evictions")  # fmt: skip
+            marks = len(driver.find_elements("css selector", '[data-testid="eviction-mark"]'))
+            assert marks >= job["evictions"]
+            seen_eviction = True
+        assert time.monotonic() - at <= LIVE_LAG_S + 1
+        time.sleep(0.5)
+    assert seen_eviction, "the demo ended before the page showed an eviction"
+
+
+def _assert_page_matches(driver: Any, data: dict[str, Any], fleet: dict[str, Any]) -> None:
+    job = data["job"]
+
+    def count(selector: str) -> int:
+        return len(driver.find_elements("css selector", selector))
+
+    assert driver.find_element("css selector", '[data-testid="job-id"]').text == "job-demo"
+    for testid, value in [
+        ("spent", job["spent_usd"]),
+        ("budget", job["budget_usd"]),
+        ("projected", job["projected_cost_usd"]),
+        ("cost-per-work", job["cost_per_work_usd"]),
+        ("evictions", job["evictions"]),
+        ("nodes-reliable", job["nodes_alive"]["reliable"]),
+        ("nodes-transient", job["nodes_alive"]["transient"]),
+        ("iterations", job["iterations"]),
+        ("loss", job["loss"]),
+    ]:
+        if value is None:
+            assert _raw(driver, testid) == "", testid
+        else:
+            assert _value(driver, testid) == pytest.approx(value, rel=1e-9), testid
+    evictions = [m for m in data["marks"] if m["kind"] == "eviction"]
+    failures = [m for m in data["marks"] if m["kind"] == "launch_failed"]
+    assert count('[data-testid="eviction-mark"]') == len(evictions) >= 1
+    assert count('[data-testid="failure-mark"]') == len(failures)
+    assert count('rect[data-testid="node-bar"]') == len(data["nodes"]) >= 2
+    assert count('rect[data-testid="node-bar"][data-tier="reliable"]') == sum(
+        n["tier"] == "reliable" for n in data["nodes"]
+    )
+    assert count('path[data-series="price"]') == len(data["prices"]) >= 1
+    assert count('path[data-series="price"][data-held="true"]') == sum(
+        p["held"] for p in data["prices"]
+    )
+    for series in ("spent", "budget", "cost-per-work", "loss"):
+        assert count(f'path[data-series="{series}"]') == 1, series
+    assert count('table[data-testid="fleet"] tr[data-job]') == len(fleet["jobs"])
+    assert count('table[data-testid="events"] tbody tr') == len(data["events"])
+
+
+def _chromium() -> Any:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
+                     "--window-size=1366,900", "--disable-dev-shm-usage"):  # fmt: skip
+        options.add_argument(argument)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def _body(driver: Any, key: str) -> str | None:
+    return driver.execute_script(f"return document.body.dataset.{key} || null")
+
+
+def _raw(driver: Any, testid: str) -> str:
+    element = driver.find_element("css selector", f'[data-testid="{testid}"]')
+    return element.get_attribute("data-value") or ""
+
+
+def _value(driver: Any, testid: str) -> float:
+    raw = _raw(driver, testid)
+    return float(raw) if raw else float("nan")
+
+
+def _job(api: str) -> dict[str, Any]:
+    return httpx.get(f"{api}/v1/jobs/job-demo/dashboard", timeout=10).json()
+
+
+def _fleet(api: str) -> dict[str, Any]:
+    return httpx.get(f"{api}/v1/dashboard", timeout=10).json()
+
+
+def _until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - an element not rendered yet: look again
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:g} s for {what}")
+        time.sleep(0.2)
+
+
+# --- the demo's output
+
+
+def _lines_of(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def _dashboard_url(lines: queue.Queue[str | None], output: list[str], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        output.append(line)
+        match = re.search(r"Dashboard: (http://\S+/dashboard)", line)
+        if match:
+            return match.group(1)
+    raise AssertionError("the demo printed no dashboard URL:\n" + "".join(output)[-3000:])
+
+
+def _drain(lines: queue.Queue[str | None]) -> list[str]:
+    rest = []
+    while True:
+        try:
+            line = lines.get(timeout=5)
+        except queue.Empty:
+            return rest
+        if line is None:
+            return rest
+        rest.append(line)

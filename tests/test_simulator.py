@@ -292,3 +292,32 @@ def test_all_strategies_of_one_start_see_the_same_removal_streams(world, monkeyp
     t = float(start_times(cfg, world)[0])
     run_start(world, cfg, get_strategies(list(cfg.strategies)), 0, t, keep_ledger=False)
     assert seen == [(t, seen[0][1], (cfg.seed, 0))]
+
+
+def test_run_report_follows_the_dashboard_contract_and_matches_the_runs(world, tmp_path):
+    """`simulate --plot report.html`: every strategy replayed from the first start is a job of
+    the dashboard; spend ends at the run's cost, nodes and evictions come from its ledger."""
+    from orchestrator.sim.dashboard import run_dashboards, write_run_report
+    from orchestrator.sim.runner import run_start, start_times
+    from orchestrator.sim.strategies import get_strategies
+
+    cfg = config(starts=1)
+    start_s = float(start_times(cfg, world)[0])
+    results = run_start(world, cfg, get_strategies(list(cfg.strategies)), 0, start_s, True)
+    data = run_dashboards(results, world, cfg, start_s, budget_usd=100.0)
+    assert [j["job_id"] for j in data["fleet"]["jobs"]][0] == "bidbrain"
+    assert set(data["jobs"]) == set(results)
+    for name, r in results.items():
+        page = data["jobs"][name]
+        assert set(page) == {"now_s", "job", "spend", "prices", "nodes", "marks", "training",
+                             "events"}  # fmt: skip
+        assert page["spend"][-1]["spent_usd"] == pytest.approx(r.cost_usd, rel=1e-9, abs=1e-9)
+        evicted = [n for n in page["nodes"] if n["end_reason"] == "evicted"]
+        assert len(page["marks"]) == len(evicted)
+        assert all(n["launched_at"] <= n["ended_at"] for n in page["nodes"])
+    held = [p for p in data["job"]["prices"] if p["held"]]
+    assert held and all(p["points"] for p in held)
+    path = tmp_path / "report.html"
+    write_run_report(cfg, world, 100.0, path)
+    html = path.read_text()
+    assert '<script id="dashboard-data"' in html and 'src="static/' not in html

@@ -7,6 +7,10 @@
                                       (202: the controller releases its instances, then ends it)
     GET  /v1/jobs/{id}/cost           spent, budget, projected cost, evictions, ledger entries
     GET  /v1/jobs/{id}/events[?since=ID&limit=N]
+    POST /v1/jobs/{id}/training       (token) the runtime's progress: iteration, loss, counters
+    GET  /v1/dashboard                every job's summary (static/CONTRACT.md)
+    GET  /v1/jobs/{id}/dashboard      one job's summary and series (static/CONTRACT.md)
+    GET  /dashboard                   the live dashboard page (assets under /static)
     GET  /healthz                     200 when Redis answers, else 503 "degraded"
     GET  /metrics                     Prometheus text, read from the store at scrape time
 
@@ -27,11 +31,12 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -40,6 +45,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator import __version__
 from orchestrator.api import error_body, validation_error
+from orchestrator.api.views import (
+    STATIC_DIR,
+    JobFacts,
+    TrainingBody,
+    dashboard_html,
+    fleet,
+    job_dashboard,
+    read_facts,
+    tier_of,
+)
 from orchestrator.cloud.imds import InterruptionNotice
 from orchestrator.errors import UserError
 from orchestrator.jobspec import JobSubmission
@@ -55,6 +70,7 @@ from orchestrator.store import (
     Store,
     StoreError,
     StoreUnavailableError,
+    TrainingReport,
 )
 
 logger = logging.getLogger(__name__)
@@ -213,25 +229,15 @@ def job_cost(store: Store, job_id: str) -> dict[str, Any]:
     Raises:
         NotFoundError: no such job.
     """
-    job = store.get_job(job_id)
-    projected: float | None = None
-    evictions = 0
-    for _, event in store.events(job_id):
-        if event.kind is EventKind.EVICTION:
-            evictions += 1
-        elif event.kind is EventKind.DECISION:
-            value = event.fields.get("projected_cost_usd")
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                projected = None  # the latest decision carries no projection
-            else:
-                projected = float(value)
+    facts = read_facts(store, store.get_job(job_id))
+    job = facts.job
     return {
         "job_id": job.job_id,
         "spent_usd": job.spent_usd,
         "budget_usd": job.budget_usd,
         "remaining_usd": max(0.0, job.budget_usd - job.spent_usd),
-        "projected_usd": projected,
-        "evictions": evictions,
+        "projected_usd": facts.projected_cost_usd,
+        "evictions": facts.evictions,
         "ledger_entries": len(store.ledger(job_id)),
     }
 
@@ -264,53 +270,95 @@ def _job_json(job: JobRecord) -> dict[str, Any]:
 # --- metrics
 
 
-class _Families(NamedTuple):
-    """The metric families of one scrape, empty until filled."""
+def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    """The metric families of one scrape, empty; names follow Prometheus conventions (base
+    units in the name, `_total` added to counters on exposition)."""
+    job = ["job_id"]
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    return {
+        "store_up": gauge("orchestrator_store_up", "1 if Redis answered this scrape, else 0"),
+        "jobs": gauge("orchestrator_jobs", "Jobs by lifecycle state", labels=["state"]),
+        "spent": gauge(
+            "orchestrator_job_spent_usd", "Spend so far (sum of the ledger)", labels=job
+        ),
+        "budget": gauge("orchestrator_job_budget_usd", "The budget", labels=job),
+        "projected": gauge(
+            "orchestrator_job_projected_cost_usd",
+            "Expected total cost at completion (BidBrain's latest decision)",
+            labels=job,
+        ),
+        "cost_per_work": gauge(
+            "orchestrator_job_cost_per_work_usd",
+            "Spend per reference-GPU-hour of work done so far",
+            labels=job,
+        ),
+        "expected_cost_per_work": gauge(
+            "orchestrator_job_expected_cost_per_work_usd",
+            "Expected cost per reference-GPU-hour of the footprint BidBrain chose last",
+            labels=job,
+        ),
+        "work": gauge(
+            "orchestrator_job_work_done_gpu_hours",
+            "Work done, in reference-GPU-hours",
+            labels=job,
+        ),
+        "work_total": gauge(
+            "orchestrator_job_work_gpu_hours", "The job's work, in reference-GPU-hours", labels=job
+        ),
+        "evictions": counter(
+            "orchestrator_job_evictions",
+            "Instances the cloud took back; warned: an interruption notice came first",
+            labels=["job_id", "warned"],
+        ),
+        "launches": counter("orchestrator_job_launches", "Instances launched", labels=job),
+        "launch_failures": counter(
+            "orchestrator_job_launch_failures",
+            "Launch requests the cloud refused (capacity errors and others), by error code",
+            labels=["job_id", "code"],
+        ),
+        "alive": gauge(
+            "orchestrator_instances_alive",
+            "Instances not ended, by job, tier (reliable: on-demand; transient: spot), "
+            "lifecycle, type and zone",
+            labels=["job_id", "tier", "lifecycle", "instance_type", "zone"],
+        ),
+        "price": gauge(
+            "orchestrator_spot_price_usd_per_hour",
+            "Spot price of each market a running job's BidBrain considered (latest seen); "
+            "held: some job holds instances there",
+            labels=["instance_type", "zone", "held"],
+        ),
+        "iterations": counter(
+            "orchestrator_job_training_iterations",
+            "Training iterations (clocks) completed, as the runtime last reported",
+            labels=job,
+        ),
+        "loss": gauge(
+            "orchestrator_job_training_loss", "The model's loss, as last reported", labels=job
+        ),
+        "reassigned": counter(
+            "orchestrator_job_reassigned_work",
+            "Work units FlexRR moved from stragglers to faster workers",
+            labels=job,
+        ),
+        "transitions": counter(
+            "orchestrator_job_stage_transitions",
+            "AgileML stage transitions (ParamServ, ActivePS, ... as the footprint changed)",
+            labels=job,
+        ),
+    }
 
-    store_up: GaugeMetricFamily
-    jobs: GaugeMetricFamily
-    spent: GaugeMetricFamily
-    budget: GaugeMetricFamily
-    work: GaugeMetricFamily
-    evictions: CounterMetricFamily
-    alive: GaugeMetricFamily
 
-    @classmethod
-    def new(cls) -> _Families:
-        job = ["job_id"]
-        return cls(
-            store_up=GaugeMetricFamily(
-                "orchestrator_store_up", "1 if Redis answered this scrape, else 0"
-            ),
-            jobs=GaugeMetricFamily(
-                "orchestrator_jobs", "Jobs by lifecycle state", labels=["state"]
-            ),
-            spent=GaugeMetricFamily(
-                "orchestrator_job_spent_usd", "Spend so far (sum of the ledger)", labels=job
-            ),
-            budget=GaugeMetricFamily("orchestrator_job_budget_usd", "The budget", labels=job),
-            work=GaugeMetricFamily(
-                "orchestrator_job_work_done_gpu_hours",
-                "Work done, in reference-GPU-hours",
-                labels=job,
-            ),
-            evictions=CounterMetricFamily(
-                "orchestrator_job_evictions", "Instances the cloud took back", labels=job
-            ),
-            alive=GaugeMetricFamily(
-                "orchestrator_instances_alive",
-                "Instances not ended, by job and lifecycle (spot or on-demand)",
-                labels=["job_id", "lifecycle"],
-            ),
-        )
+#: Every metric name /metrics exports (dashboards/grafana is checked against it).
+METRIC_NAMES = tuple(sorted(f.name for f in _families().values()))
 
 
 class StoreCollector:
-    """Prometheus collector reading jobs, alive instances and evictions from the store.
+    """Prometheus collector reading jobs, instances, events, prices and training reports from
+    the store (`views.JobFacts`).
 
-    Each scrape reads every job, each job's event log (to count evictions) and the alive
-    instances. If Redis cannot be read, the scrape still succeeds, with
-    `orchestrator_store_up 0` and no job series.
+    Each scrape reads every job's event log and series. If Redis cannot be read, the scrape
+    still succeeds, with `orchestrator_store_up 0` and no job series.
     """
 
     def __init__(self, store: Store) -> None:
@@ -318,38 +366,68 @@ class StoreCollector:
 
     def describe(self) -> Iterator[Metric]:
         """The families, without reading the store (called once at registration)."""
-        yield from _Families.new()
+        yield from _families().values()
 
     def collect(self) -> Iterator[Metric]:
         """Read the store and yield every family with its samples."""
-        m = _Families.new()
+        m = _families()
         try:
-            records = self._store.list_jobs()
-            evicted = {
-                job.job_id: sum(
-                    1 for _, e in self._store.events(job.job_id) if e.kind is EventKind.EVICTION
-                )
-                for job in records
+            facts = [read_facts(self._store, job) for job in self._store.list_jobs()]
+            prices = {
+                f.job.job_id: self._store.prices(f.job.job_id)
+                for f in facts
+                if f.job.state is JobState.RUNNING
             }
-            instances = self._store.list_instances(alive_only=True)
         except StoreError:
             logger.warning("metrics scrape could not read the store", exc_info=True)
-            m.store_up.add_metric([], 0.0)
-            yield m.store_up
+            m["store_up"].add_metric([], 0.0)
+            yield m["store_up"]
             return
-        m.store_up.add_metric([], 1.0)
-        by_state = Counter(job.state for job in records)
+        m["store_up"].add_metric([], 1.0)
+        by_state = Counter(f.job.state for f in facts)
         for state in JobState:
-            m.jobs.add_metric([state.value], float(by_state[state]))
-        for job in records:
-            m.spent.add_metric([job.job_id], job.spent_usd)
-            m.budget.add_metric([job.job_id], job.budget_usd)
-            m.work.add_metric([job.job_id], job.work_done_gpu_hours)
-            m.evictions.add_metric([job.job_id], float(evicted[job.job_id]))
-        alive = Counter((i.job_id, i.lifecycle) for i in instances)
-        for (job_id, lifecycle), count in sorted(alive.items()):
-            m.alive.add_metric([job_id, lifecycle], float(count))
-        yield from m
+            m["jobs"].add_metric([state.value], float(by_state[state]))
+        held: set[str] = set()
+        for f in facts:
+            _add_job_samples(m, f)
+            held |= {f"{r.instance_type}@{r.zone}" for r in f.alive}
+        latest: dict[str, float] = {}
+        for snapshots in prices.values():
+            if snapshots:
+                latest.update(snapshots[-1].prices)
+        for market, price in sorted(latest.items()):
+            instance_type, _, zone = market.partition("@")
+            m["price"].add_metric([instance_type, zone, str(market in held).lower()], price)
+        yield from m.values()
+
+
+def _add_job_samples(m: dict[str, Any], f: JobFacts) -> None:
+    job = [f.job.job_id]
+    m["spent"].add_metric(job, f.job.spent_usd)
+    m["budget"].add_metric(job, f.job.budget_usd)
+    m["work"].add_metric(job, f.job.work_done_gpu_hours)
+    for family, value in (
+        ("work_total", f.work_gpu_hours),
+        ("projected", f.projected_cost_usd),
+        ("cost_per_work", f.cost_per_work_usd),
+        ("expected_cost_per_work", f.expected_cost_per_work_usd),
+    ):
+        if value is not None:
+            m[family].add_metric(job, value)
+    m["evictions"].add_metric([*job, "true"], float(f.evictions_warned))
+    m["evictions"].add_metric([*job, "false"], float(f.evictions_unwarned))
+    m["launches"].add_metric(job, float(f.launches))
+    for code, count in sorted(f.launch_failures.items()):
+        m["launch_failures"].add_metric([*job, code], float(count))
+    alive = Counter((tier_of(r), r.lifecycle, r.instance_type, r.zone) for r in f.alive)
+    for labels, count in sorted(alive.items()):
+        m["alive"].add_metric([*job, *labels], float(count))
+    if f.training is not None:
+        m["iterations"].add_metric(job, float(f.training.iteration))
+        m["reassigned"].add_metric(job, float(f.training.reassigned))
+        m["transitions"].add_metric(job, float(f.training.stage_transitions))
+        if f.training.loss is not None:
+            m["loss"].add_metric(job, f.training.loss)
 
 
 # --- the app
@@ -432,6 +510,36 @@ def create_app(
             raise HTTPException(status_code=503, detail="no controller runs behind this API")
         on_notice(parsed)
         return {"accepted": parsed.instance_id, "kind": parsed.kind}
+
+    @app.post("/v1/jobs/{job_id}/training", status_code=202, dependencies=authorized)
+    def training(job_id: str, body: TrainingBody) -> dict[str, Any]:
+        """The job's training runtime reports its progress (iteration, loss, FlexRR and
+        AgileML counters); stamped with the controller's clock."""
+        store.get_job(job_id)  # 404 for an unknown job
+        report = TrainingReport(at_s=clock(), **body.model_dump())
+        store.append_training(job_id, report)
+        return {"accepted": job_id, "at_s": report.at_s}
+
+    @app.get("/v1/dashboard")
+    def dashboard_fleet() -> dict[str, Any]:
+        """Every job's summary for the dashboard (static/CONTRACT.md)."""
+        return fleet(store, clock())
+
+    @app.get("/v1/jobs/{job_id}/dashboard")
+    def dashboard_job(job_id: str) -> dict[str, Any]:
+        """One job's summary and series for the dashboard (static/CONTRACT.md)."""
+        return job_dashboard(store, job_id, clock())
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("dashboard")
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    def dashboard_page() -> HTMLResponse:
+        """The live dashboard: the fleet, one job's spend, prices, nodes, training, events."""
+        return HTMLResponse(dashboard_html())
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/healthz", response_model=None)
     def healthz() -> dict[str, Any] | JSONResponse:

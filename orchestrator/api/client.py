@@ -120,6 +120,14 @@ class ApiClient:
             params["limit"] = limit
         return dict(self._call("GET", _job_path(job_id, "events"), params=params))
 
+    def fleet_dashboard(self) -> dict[str, Any]:
+        """Every job's dashboard summary (`GET /v1/dashboard`)."""
+        return dict(self._call("GET", "/v1/dashboard"))
+
+    def job_dashboard(self, job_id: str) -> dict[str, Any]:
+        """One job's dashboard data: summary and series (`GET /v1/jobs/{id}/dashboard`)."""
+        return dict(self._call("GET", _job_path(job_id, "dashboard")))
+
     def health(self) -> dict[str, Any]:
         """The health document; a degraded controller (503) is returned, not raised."""
         return dict(self._call("GET", "/healthz", accept=(200, 503)))

@@ -61,6 +61,7 @@ from orchestrator.store.models import (
     JobRecord,
     JobState,
     LedgerEntry,
+    PriceSnapshot,
 )
 from orchestrator.store.redis_store import Store
 
@@ -130,6 +131,7 @@ class Controller:
         self.user_data = user_data
         self._notices: list[InterruptionNotice] = []
         self._doomed: set[str] = set()
+        self._prices_seen: dict[str, dict[str, float]] = {}  # job -> the last prices recorded
         self._price_model: PriceCrossingModel | None = None
         self._price_model_at = -math.inf
         self._renewal_seen: dict[str, int] = {}
@@ -274,10 +276,13 @@ class Controller:
         )
         decision = policy.decide(inp)
         report.decisions[job.job_id] = decision
+        self._record_prices(job.job_id, table.markets, prices, now_s)
         self._event(
             job.job_id,
             EventKind.DECISION,
             now_s,
+            spent_usd=inp.spend_usd,
+            work_done_gpu_hours=job.work_done_gpu_hours,
             expected_cost_per_work=_finite(decision.expected_cost_per_work),
             projected_cost_usd=_finite(decision.projected_cost_usd),
             acquire=";".join(f"{r.count}x{r.instance_type}@{r.zone}" for r in decision.acquire),
@@ -294,6 +299,15 @@ class Controller:
             # runtime lands, it saves the model from the reliable tier before this.)
             self._stop_job(job, history, now_s, EndReason.RELEASED, report)
             self._finish(job, JobState.BUDGET_EXHAUSTED, now_s, decision.reason, report)
+
+    def _record_prices(
+        self, job_id: str, markets: Sequence[Market], prices: np.ndarray, now_s: float
+    ) -> None:
+        """Keep the prices the job's decision saw for the dashboard, when any changed."""
+        seen = {str(m): float(p) for m, p in zip(markets, prices, strict=True) if np.isfinite(p)}
+        if seen != self._prices_seen.get(job_id):
+            self.store.append_prices(job_id, PriceSnapshot(at_s=now_s, prices=seen))
+            self._prices_seen[job_id] = seen
 
     def _launch(
         self, job: JobRecord, request: AllocationRequest, now_s: float, report: TickReport

@@ -27,6 +27,8 @@ from orchestrator.store.models import (
     JobRecord,
     JobState,
     LedgerEntry,
+    PriceSnapshot,
+    TrainingReport,
 )
 from orchestrator.store.redis_store import Store
 
@@ -43,7 +45,9 @@ __all__ = [
     "LedgerConflictError",
     "LedgerEntry",
     "NotFoundError",
+    "PriceSnapshot",
     "Store",
     "StoreError",
     "StoreUnavailableError",
+    "TrainingReport",
 ]

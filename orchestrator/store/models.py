@@ -252,3 +252,26 @@ class Event(BaseModel):
     kind: EventKind
     at_s: float
     fields: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+
+class PriceSnapshot(BaseModel):
+    """The spot prices (USD per instance-hour) of the markets a job's BidBrain considered at
+    `at_s`, by market (`type@zone`); written when any of them changed."""
+
+    model_config = _RECORD_CONFIG
+
+    at_s: float
+    prices: dict[str, NonNegative]
+
+
+class TrainingReport(BaseModel):
+    """What a job's training runtime reports (pushed through the controller): its iteration,
+    the model's loss, and the cumulative FlexRR reassignments and AgileML stage transitions."""
+
+    model_config = _RECORD_CONFIG
+
+    at_s: float
+    iteration: Annotated[int, Field(ge=0)]
+    loss: Annotated[float, Field(ge=0)] | None = None
+    reassigned: Annotated[int, Field(ge=0)] = 0
+    stage_transitions: Annotated[int, Field(ge=0)] = 0

@@ -7,6 +7,8 @@ Layout (every key under `{namespace}:`; every value JSON, never pickle)::
     {ns}:job:{job_id}:ledger               list of LedgerEntry JSON, in append order
     {ns}:job:{job_id}:ledger-index         hash "{instance_id}@{start_s}" -> sha1 of the entry JSON
     {ns}:job:{job_id}:events               stream, one field "event" = Event JSON
+    {ns}:job:{job_id}:prices|training      streams, one field "r" = PriceSnapshot or
+                                           TrainingReport JSON (the dashboard's series)
     {ns}:job:{job_id}:instances[:alive]    sets of instance ids
     {ns}:instances[:alive]                 sets of instance ids, all jobs
     {ns}:instance:{instance_id}            hash, one JSON value per InstanceRecord field
@@ -22,7 +24,8 @@ Failure semantics:
 * A write whose reply was lost (timeout) may or may not have been applied. Every write is either
   version-checked (`transition`: a replay raises `ConflictError`) or idempotent (`create_job`,
   `append_ledger`, `put_instance`, `end_instance`, `update_progress`), so re-reading after Redis
-  is back tells which.
+  is back tells which. The dashboard's series (`append_prices`, `append_training`) are neither:
+  a lost reply may leave a repeated point, which only draws twice.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ from orchestrator.store.models import (
     JobRecord,
     JobState,
     LedgerEntry,
+    PriceSnapshot,
+    TrainingReport,
     allowed_sources,
 )
 
@@ -65,6 +70,8 @@ logger = logging.getLogger(__name__)
 
 #: Events kept per job; older ones are trimmed (approximately: `MAXLEN ~`, which is cheap).
 EVENTS_MAXLEN = 100_000
+#: Entries kept of each dashboard series of a job (prices, training reports).
+SERIES_MAXLEN = 5_000
 DEFAULT_NAMESPACE = "orchestrator"
 DEFAULT_TIMEOUT_S = 2.0  # connect and per-command socket timeout: a dead Redis fails fast
 
@@ -626,6 +633,40 @@ class Store:
             (entry_id, self._decode_json(Event, key, fields["event"]))
             for entry_id, fields in entries
         ]
+
+    # --- series for the dashboard: prices considered, training reports
+
+    def append_prices(self, job_id: str, snapshot: PriceSnapshot) -> str:
+        """Append a price snapshot to the job's series (trimmed to about `SERIES_MAXLEN`)."""
+        return self._append_series(job_id, "prices", snapshot)
+
+    def prices(self, job_id: str) -> list[PriceSnapshot]:
+        """The job's price snapshots, oldest first (an unknown job has none)."""
+        return self._series(job_id, "prices", PriceSnapshot)
+
+    def append_training(self, job_id: str, report: TrainingReport) -> str:
+        """Append a training report to the job's series (trimmed to about `SERIES_MAXLEN`)."""
+        return self._append_series(job_id, "training", report)
+
+    def training(self, job_id: str) -> list[TrainingReport]:
+        """The job's training reports, oldest first (an unknown job has none)."""
+        return self._series(job_id, "training", TrainingReport)
+
+    def _append_series(self, job_id: str, name: str, record: BaseModel) -> str:
+        key = self._key("job", self._check_id("job", job_id), name)
+        with self._redis_errors():
+            return cast(
+                str,
+                self._client.xadd(
+                    key, {"r": record.model_dump_json()}, maxlen=SERIES_MAXLEN, approximate=True
+                ),
+            )
+
+    def _series(self, job_id: str, name: str, model: type[M]) -> list[M]:
+        key = self._key("job", self._check_id("job", job_id), name)
+        with self._redis_errors():
+            entries = cast(list[tuple[str, dict[str, str]]], self._client.xrange(key))
+        return [self._decode_json(model, key, fields["r"]) for _, fields in entries]
 
     # --- claims
 

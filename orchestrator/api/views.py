@@ -1,0 +1,310 @@
+"""What the dashboard, the run report and the Prometheus metrics show about jobs, read from the
+store in one place (`static/CONTRACT.md` describes the JSON).
+
+`JobFacts` scans a job's event log once: BidBrain's latest decision, evictions (warned or not),
+launches and launch failures; with the alive instances and the latest training report it is
+everything the fleet view and `/metrics` need. `job_dashboard` adds the series one job's page
+draws. Reads only; nothing here writes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.store.models import (
+    Event,
+    EventKind,
+    InstanceRecord,
+    JobRecord,
+    TrainingReport,
+)
+from orchestrator.store.redis_store import Store
+
+#: The dashboard page's assets (dashboard.html, .js, .css).
+STATIC_DIR = Path(__file__).parent / "static"
+#: What `dashboard_html` replaces to make a self-contained page.
+CSS_TAG = '<link rel="stylesheet" href="static/dashboard.css">'
+JS_TAG = '<script src="static/dashboard.js"></script>'
+DATA_PLACEHOLDER = "<!--DASHBOARD_DATA-->"
+#: Points kept of a long series (evenly thinned, the last point always kept).
+MAX_SERIES_POINTS = 400
+#: Events listed on a job's page, newest first.
+EVENTS_SHOWN = 100
+
+
+class TrainingBody(BaseModel):
+    """`POST /v1/jobs/{id}/training`: what the runtime reports (the API stamps the time)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    iteration: Annotated[int, Field(ge=0)]
+    loss: Annotated[float, Field(ge=0)] | None = None
+    reassigned: Annotated[int, Field(ge=0)] = 0
+    stage_transitions: Annotated[int, Field(ge=0)] = 0
+
+
+def dashboard_html(data: dict[str, Any] | None = None) -> str:
+    """The dashboard page: live (assets under `static/`, data polled), or with `data`
+    (`{"fleet": ..., "job": ...}`) a self-contained page with assets and data inlined."""
+    page = (STATIC_DIR / "dashboard.html").read_text()
+    if data is None:
+        return page
+    css = (STATIC_DIR / "dashboard.css").read_text()
+    js = (STATIC_DIR / "dashboard.js").read_text()
+    # "</" inside the JSON must not end the script element early
+    embedded = json.dumps(data).replace("</", "<\\/")
+    for tag, inline in (
+        (CSS_TAG, f"<style>\n{css}\n</style>"),
+        (JS_TAG, f"<script>\n{js}\n</script>"),
+        (DATA_PLACEHOLDER,
+         f'<script id="dashboard-data" type="application/json">{embedded}</script>'),
+    ):  # fmt: skip
+        if page.count(tag) != 1:
+            raise RuntimeError(f"dashboard.html must hold {tag!r} exactly once")
+        page = page.replace(tag, inline)
+    return page
+
+
+def tier_of(record: InstanceRecord) -> str:
+    """`reliable` (on-demand) or `transient` (spot), the AgileML tiers."""
+    return "reliable" if record.lifecycle == "on-demand" else "transient"
+
+
+@dataclass
+class JobFacts:
+    """One job's numbers, from one pass over its event log."""
+
+    job: JobRecord
+    alive: list[InstanceRecord]
+    projected_cost_usd: float | None = None
+    expected_cost_per_work_usd: float | None = None
+    evictions_warned: int = 0
+    evictions_unwarned: int = 0
+    launches: int = 0
+    launch_failures: Counter[str] = field(default_factory=Counter)  # by error code
+    training: TrainingReport | None = None
+    warned_instances: set[str] = field(default_factory=set)
+
+    @classmethod
+    def read(cls, store: Store, job: JobRecord, events: list[tuple[str, Event]]) -> JobFacts:
+        facts = cls(job=job, alive=store.list_instances(job.job_id, alive_only=True))
+        noticed: set[str] = set()
+        for _, event in events:
+            f = event.fields
+            if event.kind is EventKind.DECISION:
+                facts.projected_cost_usd = _number(f.get("projected_cost_usd"))
+                facts.expected_cost_per_work_usd = _number(f.get("expected_cost_per_work"))
+            elif event.kind is EventKind.NOTICE and f.get("notice") == "interruption":
+                noticed.add(str(f.get("instance_id")))
+            elif event.kind is EventKind.EVICTION:
+                instance = str(f.get("instance_id"))
+                if instance in noticed:
+                    facts.evictions_warned += 1
+                    facts.warned_instances.add(instance)
+                else:
+                    facts.evictions_unwarned += 1
+            elif event.kind is EventKind.LAUNCH:
+                facts.launches += 1
+            elif event.kind is EventKind.LAUNCH_FAILED:
+                facts.launch_failures[str(f.get("code") or "unknown")] += 1
+        reports = store.training(job.job_id)
+        facts.training = reports[-1] if reports else None
+        return facts
+
+    @property
+    def evictions(self) -> int:
+        return self.evictions_warned + self.evictions_unwarned
+
+    @property
+    def work_gpu_hours(self) -> float | None:
+        return _number(self.job.spec.get("work_gpu_hours"))
+
+    @property
+    def cost_per_work_usd(self) -> float | None:
+        """Spent per reference-GPU-hour of work done (None before any work)."""
+        done = self.job.work_done_gpu_hours
+        return self.job.spent_usd / done if done > 0 else None
+
+    def summary(self) -> dict[str, Any]:
+        """JOB_SUMMARY of the contract."""
+        job, tiers = self.job, Counter(tier_of(r) for r in self.alive)
+        return {
+            "job_id": job.job_id,
+            "name": job.name,
+            "state": job.state.value,
+            "budget_usd": job.budget_usd,
+            "spent_usd": job.spent_usd,
+            "work_gpu_hours": self.work_gpu_hours,
+            "work_done_gpu_hours": job.work_done_gpu_hours,
+            "projected_cost_usd": self.projected_cost_usd,
+            "cost_per_work_usd": self.cost_per_work_usd,
+            "expected_cost_per_work_usd": self.expected_cost_per_work_usd,
+            "nodes_alive": {"reliable": tiers["reliable"], "transient": tiers["transient"]},
+            "evictions": self.evictions,
+            "launch_failures": sum(self.launch_failures.values()),
+            "iterations": None if self.training is None else self.training.iteration,
+            "loss": None if self.training is None else self.training.loss,
+            "updated_at": job.updated_at,
+        }
+
+
+def read_facts(store: Store, job: JobRecord) -> JobFacts:
+    return JobFacts.read(store, job, store.events(job.job_id))
+
+
+def fleet(store: Store, now_s: float) -> dict[str, Any]:
+    """`GET /v1/dashboard`: every job's summary."""
+    return {
+        "now_s": now_s,
+        "jobs": [read_facts(store, job).summary() for job in store.list_jobs()],
+    }
+
+
+def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
+    """`GET /v1/jobs/{job_id}/dashboard`: the job's summary and the series its page draws.
+
+    Raises:
+        NotFoundError: no such job.
+    """
+    job = store.get_job(job_id)
+    events = store.events(job_id)
+    facts = JobFacts.read(store, job, events)
+    nodes = store.list_instances(job_id)
+    held = {f"{r.instance_type}@{r.zone}" for r in facts.alive if tier_of(r) == "transient"}
+    return {
+        "now_s": now_s,
+        "job": facts.summary(),
+        "spend": _thin([_spend_point(e) for _, e in events if e.kind is EventKind.DECISION]),
+        "prices": _price_series(store, job_id, held),
+        "nodes": [_node(r, facts.warned_instances) for r in nodes],
+        "marks": [m for _, e in events if (m := _mark(e, facts.warned_instances)) is not None],
+        "training": _thin(
+            [
+                {
+                    "t": r.at_s,
+                    "iteration": r.iteration,
+                    "loss": r.loss,
+                    "reassigned": r.reassigned,
+                    "stage_transitions": r.stage_transitions,
+                }
+                for r in store.training(job_id)
+            ]
+        ),
+        "events": [
+            {"id": eid, "t": e.at_s, "kind": e.kind.value, "text": describe_event(e)}
+            for eid, e in reversed(events[-EVENTS_SHOWN:])
+        ],
+    }
+
+
+def describe_event(event: Event) -> str:
+    """One line for the events table."""
+    f = event.fields
+    instance = f.get("instance_id")
+    where = f"{f.get('instance_type')}@{f.get('zone')}"
+    match event.kind:
+        case EventKind.DECISION:
+            text = (
+                f"spent ${_money(f.get('spent_usd'))}, projected "
+                f"${_money(f.get('projected_cost_usd'))}, expected "
+                f"${_money(f.get('expected_cost_per_work'))}/GPU-h"
+            )
+            if f.get("acquire"):
+                text += f"; acquire {f['acquire']}"
+            if f.get("release"):
+                text += f"; release {f['release']}"
+            return text
+        case EventKind.LAUNCH:
+            return f"{instance} launched ({where}, {f.get('lifecycle')})"
+        case EventKind.LAUNCH_FAILED:
+            return f"launch in {f.get('market')} refused: {f.get('code')}"
+        case EventKind.EVICTION:
+            return f"{instance} ({where}) evicted"
+        case EventKind.NOTICE:
+            return f"{f.get('notice')} notice for {instance}"
+        case EventKind.RELEASE:
+            return f"{instance} released ({f.get('reason')})"
+        case EventKind.STATE:
+            message = f.get("message")
+            return f"state {f.get('state')}" + (f": {message}" if message else "")
+        case _:
+            return ", ".join(f"{k}={v}" for k, v in sorted(f.items()))
+
+
+def _spend_point(event: Event) -> dict[str, Any]:
+    f = event.fields
+    return {
+        "t": event.at_s,
+        "spent_usd": _number(f.get("spent_usd")),
+        "work_done_gpu_hours": _number(f.get("work_done_gpu_hours")),
+        "projected_cost_usd": _number(f.get("projected_cost_usd")),
+        "expected_cost_per_work_usd": _number(f.get("expected_cost_per_work")),
+    }
+
+
+def _price_series(store: Store, job_id: str, held: set[str]) -> list[dict[str, Any]]:
+    points: dict[str, list[list[float]]] = {}
+    for snapshot in store.prices(job_id):
+        for market, price in snapshot.prices.items():
+            series = points.setdefault(market, [])
+            if not series or series[-1][1] != price:
+                series.append([snapshot.at_s, price])
+    return [
+        {"market": market, "held": market in held, "points": _thin(series)}
+        for market, series in sorted(points.items())
+    ]
+
+
+def _node(record: InstanceRecord, warned: set[str]) -> dict[str, Any]:
+    return {
+        "instance_id": record.instance_id,
+        "instance_type": record.instance_type,
+        "zone": record.zone,
+        "tier": tier_of(record),
+        "launched_at": record.launched_at,
+        "ended_at": record.ended_at,
+        "end_reason": record.end_reason,
+        "warned": record.instance_id in warned,
+    }
+
+
+def _mark(event: Event, warned: set[str]) -> dict[str, Any] | None:
+    f = event.fields
+    if event.kind is EventKind.EVICTION:
+        instance = str(f.get("instance_id"))
+        note = "warned" if instance in warned else "no warning"
+        detail = f"{f.get('instance_type')}@{f.get('zone')}, {note}"
+        return {"t": event.at_s, "kind": "eviction", "instance_id": instance, "detail": detail}
+    if event.kind is EventKind.LAUNCH_FAILED:
+        detail = f"{f.get('market')}: {f.get('code')}"
+        return {"t": event.at_s, "kind": "launch_failed", "instance_id": None, "detail": detail}
+    if event.kind is EventKind.NOTICE:
+        instance = str(f.get("instance_id"))
+        return {"t": event.at_s, "kind": "notice", "instance_id": instance,
+                "detail": str(f.get("notice"))}  # fmt: skip
+    return None
+
+
+def _thin(points: list[Any]) -> list[Any]:
+    """At most MAX_SERIES_POINTS, evenly spaced, keeping the last."""
+    if len(points) <= MAX_SERIES_POINTS:
+        return points
+    step = len(points) / (MAX_SERIES_POINTS - 1)
+    return [points[int(i * step)] for i in range(MAX_SERIES_POINTS - 1)] + [points[-1]]
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _money(value: object) -> str:
+    number = _number(value)
+    return "?" if number is None else f"{number:,.2f}"
