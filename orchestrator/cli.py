@@ -511,6 +511,7 @@ def ledger_check(
 
 
 import orchestrator.cli_controller  # noqa: E402,F401  (registers `controller start`)
+import orchestrator.cli_deploy  # noqa: E402,F401  (registers `deploy`, `worker start`)
 import orchestrator.cli_jobs  # noqa: E402,F401  (registers the job commands)
 import orchestrator.cli_plan  # noqa: E402,F401  (registers `plan`)
 

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import SecretStr
 
 from orchestrator.cli import app, out
 from orchestrator.errors import UserError
+from orchestrator.settings import Settings
 
 controller_app = typer.Typer(help="Run the BidBrain controller.", no_args_is_help=True)
 app.add_typer(controller_app, name="controller")
@@ -71,12 +73,12 @@ def start(
     from orchestrator.market.ec2_source import EC2PriceSource
     from orchestrator.market.prices import PriceSource, to_epoch_seconds
     from orchestrator.market.trace_source import TracePriceSource
-    from orchestrator.settings import Settings
     from orchestrator.store import Store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = Settings.load()
     if not no_api:
+        settings = _with_token_from_secret(settings, endpoint_url)
         settings.api.require_token()
     bill = billing_model(billing)
     store = Store.connect(settings.redis_url)
@@ -113,7 +115,13 @@ def start(
         speed = 1.0
     controller = Controller(
         store=store,
-        cloud=EC2Cloud(settings.region, settings.controller_id, client=client),
+        cloud=EC2Cloud(
+            settings.region,
+            settings.controller_id,
+            client=client,
+            launch_template=settings.worker.launch_template,
+            subnets=settings.worker.subnet_ids,
+        ),
         prices=source,
         billing=bill,
         max_running_jobs=max_running_jobs,
@@ -155,3 +163,19 @@ def start(
     finally:
         service.stop()
         store.close()
+
+
+def _with_token_from_secret(settings: Settings, endpoint_url: str | None) -> Settings:
+    """`settings` with the API token read from `api.token_secret` (Secrets Manager) when the
+    token itself is unset, as on the AWS deployment (infra/controller.yaml).
+
+    Raises:
+        UserError: the secret cannot be read (named, with the permission to check).
+    """
+    from orchestrator.cloud.secrets import read_secret
+
+    if settings.api.token is not None or not settings.api.token_secret:
+        return settings
+    token = read_secret(settings.api.token_secret, settings.region, endpoint_url=endpoint_url)
+    api = settings.api.model_copy(update={"token": SecretStr(token)})
+    return settings.model_copy(update={"api": api})

@@ -32,6 +32,11 @@ class ApiSettings(BaseModel):
         "without one, the CLI sends it when set",
     )
     url: str = Field("http://127.0.0.1:8750", description="the API the CLI talks to")
+    token_secret: str | None = Field(
+        None,
+        description="a Secrets Manager secret (ARN or name) holding the token, read by "
+        "`controller start` when `token` is unset (the AWS deployment sets it)",
+    )
 
     def require_token(self) -> SecretStr:
         """The token, for a server about to start.
@@ -50,6 +55,26 @@ class ApiSettings(BaseModel):
         return self.token
 
 
+class WorkerSettings(BaseModel):
+    """How the controller launches workers on AWS (set by the deployment, infra/)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    launch_template: str | None = Field(
+        None, description="the workers' EC2 launch template (name); None: launch bare AMIs"
+    )
+    subnets: str = Field(
+        "", description="comma-separated subnet ids workers launch in, at most one per zone"
+    )
+    token_secret: str | None = Field(
+        None, description="Secrets Manager secret (ARN or name) of the AgileML worker token"
+    )
+
+    @property
+    def subnet_ids(self) -> tuple[str, ...]:
+        return tuple(s.strip() for s in self.subnets.split(",") if s.strip())
+
+
 class Settings(BaseSettings):
     """Everything configurable, from `ORCHESTRATOR_*` variables (init arguments win)."""
 
@@ -64,6 +89,7 @@ class Settings(BaseSettings):
     controller_id: str = "local"
     region: str = "us-east-1"
     api: ApiSettings = ApiSettings()
+    worker: WorkerSettings = WorkerSettings()
 
     @classmethod
     def load(cls) -> Settings:

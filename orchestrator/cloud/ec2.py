@@ -206,6 +206,8 @@ class EC2Cloud:
         *,
         client: Any = None,
         session: boto3.Session | None = None,
+        launch_template: str | None = None,
+        subnets: Sequence[str] = (),
     ) -> None:
         if not controller_id:
             raise ValueError("controller_id must not be empty")
@@ -220,6 +222,9 @@ class EC2Cloud:
         self.region = region
         self.controller_id = controller_id
         self.client = client
+        self.launch_template = launch_template
+        self.subnets = tuple(subnets)
+        self._subnet_of_zone: dict[str, str] | None = None
 
     # --- launch -------------------------------------------------------------------------------
 
@@ -252,6 +257,7 @@ class EC2Cloud:
         if existing:
             return existing
 
+        subnet = self._subnet_for(spec) if self.subnets else None
         tags = self._tags(spec, max_price)
         tag_list = [{"Key": k, "Value": v} for k, v in tags.items()]
         params: dict[str, Any] = {
@@ -266,6 +272,16 @@ class EC2Cloud:
                 {"ResourceType": "volume", "Tags": tag_list},
             ],
         }
+        if self.launch_template is not None:
+            # the template carries the AMI, instance profile, security group, IMDS options and
+            # the boot user data (infra/controller.yaml)
+            params["LaunchTemplate"] = {
+                "LaunchTemplateName": self.launch_template,
+                "Version": "$Latest",
+            }
+            del params["ImageId"]
+        if subnet is not None:
+            params["SubnetId"] = subnet
         if spec.user_data:
             params["UserData"] = spec.user_data
         if spec.key_name is not None:
@@ -330,6 +346,29 @@ class EC2Cloud:
                 operation=operation,
             )
         return str(price)
+
+    def _subnet_for(self, spec: LaunchSpec) -> str:
+        """The configured subnet in `spec.zone` (zones looked up once, with DescribeSubnets).
+
+        Raises:
+            CapacityError: code NoWorkerSubnetInZone: no configured subnet is in that zone, so
+                the market cannot be used (BidBrain marks it and buys elsewhere).
+        """
+        if self._subnet_of_zone is None:
+            try:
+                found = self.client.describe_subnets(SubnetIds=list(self.subnets))["Subnets"]
+            except (ClientError, BotoCoreError) as exc:
+                raise _wrap(exc, "DescribeSubnets") from exc
+            self._subnet_of_zone = {str(s["AvailabilityZone"]): str(s["SubnetId"]) for s in found}
+        subnet = self._subnet_of_zone.get(spec.zone)
+        if subnet is None:
+            raise CapacityError(
+                f"no worker subnet in {spec.zone} (configured: {', '.join(self.subnets)})",
+                code="NoWorkerSubnetInZone",
+                operation="RunInstances",
+                market=spec.market,
+            )
+        return subnet
 
     def _tags(self, spec: LaunchSpec, max_price: str | None) -> dict[str, str]:
         tags = {

@@ -8,6 +8,9 @@ Both become one `InterruptionNotice`. The wire, identical on EC2 and on `Metadat
     GET /latest/meta-data/spot/instance-action               -> 404 | {"action", "time"}
     GET /latest/meta-data/events/recommendations/rebalance   -> 404 | {"noticeTime"}
     GET /latest/meta-data/instance-id                        -> 200 "i-..."
+    GET /latest/meta-data/local-ipv4                         -> 200 "10.0.1.23"
+    GET /latest/meta-data/tags/instance/<key>                -> 200 value | 404
+        (instance tags: only with InstanceMetadataTags enabled, as infra/ sets it)
     Every GET needs X-aws-ec2-metadata-token: <token>; a missing or expired token gets 401.
 
 A typical sequence on one node (poll every 5 s): 404, 404, ... -> rebalance JSON (callback:
@@ -60,6 +63,8 @@ TOKEN_PATH = "/latest/api/token"
 SPOT_ACTION_PATH = "/latest/meta-data/spot/instance-action"
 REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
+LOCAL_IPV4_PATH = "/latest/meta-data/local-ipv4"
+INSTANCE_TAG_PATH = "/latest/meta-data/tags/instance/"
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 #: IMDSv2 accepts token TTLs of 1 s to 6 h and answers 400 outside that range.
@@ -400,8 +405,12 @@ class MetadataMock:
         host: str = "127.0.0.1",
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        tags: Mapping[str, str] | None = None,
+        local_ipv4: str = "127.0.0.1",
     ) -> None:
         self.instance_id = instance_id
+        self.tags = dict(tags or {})
+        self.local_ipv4 = local_ipv4
         self._host = host
         self._port = port
         self._clock = clock
@@ -565,6 +574,10 @@ class MetadataMock:
                 reply = _Reply(401, b"Unauthorized")
             elif path == INSTANCE_ID_PATH:
                 reply = _Reply(200, self.instance_id.encode())
+            elif path == LOCAL_IPV4_PATH:
+                reply = _Reply(200, self.local_ipv4.encode())
+            elif path.startswith(INSTANCE_TAG_PATH) and path[len(INSTANCE_TAG_PATH) :] in self.tags:
+                reply = _Reply(200, self.tags[path[len(INSTANCE_TAG_PATH) :]].encode())
             elif path == SPOT_ACTION_PATH and self._interruption is not None:
                 action, at = self._interruption
                 reply = _json_reply({"action": action, "time": _iso_z(at)})
@@ -939,3 +952,53 @@ class NoticeWatcher:
             self._on_notice(notice)
         except Exception:  # the callback owns its failures; the notice is not redelivered
             logger.exception("on_notice raised", extra={**fields, "event": "imds_callback_failed"})
+
+
+def read_metadata(
+    base_url: str, paths: list[str], *, timeout_s: float = 2.0
+) -> dict[str, str | None]:
+    """GET `paths` once with one IMDSv2 token: path -> body, None where the service says 404.
+
+    Raises:
+        MetadataError: the service is unreachable or answers anything but 200/404.
+    """
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def call(method: str, path: str, headers: dict[str, str]) -> tuple[int, str]:
+        request = urllib.request.Request(base_url + path, method=method, headers=headers)
+        try:
+            with opener.open(request, timeout=timeout_s) as reply:
+                return reply.status, reply.read().decode("utf-8", "replace")
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, exc.read().decode("utf-8", "replace")
+        except (OSError, http.client.HTTPException) as exc:
+            raise MetadataError(
+                f"{exc} ({base_url})",
+                code=type(exc).__name__,
+                operation=f"{method} {path}",
+                url=base_url + path,
+            ) from exc
+
+    status, token = call("PUT", TOKEN_PATH, {TOKEN_TTL_HEADER: "300"})
+    if status != 200 or not token:
+        raise MetadataError(
+            f"no IMDSv2 token ({status}) from {base_url}",
+            code=f"HTTP{status}",
+            operation=f"PUT {TOKEN_PATH}",
+            url=base_url + TOKEN_PATH,
+            status=status,
+        )
+    found: dict[str, str | None] = {}
+    for path in paths:
+        status, body = call("GET", path, {TOKEN_HEADER: token})
+        if status not in (200, 404):
+            raise MetadataError(
+                f"answered {status} ({base_url}): {body[:200]!r}",
+                code=f"HTTP{status}",
+                operation=f"GET {path}",
+                url=base_url + path,
+                status=status,
+            )
+        found[path] = body.strip() if status == 200 else None
+    return found

