@@ -150,6 +150,8 @@ def test_parameters_refuse_the_world_and_malformed_ids():
         _params(worker_subnet_ids=("sg-0123abcd",))
     with pytest.raises(ValueError):
         _params(runtime_ports=(30000, 29000))
+    with pytest.raises(ValueError, match="within the runtime ports"):
+        _params(runtime_ports=(40000, 50000))  # the AgileML controller's 29500 left outside
     names = {p["ParameterKey"] for p in _params().cloudformation()}
     assert names <= set(load_template(render().body)["Parameters"])
 
@@ -280,7 +282,7 @@ def test_the_stack_deploys_in_moto_and_yields_instance_roles_groups_and_launch_t
              for r in p["IpRanges"]]  # fmt: skip
     assert cidrs == [(8750, "203.0.113.7/32")]
     assert all(not p["IpRanges"] for p in worker_group["IpPermissions"])
-    assert {(p["FromPort"], p["ToPort"]) for p in worker_group["IpPermissions"]} == {(29500, 29999)}
+    assert {(p["FromPort"], p["ToPort"]) for p in worker_group["IpPermissions"]} == {(1024, 65535)}
 
     template = ec2.describe_launch_template_versions(
         LaunchTemplateName=outputs["WorkerLaunchTemplateName"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.errors import UserError
 
@@ -44,7 +44,8 @@ class DeployParams(BaseModel):
     api_allowed_cidr: str
     package: Annotated[str, Field(min_length=1)]
     api_port: Annotated[int, Field(ge=1024, le=65535)] = 8750
-    runtime_ports: tuple[int, int] = (29500, 29999)
+    runtime_ports: tuple[int, int] = (1024, 65535)  # the runtime binds ephemeral ports
+    agileml_controller_port: Annotated[int, Field(ge=1024, le=65535)] = 29500
     controller_instance_type: str = "t3.medium"
     controller_image_parameter: str = "/aws/service/debian/release/12/latest/amd64"
     worker_image_parameter: str = "/aws/service/debian/release/12/latest/amd64"
@@ -80,6 +81,16 @@ class DeployParams(BaseModel):
             )
         return value
 
+    @model_validator(mode="after")
+    def _controller_port_in_range(self) -> DeployParams:
+        low, high = self.runtime_ports
+        if not low <= self.agileml_controller_port <= high:
+            raise ValueError(
+                f"agileml_controller_port {self.agileml_controller_port} must lie within the "
+                f"runtime ports {low}-{high}"
+            )
+        return self
+
     @field_validator("runtime_ports")
     @classmethod
     def _ports(cls, value: tuple[int, int]) -> tuple[int, int]:
@@ -99,6 +110,7 @@ class DeployParams(BaseModel):
             "ApiPort": str(self.api_port),
             "RuntimePortFrom": str(self.runtime_ports[0]),
             "RuntimePortTo": str(self.runtime_ports[1]),
+            "AgileMLControllerPort": str(self.agileml_controller_port),
             "ControllerInstanceType": self.controller_instance_type,
             "ControllerImageId": self.controller_image_parameter,
             "WorkerImageId": self.worker_image_parameter,
@@ -122,6 +134,7 @@ OPTION_OF = {
     "package": "--package",
     "api_port": "--api-port",
     "runtime_ports": "--runtime-ports",
+    "agileml_controller_port": "--agileml-port",
     "controller_instance_type": "--controller-type",
     "controller_image_parameter": "--controller-image-parameter",
     "worker_image_parameter": "--worker-image-parameter",
