@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from pydantic import SecretStr
@@ -113,8 +113,10 @@ def start(
         source = EC2PriceSource(settings.region, client=client)
         clock = time.time
         speed = 1.0
+    host = _training_host(settings, store, endpoint_url)
     controller = Controller(
         store=store,
+        launch_tags=host.tags_for if host is not None else None,
         cloud=EC2Cloud(
             settings.region,
             settings.controller_id,
@@ -128,6 +130,8 @@ def start(
     )
 
     def report(r: TickReport) -> None:
+        if host is not None:
+            host.step(clock())
         if r.launched or r.terminated or r.evicted or r.finished or r.launch_failures:
             out.print(
                 f"tick: launched {len(r.launched)} terminated {len(r.terminated)} "
@@ -162,7 +166,37 @@ def start(
         pass
     finally:
         service.stop()
+        if host is not None:
+            host.close()
         store.close()
+
+
+def _training_host(settings: Settings, store: Any, endpoint_url: str | None) -> Any:
+    """On AWS (a worker token secret is configured): the host of the training jobs' AgileML
+    elasticity controllers, advertised at this node's private address; None otherwise."""
+    if not settings.worker.token_secret:
+        return None
+    from orchestrator.agileml.host import TrainingHost
+    from orchestrator.cloud.imds import IMDS_BASE_URL, LOCAL_IPV4_PATH, read_metadata
+    from orchestrator.cloud.secrets import read_secret
+    from orchestrator.worker import worker_token
+
+    advertise = settings.worker.advertise_host
+    if advertise is None:
+        advertise = read_metadata(IMDS_BASE_URL, [LOCAL_IPV4_PATH])[LOCAL_IPV4_PATH]
+    if not advertise:
+        raise UserError(
+            "cannot tell the workers where this controller is",
+            field="ORCHESTRATOR_WORKER__ADVERTISE_HOST",
+            fix="set ORCHESTRATOR_WORKER__ADVERTISE_HOST to this node's private address",
+        )
+    secret = read_secret(settings.worker.token_secret, settings.region, endpoint_url=endpoint_url)
+    return TrainingHost(
+        store,
+        token=worker_token(secret),
+        advertise_host=advertise,
+        base_port=settings.worker.agileml_port,
+    )
 
 
 def _with_token_from_secret(settings: Settings, endpoint_url: str | None) -> Settings:

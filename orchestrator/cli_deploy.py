@@ -218,7 +218,8 @@ def worker_start(
         str | None,
         typer.Option(
             "--agileml-controller",
-            help="The job's elasticity controller [ORCHESTRATOR_AGILEML_CONTROLLER].",
+            help="The job's elasticity controller [its instance tag, or "
+            "ORCHESTRATOR_AGILEML_CONTROLLER].",
         ),
     ] = None,
     token_secret: Annotated[
@@ -238,7 +239,12 @@ def worker_start(
     from orchestrator.worker import Worker, read_identity, worker_token
 
     settings = Settings.load()
-    controller = agileml_controller or os.environ.get("ORCHESTRATOR_AGILEML_CONTROLLER")
+    identity = read_identity(metadata_url)
+    controller = (
+        agileml_controller
+        or identity.agileml_controller  # the tag of the job's controller, when it trains
+        or os.environ.get("ORCHESTRATOR_AGILEML_CONTROLLER")
+    )
     secret = token_secret or settings.worker.token_secret
     if not controller:
         raise UserError(
@@ -253,7 +259,6 @@ def worker_start(
             field="--token-secret",
             fix="pass --token-secret ARN or set ORCHESTRATOR_WORKER__TOKEN_SECRET",
         )
-    identity = read_identity(metadata_url)
     log_to_stderr(f"worker[{identity.instance_id}]")
     token = worker_token(read_secret(secret, settings.region, endpoint_url=endpoint_url))
     stop = threading.Event()

@@ -7,7 +7,7 @@ controller turns it into the `JobSpec` BidBrain plans with.
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -35,6 +35,21 @@ class JobSubmission(BaseModel):
     app: AppParams = AppParams()
     time_value_usd_per_hour: Annotated[float, Field(ge=0)] | None = None
     gpu_work_rates: dict[str, Annotated[float, Field(gt=0)]] | None = None
+    training: dict[str, Any] | None = Field(
+        None,
+        description="train a model with AgileML (TrainingSpec fields but job_id): on AWS the "
+        "controller hosts the job's elasticity controller and counts iterations as its work",
+    )
+
+    @field_validator("training")
+    @classmethod
+    def _training(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            # loaded only for training jobs: the runtime's models pull in torch
+            from orchestrator.agileml.host import validate_training_section
+
+            validate_training_section(value)
+        return value
 
     @field_validator("name")
     @classmethod

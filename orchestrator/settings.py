@@ -67,7 +67,15 @@ class WorkerSettings(BaseModel):
         "", description="comma-separated subnet ids workers launch in, at most one per zone"
     )
     token_secret: str | None = Field(
-        None, description="Secrets Manager secret (ARN or name) of the AgileML worker token"
+        None,
+        description="Secrets Manager secret (ARN or name) of the AgileML worker token; when "
+        "set, `controller start` hosts the training jobs' AgileML controllers",
+    )
+    agileml_port: Annotated[int, Field(ge=1024, le=65535)] = Field(
+        29500, description="the first port of the hosted AgileML controllers (one per job)"
+    )
+    advertise_host: str | None = Field(
+        None, description="the address workers reach this node at (default: its private IP)"
     )
 
     @property

@@ -3,7 +3,8 @@
 `infra/worker-boot.sh` makes it a systemd service on every instance launched from the workers'
 launch template. It reads who it is from the instance metadata service (IMDSv2; the launch
 template enables instance tags): its instance id, private address, and the job and tier in
-the `orchestrator:job-id` and `orchestrator:tier` tags the controller launched it with. It reads
+the `orchestrator:job-id`, `orchestrator:tier` and `orchestrator:agileml-controller` tags the
+controller launched it with. It reads
 the AgileML token from Secrets Manager, joins the job's elasticity controller as an AgileML node
 and watches the metadata service for the spot interruption notice, on which the node hands its
 partitions off and leaves (two minutes, DESIGN §5). Restarted by systemd if it fails.
@@ -16,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.cloud.ec2 import TAG_CONTROLLER, TAG_JOB, TAG_TIER
+from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER, TAG_CONTROLLER, TAG_JOB, TAG_TIER
 from orchestrator.cloud.imds import (
     INSTANCE_ID_PATH,
     INSTANCE_TAG_PATH,
@@ -46,6 +47,7 @@ class WorkerIdentity:
     job_id: str
     tier: str  # AgileML's: "transient" | "reliable"
     controller_id: str | None
+    agileml_controller: str | None = None  # the job's elasticity controller, from its tag
 
 
 def read_identity(metadata_url: str) -> WorkerIdentity:
@@ -56,7 +58,8 @@ def read_identity(metadata_url: str) -> WorkerIdentity:
             from the worker launch template, or instance tags are off in the metadata service).
         MetadataError: the metadata service is unreachable.
     """
-    tag_paths = {key: INSTANCE_TAG_PATH + key for key in (TAG_JOB, TAG_TIER, TAG_CONTROLLER)}
+    keys = (TAG_JOB, TAG_TIER, TAG_CONTROLLER, TAG_AGILEML_CONTROLLER)
+    tag_paths = {key: INSTANCE_TAG_PATH + key for key in keys}
     found = read_metadata(metadata_url, [INSTANCE_ID_PATH, LOCAL_IPV4_PATH, *tag_paths.values()])
     job_id, tier = found[tag_paths[TAG_JOB]], found[tag_paths[TAG_TIER]]
     if not job_id or tier not in AGILEML_TIER_OF:
@@ -72,6 +75,7 @@ def read_identity(metadata_url: str) -> WorkerIdentity:
         job_id=job_id,
         tier=AGILEML_TIER_OF[tier],
         controller_id=found[tag_paths[TAG_CONTROLLER]],
+        agileml_controller=found[tag_paths[TAG_AGILEML_CONTROLLER]],
     )
 
 

@@ -15,11 +15,13 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import boto3
 import pytest
 from moto import mock_aws
+from redis_server import free_port
 
 from orchestrator.agileml.control import ModelSpec, TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
@@ -383,3 +385,72 @@ def test_a_worker_reads_its_job_from_instance_tags_and_joins_the_job(tmp_path):
 def test_a_worker_without_job_tags_says_how_it_must_be_launched():
     with MetadataMock("i-0bare") as imds, pytest.raises(UserError, match="launch template"):
         read_identity(imds.base_url)
+
+
+def test_the_controller_hosts_a_training_jobs_agileml_controller_and_counts_its_work(store):
+    """On AWS: `TrainingHost` starts the job's elasticity controller when the controller is
+    about to launch for it, tags the launch with its address; a worker reads that tag from its
+    metadata, joins and trains; the host reports the training and sets the job's work done
+    from the iterations; when the job ends its controller stops and the worker exits."""
+    from orchestrator.agileml.host import TrainingHost
+    from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
+    from orchestrator.jobspec import JobSubmission
+    from orchestrator.store import JobRecord, JobState
+
+    training = dict(model={"kind": "additive", "features": 8}, samples=128, global_batch=16,
+                    lr=1.0, iterations=6, num_partitions=2, min_nodes=1, heartbeat_s=0.05,
+                    failure_timeout_s=0.5)  # fmt: skip
+    job = JobSubmission(name="trains", budget_usd=10.0, work_gpu_hours=2.0, training=training)
+    plain = JobSubmission(name="plain", budget_usd=10.0, work_gpu_hours=2.0)
+    with pytest.raises(ValueError, match="iterations"):
+        JobSubmission(name="bad", budget_usd=1.0, work_gpu_hours=1.0, training={"iterations": 0})
+    store.create_job(JobRecord.submit("job-9", job.model_dump(mode="json"), 10.0, 0.0))
+    store.create_job(JobRecord.submit("job-p", plain.model_dump(mode="json"), 10.0, 0.0))
+    token = bytes(range(32))
+    host = TrainingHost(store, token=token, advertise_host="127.0.0.1", bind_host="127.0.0.1",
+                        base_port=free_port())  # fmt: skip
+    with host:
+        assert host.tags_for("job-p") == {}
+        tags = host.tags_for("job-9")
+        assert tags == {TAG_AGILEML_CONTROLLER: host.endpoint("job-9")}
+        assert host.tags_for("job-9") == tags  # one controller per job
+        instance_tags = {TAG_JOB: "job-9", TAG_TIER: "reliable", **tags}
+        with MetadataMock("i-0host", tags=instance_tags) as imds:
+            identity = read_identity(imds.base_url)
+            assert identity.agileml_controller == tags[TAG_AGILEML_CONTROLLER]
+            worker = Worker(identity, agileml_controller=identity.agileml_controller,
+                            token=token, metadata_url=imds.base_url, notice_poll_s=0.1)  # fmt: skip
+            outcome = []
+            thread = threading.Thread(target=lambda: outcome.append(worker.run(threading.Event())))
+            thread.start()
+            deadline = time.monotonic() + 30
+            while store.get_job("job-9").work_done_gpu_hours < 2.0:
+                assert time.monotonic() < deadline, store.training("job-9")[-1:]
+                host.step(time.time())
+                time.sleep(0.05)
+            reports = store.training("job-9")
+            assert reports[-1].iteration == 6 and reports[-1].loss is not None
+            record = store.get_job("job-9")
+            for state in (JobState.RUNNING, JobState.SUCCEEDED):
+                record = store.transition("job-9", state, expected_version=record.version,
+                                          now_s=1.0)  # fmt: skip
+            host.step(time.time())  # the job ended: its controller stops, the worker exits
+            assert host.endpoint("job-9") is None
+            thread.join(20)
+    assert not thread.is_alive()
+    assert outcome[0] is not None and outcome[0].ended == "done"
+
+
+def test_launch_tags_reach_the_instance_and_cannot_override_ours(aws):
+    cloud = EC2Cloud(REGION, "prod", client=aws)
+    zone = aws.describe_availability_zones()["AvailabilityZones"][0]["ZoneName"]
+    spec = LaunchSpec(
+        instance_type="g4dn.xlarge", zone=zone, count=1, job_id="job-1", allocation_id="a-1",
+        extra_tags={"orchestrator:agileml-controller": "tcp://10.0.0.5:29500",
+                    TAG_CONTROLLER: "somebody-else"},
+    )  # fmt: skip
+    [instance] = cloud.launch(spec)
+    raw = aws.describe_instances(InstanceIds=[instance.instance_id])["Reservations"][0]
+    tags = {t["Key"]: t["Value"] for t in raw["Instances"][0]["Tags"]}
+    assert tags["orchestrator:agileml-controller"] == "tcp://10.0.0.5:29500"
+    assert tags[TAG_CONTROLLER] == "prod"

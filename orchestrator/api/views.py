@@ -44,7 +44,7 @@ class TrainingBody(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     iteration: Annotated[int, Field(ge=0)]
-    loss: Annotated[float, Field(ge=0)] | None = None
+    loss: float | None = None  # finite (allow_inf_nan above); some losses go below 0
     reassigned: Annotated[int, Field(ge=0)] = 0
     stage_transitions: Annotated[int, Field(ge=0)] = 0
 

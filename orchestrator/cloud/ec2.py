@@ -60,6 +60,9 @@ TAG_CONTROLLER = "orchestrator:controller-id"
 TAG_JOB = "orchestrator:job-id"
 TAG_ALLOCATION = "orchestrator:allocation-id"
 TAG_TIER = "orchestrator:tier"  # "spot" | "reliable"
+#: Where a training job's AgileML elasticity controller listens (`tcp://host:port`), set by
+#: the controller's `TrainingHost` on AWS and read by `orchestrator worker start`.
+TAG_AGILEML_CONTROLLER = "orchestrator:agileml-controller"
 #: The spot max price the instance was launched with; DescribeInstances does not report it.
 TAG_MAX_PRICE = "orchestrator:max-price-usd-per-hour"
 
@@ -157,6 +160,9 @@ class LaunchSpec(BaseModel):
     user_data: str = ""
     key_name: str | None = None
     security_group_ids: tuple[str, ...] = ()
+    extra_tags: dict[str, str] = Field(
+        default_factory=dict, description="more instance tags (the orchestrator's own win)"
+    )
 
     @classmethod
     def from_request(
@@ -372,6 +378,7 @@ class EC2Cloud:
 
     def _tags(self, spec: LaunchSpec, max_price: str | None) -> dict[str, str]:
         tags = {
+            **spec.extra_tags,
             TAG_CONTROLLER: self.controller_id,
             TAG_JOB: spec.job_id,
             TAG_ALLOCATION: spec.allocation_id,

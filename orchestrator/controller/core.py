@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,6 +98,7 @@ class Controller:
         settings: BidBrain's knobs.
         image_id: the AMI worker nodes boot.
         user_data: builds a node's user data from (job id, allocation id).
+        launch_tags: more tags for a job's instances (e.g. where its AgileML controller is).
         max_running_jobs: jobs run side by side, each on its own budget; with a limit, queued
             jobs wait (oldest first) until fewer than this many run — 1 runs them in sequence.
     """
@@ -114,6 +115,7 @@ class Controller:
         capacity_model: CapacityHazardModel | None = None,
         image_id: str = "ami-orchestrator",
         user_data: Callable[[str, str], str] | None = None,
+        launch_tags: Callable[[str], Mapping[str, str]] | None = None,
         max_running_jobs: int | None = None,
     ) -> None:
         if max_running_jobs is not None and max_running_jobs < 1:
@@ -129,6 +131,7 @@ class Controller:
         self.availability = MarketAvailability()
         self.image_id = image_id
         self.user_data = user_data
+        self.launch_tags = launch_tags
         self._notices: list[InterruptionNotice] = []
         self._doomed: set[str] = set()
         self._prices_seen: dict[str, dict[str, float]] = {}  # job -> the last prices recorded
@@ -319,6 +322,7 @@ class Controller:
             allocation_id=allocation_id,
             image_id=self.image_id,
             user_data=self.user_data(job.job_id, allocation_id) if self.user_data else "",
+            extra_tags=dict(self.launch_tags(job.job_id)) if self.launch_tags else {},
         )
         try:
             instances = self.cloud.launch(spec)

@@ -272,6 +272,6 @@ class TrainingReport(BaseModel):
 
     at_s: float
     iteration: Annotated[int, Field(ge=0)]
-    loss: Annotated[float, Field(ge=0)] | None = None
+    loss: Annotated[float, Field(allow_inf_nan=False)] | None = None  # some losses go below 0
     reassigned: Annotated[int, Field(ge=0)] = 0
     stage_transitions: Annotated[int, Field(ge=0)] = 0

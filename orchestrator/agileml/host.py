@@ -1,0 +1,192 @@
+"""`TrainingHost`: the AgileML elasticity controller of every training job, on the controller
+node (the AWS deployment; the offline demo runs its one job's controller itself).
+
+A job trains when its spec has a `training` section (`TrainingSpec` fields but `job_id`).
+When the controller is about to launch the job's first instance, `tags_for(job_id)` starts the
+job's `Coordinator` on the next free port from `base_port` and returns the launch tag that
+tells workers where it is (`orchestrator worker start` reads it from the instance metadata).
+Every `step(now_s)` reports each hosted job's training to the store (the dashboard and
+/metrics read it) and sets its work done to the fraction of iterations done times the job's
+work, which is what BidBrain's cost per unit of work divides by; a job that has ended has its
+coordinator stopped (nodes are told to shut down).
+
+Failure semantics: a coordinator that cannot bind tries the next port (up to `max_jobs`);
+a store write that fails is logged and the next step writes the (cumulative) numbers again.
+A controller restart starts fresh coordinators: running workers lose their controller and
+exit, systemd restarts them into the new one, and the model starts again from its initial
+state (the coordinator keeps no state across restarts yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.coordinator import Coordinator
+from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
+from orchestrator.errors import UserError
+from orchestrator.store import JobRecord, Store, TrainingReport
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BASE_PORT = 29500
+
+
+def training_spec_of(job: JobRecord) -> TrainingSpec | None:
+    """The job's `TrainingSpec`, None when its spec has no `training` section.
+
+    Raises:
+        UserError: the section is invalid (named field; the submission edge checks it first).
+    """
+    section = job.spec.get("training")
+    if not section:
+        return None
+    try:
+        return TrainingSpec.model_validate({**section, "job_id": job.job_id})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise UserError(
+            f"job {job.job_id}: training.{where}: {first['msg']}",
+            field=f"training.{where}",
+            fix="correct the job spec's training section (agileml TrainingSpec fields)",
+        ) from None
+
+
+class TrainingHost:
+    """Runs and reports the elasticity controllers of the store's training jobs."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        token: bytes,
+        advertise_host: str,
+        bind_host: str = "0.0.0.0",
+        base_port: int = DEFAULT_BASE_PORT,
+        max_jobs: int = 64,
+    ) -> None:
+        self.store = store
+        self._token = token
+        self.advertise_host = advertise_host
+        self.bind_host = bind_host
+        self.base_port = base_port
+        self.max_jobs = max_jobs
+        self._lock = threading.Lock()
+        self._hosted: dict[str, tuple[Coordinator, TrainingSpec, int]] = {}
+
+    def endpoint(self, job_id: str) -> str | None:
+        """Where the job's workers join, None when it is not hosted."""
+        with self._lock:
+            hosted = self._hosted.get(job_id)
+        return None if hosted is None else f"tcp://{self.advertise_host}:{hosted[2]}"
+
+    def tags_for(self, job_id: str) -> Mapping[str, str]:
+        """The launch tags of the job's next instance: its elasticity controller's address,
+        started now if needed (no tag for a job that does not train)."""
+        job = self.store.get_job(job_id)
+        if job.state.is_terminal:
+            return {}
+        spec = training_spec_of(job)
+        if spec is None:
+            return {}
+        with self._lock:
+            if job_id not in self._hosted:
+                self._hosted[job_id] = self._start(spec)
+        endpoint = self.endpoint(job_id)
+        return {TAG_AGILEML_CONTROLLER: endpoint} if endpoint else {}
+
+    def step(self, now_s: float) -> None:
+        """Report every hosted job's training; stop the coordinators of ended jobs."""
+        with self._lock:
+            hosted = dict(self._hosted)
+        for job_id, (coordinator, spec, _) in hosted.items():
+            try:
+                job = self.store.get_job(job_id)
+                self._report(job, coordinator, spec, now_s)
+            except Exception as exc:  # noqa: BLE001 - a store hiccup: report at the next step
+                log.warning("training report of %s failed: %r", job_id, exc)
+                continue
+            if job.state.is_terminal:
+                self._stop(job_id)
+
+    def close(self) -> None:
+        """Stop every coordinator (their nodes are told to shut down)."""
+        for job_id in list(self._hosted):
+            self._stop(job_id)
+
+    def __enter__(self) -> TrainingHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self, spec: TrainingSpec) -> tuple[Coordinator, TrainingSpec, int]:
+        used = {port for _, _, port in self._hosted.values()}
+        for port in range(self.base_port, self.base_port + self.max_jobs):
+            if port in used:
+                continue
+            coordinator = Coordinator(spec, token=self._token, host=self.bind_host, port=port)
+            try:
+                coordinator.start()
+            except Exception as exc:  # noqa: BLE001 - the port is taken: try the next one
+                log.warning("port busy", extra={"port": port, "error": str(exc)})
+                continue
+            log.info("hosting agileml controller", extra={"job_id": spec.job_id, "port": port})
+            return coordinator, spec, port
+        raise UserError(
+            f"no free port for job {spec.job_id}'s AgileML controller in "
+            f"{self.base_port}-{self.base_port + self.max_jobs - 1}",
+            fix="finish or cancel jobs, or raise the runtime port range",
+        )
+
+    def _stop(self, job_id: str) -> None:
+        with self._lock:
+            hosted = self._hosted.pop(job_id, None)
+        if hosted is not None:
+            hosted[0].stop()
+            log.info("agileml controller stopped", extra={"job_id": job_id})
+
+    def _report(
+        self, job: JobRecord, coordinator: Coordinator, spec: TrainingSpec, now_s: float
+    ) -> None:
+        progress = coordinator.progress()
+        self.store.append_training(
+            job.job_id,
+            TrainingReport(
+                at_s=now_s,
+                iteration=progress.iteration,
+                loss=_latest_loss(coordinator.node_losses()),
+                reassigned=progress.reassigned_rows,
+                stage_transitions=progress.stage_transitions,
+            ),
+        )
+        if not job.state.is_terminal:
+            work = float(job.spec.get("work_gpu_hours", 0.0))
+            done = min(1.0, progress.iteration / spec.iterations) * work
+            if done > job.work_done_gpu_hours:
+                self.store.update_progress(job.job_id, done, now_s)
+
+
+def _latest_loss(losses: Mapping[str, list[tuple[int, float]]]) -> float | None:
+    """The mean of the nodes' losses at the latest clock any node reported."""
+    latest: dict[int, list[float]] = {}
+    for pairs in losses.values():
+        for clock, loss in pairs:
+            if math.isfinite(loss):
+                latest.setdefault(clock, []).append(loss)
+    if not latest:
+        return None
+    values = latest[max(latest)]
+    return sum(values) / len(values)
+
+
+def validate_training_section(section: Any) -> None:
+    """Check a job submission's `training` section (raises pydantic's ValidationError)."""
+    TrainingSpec.model_validate({**dict(section), "job_id": "validate"})
