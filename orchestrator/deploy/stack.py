@@ -2,9 +2,10 @@
 
 Failure semantics: `deploy` creates the stack (or updates it when it exists) and waits,
 reporting each new stack event; a stack that ends in a failed or rolled-back state raises a
-`UserError` naming the first failed resource and its reason. `teardown` first terminates every
-instance the controller launched (its workers are not part of the stack), then deletes the
-stack; running it again after a partial failure finishes the job.
+`UserError` naming the first failed resource and its reason. `teardown` terminates every
+instance the controller launched (its workers are not part of the stack), deletes the stack,
+and sweeps once more for workers launched before the controller went down; running it again
+after a partial failure finishes the job.
 """
 
 from __future__ import annotations
@@ -159,22 +160,29 @@ class StackDeployer:
         ec2: EC2Cloud,
         on_event: Callable[[StackEvent], None] = lambda e: None,
     ) -> list[str]:
-        """Terminate the controller's instances, then delete the stack and wait.
+        """Terminate the controller's instances, delete the stack and wait, then terminate
+        any instance the controller launched meanwhile (it replaces lost workers until the
+        stack takes it down).
 
         Returns:
             The ids of the instances terminated.
         """
+        terminated = self._terminate_workers(ec2)
+        if self.status() is not None:
+            seen = {e["EventId"] for e in self._events()}
+            try:
+                self.cfn.delete_stack(StackName=self.name)
+            except ClientError as exc:
+                raise _aws_error(exc, "DeleteStack") from None
+            self._wait(seen, on_event, deleting=True)
+            terminated += self._terminate_workers(ec2)
+        return terminated
+
+    @staticmethod
+    def _terminate_workers(ec2: EC2Cloud) -> list[str]:
         instances = [i.instance_id for i in ec2.describe() if not i.state.is_gone]
         if instances:
             ec2.terminate(instances)
-        if self.status() is None:
-            return instances
-        seen = {e["EventId"] for e in self._events()}
-        try:
-            self.cfn.delete_stack(StackName=self.name)
-        except ClientError as exc:
-            raise _aws_error(exc, "DeleteStack") from None
-        self._wait(seen, on_event, deleting=True)
         return instances
 
     def _events(self) -> list[dict[str, Any]]:
