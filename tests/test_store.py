@@ -633,3 +633,14 @@ def test_a_client_without_decoded_responses_is_refused(redis_url: str) -> None:
     with pytest.raises(ValueError, match="decode_responses"):
         Store(client)
     client.close()
+
+
+def test_latest_training_is_the_newest_report(store: Store) -> None:
+    from orchestrator.store import TrainingReport
+
+    assert store.latest_training("job-x") is None
+    for i in range(3):
+        store.append_training("job-x", TrainingReport(at_s=float(i), iteration=10 * i, loss=1.0))
+    latest = store.latest_training("job-x")
+    assert latest is not None and latest.iteration == 20
+    assert [r.iteration for r in store.training("job-x")] == [0, 10, 20]

@@ -113,8 +113,7 @@ class JobFacts:
                 facts.launches += 1
             elif event.kind is EventKind.LAUNCH_FAILED:
                 facts.launch_failures[str(f.get("code") or "unknown")] += 1
-        reports = store.training(job.job_id)
-        facts.training = reports[-1] if reports else None
+        facts.training = store.latest_training(job.job_id)
         return facts
 
     @property

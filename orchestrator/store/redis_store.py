@@ -652,6 +652,10 @@ class Store:
         """The job's training reports, oldest first (an unknown job has none)."""
         return self._series(job_id, "training", TrainingReport)
 
+    def latest_training(self, job_id: str) -> TrainingReport | None:
+        """The job's newest training report (one read, for summaries and /metrics)."""
+        return next(iter(self._series(job_id, "training", TrainingReport, newest=1)), None)
+
     def _append_series(self, job_id: str, name: str, record: BaseModel) -> str:
         key = self._key("job", self._check_id("job", job_id), name)
         with self._redis_errors():
@@ -662,10 +666,16 @@ class Store:
                 ),
             )
 
-    def _series(self, job_id: str, name: str, model: type[M]) -> list[M]:
+    def _series(self, job_id: str, name: str, model: type[M], newest: int | None = None) -> list[M]:
+        """The series oldest first; with `newest`, only that many of the latest, newest first."""
         key = self._key("job", self._check_id("job", job_id), name)
         with self._redis_errors():
-            entries = cast(list[tuple[str, dict[str, str]]], self._client.xrange(key))
+            raw = (
+                self._client.xrange(key)
+                if newest is None
+                else self._client.xrevrange(key, count=newest)
+            )
+            entries = cast(list[tuple[str, dict[str, str]]], raw)
         return [self._decode_json(model, key, fields["r"]) for _, fields in entries]
 
     # --- claims
