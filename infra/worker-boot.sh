@@ -5,9 +5,10 @@
 # instance tags), joins the job named in its orchestrator:job-id tag and watches for the spot
 # interruption notice. Reads /etc/orchestrator/worker.env (written by the user data).
 #
-# AMI-agnostic path: any Debian, Ubuntu or Amazon Linux 2023 AMI; this script installs
-# Python 3.11+ and the package. AMI-baked path: run this script once while building the AMI
-# (it installs into /opt/orchestrator/venv), and at boot it only (re)starts the service.
+# AMI-agnostic path: a Debian 12 or Amazon Linux 2023 AMI; this script installs Python 3.11+
+# and the package. AMI-baked path (GPU AMIs with their NVIDIA driver): run this script once
+# while building the AMI (it installs into /opt/orchestrator/venv), and at boot it only
+# (re)starts the service.
 set -euo pipefail
 
 ENV_FILE=${ORCHESTRATOR_ENV_FILE:-/etc/orchestrator/worker.env}
@@ -25,16 +26,23 @@ fi
 . "$ENV_FILE"
 : "${ORCHESTRATOR_PACKAGE:?must name what pip installs}"
 
+# a Python 3.11+ that can make a venv (Debian splits ensurepip into python3-venv)
 python_311() {
     for candidate in python3.13 python3.12 python3.11 python3; do
         if command -v "$candidate" >/dev/null 2>&1 &&
-            "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+            "$candidate" -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' \
+                2>/dev/null; then
             command -v "$candidate"
             return 0
         fi
     done
     return 1
 }
+
+if ! id orchestrator >/dev/null 2>&1; then
+    useradd --system --home-dir /var/lib/orchestrator --create-home --shell /usr/sbin/nologin \
+        orchestrator
+fi
 
 if [ ! -x "$VENV/bin/orchestrator" ]; then
     if ! python_311 >/dev/null; then
@@ -50,7 +58,10 @@ if [ ! -x "$VENV/bin/orchestrator" ]; then
             exit 1
         fi
     fi
-    PYTHON=$(python_311)
+    if ! PYTHON=$(python_311); then
+        log "no Python 3.11+ with venv on this AMI: use Debian 12, Amazon Linux 2023 or bake one"
+        exit 1
+    fi
     log "installing $ORCHESTRATOR_PACKAGE with $PYTHON"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --upgrade pip
@@ -64,10 +75,20 @@ Wants=network-online.target
 After=network-online.target
 
 [Service]
+User=orchestrator
+Group=orchestrator
+# GPU device files are world-usable with NVIDIA's driver, or owned by the video group
+SupplementaryGroups=video
 EnvironmentFile=$ENV_FILE
 ExecStart=$VENV/bin/orchestrator worker start
 Restart=on-failure
 RestartSec=5
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome=yes
+PrivateTmp=yes
+ReadWritePaths=/var/lib/orchestrator
+WorkingDirectory=/var/lib/orchestrator
 # an eviction notice gives two minutes: leave time for the hand-off on stop
 TimeoutStopSec=100
 

@@ -12,7 +12,6 @@ Exit codes: 0 ok; 1 validation found problems (--dry-run); 2 user errors.
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from typing import Annotated
@@ -218,8 +217,7 @@ def worker_start(
         str | None,
         typer.Option(
             "--agileml-controller",
-            help="The job's elasticity controller [its instance tag, or "
-            "ORCHESTRATOR_AGILEML_CONTROLLER].",
+            help="The job's elasticity controller [the instance's tag].",
         ),
     ] = None,
     token_secret: Annotated[
@@ -233,6 +231,7 @@ def worker_start(
     """Join the job named in this instance's tags and train until it ends or is evicted."""
     import signal
 
+    from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
     from orchestrator.cloud.secrets import read_secret
     from orchestrator.logfmt import log_to_stderr
     from orchestrator.settings import Settings
@@ -240,18 +239,14 @@ def worker_start(
 
     settings = Settings.load()
     identity = read_identity(metadata_url)
-    controller = (
-        agileml_controller
-        or identity.agileml_controller  # the tag of the job's controller, when it trains
-        or os.environ.get("ORCHESTRATOR_AGILEML_CONTROLLER")
-    )
+    controller = agileml_controller or identity.agileml_controller  # its launch tag
     secret = token_secret or settings.worker.token_secret
     if not controller:
         raise UserError(
             "no AgileML controller to join",
             field="--agileml-controller",
-            fix="pass --agileml-controller tcp://HOST:PORT or set ORCHESTRATOR_AGILEML_CONTROLLER "
-            "(the launch template's user data sets it)",
+            fix=f"a training job's instances carry it in the {TAG_AGILEML_CONTROLLER} tag (the "
+            "job's spec needs a `training` section); or pass --agileml-controller tcp://HOST:PORT",
         )
     if not secret:
         raise UserError(
@@ -268,3 +263,5 @@ def worker_start(
     ).run(stop)
     ended = "stopped" if result is None else result.ended
     out.print(f"worker {identity.instance_id} of {identity.job_id}: {ended}", highlight=False)
+    if ended == "lost_controller":
+        raise typer.Exit(1)  # systemd restarts it: the controller may be back

@@ -55,6 +55,11 @@ class ApiSettings(BaseModel):
         return self.token
 
 
+#: The most training jobs a controller hosts AgileML controllers for (one port each, from
+#: `WorkerSettings.agileml_port`).
+MAX_HOSTED_TRAINING_JOBS = 64
+
+
 class WorkerSettings(BaseModel):
     """How the controller launches workers on AWS (set by the deployment, infra/)."""
 

@@ -7,7 +7,8 @@ the `orchestrator:job-id`, `orchestrator:tier` and `orchestrator:agileml-control
 controller launched it with. It reads
 the AgileML token from Secrets Manager, joins the job's elasticity controller as an AgileML node
 and watches the metadata service for the spot interruption notice, on which the node hands its
-partitions off and leaves (two minutes, DESIGN §5). Restarted by systemd if it fails.
+partitions off and leaves (two minutes, DESIGN §5). It exits non-zero when the node fails or
+loses its controller, so that systemd restarts it.
 """
 
 from __future__ import annotations
@@ -126,7 +127,11 @@ class Worker:
             self.node.leave()
 
     def run(self, stop: threading.Event) -> NodeResult | None:
-        """Join the job and train until it ends, the node leaves, or `stop` is set."""
+        """Join the job and train until it ends, the node leaves, or `stop` is set (None).
+
+        Raises:
+            Exception: whatever ended the AgileML node (e.g. it could not join).
+        """
         from orchestrator.agileml.agent import AgileMLNode  # torch: load only when training
         from orchestrator.agileml.elasticity import NodeTier
 
@@ -139,12 +144,15 @@ class Worker:
             token=self._token,
             host=ident.host,
         )
-        outcome: list[NodeResult] = []
-        trainer = threading.Thread(
-            target=lambda: outcome.append(self.node.run()),  # type: ignore[union-attr]
-            name="agileml",
-            daemon=True,
-        )
+        outcome: list[NodeResult | BaseException] = []
+
+        def train() -> None:
+            try:
+                outcome.append(self.node.run())  # type: ignore[union-attr]
+            except BaseException as exc:  # noqa: BLE001 - re-raised in `run`'s thread
+                outcome.append(exc)
+
+        trainer = threading.Thread(target=train, name="agileml", daemon=True)
         watcher = NoticeWatcher(
             self.metadata_url,
             on_notice=self.on_notice,
@@ -169,4 +177,6 @@ class Worker:
             if trainer.is_alive():
                 self.node.stop()
                 trainer.join(timeout=30)
+        if outcome and isinstance(outcome[0], BaseException):
+            raise outcome[0]
         return outcome[0] if outcome else None

@@ -106,6 +106,9 @@ def test_the_policy_is_least_privilege_and_the_checks_catch_each_breach():
         "Condition"))  # fmt: skip
     assert breach(lambda r: policy(r)["TerminateOnlyOurInstances"].update(Resource="*"))
     assert breach(lambda r: policy(r)["ReadOurTokens"].update(Action="secretsmanager:*"))
+    assert breach(lambda r: policy(r)["GiveWorkersTheirRole"].update(Resource="*"))
+    assert breach(lambda r: policy(r)["TerminateOnlyOurInstances"].update(
+        NotAction="ec2:RunInstances"))  # fmt: skip
     world = {"IpProtocol": "tcp", "FromPort": 29500, "ToPort": 29999, "CidrIp": "0.0.0.0/0"}
     assert breach(
         lambda r: r["WorkerSecurityGroup"]["Properties"].setdefault("SecurityGroupIngress", [])
@@ -144,8 +147,13 @@ def _params(**overrides) -> DeployParams:
 
 
 def test_parameters_refuse_the_world_and_malformed_ids():
-    with pytest.raises(ValueError, match="whole internet"):
-        _params(api_allowed_cidr="0.0.0.0/0")
+    for world in ("0.0.0.0/0", "0.0.0.0/1", "64.0.0.0/4"):
+        with pytest.raises(ValueError, match="much of the internet"):
+            _params(api_allowed_cidr=world)
+    with pytest.raises(ValueError):
+        _params(controller_id="my_id")  # not valid in a stack name
+    with pytest.raises(ValueError):
+        _params(package="orchestrator'; rm -rf /")  # would break out of the quoted value
     with pytest.raises(ValueError, match="not an IPv4 CIDR"):
         _params(api_allowed_cidr="203.0.113.7")
     with pytest.raises(ValueError, match="not a subnet id"):
@@ -293,7 +301,8 @@ def test_the_stack_deploys_in_moto_and_yields_instance_roles_groups_and_launch_t
     assert template["MetadataOptions"]["InstanceMetadataTags"] == "enabled"
     assert template["SecurityGroupIds"] == [outputs["WorkerSecurityGroupId"]]
     boot = base64.b64decode(template["UserData"]).decode()
-    assert f"ORCHESTRATOR_AGILEML_CONTROLLER=tcp://{outputs['ControllerPrivateIp']}:29500" in boot
+    assert f"ORCHESTRATOR_WORKER__TOKEN_SECRET={params.worker_token_secret_arn}" in boot
+    assert outputs["ControllerPrivateIp"] not in boot  # workers learn it from their launch tag
     assert (INFRA_DIR / "worker-boot.sh").read_text() in boot
 
 
@@ -331,6 +340,8 @@ def test_the_controller_launches_workers_from_the_template_and_teardown_removes_
     terminated = deployer.teardown(cloud)
     assert terminated == [worker.instance_id]
     assert deployer.status() is None
+    controller_state = ec2.describe_instances(InstanceIds=[outputs["ControllerInstanceId"]])
+    assert controller_state["Reservations"][0]["Instances"][0]["State"]["Name"] == "terminated"
     states = {
         i["InstanceId"]: i["State"]["Name"]
         for r in ec2.describe_instances()["Reservations"]

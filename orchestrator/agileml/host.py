@@ -12,9 +12,12 @@ coordinator stopped (nodes are told to shut down).
 
 Failure semantics: a coordinator that cannot bind tries the next port (up to `max_jobs`);
 a store write that fails is logged and the next step writes the (cumulative) numbers again.
-A controller restart starts fresh coordinators: running workers lose their controller and
-exit, systemd restarts them into the new one, and the model starts again from its initial
-state (the coordinator keeps no state across restarts yet).
+A controller restart loses the coordinators: workers already running lose their controller,
+and a job is hosted again only when the controller next launches for it, possibly on another
+port than its running workers' tags name (they then fail and systemd restarts them into a
+controller that is not theirs until they are replaced). Persisting each job's port and
+hosting every running training job at start is the missing piece; training would still start
+again from the initial model.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
 from orchestrator.errors import UserError
+from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
 from orchestrator.store import JobRecord, Store, TrainingReport
 
 log = logging.getLogger(__name__)
@@ -70,7 +74,7 @@ class TrainingHost:
         advertise_host: str,
         bind_host: str = "0.0.0.0",
         base_port: int = DEFAULT_BASE_PORT,
-        max_jobs: int = 64,
+        max_jobs: int = MAX_HOSTED_TRAINING_JOBS,
     ) -> None:
         self.store = store
         self._token = token

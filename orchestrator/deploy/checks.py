@@ -1,10 +1,10 @@
 """Checks on the controller stack's template before it reaches AWS.
 
 `policy_problems` reads the parsed template and names what would make it unsafe:
-    * a mutating EC2 action (anything but Describe*/Get*) on Resource "*", or on instances
-      and volumes without a condition on our controller tag (`aws:RequestTag/...` to launch,
-      `aws:ResourceTag/...` to terminate);
-    * an IAM statement with a wildcard action;
+    * a mutating action of any service (anything but Describe*/Get*/List*) on Resource "*",
+      or an EC2 one on instances and volumes without a condition on our controller tag
+      (`aws:RequestTag/...` to launch, `aws:ResourceTag/...` to terminate);
+    * a wildcard in a mutating action, or NotAction/NotResource;
     * a security group open to the world (0.0.0.0/0 or ::/0) on any port, and any CIDR
       ingress on a port other than the API's.
 `lint_problems` runs cfn-lint (AWS's linter, `pip install 'orchestrator[deploy]'`).
@@ -85,11 +85,15 @@ def _arn_text(resource: Any) -> str:
 def _statement_problems(name: str, statement: dict[str, Any]) -> list[str]:
     if statement.get("Effect") != "Allow":
         return []
-    actions = [str(a) for a in _listed(statement.get("Action", []))]
-    problems = [f"{name}: wildcard action {a!r}" for a in actions if a.endswith("*")]
-    mutating = [
-        a for a in actions if a.startswith("ec2:") and not a[4:].startswith(READ_ONLY_PREFIXES)
+    problems = [
+        f"{name}: {key} grants everything but a list; name what is allowed instead"
+        for key in ("NotAction", "NotResource")
+        if key in statement
     ]
+    actions = [str(a) for a in _listed(statement.get("Action", []))]
+    problems += [f"{name}: wildcard action {a!r}" for a in actions if "*" in a.split(":", 1)[-1]
+                 and not a.split(":", 1)[-1].startswith(READ_ONLY_PREFIXES)]  # fmt: skip
+    mutating = [a for a in actions if not a.split(":", 1)[-1].startswith(READ_ONLY_PREFIXES)]
     if not mutating:
         return problems
     resources = [_arn_text(r) for r in _listed(statement.get("Resource", []))]

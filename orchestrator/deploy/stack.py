@@ -2,9 +2,9 @@
 
 Failure semantics: `deploy` creates the stack (or updates it when it exists) and waits,
 reporting each new stack event; a stack that ends in a failed or rolled-back state raises a
-`UserError` naming the first failed resource and its reason. `teardown` terminates every
-instance the controller launched (its workers are not part of the stack), deletes the stack,
-and sweeps once more for workers launched before the controller went down; running it again
+`UserError` naming the first failed resource and its reason. `teardown` terminates the
+controller node, then every instance it launched (its workers are not part of the stack), then
+deletes the stack, sweeping for workers once more whatever the deletion did; running it again
 after a partial failure finishes the job.
 """
 
@@ -55,12 +55,14 @@ class StackDeployer:
         name: str,
         *,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
         poll_s: float = POLL_SECONDS,
         timeout_s: float = TIMEOUT_SECONDS,
     ) -> None:
         self.cfn = cloudformation
         self.name = name
         self._sleep = sleep
+        self._clock = clock
         self._poll_s = poll_s
         self._timeout_s = timeout_s
 
@@ -160,21 +162,33 @@ class StackDeployer:
         ec2: EC2Cloud,
         on_event: Callable[[StackEvent], None] = lambda e: None,
     ) -> list[str]:
-        """Terminate the controller's instances, delete the stack and wait, then terminate
-        any instance the controller launched meanwhile (it replaces lost workers until the
-        stack takes it down).
+        """Terminate the controller node first (so that it launches nothing more), then its
+        workers, then delete the stack and wait; a last sweep for workers runs even when the
+        deletion fails.
 
         Returns:
-            The ids of the instances terminated.
+            The ids of the worker instances terminated.
         """
-        terminated = self._terminate_workers(ec2)
-        if self.status() is not None:
-            seen = {e["EventId"] for e in self._events()}
+        status = self.status()
+        controller = self.outputs().get("ControllerInstanceId") if status is not None else None
+        if controller:
             try:
-                self.cfn.delete_stack(StackName=self.name)
-            except ClientError as exc:
-                raise _aws_error(exc, "DeleteStack") from None
-            self._wait(seen, on_event, deleting=True)
+                ec2.client.terminate_instances(InstanceIds=[controller])
+                ec2.client.get_waiter("instance_terminated").wait(
+                    InstanceIds=[controller], WaiterConfig={"Delay": max(1, int(self._poll_s))}
+                )
+            except (ClientError, BotoCoreError) as exc:
+                raise _aws_error(exc, "TerminateInstances (the controller node)") from None
+        terminated = self._terminate_workers(ec2)
+        try:
+            if status is not None:
+                seen = {e["EventId"] for e in self._events()}
+                try:
+                    self.cfn.delete_stack(StackName=self.name)
+                except ClientError as exc:
+                    raise _aws_error(exc, "DeleteStack") from None
+                self._wait(seen, on_event, deleting=True)
+        finally:
             terminated += self._terminate_workers(ec2)
         return terminated
 
@@ -195,7 +209,7 @@ class StackDeployer:
     def _wait(
         self, seen: set[str], on_event: Callable[[StackEvent], None], deleting: bool = False
     ) -> None:
-        deadline = time.monotonic() + self._timeout_s
+        deadline = self._clock() + self._timeout_s
         failures: list[StackEvent] = []
         while True:
             for raw in self._events():
@@ -225,7 +239,7 @@ class StackDeployer:
                     f"--stack-name {self.name}`), fix the cause, delete a rolled-back stack "
                     "with `orchestrator deploy --teardown`, and deploy again",
                 )
-            if time.monotonic() > deadline:
+            if self._clock() > deadline:
                 raise UserError(
                     f"stack {self.name} is still {status} after {self._timeout_s / 60:g} min",
                     fix="watch it in the CloudFormation console; nothing was cancelled",

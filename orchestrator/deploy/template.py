@@ -19,12 +19,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.errors import UserError
+from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
 
 #: The templates and boot scripts (a link to the repository's infra/ in a checkout; copied
 #: into the wheel by package-data).
 INFRA_DIR = Path(__file__).parent / "infra"
 TEMPLATE_NAME = "controller.yaml"
 BOOT_SCRIPTS = ("controller-boot.sh", "worker-boot.sh")
+#: The shortest CIDR prefix the API may be opened to (it speaks plain HTTP).
+MIN_API_PREFIX = 8
 #: CloudFormation's limit for a template passed inline (TemplateBody).
 MAX_TEMPLATE_BODY_BYTES = 51_200
 
@@ -37,12 +40,12 @@ class DeployParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    controller_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,48}$")] = "prod"
+    controller_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9-]{1,48}$")] = "prod"
     vpc_id: Annotated[str, Field(pattern=_ID.format(prefix="vpc"))]
     controller_subnet_id: Annotated[str, Field(pattern=_ID.format(prefix="subnet"))]
     worker_subnet_ids: Annotated[tuple[str, ...], Field(min_length=1)]
     api_allowed_cidr: str
-    package: Annotated[str, Field(min_length=1)]
+    package: Annotated[str, Field(min_length=1, pattern=r"^[^'\n\r]+$")]
     api_port: Annotated[int, Field(ge=1024, le=65535)] = 8750
     runtime_ports: tuple[int, int] = (1024, 65535)  # the runtime binds ephemeral ports
     agileml_controller_port: Annotated[int, Field(ge=1024, le=65535)] = 29500
@@ -74,20 +77,23 @@ class DeployParams(BaseModel):
             raise ValueError(
                 f"{value!r} is not an IPv4 CIDR such as 203.0.113.7/32 ({exc})"
             ) from None
-        if network.prefixlen == 0:
+        if network.prefixlen < MIN_API_PREFIX:
             raise ValueError(
-                "0.0.0.0/0 would open the API to the whole internet; give your own address "
-                "(e.g. `curl -s https://checkip.amazonaws.com`/32) or your VPN's range"
+                f"{value} would open the API (plain HTTP) to much of the internet; give your "
+                "own address (e.g. `curl -s https://checkip.amazonaws.com`/32) or your VPN's "
+                f"range (a /{MIN_API_PREFIX} or longer prefix)"
             )
         return value
 
     @model_validator(mode="after")
-    def _controller_port_in_range(self) -> DeployParams:
+    def _controller_ports_in_range(self) -> DeployParams:
         low, high = self.runtime_ports
-        if not low <= self.agileml_controller_port <= high:
+        first = self.agileml_controller_port
+        last = first + MAX_HOSTED_TRAINING_JOBS - 1  # one port per hosted training job
+        if not low <= first <= last <= high:
             raise ValueError(
-                f"agileml_controller_port {self.agileml_controller_port} must lie within the "
-                f"runtime ports {low}-{high}"
+                f"the AgileML controller ports {first}-{last} must lie within the runtime "
+                f"ports {low}-{high}"
             )
         return self
 

@@ -15,8 +15,8 @@
                  "#b91c1c"];
   var MARGIN = { left: 58, right: 52, top: 10, bottom: 24 };
 
-  var embedded = readEmbedded();
-  var state = { fleet: null, page: null, job: null, timer: null };
+  var embedded = null;  // the report's data (report mode), read by start()
+  var state = { fleet: null, page: null, job: null, timer: null, asked: 0 };
 
   // ---- formatting
 
@@ -387,11 +387,14 @@
   function renderTraining(page, dom) {
     var svg = document.querySelector('[data-testid="chart-training"]');
     var reports = page.training;
-    var lossMax = maxOf(reports.map(function (r) { return r.loss; }), 0) * 1.1;
-    var p = plot(svg, dom, [0, lossMax || 1], function (v) { return num(v); });
+    var losses = reports.map(function (r) { return r.loss; });
+    var lossMax = maxOf(losses, 0) * 1.1 || 1;
+    var lossMin = -maxOf(losses.map(function (v) { return v === null ? null : -v; }), 0) * 1.1;
+    var p = plot(svg, dom, [lossMin, lossMax], function (v) { return num(v); });
     var itMax = maxOf(reports.map(function (r) { return r.iteration; }), 0) || 1;
-    var scale = (lossMax || 1) / (itMax * 1.05);
-    series(p, "iterations", reports.map(function (r) { return [r.t, r.iteration * scale]; }));
+    var scale = (lossMax - lossMin) / (itMax * 1.05);  // iterations on the right axis
+    function itY(it) { return lossMin + it * scale; }
+    series(p, "iterations", reports.map(function (r) { return [r.t, itY(r.iteration)]; }));
     series(p, "loss", reports.map(function (r) { return [r.t, r.loss]; }));
     reports.forEach(function (r, i) {
       if (i > 0 && r.stage_transitions > reports[i - 1].stage_transitions) {
@@ -402,7 +405,7 @@
     });
     var step = niceStep(itMax, 4);
     for (var it = 0; it <= itMax * 1.05; it += step) {
-      svg.appendChild(svgEl("text", { x: p.right + 6, y: p.y(it * scale) + 4, "class": "tick right" }, num(it)));
+      svg.appendChild(svgEl("text", { x: p.right + 6, y: p.y(itY(it)) + 4, "class": "tick right" }, num(it)));
     }
     if (!reports.length) emptyNote(p, "no training reports" + (embedded ? " in this report" : " yet"));
     var last = reports.length ? reports[reports.length - 1] : null;
@@ -503,7 +506,12 @@
 
   function hashJob() {
     var m = /(?:^#|&)job=([^&]+)/.exec(window.location.hash);
-    return m ? decodeURIComponent(m[1]) : null;
+    if (!m) return null;
+    try {
+      return decodeURIComponent(m[1]);
+    } catch (err) {
+      return null;  // a malformed hash: show the default job
+    }
   }
 
   function chooseJob(fleet) {
@@ -521,11 +529,6 @@
   }
 
   // ---- data sources
-
-  function readEmbedded() {
-    var node = document.getElementById("dashboard-data");
-    return node ? JSON.parse(node.textContent) : null;
-  }
 
   function showEmbedded() {
     var pages = embedded.jobs || {};
@@ -548,6 +551,7 @@
 
   function poll() {
     clearTimeout(state.timer);
+    var asked = ++state.asked;  // a newer poll (e.g. after a job switch) wins over this one
     getJson("v1/dashboard").then(function (fleet) {
       var jobId = chooseJob(fleet);
       if (!jobId) return [fleet, null];
@@ -555,20 +559,25 @@
         return [fleet, page];
       });
     }).then(function (both) {
+      if (asked !== state.asked) return;
       state.fleet = both[0];
       state.page = both[1];
       state.job = both[1] ? both[1].job.job_id : null;
       render();
     }).catch(function (err) {
-      fail("Cannot reach the controller (" + err.message + "); retrying every second.");
+      if (asked === state.asked) {
+        fail("Cannot reach the controller (" + err.message + "); retrying every second.");
+      }
     }).then(function () {
-      state.timer = setTimeout(poll, POLL_MS);
+      if (asked === state.asked) state.timer = setTimeout(poll, POLL_MS);
     });
   }
 
   function start() {
-    if (embedded) {
+    var node = document.getElementById("dashboard-data");
+    if (node) {
       try {
+        embedded = JSON.parse(node.textContent);
         showEmbedded();
       } catch (err) {
         fail("This report's data cannot be shown: " + err.message);
