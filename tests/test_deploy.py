@@ -465,3 +465,35 @@ def test_launch_tags_reach_the_instance_and_cannot_override_ours(aws):
     tags = {t["Key"]: t["Value"] for t in raw["Instances"][0]["Tags"]}
     assert tags["orchestrator:agileml-controller"] == "tcp://10.0.0.5:29500"
     assert tags[TAG_CONTROLLER] == "prod"
+
+
+def test_a_restarted_controller_hosts_its_training_jobs_again_on_the_same_ports(store):
+    from orchestrator.agileml.host import TrainingHost
+    from orchestrator.jobspec import JobSubmission
+    from orchestrator.store import JobRecord, JobState
+
+    training = dict(model={"kind": "additive", "features": 8}, samples=128, global_batch=16,
+                    iterations=6, num_partitions=2)  # fmt: skip
+    job = JobSubmission(name="trains", budget_usd=10.0, work_gpu_hours=2.0, training=training)
+    for job_id in ("job-a", "job-b"):
+        store.create_job(JobRecord.submit(job_id, job.model_dump(mode="json"), 10.0, 0.0))
+    base = free_port()
+
+    def new_host() -> TrainingHost:
+        return TrainingHost(store, token=bytes(32), advertise_host="127.0.0.1",
+                            bind_host="127.0.0.1", base_port=base, max_jobs=8)  # fmt: skip
+
+    with new_host() as first:
+        first.tags_for("job-b")  # job-b gets the first port, job-a the second
+        first.tags_for("job-a")
+        before = {j: first.endpoint(j) for j in ("job-a", "job-b")}
+    # the controller restarts: nothing launches, yet both jobs are hosted where their
+    # workers' tags say
+    with new_host() as second:
+        second.step(0.0)
+        assert {j: second.endpoint(j) for j in ("job-a", "job-b")} == before
+        record = store.get_job("job-a")
+        store.transition("job-a", JobState.CANCELLED, expected_version=record.version, now_s=1.0)
+        second.step(1.0)  # an ended job's controller stops and its port is free again
+        assert second.endpoint("job-a") is None
+        assert set(store.training_ports()) == {"job-b"}

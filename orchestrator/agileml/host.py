@@ -12,12 +12,10 @@ coordinator stopped (nodes are told to shut down).
 
 Failure semantics: a coordinator that cannot bind tries the next port (up to `max_jobs`);
 a store write that fails is logged and the next step writes the (cumulative) numbers again.
-A controller restart loses the coordinators: workers already running lose their controller,
-and a job is hosted again only when the controller next launches for it, possibly on another
-port than its running workers' tags name (they then fail and systemd restarts them into a
-controller that is not theirs until they are replaced). Persisting each job's port and
-hosting every running training job at start is the missing piece; training would still start
-again from the initial model.
+Each job's port is kept in the store: a restarted controller's first `step` hosts every job
+it hosted before on the same port, so the workers (whose tags name it) reconnect when systemd
+restarts them. The coordinator's own state is not kept: such a job's training starts again
+from the initial model.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
 from orchestrator.errors import UserError
 from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
-from orchestrator.store import JobRecord, Store, TrainingReport
+from orchestrator.store import JobRecord, NotFoundError, Store, TrainingReport
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +94,30 @@ class TrainingHost:
         started now if needed (no tag for a job that does not train)."""
         job = self.store.get_job(job_id)
         if job.state.is_terminal:
+            self.store.forget_training_port(job_id)
             return {}
         spec = training_spec_of(job)
         if spec is None:
             return {}
         with self._lock:
             if job_id not in self._hosted:
-                self._hosted[job_id] = self._start(spec)
+                self._hosted[job_id] = self._start(spec, self.store.training_ports().get(job_id))
+                self.store.set_training_port(job_id, self._hosted[job_id][2])
         endpoint = self.endpoint(job_id)
         return {TAG_AGILEML_CONTROLLER: endpoint} if endpoint else {}
 
     def step(self, now_s: float) -> None:
-        """Report every hosted job's training; stop the coordinators of ended jobs."""
+        """Host again the jobs hosted before a restart; report every hosted job's training;
+        stop the coordinators of ended jobs."""
+        for job_id in self.store.training_ports():
+            if job_id in self._hosted:
+                continue
+            try:
+                self.tags_for(job_id)
+            except NotFoundError:
+                self.store.forget_training_port(job_id)
+            except Exception as exc:  # noqa: BLE001 - a store hiccup or a bad spec: log, go on
+                log.warning("hosting %s again failed: %r", job_id, exc)
         with self._lock:
             hosted = dict(self._hosted)
         for job_id, (coordinator, spec, _) in hosted.items():
@@ -121,9 +131,10 @@ class TrainingHost:
                 self._stop(job_id)
 
     def close(self) -> None:
-        """Stop every coordinator (their nodes are told to shut down)."""
+        """Stop every coordinator (their nodes are told to shut down); the ports stay
+        recorded, for the next start."""
         for job_id in list(self._hosted):
-            self._stop(job_id)
+            self._stop(job_id, forget=False)
 
     def __enter__(self) -> TrainingHost:
         return self
@@ -131,9 +142,13 @@ class TrainingHost:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _start(self, spec: TrainingSpec) -> tuple[Coordinator, TrainingSpec, int]:
+    def _start(
+        self, spec: TrainingSpec, preferred: int | None
+    ) -> tuple[Coordinator, TrainingSpec, int]:
         used = {port for _, _, port in self._hosted.values()}
-        for port in range(self.base_port, self.base_port + self.max_jobs):
+        used |= {p for j, p in self.store.training_ports().items() if j != spec.job_id}
+        ports = range(self.base_port, self.base_port + self.max_jobs)
+        for port in ([preferred] if preferred is not None else []) + list(ports):
             if port in used:
                 continue
             coordinator = Coordinator(spec, token=self._token, host=self.bind_host, port=port)
@@ -150,7 +165,9 @@ class TrainingHost:
             fix="finish or cancel jobs, or raise the runtime port range",
         )
 
-    def _stop(self, job_id: str) -> None:
+    def _stop(self, job_id: str, forget: bool = True) -> None:
+        if forget:
+            self.store.forget_training_port(job_id)
         with self._lock:
             hosted = self._hosted.pop(job_id, None)
         if hosted is not None:

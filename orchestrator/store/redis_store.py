@@ -678,6 +678,24 @@ class Store:
             entries = cast(list[tuple[str, dict[str, str]]], raw)
         return [self._decode_json(model, key, fields["r"]) for _, fields in entries]
 
+    # --- the AgileML controllers this controller hosts (agileml/host.py)
+
+    def set_training_port(self, job_id: str, port: int) -> None:
+        """Remember the port the job's AgileML controller listens on (its workers' tags name
+        it), so that a restarted controller hosts it there again."""
+        with self._redis_errors():
+            self._client.hset(self._key("training-ports"), self._check_id("job", job_id), port)
+
+    def training_ports(self) -> dict[str, int]:
+        """Job id -> the port of its hosted AgileML controller."""
+        with self._redis_errors():
+            raw = cast(dict[str, str], self._client.hgetall(self._key("training-ports")))
+        return {job_id: int(port) for job_id, port in raw.items()}
+
+    def forget_training_port(self, job_id: str) -> None:
+        with self._redis_errors():
+            self._client.hdel(self._key("training-ports"), job_id)
+
     # --- claims
 
     def claim(self, key: str, owner: str, ttl_s: float) -> bool:
