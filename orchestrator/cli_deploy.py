@@ -61,7 +61,22 @@ def deploy(
             help="SSM parameter naming the workers' AMI (a baked AMI) [Debian 12].",
         ),
     ] = None,
+    controller_image_parameter: Annotated[
+        str | None,
+        typer.Option(
+            "--controller-image-parameter",
+            help="SSM parameter naming the controller's AMI [Debian 12].",
+        ),
+    ] = None,
     api_port: Annotated[int, typer.Option("--api-port")] = 8750,
+    runtime_ports: Annotated[
+        str,
+        typer.Option("--runtime-ports", help="Ports AgileML may use between our nodes, LOW-HIGH."),
+    ] = "1024-65535",
+    agileml_port: Annotated[
+        int,
+        typer.Option("--agileml-port", help="First port of the jobs' AgileML controllers."),
+    ] = 29500,
     no_session_manager: Annotated[
         bool, typer.Option("--no-session-manager", help="Do not allow Session Manager shells.")
     ] = False,
@@ -106,17 +121,22 @@ def deploy(
         "api_allowed_cidr": api_cidr,
         "package": package,
         "api_port": api_port,
+        "runtime_ports": _port_range(runtime_ports),
+        "agileml_controller_port": agileml_port,
         "controller_instance_type": controller_type,
         "redis": redis,
         "session_manager": not no_session_manager,
     }
+    if controller_image_parameter:
+        fields["controller_image_parameter"] = controller_image_parameter
     if worker_image_parameter:
         fields["worker_image_parameter"] = worker_image_parameter
     try:
         params = DeployParams(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
         first = exc.errors()[0]
-        name = str(first["loc"][0]) if first["loc"] else ""
+        # the one model-level check is the AgileML ports against the runtime range
+        name = str(first["loc"][0]) if first["loc"] else "agileml_controller_port"
         option = OPTION_OF.get(name, name)
         missing = first["type"] == "missing"
         raise UserError(
@@ -177,6 +197,23 @@ def deploy(
         f"Watch: {outputs.get('ApiUrl', '')}/dashboard (from {params.api_allowed_cidr})",
         highlight=False,
     )
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    """`LOW-HIGH` as two ints.
+
+    Raises:
+        UserError: not two integers joined by '-'.
+    """
+    low, _, high = text.partition("-")
+    try:
+        return int(low), int(high)
+    except ValueError:
+        raise UserError(
+            f"--runtime-ports {text!r} is not a range",
+            field="--runtime-ports",
+            fix="pass LOW-HIGH, e.g. 1024-65535",
+        ) from None
 
 
 def _teardown(stack: str, controller_id: str, region: str, endpoint_url: str | None) -> None:

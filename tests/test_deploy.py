@@ -189,6 +189,9 @@ def test_deploy_dry_run_validates_and_names_the_bad_option(tmp_path):
     assert "Traceback" not in world.stderr
     missing = _cli("--api-cidr", "198.51.100.0/24", "--dry-run")
     assert missing.returncode == 2 and "--vpc" in missing.stderr
+    ports = _cli(*NETWORK, "--api-cidr", "198.51.100.0/24", "--runtime-ports", "40000-50000",
+                 "--dry-run")  # fmt: skip
+    assert ports.returncode == 2 and "--agileml-port" in ports.stderr
 
     out = tmp_path / "stack"
     written = _cli(*NETWORK, "--api-cidr", "198.51.100.0/24", "--template-out", str(out))
