@@ -92,8 +92,20 @@ class JobFacts:
     warned_instances: set[str] = field(default_factory=set)
 
     @classmethod
-    def read(cls, store: Store, job: JobRecord, events: list[tuple[str, Event]]) -> JobFacts:
-        facts = cls(job=job, alive=store.list_instances(job.job_id, alive_only=True))
+    def read(
+        cls,
+        store: Store,
+        job: JobRecord,
+        events: list[tuple[str, Event]],
+        instances: list[InstanceRecord] | None = None,
+    ) -> JobFacts:
+        """`instances`: every instance of the job, when the caller has read them already."""
+        alive = (
+            store.list_instances(job.job_id, alive_only=True)
+            if instances is None
+            else [r for r in instances if r.ended_at is None]
+        )
+        facts = cls(job=job, alive=alive)
         noticed: set[str] = set()
         for _, event in events:
             f = event.fields
@@ -173,8 +185,8 @@ def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
     """
     job = store.get_job(job_id)
     events = store.events(job_id)
-    facts = JobFacts.read(store, job, events)
     nodes = store.list_instances(job_id)
+    facts = JobFacts.read(store, job, events, nodes)
     held = {f"{r.instance_type}@{r.zone}" for r in facts.alive if tier_of(r) == "transient"}
     return {
         "now_s": now_s,

@@ -959,46 +959,17 @@ def read_metadata(
 ) -> dict[str, str | None]:
     """GET `paths` once with one IMDSv2 token: path -> body, None where the service says 404.
 
+    Uses a (never started) `NoticeWatcher`'s requests: the same token handling and errors.
+
     Raises:
         MetadataError: the service is unreachable or answers anything but 200/404.
     """
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def call(method: str, path: str, headers: dict[str, str]) -> tuple[int, str]:
-        request = urllib.request.Request(base_url + path, method=method, headers=headers)
-        try:
-            with opener.open(request, timeout=timeout_s) as reply:
-                return reply.status, reply.read().decode("utf-8", "replace")
-        except urllib.error.HTTPError as exc:
-            with exc:
-                return exc.code, exc.read().decode("utf-8", "replace")
-        except (OSError, http.client.HTTPException) as exc:
-            raise MetadataError(
-                f"{exc} ({base_url})",
-                code=type(exc).__name__,
-                operation=f"{method} {path}",
-                url=base_url + path,
-            ) from exc
-
-    status, token = call("PUT", TOKEN_PATH, {TOKEN_TTL_HEADER: "300"})
-    if status != 200 or not token:
-        raise MetadataError(
-            f"no IMDSv2 token ({status}) from {base_url}",
-            code=f"HTTP{status}",
-            operation=f"PUT {TOKEN_PATH}",
-            url=base_url + TOKEN_PATH,
-            status=status,
-        )
+    client = NoticeWatcher(base_url, on_notice=lambda notice: None, request_timeout_s=timeout_s)
     found: dict[str, str | None] = {}
     for path in paths:
-        status, body = call("GET", path, {TOKEN_HEADER: token})
-        if status not in (200, 404):
-            raise MetadataError(
-                f"answered {status} ({base_url}): {body[:200]!r}",
-                code=f"HTTP{status}",
-                operation=f"GET {path}",
-                url=base_url + path,
-                status=status,
-            )
-        found[path] = body.strip() if status == 200 else None
+        response = client._get(path)
+        if response.status not in (200, 404):
+            raise client._status_error("GET", path, response)
+        text = response.body.decode("utf-8", "replace").strip()
+        found[path] = text if response.status == 200 else None
     return found
