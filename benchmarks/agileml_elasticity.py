@@ -1,7 +1,7 @@
 """AgileML on local processes: overhead against DDP, join/eviction blips, failure recovery,
 and exactly-once updates (issue #4). Prints one JSON object; progress goes to stderr.
 
-Every node is a `python -m orchestrator.agileml.agent` process on 127.0.0.1 (the controller runs
+Every node is a `python -m orchestrator.agileml.node` process on 127.0.0.1 (the controller runs
 in this process), one reliable node (BackupPS) and transient nodes (ActivePSs and workers), in
 stage 3 (`stage3_above` = 2.5, so 4:1 is stage 3: workers only on the transient nodes).
 

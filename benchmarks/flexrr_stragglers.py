@@ -2,7 +2,7 @@
 and Ideal, for the Slow Worker pattern (delay 0-400 %) and the Power-Law pattern (alpha 4, 7, 11).
 Prints one JSON object; progress goes to stderr.
 
-Every worker is a `python -m orchestrator.agileml.agent` process on 127.0.0.1 (8 by default, all
+Every worker is a `python -m orchestrator.agileml.node` process on 127.0.0.1 (8 by default, all
 reliable nodes: stage 1, every node a ParamServ). Each row's work is emulated by a sleep of
 `--row-ms` (times the pattern's slowdown) plus the real forward/backward of a small MLR model,
 so the work is dominated by injected time and 2 cores suffice.

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from orchestrator import __version__
 from orchestrator.errors import UserError
+from orchestrator.units import SECONDS_PER_HOUR
 
 app = typer.Typer(
     name="orchestrator",
@@ -412,7 +413,7 @@ def risk(
     price_model = PriceCrossingModel(history)
     capacity = CapacityHazardModel.from_trace(trace)
     model = CombinedEvictionModel([price_model, capacity])
-    horizon_s = horizon_hours * 3600.0
+    horizon_s = horizon_hours * SECONDS_PER_HOUR
     parts = {
         "price-crossing": price_model.estimate(market, bid_delta, horizon_s),
         "capacity": capacity.estimate(market, bid_delta, horizon_s),
@@ -426,7 +427,7 @@ def risk(
         **{
             name: {
                 "beta": round(e.beta, 6),
-                "median_hours": round(e.median_s / 3600.0, 3)
+                "median_hours": round(e.median_s / SECONDS_PER_HOUR, 3)
                 if math.isfinite(e.median_s)
                 else None,
             }

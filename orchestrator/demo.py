@@ -47,6 +47,7 @@ from orchestrator.market.trace_source import TracePriceSource, bundled_prices_di
 from orchestrator.settings import ApiSettings, Settings
 from orchestrator.store.models import JobRecord, JobState, TrainingReport
 from orchestrator.store.redis_store import Store
+from orchestrator.units import SECONDS_PER_HOUR
 
 CONTROLLER_ID = "demo"
 NAMESPACE = "demo"
@@ -271,7 +272,7 @@ def run_demo(
             instances_launched=len(launched),
             orphans_after=orphans,
             work_done_fraction=round(min(final.work_done_gpu_hours / job.work_gpu_hours, 1.0), 4),
-            sim_hours=round((clock.now() - clock.start_s) / 3600.0, 3),
+            sim_hours=round((clock.now() - clock.start_s) / SECONDS_PER_HOUR, 3),
             wall_seconds=round(time.monotonic() - wall0, 1),
             injected_evictions=injected,
             loss_at_start=round(probe.at_start, 4),

@@ -5,7 +5,7 @@
         [--metadata-url URL] [--ready-after-sim-s 240] \\
         [--agileml-controller tcp://HOST:PORT --agileml-tier transient|reliable]
 
-With `--agileml-controller` it trains: it runs an AgileML node (`agileml.agent.AgileMLNode`,
+With `--agileml-controller` it trains: it runs an AgileML node (`agileml.node.AgileMLNode`,
 the job token in `ORCHESTRATOR_AGILEML_TOKEN`) that joins the job's elasticity controller,
 and a spot interruption notice becomes that node's eviction notice (it hands off and leaves).
 
@@ -53,6 +53,7 @@ from orchestrator.agileml.token import TOKEN_ENV, token_from_env
 from orchestrator.cloud.imds import InterruptionNotice, NoticeWatcher
 from orchestrator.cloud.local.clock import ReplayClock, SimClock
 from orchestrator.logfmt import log_to_stderr
+from orchestrator.units import SECONDS_PER_HOUR
 
 log = logging.getLogger("orchestrator.node")
 
@@ -64,7 +65,6 @@ DEFAULT_READY_AFTER_SIM_SECONDS = 240.0
 #: notice lead -- so a faster clock needs a proportionally shorter poll.
 DEFAULT_NOTICE_POLL_SECONDS = 0.2
 REDIS_TIMEOUT_SECONDS = 2.0
-SECONDS_PER_HOUR = 3600.0
 
 
 def agent_work_key(namespace: str, job_id: str) -> str:
@@ -214,8 +214,8 @@ class NodeAgent:
             return None
         # imported here: torch takes seconds to load, and an agent that only accounts work
         # must start (and see notices) at once
-        from orchestrator.agileml.agent import AgileMLNode
         from orchestrator.agileml.elasticity import NodeTier
+        from orchestrator.agileml.node import AgileMLNode
 
         token = token_from_env()
         trainer = AgileMLNode(

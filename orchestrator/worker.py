@@ -30,7 +30,7 @@ from orchestrator.cloud.imds import (
 from orchestrator.errors import UserError
 
 if TYPE_CHECKING:
-    from orchestrator.agileml.agent import AgileMLNode, NodeResult
+    from orchestrator.agileml.node import AgileMLNode, NodeResult
 
 log = logging.getLogger("orchestrator.worker")
 
@@ -132,8 +132,8 @@ class Worker:
         Raises:
             Exception: whatever ended the AgileML node (e.g. it could not join).
         """
-        from orchestrator.agileml.agent import AgileMLNode  # torch: load only when training
         from orchestrator.agileml.elasticity import NodeTier
+        from orchestrator.agileml.node import AgileMLNode  # torch: load only when training
 
         ident = self.identity
         self.node = AgileMLNode(

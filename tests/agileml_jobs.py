@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from orchestrator.agileml.agent import AgileMLNode, NodeResult
 from orchestrator.agileml.control import TrainingSpec, View
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.elasticity import NodeState, NodeTier
 from orchestrator.agileml.examples import additive_expected
+from orchestrator.agileml.node import AgileMLNode, NodeResult
 
 TOKEN = secrets.token_bytes(32)
 WAIT_S = 20.0  # bound on any one wait; only reached when something is broken

@@ -22,7 +22,6 @@ import zmq
 from agileml_jobs import TOKEN, Hook, Job, chain
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.agent import NodeResult
 from orchestrator.agileml.control import (
     ControlClient,
     ControlError,
@@ -36,6 +35,7 @@ from orchestrator.agileml.control import (
     dump,
 )
 from orchestrator.agileml.elasticity import NodeState, NodeTier
+from orchestrator.agileml.node import NodeResult
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.wire import MessageKind
 

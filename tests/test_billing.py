@@ -10,7 +10,6 @@ import pytest
 from orchestrator.bidbrain import cost as cost_model
 from orchestrator.errors import UserError
 from orchestrator.market.billing import (
-    SECONDS_PER_HOUR,
     BilledInterval,
     EndReason,
     HourlyRefundBilling,
@@ -19,6 +18,7 @@ from orchestrator.market.billing import (
     charged_fraction,
 )
 from orchestrator.market.prices import Market, PriceSeries
+from orchestrator.units import SECONDS_PER_HOUR
 
 MARKET = Market("p3.2xlarge", "us-east-1a")
 H = SECONDS_PER_HOUR
@@ -220,7 +220,7 @@ def test_scalar_expected_cost_equals_vectorised_cost_model(
 
 def test_scalar_and_vectorised_charged_fraction_agree() -> None:
     hazards = np.array([0.0, 1e-7, 1e-5, 1e-4, 1e-3, 1e-2])
-    vector = cost_model.charged_fraction(hazards)
+    vector = charged_fraction(hazards)
     for h, v in zip(hazards, vector, strict=True):
         assert float(v) == pytest.approx(charged_fraction(float(h)), rel=1e-12)
 

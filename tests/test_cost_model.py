@@ -9,10 +9,10 @@ from orchestrator.bidbrain.cost import (
     ZERO,
     FootprintTerms,
     allocation_terms,
-    charged_fraction,
     cost_per_work_with,
     footprint_terms,
 )
+from orchestrator.market.billing import charged_fraction
 
 H = 3600.0
 WORK_S = 100 * H  # 100 reference-GPU-hours left

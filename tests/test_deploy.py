@@ -55,9 +55,9 @@ def test_rendering_inlines_the_boot_scripts_verbatim_and_parses():
     rendered = render()
     assert "@@include" not in rendered.body.split("Resources:", 1)[1]
     template = load_template(rendered.body)
-    worker_data = template["Resources"]["WorkerLaunchTemplate"]["Properties"][
-        "LaunchTemplateData"
-    ]["UserData"]["Fn::Base64"]["Fn::Join"][1]
+    worker_data = template["Resources"]["WorkerLaunchTemplate"]["Properties"]["LaunchTemplateData"][
+        "UserData"
+    ]["Fn::Base64"]["Fn::Join"][1]
     assert worker_data[1] == (INFRA_DIR / "worker-boot.sh").read_text()
     controller_data = template["Resources"]["ControllerInstance"]["Properties"]["UserData"][
         "Fn::Base64"
@@ -263,9 +263,9 @@ def test_the_stack_deploys_in_moto_and_yields_instance_roles_groups_and_launch_t
     ][0]["Instances"][0]
     assert "IamInstanceProfile" in controller
     user_data = base64.b64decode(
-        ec2.describe_instance_attribute(
-            InstanceId=controller["InstanceId"], Attribute="userData"
-        )["UserData"]["Value"]
+        ec2.describe_instance_attribute(InstanceId=controller["InstanceId"], Attribute="userData")[
+            "UserData"
+        ]["Value"]
     ).decode()
     assert "ORCHESTRATOR_API__TOKEN_SECRET=arn:aws:secretsmanager:" in user_data
     token = boto3.client("secretsmanager", region_name=REGION).get_secret_value(

@@ -19,9 +19,9 @@ from agileml_jobs import TOKEN, WAIT_S, Job
 from pydantic import ValidationError
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.agent import AgileMLNode, NodeResult
 from orchestrator.agileml.control import ModelSpec, TrainingSpec
 from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.node import AgileMLNode, NodeResult
 from orchestrator.agileml.reassign import Reassigner
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.straggler.patterns import InjectedWork, UnevenWorkload

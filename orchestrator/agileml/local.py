@@ -1,5 +1,5 @@
 """Run an AgileML job on this machine: the elasticity controller in this process, each node a
-separate `python -m orchestrator.agileml.agent` process on loopback.
+separate `python -m orchestrator.agileml.node` process on loopback.
 
 Used by the benchmark and the offline demo; `evict` sends a node its eviction notice (SIGUSR1),
 `kill` takes it away without warning (SIGKILL).
@@ -68,7 +68,7 @@ class LocalJob:
         env = {**os.environ, TOKEN_ENV: self._token.hex()}
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [
-            sys.executable, "-m", "orchestrator.agileml.agent",
+            sys.executable, "-m", "orchestrator.agileml.node",
             "--node-id", node_id, "--job-id", self.spec.job_id, "--tier", tier.value,
             "--controller", self.coordinator.endpoint,
         ]  # fmt: skip

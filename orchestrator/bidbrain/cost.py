@@ -10,7 +10,7 @@ by W_rem. For allocation i (k_i instances, work rate ν_i, price P_i, hazard h_i
 
 * cost rate Σ_i C_i + R: C_i = P_i·k_i under per-second billing; under hourly-refund
   Eq. 4.1 summed over the slot's successive instances, P_i·k_i·f(h_i), with f the share of time
-  in hours that end before an eviction (`billing.charged_fraction`); R the reliable tier;
+  in hours that end before an eviction (`market.billing.charged_fraction`); R the reliable tier;
 * eviction events per second N = Σ_i (h^price_i + k_i·h^capacity_i) (a price crossing takes
   the whole allocation, capacity takes instances one by one); each stalls the job for λ
   (Eq. 4.2's (1-Π(1-β_j))·λ, per unit of time);
@@ -30,14 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SECONDS_PER_HOUR = 3600.0
-
-
-def charged_fraction(hazard_per_s: np.ndarray) -> np.ndarray:
-    """Vectorised `orchestrator.market.billing.charged_fraction` (tests keep them equal)."""
-    x = np.asarray(hazard_per_s, dtype=np.float64) * SECONDS_PER_HOUR
-    safe = np.where(x > 0, x, 1.0)
-    return np.where(x > 0, safe * np.exp(-safe) / -np.expm1(-safe), 1.0)
+from orchestrator.market.billing import charged_fraction
+from orchestrator.units import SECONDS_PER_HOUR
 
 
 def expected_cost_usd(
@@ -51,7 +45,7 @@ def expected_cost_usd(
     `BillingModel.expected_cost_usd` (tests keep the two equal)."""
     cost = np.asarray(price_usd_per_hour) * count * horizon_s / SECONDS_PER_HOUR
     if billing == "hourly-refund":
-        cost = cost * charged_fraction(hazard_per_s)
+        cost = cost * charged_fraction(np.asarray(hazard_per_s))
     return cost
 
 

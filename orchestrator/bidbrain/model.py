@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.market.prices import Market
 
-SECONDS_PER_HOUR = 3600.0
 #: Default value of an hour of the job's time, as a fraction of what its max throughput costs
 #: per hour on-demand. Measured on the 2020 traces: 0 lets BidBrain leave evicted nodes
 #: unreplaced in a job's last hours (runtime 1.28x on-demand for 0.1% less cost); 2% brings

@@ -17,7 +17,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.bidbrain.cost import (
-    SECONDS_PER_HOUR,
     FootprintTerms,
     allocation_terms,
     cost_per_work_with,
@@ -33,6 +32,7 @@ from orchestrator.bidbrain.model import (
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import DEFAULT_BID_DELTAS_USD, EvictionModel
 from orchestrator.market.prices import Market
+from orchestrator.units import SECONDS_PER_HOUR
 
 #: Extra grid points past the Proteus range, so a bid capped at the on-demand price (often
 #: several dollars over the market) looks up a hazard close to its real delta.

@@ -64,6 +64,7 @@ from orchestrator.store.models import (
     PriceSnapshot,
 )
 from orchestrator.store.redis_store import Store
+from orchestrator.units import SECONDS_PER_HOUR
 
 log = logging.getLogger(__name__)
 
@@ -442,7 +443,7 @@ class Controller:
             market = Market(rec.instance_type, rec.zone)
             if rec.lifecycle == "on-demand":
                 price = self.catalog.get(rec.instance_type).on_demand_price(market.region)
-                total += price * max(now_s - rec.launched_at, 0.0) / 3600.0
+                total += price * max(now_s - rec.launched_at, 0.0) / SECONDS_PER_HOUR
             elif market in history:
                 total += history[market].cost_usd(rec.launched_at, now_s)
         return total

@@ -16,11 +16,13 @@ import abc
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
+
+import numpy as np
 
 from orchestrator.market.errors import MarketError
 from orchestrator.market.prices import PriceSeries
-
-SECONDS_PER_HOUR = 3600.0
+from orchestrator.units import SECONDS_PER_HOUR
 
 
 class EndReason(StrEnum):
@@ -88,10 +90,18 @@ class BillingModel(abc.ABC):
         return [BilledInterval(start_s, end_s, price_usd_per_hour, run_s, reason)]
 
 
-def charged_fraction(hazard_per_s: float) -> float:
+def charged_fraction(hazard_per_s: float | np.ndarray) -> Any:
     """Share of an instance slot's run time that `hourly-refund` charges, when evicted
     instances are replaced at once: each instance of life T ~ Exp(h) pays its full hours only,
-    Σ_n P(T > n hours) = q/(1-q) with q = e^{-h·1h}, over an expected life of 1/h."""
+    Σ_n P(T > n hours) = q/(1-q) with q = e^{-h·1h}, over an expected life of 1/h.
+
+    A float gives a float; an array gives the array of fractions (BidBrain's cost model
+    evaluates every candidate at once).
+    """
+    if isinstance(hazard_per_s, np.ndarray):
+        x = hazard_per_s.astype(np.float64) * SECONDS_PER_HOUR
+        safe = np.where(x > 0, x, 1.0)
+        return np.where(x > 0, safe * np.exp(-safe) / -np.expm1(-safe), 1.0)
     if hazard_per_s <= 0.0:
         return 1.0
     x = hazard_per_s * SECONDS_PER_HOUR

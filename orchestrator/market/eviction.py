@@ -29,8 +29,7 @@ import numpy as np
 
 from orchestrator.errors import UserError
 from orchestrator.market.prices import Market, PriceHistory, PriceSeries
-
-SECONDS_PER_HOUR = 3600.0
+from orchestrator.units import SECONDS_PER_HOUR
 
 #: The Proteus bid-delta range: [$0.0001, $0.4] over the market price (seed 002 §4.3.1).
 DEFAULT_BID_DELTAS_USD = tuple(float(x) for x in np.round(np.geomspace(0.0001, 0.4, 12), 4))

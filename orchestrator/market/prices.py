@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from orchestrator.market.errors import PriceDataError
+from orchestrator.units import SECONDS_PER_HOUR
 
 LINUX_PRODUCT = "Linux/UNIX"
 #: EC2-Classic's name for the same product; moto still labels its records with it.
@@ -124,7 +125,7 @@ class PriceSeries:
         while t < end_s:
             nxt = self._times_list[i + 1] if i + 1 < n else end_s
             seg_end = min(nxt, end_s)
-            total += float(self.prices_usd_per_hour[i]) * (seg_end - t) / 3600.0
+            total += float(self.prices_usd_per_hour[i]) * (seg_end - t) / SECONDS_PER_HOUR
             t = seg_end
             i += 1
             if i >= n:

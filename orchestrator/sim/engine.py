@@ -34,8 +34,8 @@ from orchestrator.market.billing import BilledInterval, BillingModel, EndReason
 from orchestrator.market.eviction import RemovalStream
 from orchestrator.market.prices import Market
 from orchestrator.sim.world import World
+from orchestrator.units import SECONDS_PER_HOUR
 
-SECONDS_PER_HOUR = 3600.0
 #: A run handles a few thousand events; far more means a loop that makes no progress.
 MAX_EVENTS_PER_RUN = 2_000_000
 
@@ -177,7 +177,8 @@ class Run:
         self.start_s = start_s
         self.now = start_s
         self.deadline = (
-            start_s + params.max_runtime_factor * job.work_gpu_hours / job.max_work_rate * 3600.0
+            start_s
+            + params.max_runtime_factor * job.work_gpu_hours / job.max_work_rate * SECONDS_PER_HOUR
         )
         self.work_total_s = job.work_gpu_hours * SECONDS_PER_HOUR
         self.work_s = 0.0

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.errors import UserError
-from orchestrator.market.billing import SECONDS_PER_HOUR
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.prices import Market, PriceHistory
+from orchestrator.units import SECONDS_PER_HOUR
 
 REQUIRED_FIELDS = (
     "strategy",

@@ -26,6 +26,7 @@ from orchestrator.market.trace_source import TracePriceSource
 from orchestrator.sim.engine import Run, RunResult, RuntimeParams
 from orchestrator.sim.strategies import Strategy, get_strategies, run_oracle
 from orchestrator.sim.world import World
+from orchestrator.units import SECONDS_PER_HOUR
 
 DEFAULT_STRATEGIES = (
     "on-demand",
@@ -192,7 +193,7 @@ def run_start(
     """Every strategy from the same start time, over the same replayed capacity evictions."""
     job = job_for(config, world)
     billing = billing_model(config.billing)
-    horizon = config.runtime.max_runtime_factor * config.job_hours * 3600.0 + 3600.0
+    horizon = config.runtime.max_runtime_factor * config.job_hours * SECONDS_PER_HOUR + 3600.0
     removals = world.removal_events(world.table.markets, start_s, horizon, (config.seed, index))
     results: dict[str, RunResult] = {}
     for k, strat in enumerate(strategies):
@@ -322,7 +323,9 @@ def summarise(
     compute = sum(r.compute_s for r in runs)
     return StrategySummary(
         cost_vs_ondemand=float(np.mean(cpw / od_cost_per_work)),
-        runtime_vs_ondemand=float(np.mean([r.runtime_s / 3600.0 / job_hours for r in runs])),
+        runtime_vs_ondemand=float(
+            np.mean([r.runtime_s / SECONDS_PER_HOUR / job_hours for r in runs])
+        ),
         free_compute_fraction=sum(r.free_compute_s for r in runs) / compute if compute else 0.0,
         evictions_mean=float(np.mean([r.evictions for r in runs])),
         cost_usd_mean=float(np.mean(job_cost)),

@@ -16,6 +16,7 @@ from orchestrator.bidbrain.policy import BidBrainPolicy, Policy
 from orchestrator.market.billing import EndReason
 from orchestrator.sim.engine import LedgerLine, RunResult
 from orchestrator.sim.world import World
+from orchestrator.units import SECONDS_PER_HOUR
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def run_oracle(world: World, job: JobSpec, start_s: float, keep_ledger: bool) ->
     gpu = table.work_rate > 0
     times = np.unique(np.concatenate([s.times_s for s in series]))
     t = start_s
-    work_left_s = job.work_gpu_hours * 3600.0
+    work_left_s = job.work_gpu_hours * SECONDS_PER_HOUR
     rate = job.max_work_rate
     cost = 0.0
     ledger: list[LedgerLine] = []
@@ -121,7 +122,7 @@ def run_oracle(world: World, job: JobSpec, start_s: float, keep_ledger: bool) ->
         nxt = float(times[i]) if i < len(times) else math.inf
         finish = t + work_left_s / rate
         end = min(nxt, finish)
-        hours = (end - t) / 3600.0
+        hours = (end - t) / SECONDS_PER_HOUR
         count = rate / table.work_rate[best]
         charged = float(prices[best]) * count * hours
         cost += charged

@@ -19,6 +19,7 @@ from orchestrator.market.eviction import (
     RemovalStream,
 )
 from orchestrator.market.prices import Market, PriceHistory
+from orchestrator.units import SECONDS_PER_HOUR
 
 SECONDS_PER_DAY = 86400.0
 #: Price-crossing models are refitted at this period, each on the history before it.
@@ -71,7 +72,7 @@ class World:
             UserError: the data is too short for the job.
         """
         first = self.history.start_s + MIN_HISTORY_S
-        last = self.history.end_s - job_hours * 3600.0
+        last = self.history.end_s - job_hours * SECONDS_PER_HOUR
         if last <= first:
             span_days = (self.history.end_s - self.history.start_s) / SECONDS_PER_DAY
             raise UserError(

@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from orchestrator.market.billing import SECONDS_PER_HOUR, BilledInterval
+from orchestrator.market.billing import BilledInterval
+from orchestrator.units import SECONDS_PER_HOUR
 
 #: Ids appear inside Redis keys (`{namespace}:job:{job_id}:ledger`), so they may not hold ":"
 #: (that could make one job's key collide with another's sub-key).

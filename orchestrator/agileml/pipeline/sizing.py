@@ -24,8 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.agileml.pipeline.planner import plan
 from orchestrator.agileml.pipeline.profiler import ModelProfile
-
-SECONDS_PER_HOUR = 3600.0
+from orchestrator.units import SECONDS_PER_HOUR
 
 
 class PipelineSizing(BaseModel):

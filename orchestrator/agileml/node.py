@@ -5,7 +5,7 @@ training spec), build the data and model (the "load"), say `ready`, then train b
 every heartbeat reply carries, until the view says `done`/`shutdown` or the roster no longer has
 this worker (after an eviction: then, once the server has handed off its partitions, `left`).
 
-Run one per machine: `python -m orchestrator.agileml.agent --node-id ... --tier transient
+Run one per machine: `python -m orchestrator.agileml.node --node-id ... --tier transient
 --controller tcp://...`, with the job token hex in `ORCHESTRATOR_AGILEML_TOKEN` (`token.TOKEN_ENV`).
 """
 

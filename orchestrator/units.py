@@ -1,0 +1,6 @@
+"""Unit constants, one home for the whole package (names carry the unit)."""
+
+from __future__ import annotations
+
+SECONDS_PER_HOUR = 3600.0
+SECONDS_PER_DAY = 86400.0
