@@ -8,9 +8,9 @@ from typing import Any
 import boto3
 import pytest
 import redis
-from agileml_jobs import jobs  # noqa: F401  (the fixture, for the AgileML runtime tests)
 from moto import mock_aws
-from redis_server import RedisServerError, start_redis
+from support.agileml_jobs import jobs  # noqa: F401  (the fixture, for the AgileML runtime tests)
+from support.redis_server import RedisServerError, start_redis
 
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
 from orchestrator.store.redis_store import Store

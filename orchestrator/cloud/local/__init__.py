@@ -11,7 +11,7 @@
 The modules are imported one by one (this package re-exports nothing), so a node agent process
 (`orchestrator.node`, which needs only `clock`) does not load the rest.
 
-A demo loop (see `tests/test_local_world.py` for a complete one)::
+A demo loop (see `tests/integration/offline/test_local_world.py` for a complete one)::
 
     with LocalRedis() as r, MotoEC2Server() as aws:
         clock = ReplayClock(T0, speed=600)

@@ -1,6 +1,6 @@
 """`LocalRedis`: a throwaway `redis-server` for the demo (free loopback port, no persistence).
 
-The same procedure as the tests' `tests/redis_server.py`, in the package because the demo
+The same procedure as the tests' `tests/support/redis_server.py`, in the package because the demo
 needs it: start `redis-server` on a free 127.0.0.1 port with persistence off and a private
 working directory, wait (bounded) for PING, and stop it by its pid (SIGTERM, then SIGKILL).
 """

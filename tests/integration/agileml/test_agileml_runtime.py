@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from agileml_jobs import TOKEN, Hook, Job, chain
+from support.agileml_jobs import TOKEN, Hook, Job, chain
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.control import (

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from wire_client import WireClients
+from support.wire_client import WireClients
 
 from orchestrator.agileml.errors import ServerError
 from orchestrator.agileml.server import ParamServer

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from wire_client import HELD_CHECK_MS, WireClient, WireClients
+from support.wire_client import HELD_CHECK_MS, WireClient, WireClients
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import OwnershipConflictError, PartitionError, RosterError

@@ -21,7 +21,7 @@ import pytest
 import redis
 import uvicorn
 from pydantic import SecretStr
-from redis_server import free_port, start_redis
+from support.redis_server import free_port, start_redis
 
 from orchestrator.api.app import CANCEL_ATTEMPTS, cancel_job, create_app
 from orchestrator.api.client import ApiClient, ApiResponseError
@@ -45,7 +45,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*httpx2", category=UserWarning)
     from fastapi.testclient import TestClient
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 NS = "apitest"
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -13,7 +13,7 @@ import boto3
 import httpx
 import pytest
 from moto.server import ThreadedMotoServer
-from redis_server import free_port
+from support.redis_server import free_port
 
 from orchestrator.api.client import ApiClient
 from orchestrator.market.trace_source import bundled_prices_dir

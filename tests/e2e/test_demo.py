@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts"
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 #: .ci/run installs Chromium and sets this, so that CI never skips the browser checks.

@@ -34,7 +34,9 @@ def catalog() -> Catalog:
 
 @pytest.fixture
 def packaged_body() -> dict[str, Any]:
-    text = (Path(__file__).parent.parent / "orchestrator/market/data/catalog.json").read_text()
+    text = (
+        Path(__file__).resolve().parents[3] / "orchestrator/market/data/catalog.json"
+    ).read_text()
     body: dict[str, Any] = json.loads(text)
     return body
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from support.wire_client import REPLY_TIMEOUT_MS, WireClient
 from torch import nn
-from wire_client import REPLY_TIMEOUT_MS, WireClient
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import HandoffError, OwnershipConflictError

@@ -1,7 +1,7 @@
 """A throwaway `redis-server` for tests, via the package's `LocalRedis` (free loopback port,
 no persistence, stopped by pid).
 
-Import it from a test module (`from redis_server import start_redis`): pytest's default
+Import it from a test module (`from support.redis_server import start_redis`): pytest's default
 `prepend` import mode puts `tests/` (which has no `__init__.py`) on `sys.path`.
 
 A missing `redis-server` is a failure, not a skip: CI installs it (`.ci/run`).

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from redis_server import RedisServerError, free_port, start_redis
+from support.redis_server import RedisServerError, free_port, start_redis
 
 from orchestrator.bidbrain.model import JobSpec
 from orchestrator.errors import UserError

@@ -21,7 +21,7 @@ from pathlib import Path
 import boto3
 import pytest
 from moto import mock_aws
-from redis_server import free_port
+from support.redis_server import free_port
 
 from orchestrator.agileml.control import ModelSpec, TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
@@ -40,7 +40,7 @@ from orchestrator.deploy.template import INFRA_DIR
 from orchestrator.errors import UserError
 from orchestrator.worker import Worker, read_identity, worker_token
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 REGION = "us-east-1"
 #: moto cannot resolve AWS's public SSM parameters (the template's AMI defaults); the tests
 #: point them at a parameter they create.

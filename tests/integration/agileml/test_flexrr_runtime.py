@@ -15,8 +15,8 @@ from collections.abc import Callable
 import pytest
 import torch
 import zmq
-from agileml_jobs import TOKEN, WAIT_S, Job
 from pydantic import ValidationError
+from support.agileml_jobs import TOKEN, WAIT_S, Job
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.control import ModelSpec, TrainingSpec
