@@ -61,12 +61,11 @@ from orchestrator.jobspec import JobSubmission
 from orchestrator.settings import TOKEN_ENV, Settings
 from orchestrator.store import (
     ConflictError,
-    Event,
-    EventKind,
     IllegalTransitionError,
     JobRecord,
     JobState,
     NotFoundError,
+    StateEvent,
     Store,
     StoreError,
     StoreUnavailableError,
@@ -246,16 +245,13 @@ def _append_state_event(
     store: Store, job: JobRecord, from_state: JobState | None, reason: str, now_s: float
 ) -> None:
     """Log the job's move to its current state; a failure is logged, not raised."""
-    event = Event(
+    event = StateEvent(
         job_id=job.job_id,
-        kind=EventKind.STATE,
         at_s=now_s,
-        fields={
-            "from_state": None if from_state is None else from_state.value,
-            "to_state": job.state.value,
-            "reason": reason,
-            "by": "api",
-        },
+        state=job.state,
+        from_state=from_state,
+        message=reason,
+        by="api",
     )
     try:
         store.append_event(event)

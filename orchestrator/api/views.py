@@ -17,13 +17,18 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.store.models import (
+from orchestrator.store.events import (
+    DecisionEvent,
     Event,
-    EventKind,
-    InstanceRecord,
-    JobRecord,
-    TrainingReport,
+    EvictionEvent,
+    LaunchEvent,
+    LaunchFailedEvent,
+    NoticeEvent,
+    ReconcileEvent,
+    ReleaseEvent,
+    StateEvent,
 )
+from orchestrator.store.models import InstanceRecord, JobRecord, TrainingReport
 from orchestrator.store.redis_store import Store
 
 #: The dashboard page's assets (dashboard.html, .js, .css).
@@ -108,23 +113,21 @@ class JobFacts:
         facts = cls(job=job, alive=alive)
         noticed: set[str] = set()
         for _, event in events:
-            f = event.fields
-            if event.kind is EventKind.DECISION:
-                facts.projected_cost_usd = _number(f.get("projected_cost_usd"))
-                facts.expected_cost_per_work_usd = _number(f.get("expected_cost_per_work"))
-            elif event.kind is EventKind.NOTICE and f.get("notice") == "interruption":
-                noticed.add(str(f.get("instance_id")))
-            elif event.kind is EventKind.EVICTION:
-                instance = str(f.get("instance_id"))
-                if instance in noticed:
+            match event:
+                case DecisionEvent():
+                    facts.projected_cost_usd = event.projected_cost_usd
+                    facts.expected_cost_per_work_usd = event.expected_cost_per_work
+                case NoticeEvent(notice="interruption"):
+                    noticed.add(event.instance_id)
+                case EvictionEvent() if event.instance_id in noticed:
                     facts.evictions_warned += 1
-                    facts.warned_instances.add(instance)
-                else:
+                    facts.warned_instances.add(event.instance_id)
+                case EvictionEvent():
                     facts.evictions_unwarned += 1
-            elif event.kind is EventKind.LAUNCH:
-                facts.launches += 1
-            elif event.kind is EventKind.LAUNCH_FAILED:
-                facts.launch_failures[str(f.get("code") or "unknown")] += 1
+                case LaunchEvent():
+                    facts.launches += 1
+                case LaunchFailedEvent():
+                    facts.launch_failures[event.code or "unknown"] += 1
         facts.training = store.latest_training(job.job_id)
         return facts
 
@@ -191,7 +194,7 @@ def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
     return {
         "now_s": now_s,
         "job": facts.summary(),
-        "spend": _thin([_spend_point(e) for _, e in events if e.kind is EventKind.DECISION]),
+        "spend": _thin([_spend_point(e) for _, e in events if isinstance(e, DecisionEvent)]),
         "prices": _price_series(store, job_id, held),
         "nodes": [_node(r, facts.warned_instances) for r in nodes],
         "marks": [m for _, e in events if (m := _mark(e, facts.warned_instances)) is not None],
@@ -216,46 +219,42 @@ def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
 
 def describe_event(event: Event) -> str:
     """One line for the events table."""
-    f = event.fields
-    instance = f.get("instance_id")
-    where = f"{f.get('instance_type')}@{f.get('zone')}"
-    match event.kind:
-        case EventKind.DECISION:
+    match event:
+        case DecisionEvent():
             text = (
-                f"spent ${_money(f.get('spent_usd'))}, projected "
-                f"${_money(f.get('projected_cost_usd'))}, expected "
-                f"${_money(f.get('expected_cost_per_work'))}/GPU-h"
+                f"spent ${_money(event.spent_usd)}, projected "
+                f"${_money(event.projected_cost_usd)}, expected "
+                f"${_money(event.expected_cost_per_work)}/GPU-h"
             )
-            if f.get("acquire"):
-                text += f"; acquire {f['acquire']}"
-            if f.get("release"):
-                text += f"; release {f['release']}"
+            if event.acquire:
+                text += f"; acquire {'; '.join(event.acquire)}"
+            if event.release:
+                text += f"; release {'; '.join(event.release)}"
             return text
-        case EventKind.LAUNCH:
-            return f"{instance} launched ({where}, {f.get('lifecycle')})"
-        case EventKind.LAUNCH_FAILED:
-            return f"launch in {f.get('market')} refused: {f.get('code')}"
-        case EventKind.EVICTION:
-            return f"{instance} ({where}) evicted"
-        case EventKind.NOTICE:
-            return f"{f.get('notice')} notice for {instance}"
-        case EventKind.RELEASE:
-            return f"{instance} released ({f.get('reason')})"
-        case EventKind.STATE:
-            message = f.get("message")
-            return f"state {f.get('state')}" + (f": {message}" if message else "")
-        case _:
-            return ", ".join(f"{k}={v}" for k, v in sorted(f.items()))
+        case LaunchEvent():
+            where = f"{event.instance_type}@{event.zone}"
+            return f"{event.instance_id} launched ({where}, {event.lifecycle})"
+        case LaunchFailedEvent():
+            return f"launch in {event.market} refused: {event.code}"
+        case EvictionEvent():
+            return f"{event.instance_id} ({event.instance_type}@{event.zone}) evicted"
+        case NoticeEvent():
+            return f"{event.notice} notice for {event.instance_id}"
+        case ReleaseEvent():
+            return f"{event.instance_id} released ({event.reason})"
+        case StateEvent():
+            return f"state {event.state.value}" + (f": {event.message}" if event.message else "")
+        case ReconcileEvent():
+            return f"{event.instance_id}: {event.action} (found running, not in the records)"
 
 
-def _spend_point(event: Event) -> dict[str, Any]:
-    f = event.fields
+def _spend_point(event: DecisionEvent) -> dict[str, Any]:
     return {
         "t": event.at_s,
-        "spent_usd": _number(f.get("spent_usd")),
-        "work_done_gpu_hours": _number(f.get("work_done_gpu_hours")),
-        "projected_cost_usd": _number(f.get("projected_cost_usd")),
-        "expected_cost_per_work_usd": _number(f.get("expected_cost_per_work")),
+        "spent_usd": event.spent_usd,
+        "work_done_gpu_hours": event.work_done_gpu_hours,
+        "projected_cost_usd": event.projected_cost_usd,
+        "expected_cost_per_work_usd": event.expected_cost_per_work,
     }
 
 
@@ -286,19 +285,19 @@ def _node(record: InstanceRecord, warned: set[str]) -> dict[str, Any]:
 
 
 def _mark(event: Event, warned: set[str]) -> dict[str, Any] | None:
-    f = event.fields
-    if event.kind is EventKind.EVICTION:
-        instance = str(f.get("instance_id"))
-        note = "warned" if instance in warned else "no warning"
-        detail = f"{f.get('instance_type')}@{f.get('zone')}, {note}"
-        return {"t": event.at_s, "kind": "eviction", "instance_id": instance, "detail": detail}
-    if event.kind is EventKind.LAUNCH_FAILED:
-        detail = f"{f.get('market')}: {f.get('code')}"
-        return {"t": event.at_s, "kind": "launch_failed", "instance_id": None, "detail": detail}
-    if event.kind is EventKind.NOTICE:
-        instance = str(f.get("instance_id"))
-        return {"t": event.at_s, "kind": "notice", "instance_id": instance,
-                "detail": str(f.get("notice"))}  # fmt: skip
+    match event:
+        case EvictionEvent():
+            note = "warned" if event.instance_id in warned else "no warning"
+            detail = f"{event.instance_type}@{event.zone}, {note}"
+            return {"t": event.at_s, "kind": "eviction", "instance_id": event.instance_id,
+                    "detail": detail}  # fmt: skip
+        case LaunchFailedEvent():
+            detail = f"{event.market}: {event.code}"
+            return {"t": event.at_s, "kind": "launch_failed", "instance_id": None,
+                    "detail": detail}  # fmt: skip
+        case NoticeEvent():
+            return {"t": event.at_s, "kind": "notice", "instance_id": event.instance_id,
+                    "detail": event.notice}  # fmt: skip
     return None
 
 

@@ -54,9 +54,18 @@ from orchestrator.market.eviction import (
 )
 from orchestrator.market.prices import Market, PriceHistory, PriceSource
 from orchestrator.store.errors import ConflictError, NotFoundError
-from orchestrator.store.models import (
+from orchestrator.store.events import (
+    DecisionEvent,
     Event,
-    EventKind,
+    EvictionEvent,
+    LaunchEvent,
+    LaunchFailedEvent,
+    NoticeEvent,
+    ReconcileEvent,
+    ReleaseEvent,
+    StateEvent,
+)
+from orchestrator.store.models import (
     InstanceRecord,
     JobRecord,
     JobState,
@@ -194,12 +203,13 @@ class Controller:
         for inst in plan.adopt:
             self._record_launch(inst, now_s)
             report.adopted.append(inst.instance_id)
-            self._event(
-                inst.job_id or "",
-                EventKind.RECONCILE,
-                now_s,
-                action="adopt",
-                instance_id=inst.instance_id,
+            self._log(
+                ReconcileEvent(
+                    job_id=inst.job_id or "",
+                    at_s=now_s,
+                    action="adopt",
+                    instance_id=inst.instance_id,
+                )
             )
         by_id = {i.instance_id: i for i in alive}
         for instance_id in plan.gone:
@@ -211,13 +221,14 @@ class Controller:
             self.capacity_model.observe(
                 Market(rec.instance_type, rec.zone), 1, now_s - rec.launched_at
             )
-            self._event(
-                rec.job_id,
-                EventKind.EVICTION,
-                now_s,
-                instance_id=instance_id,
-                instance_type=rec.instance_type,
-                zone=rec.zone,
+            self._log(
+                EvictionEvent(
+                    job_id=rec.job_id,
+                    at_s=now_s,
+                    instance_id=instance_id,
+                    instance_type=rec.instance_type,
+                    zone=rec.zone,
+                )
             )
         report.terminated.extend(plan.terminate)
 
@@ -231,13 +242,14 @@ class Controller:
                 continue
             if notice.kind == "interruption":
                 self._doomed.add(notice.instance_id)
-            self._event(
-                rec.job_id,
-                EventKind.NOTICE,
-                now_s,
-                instance_id=notice.instance_id,
-                notice=notice.kind,
-                action=notice.action,
+            self._log(
+                NoticeEvent(
+                    job_id=rec.job_id,
+                    at_s=now_s,
+                    instance_id=notice.instance_id,
+                    notice=notice.kind,
+                    action=notice.action,
+                )
             )
 
     # -- decide and act -------------------------------------------------------------------
@@ -281,16 +293,17 @@ class Controller:
         decision = policy.decide(inp)
         report.decisions[job.job_id] = decision
         self._record_prices(job.job_id, table.markets, prices, now_s)
-        self._event(
-            job.job_id,
-            EventKind.DECISION,
-            now_s,
-            spent_usd=inp.spend_usd,
-            work_done_gpu_hours=job.work_done_gpu_hours,
-            expected_cost_per_work=_finite(decision.expected_cost_per_work),
-            projected_cost_usd=_finite(decision.projected_cost_usd),
-            acquire=";".join(f"{r.count}x{r.instance_type}@{r.zone}" for r in decision.acquire),
-            release=";".join(decision.release),
+        self._log(
+            DecisionEvent(
+                job_id=job.job_id,
+                at_s=now_s,
+                spent_usd=inp.spend_usd,
+                work_done_gpu_hours=job.work_done_gpu_hours,
+                expected_cost_per_work=_finite(decision.expected_cost_per_work),
+                projected_cost_usd=_finite(decision.projected_cost_usd),
+                acquire=tuple(f"{r.count}x{r.instance_type}@{r.zone}" for r in decision.acquire),
+                release=decision.release,
+            )
         )
         released = set(decision.release)
         for rec in alive:
@@ -331,26 +344,25 @@ class Controller:
             if isinstance(exc, CapacityError):  # plan around the market for a while
                 self.availability.mark(request.market, exc.code, now_s)
             report.launch_failures.append(f"{request.market}: {exc.code}")
-            self._event(
-                job.job_id,
-                EventKind.LAUNCH_FAILED,
-                now_s,
-                code=exc.code,
-                market=str(request.market),
+            self._log(
+                LaunchFailedEvent(
+                    job_id=job.job_id, at_s=now_s, code=exc.code, market=str(request.market)
+                )
             )
             return
         for inst in instances:
             self._record_launch(inst, now_s)
             report.launched.append(inst.instance_id)
-            self._event(
-                job.job_id,
-                EventKind.LAUNCH,
-                now_s,
-                instance_id=inst.instance_id,
-                instance_type=inst.instance_type,
-                zone=inst.zone,
-                lifecycle=inst.lifecycle,
-                max_price=inst.max_price_usd_per_hour,
+            self._log(
+                LaunchEvent(
+                    job_id=job.job_id,
+                    at_s=now_s,
+                    instance_id=inst.instance_id,
+                    instance_type=inst.instance_type,
+                    zone=inst.zone,
+                    lifecycle=inst.lifecycle,
+                    max_price_usd_per_hour=inst.max_price_usd_per_hour,
+                )
             )
 
     def _stop_job(
@@ -397,8 +409,10 @@ class Controller:
         self.cloud.terminate([rec.instance_id])
         self._end(rec, history, now_s, reason)
         report.terminated.append(rec.instance_id)
-        self._event(
-            rec.job_id, EventKind.RELEASE, now_s, instance_id=rec.instance_id, reason=str(reason)
+        self._log(
+            ReleaseEvent(
+                job_id=rec.job_id, at_s=now_s, instance_id=rec.instance_id, reason=str(reason)
+            )
         )
 
     def _end(
@@ -526,14 +540,15 @@ class Controller:
         updated = self.store.transition(
             job.job_id, state, expected_version=job.version, now_s=now_s, message=message
         )
-        self._event(job.job_id, EventKind.STATE, now_s, state=str(state), message=message)
+        self._log(
+            StateEvent(
+                job_id=job.job_id, at_s=now_s, state=state, from_state=job.state, message=message
+            )
+        )
         return updated
 
-    def _event(self, job_id: str, kind: EventKind, now_s: float, **fields: object) -> None:
-        clean = {
-            k: v for k, v in fields.items() if isinstance(v, str | int | float | bool) or v is None
-        }
-        self.store.append_event(Event(job_id=job_id, kind=kind, at_s=now_s, fields=clean))
+    def _log(self, event: Event) -> None:
+        self.store.append_event(event)
 
 
 def _price_at(history: PriceHistory, market: Market, now_s: float) -> float:

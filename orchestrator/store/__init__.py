@@ -5,6 +5,7 @@ moment and restarted: a restarted controller reads back every job (with its vers
 instance, every charge and every launch still in flight from here.
 
 * `models`: the job lifecycle (`JobState`, `ALLOWED_TRANSITIONS`) and the stored records.
+* `events`: the typed entries of a job's event log.
 * `redis_store.Store`: the operations; each is one atomic Redis step (a Lua script, a MULTI/EXEC
   transaction or a single command), so a crash leaves either all of it or none of it.
 * `errors`: the `StoreError` family.
@@ -18,11 +19,21 @@ from orchestrator.store.errors import (
     StoreError,
     StoreUnavailableError,
 )
+from orchestrator.store.events import (
+    DecisionEvent,
+    Event,
+    EventKind,
+    EvictionEvent,
+    LaunchEvent,
+    LaunchFailedEvent,
+    NoticeEvent,
+    ReconcileEvent,
+    ReleaseEvent,
+    StateEvent,
+)
 from orchestrator.store.models import (
     ALLOWED_TRANSITIONS,
     TERMINAL_STATES,
-    Event,
-    EventKind,
     InstanceRecord,
     JobRecord,
     JobState,
@@ -36,16 +47,24 @@ __all__ = [
     "ALLOWED_TRANSITIONS",
     "TERMINAL_STATES",
     "ConflictError",
+    "DecisionEvent",
     "Event",
     "EventKind",
+    "EvictionEvent",
     "IllegalTransitionError",
     "InstanceRecord",
     "JobRecord",
     "JobState",
+    "LaunchEvent",
+    "LaunchFailedEvent",
     "LedgerConflictError",
     "LedgerEntry",
     "NotFoundError",
+    "NoticeEvent",
     "PriceSnapshot",
+    "ReconcileEvent",
+    "ReleaseEvent",
+    "StateEvent",
     "Store",
     "StoreError",
     "StoreUnavailableError",

@@ -231,30 +231,6 @@ class LedgerEntry(BaseModel):
         )
 
 
-class EventKind(StrEnum):
-    """What an `Event` records."""
-
-    EVICTION = "eviction"  # the cloud took an instance back
-    LAUNCH = "launch"  # an instance was launched
-    LAUNCH_FAILED = "launch_failed"  # a launch request was refused or timed out
-    RELEASE = "release"  # the controller terminated an instance
-    DECISION = "decision"  # the policy chose a footprint
-    STATE = "state"  # the job changed lifecycle state
-    NOTICE = "notice"  # an interruption notice arrived
-    RECONCILE = "reconcile"  # the controller corrected its records from what the cloud reports
-
-
-class Event(BaseModel):
-    """One entry of a job's event log (append-only, for audit and the UI; not for decisions)."""
-
-    model_config = _RECORD_CONFIG
-
-    job_id: RecordId
-    kind: EventKind
-    at_s: float
-    fields: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
-
-
 class PriceSnapshot(BaseModel):
     """The spot prices (USD per instance-hour) of the markets a job's BidBrain considered at
     `at_s`, by market (`type@zone`); written when any of them changed."""

@@ -54,9 +54,9 @@ from orchestrator.store.errors import (
     StoreError,
     StoreUnavailableError,
 )
+from orchestrator.store.events import Event, event_json, parse_event
 from orchestrator.store.models import (
     INSTANCE_ENDED,
-    Event,
     InstanceRecord,
     JobRecord,
     JobState,
@@ -604,7 +604,7 @@ class Store:
                 str,
                 self._client.xadd(
                     key,
-                    {"event": event.model_dump_json()},
+                    {"event": event_json(event)},
                     maxlen=EVENTS_MAXLEN,
                     approximate=True,
                 ),
@@ -629,10 +629,7 @@ class Store:
                 list[tuple[str, dict[str, str]]],
                 self._client.xrange(key, min=start, max="+", count=count),
             )
-        return [
-            (entry_id, self._decode_json(Event, key, fields["event"]))
-            for entry_id, fields in entries
-        ]
+        return [(entry_id, _decode_event(key, fields["event"])) for entry_id, fields in entries]
 
     # --- series for the dashboard: prices considered, training reports
 
@@ -783,6 +780,13 @@ class Store:
             raise StoreUnavailableError(self.url, str(exc) or type(exc).__name__) from exc
         except redis.exceptions.RedisError as exc:
             raise StoreError(f"Redis at {self.url} refused a command: {exc}") from exc
+
+
+def _decode_event(key: str, text: str) -> Event:
+    try:
+        return parse_event(text)
+    except ValueError as exc:
+        raise StoreError(f"corrupt event in {key}: {exc}") from exc
 
 
 def _describe(kwargs: Mapping[str, Any]) -> str:

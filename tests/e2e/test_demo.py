@@ -5,26 +5,21 @@ a report (`orchestrator report`)."""
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
-import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from support.browser import body_data, chromium, have_browser, until
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts"
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-#: .ci/run installs Chromium and sets this, so that CI never skips the browser checks.
-REQUIRE_BROWSER = os.environ.get("ORCHESTRATOR_REQUIRE_CHROMIUM") == "1"
 LIVE_LAG_S = 5.0  # the dashboard shows a change within this long of the API
 
 
@@ -42,11 +37,9 @@ def test_the_offline_demo_finishes_within_budget_and_its_dashboard_follows_it_li
     output: list[str] = []
     try:
         url = _dashboard_url(lines, output, timeout_s=60)
-        if CHROMIUM and CHROMEDRIVER:
+        browser = have_browser()
+        if browser:
             _watch_in_chromium(url, tmp_path)
-        elif REQUIRE_BROWSER:
-            pytest.fail("chromium and chromedriver are required here (apt-get install chromium "
-                        "chromium-driver)")  # fmt: skip
         proc.wait(timeout=290)
     finally:
         if proc.poll() is None:
@@ -66,7 +59,7 @@ def test_the_offline_demo_finishes_within_budget_and_its_dashboard_follows_it_li
     assert summary["final_loss"] < summary["loss_at_start"]
     assert any(event.startswith("evicted") for event in summary["training_events"])
     assert "Summary: job succeeded" in text
-    if not (CHROMIUM and CHROMEDRIVER):
+    if not browser:
         pytest.skip("the demo passed; chromium/chromedriver missing, so the dashboard was not "
                     "checked in a browser")  # fmt: skip
 
@@ -90,15 +83,16 @@ def _watch_in_chromium(url: str, tmp_path: Path) -> None:
     Once the job has ended: every number and chart matches the API; a screenshot is saved; the
     report of the job renders the same."""
     api = url.removesuffix("/dashboard")
-    driver = _chromium()
+    driver = chromium()
     try:
         driver.get(url)
-        _until(lambda: _body(driver, "state") == "ready" and _body(driver, "job") == "job-demo",
-               30, "the dashboard to show job-demo")  # fmt: skip
+        until(lambda: body_data(driver, "state") == "ready"
+              and body_data(driver, "job") == "job-demo",
+              30, "the dashboard to show job-demo")  # fmt: skip
         _assert_follows_live(driver, api)
-        _until(lambda: _job(api)["job"]["state"] == "succeeded", 240, "the job to succeed")
+        until(lambda: _job(api)["job"]["state"] == "succeeded", 240, "the job to succeed")
         final = _job(api)
-        _until(lambda: float(_body(driver, "renderedAt") or 0) >= final["now_s"], 10,
+        until(lambda: float(body_data(driver, "renderedAt") or 0) >= final["now_s"], 10,
                "the page to render the ended job")  # fmt: skip
         final = _job(api)  # the clock moves on; the numbers of an ended job do not
         _assert_page_matches(driver, final, _fleet(api))
@@ -114,7 +108,7 @@ def _watch_in_chromium(url: str, tmp_path: Path) -> None:
         html = report.read_text()
         assert 'src="static/' not in html and 'href="static/' not in html  # self-contained
         driver.get(report.as_uri())
-        _until(lambda: _body(driver, "state") == "ready", 10, "the report to render")
+        until(lambda: body_data(driver, "state") == "ready", 10, "the report to render")
         _assert_page_matches(driver, _job(api), _fleet(api))
         driver.save_screenshot(str(ARTIFACTS / "report-demo.png"))
     finally:
@@ -132,10 +126,10 @@ def _assert_follows_live(driver: Any, api: str) -> None:
         if job["state"] not in ("queued", "running"):
             break
         at = time.monotonic()
-        _until(lambda job=job: _value(driver, "spent") >= job["spent_usd"] - 1e-9, LIVE_LAG_S,
+        until(lambda job=job: _value(driver, "spent") >= job["spent_usd"] - 1e-9, LIVE_LAG_S,
                f"the page to show spend ${job['spent_usd']:.4f}")  # fmt: skip
         if job["evictions"] >= 1:
-            _until(lambda job=job: _value(driver, "evictions") >= job["evictions"], LIVE_LAG_S,
+            until(lambda job=job: _value(driver, "evictions") >= job["evictions"], LIVE_LAG_S,
                    f"the page to show {job['evictions']} evictions")  # fmt: skip
             marks = len(driver.find_elements("css selector", '[data-testid="eviction-mark"]'))
             assert marks >= job["evictions"]
@@ -185,22 +179,6 @@ def _assert_page_matches(driver: Any, data: dict[str, Any], fleet: dict[str, Any
     assert count('table[data-testid="events"] tbody tr') == len(data["events"])
 
 
-def _chromium() -> Any:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
-                     "--window-size=1366,900", "--disable-dev-shm-usage"):  # fmt: skip
-        options.add_argument(argument)
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-
-
-def _body(driver: Any, key: str) -> str | None:
-    return driver.execute_script(f"return document.body.dataset.{key} || null")
-
-
 def _raw(driver: Any, testid: str) -> str:
     element = driver.find_element("css selector", f'[data-testid="{testid}"]')
     return element.get_attribute("data-value") or ""
@@ -217,19 +195,6 @@ def _job(api: str) -> dict[str, Any]:
 
 def _fleet(api: str) -> dict[str, Any]:
     return httpx.get(f"{api}/v1/dashboard", timeout=10).json()
-
-
-def _until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if check():
-                return
-        except Exception:  # noqa: BLE001 - an element not rendered yet: look again
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:g} s for {what}")
-        time.sleep(0.2)
 
 
 # --- the demo's output

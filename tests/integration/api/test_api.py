@@ -30,12 +30,15 @@ from orchestrator.market.billing import EndReason
 from orchestrator.settings import ApiSettings, Settings
 from orchestrator.store import (
     ConflictError,
-    Event,
-    EventKind,
+    DecisionEvent,
+    EvictionEvent,
     InstanceRecord,
     JobRecord,
     JobState,
+    LaunchEvent,
+    LaunchFailedEvent,
     LedgerEntry,
+    NoticeEvent,
     PriceSnapshot,
     Store,
 )
@@ -130,6 +133,25 @@ def charge(job_id: str, start_s: float, billed_s: float = 600.0) -> LedgerEntry:
     )
 
 
+def decision_event(job_id: str, **numbers: float) -> DecisionEvent:
+    fields = {"spent_usd": 0.0, "work_done_gpu_hours": 0.0, **numbers}
+    return DecisionEvent(job_id=job_id, at_s=5.0, **fields)
+
+
+def eviction_event(job_id: str, instance_id: str, at_s: float = 5.0) -> EvictionEvent:
+    return EvictionEvent(
+        job_id=job_id, at_s=at_s, instance_id=instance_id, instance_type="p3.2xlarge",
+        zone="us-east-1a",
+    )  # fmt: skip
+
+
+def launch_event(job_id: str, instance_id: str, at_s: float) -> LaunchEvent:
+    return LaunchEvent(
+        job_id=job_id, at_s=at_s, instance_id=instance_id, instance_type="p3.2xlarge",
+        zone="us-east-1a", lifecycle="spot",
+    )  # fmt: skip
+
+
 def spot_instance(instance_id: str, job_id: str) -> InstanceRecord:
     return InstanceRecord(
         instance_id=instance_id,
@@ -169,8 +191,8 @@ def test_submit_get_list_then_cancel_queued_job_ends_cancelled(
     assert response.json()["state"] == "cancelled" and response.json()["version"] == 1
     stored = store.get_job(job_id)
     assert stored.state is JobState.CANCELLED and stored.updated_at == 1_500.0
-    moves = [(e.fields["from_state"], e.fields["to_state"]) for _, e in store.events(job_id)]
-    assert moves == [(None, "queued"), ("queued", "cancelled")]
+    moves = [(e.from_state, e.state) for _, e in store.events(job_id)]
+    assert moves == [(None, JobState.QUEUED), (JobState.QUEUED, JobState.CANCELLED)]
 
 
 def test_list_filters_by_state_and_names_a_bad_state(client: TestClient, store: Store) -> None:
@@ -350,13 +372,13 @@ def test_cost_reports_spend_latest_projection_evictions_and_ledger(
     assert client.get(f"/v1/jobs/{job_id}/cost").json()["projected_usd"] is None
     store.append_ledger(charge(job_id, 0.0))
     store.append_ledger(charge(job_id, 600.0))
-    for kind, fields in [
-        (EventKind.DECISION, {"projected_cost_usd": 31.5}),
-        (EventKind.EVICTION, {"instance_id": "i-1"}),
-        (EventKind.DECISION, {"projected_cost_usd": 33.25}),
-        (EventKind.EVICTION, {"instance_id": "i-2"}),
+    for event in [
+        decision_event(job_id, projected_cost_usd=31.5),
+        eviction_event(job_id, "i-1"),
+        decision_event(job_id, projected_cost_usd=33.25),
+        eviction_event(job_id, "i-2"),
     ]:
-        store.append_event(Event(job_id=job_id, kind=kind, at_s=5.0, fields=fields))
+        store.append_event(event)
     cost = client.get(f"/v1/jobs/{job_id}/cost").json()
     assert cost["spent_usd"] == pytest.approx(0.3)
     assert cost["budget_usd"] == 40.0 and cost["remaining_usd"] == pytest.approx(39.7)
@@ -368,7 +390,7 @@ def test_events_since_returns_only_newer_events(client: TestClient, store: Store
     job_id = submit(client)["job_id"]
     page = client.get(f"/v1/jobs/{job_id}/events").json()
     assert [e["kind"] for e in page["events"]] == ["state"]
-    store.append_event(Event(job_id=job_id, kind=EventKind.LAUNCH, at_s=7.0))
+    store.append_event(launch_event(job_id, "i-1", at_s=7.0))
     newer = client.get(f"/v1/jobs/{job_id}/events", params={"since": page["next_since"]}).json()
     assert [(e["kind"], e["at_s"]) for e in newer["events"]] == [("launch", 7.0)]
     assert newer["next_since"] == newer["events"][0]["id"]
@@ -421,19 +443,24 @@ def _feed_a_running_job(client: TestClient, store: Store) -> str:
     to_state(store, job_id, JobState.RUNNING)
     store.append_ledger(charge(job_id, 0.0))
     store.update_progress(job_id, 1.25, now_s=9.0)
-    decision = {"spent_usd": 0.15, "work_done_gpu_hours": 1.25, "projected_cost_usd": 2.5,
-                "expected_cost_per_work": 0.8}  # fmt: skip
-    store.append_event(Event(job_id=job_id, kind=EventKind.DECISION, at_s=5.0, fields=decision))
-    store.append_event(Event(job_id=job_id, kind=EventKind.LAUNCH, at_s=5.0,
-                             fields={"instance_id": "i-1"}))  # fmt: skip
-    store.append_event(Event(job_id=job_id, kind=EventKind.LAUNCH_FAILED, at_s=5.0,
-                             fields={"market": "p3.8xlarge@us-east-1b",
-                                     "code": "InsufficientInstanceCapacity"}))  # fmt: skip
-    store.append_event(Event(job_id=job_id, kind=EventKind.NOTICE, at_s=6.0,
-                             fields={"instance_id": "i-7", "notice": "interruption"}))  # fmt: skip
+    store.append_event(
+        decision_event(
+            job_id, spent_usd=0.15, work_done_gpu_hours=1.25, projected_cost_usd=2.5,
+            expected_cost_per_work=0.8,
+        )
+    )  # fmt: skip
+    store.append_event(launch_event(job_id, "i-1", at_s=5.0))
+    store.append_event(
+        LaunchFailedEvent(
+            job_id=job_id, at_s=5.0, market="p3.8xlarge@us-east-1b",
+            code="InsufficientInstanceCapacity",
+        )
+    )  # fmt: skip
+    store.append_event(
+        NoticeEvent(job_id=job_id, at_s=6.0, instance_id="i-7", notice="interruption")
+    )
     for instance_id in ("i-7", "i-8"):
-        store.append_event(Event(job_id=job_id, kind=EventKind.EVICTION, at_s=8.0,
-                                 fields={"instance_id": instance_id}))  # fmt: skip
+        store.append_event(eviction_event(job_id, instance_id, at_s=8.0))
     store.put_instance(spot_instance("i-1", job_id))
     store.put_instance(spot_instance("i-2", job_id))
     store.append_prices(

@@ -13,7 +13,7 @@ from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import PerSecondBilling
 from orchestrator.market.prices import to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource
-from orchestrator.store.models import EventKind, JobRecord, JobState
+from orchestrator.store import EventKind, JobRecord, JobState
 from orchestrator.store.redis_store import Store
 
 REGION = "us-east-1"

@@ -31,7 +31,7 @@ from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
 from orchestrator.node import WorkMeter
-from orchestrator.store.models import EventKind, JobRecord, JobState
+from orchestrator.store import EventKind, JobRecord, JobState
 from orchestrator.store.redis_store import Store
 
 REGION = "us-east-1"

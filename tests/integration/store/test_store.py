@@ -25,21 +25,26 @@ from orchestrator.store import (
     ALLOWED_TRANSITIONS,
     TERMINAL_STATES,
     ConflictError,
+    DecisionEvent,
     Event,
-    EventKind,
+    EvictionEvent,
     IllegalTransitionError,
     InstanceRecord,
     JobRecord,
     JobState,
+    LaunchEvent,
     LedgerConflictError,
     LedgerEntry,
     NotFoundError,
+    NoticeEvent,
+    StateEvent,
     Store,
     StoreError,
     StoreUnavailableError,
 )
 
 NS = "test"
+NOTICE = NoticeEvent(job_id="j1", at_s=1.0, instance_id="i-1", notice="rebalance")
 SPEC = JobSpec(name="resnet", work_gpu_hours=10.0, max_work_rate=4.0, budget_usd=50.0)
 
 
@@ -445,30 +450,65 @@ def test_instance_errors(store: Store) -> None:
 # --- events
 
 
-def test_events_round_trip_in_order_and_since_returns_only_later_ones(store: Store) -> None:
-    sent = [
-        Event(job_id="j1", kind=EventKind.LAUNCH, at_s=1.0, fields={"instance_id": "i-1"}),
-        Event(
-            job_id="j1",
-            kind=EventKind.DECISION,
-            at_s=2.0,
-            fields={"count": 3, "price_usd_per_hour": 0.9, "spot": True, "note": None},
-        ),
-        Event(job_id="j1", kind=EventKind.EVICTION, at_s=3.0),
-    ]
+def test_events_round_trip_typed_in_order_and_since_returns_only_later_ones(
+    store: Store,
+) -> None:
+    sent: list[Event] = [
+        LaunchEvent(job_id="j1", at_s=1.0, instance_id="i-1", instance_type="p3.2xlarge",
+                    zone="us-east-1a", lifecycle="spot", max_price_usd_per_hour=0.9),
+        DecisionEvent(job_id="j1", at_s=2.0, spent_usd=1.5, work_done_gpu_hours=0.25,
+                      expected_cost_per_work=None, acquire=("2xp3.2xlarge@us-east-1a",)),
+        EvictionEvent(job_id="j1", at_s=3.0, instance_id="i-1", instance_type="p3.2xlarge",
+                      zone="us-east-1a"),
+    ]  # fmt: skip
     ids = [store.append_event(e) for e in sent]
-    store.append_event(Event(job_id="j2", kind=EventKind.STATE, at_s=1.0))
+    store.append_event(StateEvent(job_id="j2", at_s=1.0, state=JobState.QUEUED))
 
     got = store.events("j1")
     assert got == list(zip(ids, sent, strict=True))
-    fields = got[1][1].fields
-    assert type(fields["count"]) is int and type(fields["spot"]) is bool
+    assert isinstance(got[1][1], DecisionEvent) and got[1][1].acquire == sent[1].acquire
     assert store.events("j1", since_id=ids[0]) == list(zip(ids[1:], sent[1:], strict=True))
     assert store.events("j1", since_id=ids[-1]) == []
     assert store.events("j1", count=2) == list(zip(ids[:2], sent[:2], strict=True))
     assert store.events("nobody") == []
     with pytest.raises(StoreError):
         store.events("j1", since_id="not-an-id")
+
+
+def test_events_written_before_the_kinds_were_typed_still_read(
+    store: Store, raw: redis.Redis
+) -> None:
+    """A controller upgraded in place keeps showing its old events: the untyped form (a
+    `fields` mapping, the API's `to_state`/`reason`) reads as the typed one."""
+    key = f"{NS}:job:j1:events"
+    legacy = [
+        {"job_id": "j1", "kind": "state", "at_s": 1.0,
+         "fields": {"from_state": None, "to_state": "queued", "reason": "submitted", "by": "api"}},
+        {"job_id": "j1", "kind": "decision", "at_s": 2.0,
+         "fields": {"spent_usd": 1.0, "work_done_gpu_hours": 0.5, "expected_cost_per_work": None,
+                    "projected_cost_usd": 9.0,
+                    "acquire": "1xp3.2xlarge@us-east-1a;2xg4dn.xlarge@us-east-1b",
+                    "release": ""}},
+        {"job_id": "j1", "kind": "launch", "at_s": 3.0,
+         "fields": {"instance_id": "i-1", "instance_type": "p3.2xlarge", "zone": "us-east-1a",
+                    "lifecycle": "spot", "max_price": 0.9}},
+    ]  # fmt: skip
+    for entry in legacy:
+        raw.xadd(key, {"event": json.dumps(entry)})
+    events = [e for _, e in store.events("j1")]
+    assert events[0] == StateEvent(
+        job_id="j1", at_s=1.0, state=JobState.QUEUED, message="submitted", by="api"
+    )
+    assert isinstance(events[1], DecisionEvent)
+    assert events[1].acquire == ("1xp3.2xlarge@us-east-1a", "2xg4dn.xlarge@us-east-1b")
+    assert events[1].release == ()
+    assert isinstance(events[2], LaunchEvent) and events[2].max_price_usd_per_hour == 0.9
+
+
+def test_a_corrupt_event_is_a_store_error_naming_the_stream(store: Store, raw: redis.Redis) -> None:
+    raw.xadd(f"{NS}:job:j1:events", {"event": '{"kind": "nope"}'})
+    with pytest.raises(StoreError, match="corrupt event in .*j1:events"):
+        store.events("j1")
 
 
 # --- claims
@@ -550,7 +590,7 @@ def test_every_operation_raises_unavailable_once_redis_is_gone() -> None:
         lambda: store.transition("j1", "running", expected_version=0, now_s=1.0),
         lambda: store.append_ledger(charge()),
         lambda: store.put_instance(instance("i-1")),
-        lambda: store.append_event(Event(job_id="j1", kind="notice", at_s=1.0)),
+        lambda: store.append_event(NOTICE),
         lambda: store.claim("k", "me", ttl_s=1.0),
     ]
     start = time.monotonic()
@@ -574,7 +614,7 @@ def test_a_restarted_controller_sees_everything_the_old_one_wrote(
     store.put_instance(instance("i-1"))
     store.put_instance(instance("i-2"))
     store.end_instance("i-2", ended_at=50.0, reason="evicted")
-    event_id = store.append_event(Event(job_id="j1", kind="launch", at_s=1.0))
+    event_id = store.append_event(NOTICE)
     store.claim("launch:j1:a2", "ctl-old", ttl_s=60.0)
     before = store.get_job("j1")
     store.close()  # the old controller is gone (its memory with it)
@@ -606,7 +646,7 @@ def test_every_key_is_namespaced_and_every_value_is_json(store: Store, redis_url
     store.create_job(job())
     store.append_ledger(charge())
     store.put_instance(instance("i-1"))
-    store.append_event(Event(job_id="j1", kind="launch", at_s=1.0))
+    store.append_event(NOTICE)
     store.claim("launch:j1:a1", "ctl", ttl_s=60.0)
 
     keys = raw.keys("*")
