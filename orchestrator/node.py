@@ -49,7 +49,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from orchestrator.agileml.token import TOKEN_ENV, token_from_env
+from orchestrator.agileml.token import AGILEML_TOKEN_ENV, token_from_env
 from orchestrator.cloud.imds import InterruptionNotice, NoticeWatcher
 from orchestrator.cloud.local.clock import ReplayClock, SimClock
 from orchestrator.logfmt import log_to_stderr
@@ -313,8 +313,8 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
     p.add_argument("--agileml-controller", default=None, help="train: the job's controller")
     p.add_argument("--agileml-tier", choices=["transient", "reliable"], default="transient")
     a = p.parse_args(argv)
-    if a.agileml_controller and not os.environ.get(TOKEN_ENV):
-        p.error(f"--agileml-controller needs the job token (hex) in {TOKEN_ENV}")
+    if a.agileml_controller and not os.environ.get(AGILEML_TOKEN_ENV):
+        p.error(f"--agileml-controller needs the job token (hex) in {AGILEML_TOKEN_ENV}")
     if not (math.isfinite(a.work_rate) and a.work_rate >= 0):
         p.error(f"--work-rate must be finite and >= 0, got {a.work_rate}")
     if not (math.isfinite(a.clock_speed) and a.clock_speed > 0):

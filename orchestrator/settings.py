@@ -16,7 +16,7 @@ from orchestrator.errors import UserError
 
 ENV_PREFIX = "ORCHESTRATOR_"
 ENV_NESTED_DELIMITER = "__"
-TOKEN_ENV = f"{ENV_PREFIX}API{ENV_NESTED_DELIMITER}TOKEN"
+API_TOKEN_ENV = f"{ENV_PREFIX}API{ENV_NESTED_DELIMITER}TOKEN"
 
 
 class ApiSettings(BaseModel):
@@ -47,10 +47,10 @@ class ApiSettings(BaseModel):
         if self.token is None or not self.token.get_secret_value().strip():
             raise UserError(
                 "the API server needs a token and none is set",
-                fix=f"set {TOKEN_ENV} to a long random string, e.g. "
-                f'`export {TOKEN_ENV}="$(openssl rand -hex 32)"`, and give the same value '
+                fix=f"set {API_TOKEN_ENV} to a long random string, e.g. "
+                f'`export {API_TOKEN_ENV}="$(openssl rand -hex 32)"`, and give the same value '
                 "to the CLI (it reads the same variable, or pass --token)",
-                field=TOKEN_ENV,
+                field=API_TOKEN_ENV,
             )
         return self.token
 

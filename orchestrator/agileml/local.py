@@ -24,7 +24,7 @@ from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator, CoordinatorEvent
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.token import TOKEN_ENV
+from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -65,7 +65,7 @@ class LocalJob:
 
     def add_node(self, node_id: str, tier: NodeTier) -> None:
         """Start a node process; it joins, loads its data and says ready on its own."""
-        env = {**os.environ, TOKEN_ENV: self._token.hex()}
+        env = {**os.environ, AGILEML_TOKEN_ENV: self._token.hex()}
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [
             sys.executable, "-m", "orchestrator.agileml.node",

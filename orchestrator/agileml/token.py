@@ -10,23 +10,23 @@ import os
 from orchestrator.errors import UserError
 
 #: Environment variable that carries the job token, hex-encoded (never put it on a command line).
-TOKEN_ENV = "ORCHESTRATOR_AGILEML_TOKEN"
+AGILEML_TOKEN_ENV = "ORCHESTRATOR_AGILEML_TOKEN"
 
 
 def token_from_env() -> bytes:
-    """The job token from `TOKEN_ENV`.
+    """The job token from `AGILEML_TOKEN_ENV`.
 
     Raises:
         UserError: it is missing or not hex (with the fix).
     """
-    raw = os.environ.get(TOKEN_ENV, "")
+    raw = os.environ.get(AGILEML_TOKEN_ENV, "")
     try:
         token = bytes.fromhex(raw)
     except ValueError:
         token = b""
     if not token:
         raise UserError(
-            f"{TOKEN_ENV} must hold the job token in hex. To fix: export {TOKEN_ENV}=<hex> "
+            f"{AGILEML_TOKEN_ENV} must hold the job token in hex. To fix: export {AGILEML_TOKEN_ENV}=<hex> "
             "(the same value on every node of the job)."
         )
     return token

@@ -58,7 +58,7 @@ from orchestrator.api.views import (
 from orchestrator.cloud.imds import InterruptionNotice
 from orchestrator.errors import UserError
 from orchestrator.jobspec import JobSubmission
-from orchestrator.settings import TOKEN_ENV, Settings
+from orchestrator.settings import API_TOKEN_ENV, Settings
 from orchestrator.store import (
     ConflictError,
     IllegalTransitionError,
@@ -91,7 +91,7 @@ CANCEL_TARGET: dict[JobState, JobState] = {
     JobState.RUNNING: JobState.CANCELLING,  # the controller releases instances, then ends it
 }
 
-_AUTH_FIX = f"send `Authorization: Bearer <token>` (CLI: --token or {TOKEN_ENV})"
+_AUTH_FIX = f"send `Authorization: Bearer <token>` (CLI: --token or {API_TOKEN_ENV})"
 
 
 class ApiError(UserError):
@@ -580,7 +580,7 @@ def _bearer_auth(token: SecretStr) -> Callable[[Request], None]:
             raise ApiError(
                 403,
                 "the API token is wrong",
-                fix=f"use the token the server was started with ({TOKEN_ENV})",
+                fix=f"use the token the server was started with ({API_TOKEN_ENV})",
             )
 
     return check

@@ -43,7 +43,7 @@ from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.pipeline.planner import Stage as PlannedStage
 from orchestrator.agileml.pipeline.schedule import Schedule, stuck_worker
 from orchestrator.agileml.pipeline.stage import ChainModelSpec, StageConfig, build_chain
-from orchestrator.agileml.token import TOKEN_ENV
+from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.agileml.wire import MessageKind
 
 Layout = tuple[PlannedStage, ...]
@@ -302,7 +302,7 @@ class _Launch:
         self.attempt += 1
         self._started_at = time.time()
         self.job_id = f"pipe-{secrets.token_hex(4)}"
-        env = {**os.environ, TOKEN_ENV: self.token.hex(), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, AGILEML_TOKEN_ENV: self.token.hex(), "OMP_NUM_THREADS": "1"}
         offsets = np.cumsum([0] + layer_sizes(self.common["model"], self.common["seed"]))
         self.procs, self.workers = [], []  # workers: (stage, replica) of each process
         counts = tuple(st.replicas for st in layout)

@@ -42,7 +42,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import orchestrator
-from orchestrator.agileml.token import TOKEN_ENV
+from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.cloud.ec2 import CloudInstance, EC2Cloud, InstanceState
 from orchestrator.cloud.errors import CloudError
 from orchestrator.cloud.imds import MetadataMock
@@ -378,7 +378,7 @@ class LocalFleet:
         if self.training is not None:
             tier = "transient" if instance.lifecycle == "spot" else "reliable"
             argv += ["--agileml-controller", self.training.controller, "--agileml-tier", tier]
-            env[TOKEN_ENV] = self.training.token.hex()
+            env[AGILEML_TOKEN_ENV] = self.training.token.hex()
         source_root = str(Path(orchestrator.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
         with open(log_path, "ab") as out:
