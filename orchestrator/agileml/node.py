@@ -6,7 +6,8 @@ every heartbeat reply carries, until the view says `done`/`shutdown` or the rost
 this worker (after an eviction: then, once the server has handed off its partitions, `left`).
 
 Run one per machine: `python -m orchestrator.agileml.node --node-id ... --tier transient
---controller tcp://...`, with the job token hex in `ORCHESTRATOR_AGILEML_TOKEN` (`token.AGILEML_TOKEN_ENV`).
+--controller tcp://...`, with the job token hex in `ORCHESTRATOR_AGILEML_TOKEN`
+(`token.AGILEML_TOKEN_ENV`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ def token_from_env() -> bytes:
         token = b""
     if not token:
         raise UserError(
-            f"{AGILEML_TOKEN_ENV} must hold the job token in hex. To fix: export {AGILEML_TOKEN_ENV}=<hex> "
-            "(the same value on every node of the job)."
+            f"{AGILEML_TOKEN_ENV} must hold the job token in hex",
+            fix=f"export {AGILEML_TOKEN_ENV}=<hex> (the same value on every node of the job)",
+            field=AGILEML_TOKEN_ENV,
         )
     return token
