@@ -48,6 +48,10 @@ _OPTION_OF_FIELD = {
     "reference_type": "--reference-type",
     "workers": "--workers",
     "strategies": "--strategy",
+    "speed": "--speed",
+    "replay_start": "--replay-start",
+    "endpoint_url": "--endpoint-url",
+    "max_running_jobs": "--max-running-jobs",
 }
 
 
@@ -67,7 +71,7 @@ def _root(
     _DEBUG["on"] = debug
 
 
-def _validation_to_user_error(exc: ValidationError, config_file: Path | None = None) -> UserError:
+def validation_to_user_error(exc: ValidationError, config_file: Path | None = None) -> UserError:
     first = exc.errors()[0]
     loc = [str(p) for p in first.get("loc", ())]
     field = loc[0] if loc else "input"
@@ -221,7 +225,7 @@ def simulate(
     try:
         config = SimConfig(**settings)
     except ValidationError as exc:
-        raise _validation_to_user_error(exc, config_file) from None
+        raise validation_to_user_error(exc, config_file) from None
     from orchestrator.market.billing import billing_model
     from orchestrator.sim.strategies import get_strategies
 

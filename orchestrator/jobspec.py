@@ -46,7 +46,7 @@ class JobSubmission(BaseModel):
     def _training(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
             # loaded only for training jobs: the runtime's models pull in torch
-            from orchestrator.agileml.host import validate_training_section
+            from orchestrator.agileml.hosting import validate_training_section
 
             validate_training_section(value)
         return value

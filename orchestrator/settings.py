@@ -1,22 +1,38 @@
-"""`Settings`: the orchestrator's configuration, read from `ORCHESTRATOR_*` environment variables.
+"""`Settings`: the orchestrator's configuration, from `ORCHESTRATOR_*` environment variables
+and an optional YAML/JSON config file.
 
-One nested model; nested fields use `__` (`ORCHESTRATOR_API__TOKEN`, `ORCHESTRATOR_API__PORT`).
-Nothing reads it at import time: build it where it is needed (`Settings()` reads the
-environment, `Settings(redis_url=..., api=ApiSettings(...))` in tests) and pass it down.
+One nested model; nested fields use `__` (`ORCHESTRATOR_API__TOKEN`,
+`ORCHESTRATOR_BIDBRAIN__MIN_IMPROVEMENT`). Where a value comes from, strongest first: arguments
+given to `Settings(...)`, the environment, the config file (`Settings.load(config_file)` or
+`ORCHESTRATOR_CONFIG_FILE`), the defaults. Nothing reads it at import time: build it where it is
+needed (`Settings.load()` at the edges, `Settings(redis_url=..., api=ApiSettings(...))` in
+tests) and pass it down.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import contextvars
+import os
+from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from orchestrator.bidbrain.policy import BidBrainSettings
 from orchestrator.errors import UserError
 
 ENV_PREFIX = "ORCHESTRATOR_"
 ENV_NESTED_DELIMITER = "__"
 API_TOKEN_ENV = f"{ENV_PREFIX}API{ENV_NESTED_DELIMITER}TOKEN"
+#: The config file read when `Settings.load` is given none.
+CONFIG_FILE_ENV = f"{ENV_PREFIX}CONFIG_FILE"
+#: The config file `Settings.load` reads (a context variable: `Settings()` itself has no
+#: parameter for it).
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "orchestrator_config_file", default=None
+)
 
 
 class ApiSettings(BaseModel):
@@ -88,8 +104,46 @@ class WorkerSettings(BaseModel):
         return tuple(s.strip() for s in self.subnets.split(",") if s.strip())
 
 
+class ControllerSettings(BaseModel):
+    """How the controller runs: where EC2 and prices come from, billing, job concurrency."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    endpoint_url: str | None = Field(
+        None, description="the EC2 (and Secrets Manager) endpoint, e.g. a moto server offline"
+    )
+    prices: tuple[Path, ...] = Field(
+        (),
+        description="replay spot prices from these trace folders instead of reading EC2's "
+        "price history (offline); needs replay_start",
+    )
+    replay_start: str | None = Field(
+        None, description="with prices: the trace time the clock starts at (ISO-8601)"
+    )
+    speed: Annotated[float, Field(gt=0, le=1e6)] = Field(
+        1.0, description="with prices: how many times faster than real time the clock runs"
+    )
+    billing: str = Field("per-second", description="per-second, or hourly-refund (2016)")
+    max_running_jobs: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="run at most this many jobs at once (1: in sequence); None: all"
+    )
+    image_id: str = Field(
+        "ami-orchestrator",
+        description="the AMI of workers launched without a launch template (moto accepts any)",
+    )
+
+    @field_validator("billing")
+    @classmethod
+    def _known_billing(cls, value: str) -> str:
+        from orchestrator.market.billing import BILLING_MODELS
+
+        if value not in BILLING_MODELS:
+            raise ValueError(f"unknown billing model; use one of: {', '.join(BILLING_MODELS)}")
+        return value
+
+
 class Settings(BaseSettings):
-    """Everything configurable, from `ORCHESTRATOR_*` variables (init arguments win)."""
+    """Everything configurable (see the module docstring for where values come from)."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -103,22 +157,110 @@ class Settings(BaseSettings):
     region: str = "us-east-1"
     api: ApiSettings = ApiSettings()
     worker: WorkerSettings = WorkerSettings()
+    controller: ControllerSettings = ControllerSettings()
+    bidbrain: BidBrainSettings = BidBrainSettings()
 
     @classmethod
-    def load(cls) -> Settings:
-        """Read the environment.
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls))
+
+    @classmethod
+    def load(cls, config_file: Path | None = None) -> Settings:
+        """Read the environment and the config file (`config_file`, else the file named by
+        `ORCHESTRATOR_CONFIG_FILE`, else none).
 
         Raises:
-            UserError: a variable holds an invalid value (named, with what to set instead).
+            UserError: the file cannot be read or parsed, or a setting is invalid (named as the
+                variable to set, with what to set instead).
         """
+        token = _CONFIG_FILE.set(config_file)
         try:
             return cls()
         except ValidationError as exc:
-            first = exc.errors()[0]
-            path = [str(p) for p in first.get("loc", ())]
-            env = ENV_PREFIX + ENV_NESTED_DELIMITER.join(p.upper() for p in path)
+            raise _settings_error(exc, config_file_in_use()) from None
+        finally:
+            _CONFIG_FILE.reset(token)
+
+
+def config_file_in_use() -> Path | None:
+    """The config file `Settings.load` reads now, if any."""
+    given = _CONFIG_FILE.get()
+    if given is not None:
+        return given
+    named = os.environ.get(CONFIG_FILE_ENV)
+    return Path(named) if named else None
+
+
+def read_config_file(path: Path, *, option: str = CONFIG_FILE_ENV) -> dict[str, Any]:
+    """A YAML or JSON mapping from `path`.
+
+    Raises:
+        UserError: unreadable, not YAML/JSON, or not a mapping (naming the file and `option`).
+    """
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise UserError(
+            f"cannot read config {path}: {exc.strerror}",
+            field=option,
+            fix="pass an existing YAML or JSON file",
+        ) from None
+    except yaml.YAMLError as exc:
+        raise UserError(
+            f"config {path} is not valid YAML/JSON: {exc}",
+            field=option,
+            fix="fix the syntax at the position shown",
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(
+            f"config {path} must hold a mapping of settings, not {type(data).__name__}",
+            field=option,
+            fix="write `key: value` lines, e.g. `region: us-east-2`",
+        )
+    return data
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The config file's values (weaker than the environment)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._data().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return self._data()
+
+    def _data(self) -> dict[str, Any]:
+        path = config_file_in_use()
+        if path is None:
+            return {}
+        data = read_config_file(path)
+        unknown = sorted(set(data) - set(self.settings_cls.model_fields))
+        if unknown:
             raise UserError(
-                f"{env}: {first.get('msg', 'invalid value')} (got {first.get('input')!r})",
-                fix=f"set {env} to a valid value or unset it to use the default",
-                field=env,
-            ) from None
+                f"config {path}: {unknown[0]} is not a setting",
+                field=unknown[0],
+                fix="remove it (the README lists the settings under Configuration)",
+            )
+        return data
+
+
+def _settings_error(exc: ValidationError, config_file: Path | None) -> UserError:
+    first = exc.errors()[0]
+    path = [str(p) for p in first.get("loc", ())]
+    env = ENV_PREFIX + ENV_NESTED_DELIMITER.join(p.upper() for p in path)
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    fix = f"set {env} to a valid value or unset it to use the default"
+    if config_file is not None:
+        fix += f" (or correct {'.'.join(path)} in {config_file})"
+    return UserError(f"{env}: {message} (got {first.get('input')!r})", fix=fix, field=env)

@@ -24,19 +24,18 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.bidbrain.model import AllocationRequest, Footprint, HeldAllocation, JobSpec
+from orchestrator.bidbrain.inputs import HeldInstance, PriceOf, RenewalSchedule, decision_input
+from orchestrator.bidbrain.model import AllocationRequest, JobSpec
 from orchestrator.bidbrain.policy import (
     WIDE_BID_DELTAS_USD,
     BidBrainPolicy,
     BidBrainSettings,
     Decision,
-    DecisionInput,
     MarketTable,
 )
 from orchestrator.cloud.availability import MarketAvailability
@@ -147,7 +146,7 @@ class Controller:
         self._prices_seen: dict[str, dict[str, float]] = {}  # job -> the last prices recorded
         self._price_model: PriceCrossingModel | None = None
         self._price_model_at = -math.inf
-        self._renewal_seen: dict[str, int] = {}
+        self._renewals: dict[str, RenewalSchedule] = {}  # job -> its allocations' points
 
     # -- inputs from outside the tick -----------------------------------------------------
     def notify(self, notice: InterruptionNotice) -> None:
@@ -278,17 +277,21 @@ class Controller:
             settings=self.settings,
             catalog=self.catalog,
         )
-        alive = self.store.list_instances(job.job_id, alive_only=True)
+        instances = self.store.list_instances(job.job_id)
+        alive = [rec for rec in instances if rec.alive]
         prices = np.array([_price_at(history, m, now_s) for m in table.markets])
-        inp = DecisionInput(
+        inp = decision_input(
             now_s=now_s,
             job=spec,
             work_remaining_gpu_hours=remaining,
             spend_usd=self.store.spent_usd(job.job_id) + self._accrued(alive, history, now_s),
-            footprint=self._footprint(alive, spec, history, now_s),
+            held=self._held(alive, spec),
+            price_of=self._price_of(history, now_s),
             prices_usd_per_hour=prices,
+            renewals=self._renewals.setdefault(job.job_id, RenewalSchedule(self.settings)),
+            doomed=self._doomed,
             unavailable=self.availability.unavailable(now_s, table.markets),
-            renewal_due=self._renewals_due(alive, now_s),
+            last_eviction_s=_last_evictions(instances),
         )
         decision = policy.decide(inp)
         report.decisions[job.job_id] = decision
@@ -381,6 +384,8 @@ class Controller:
     ) -> None:
         self._transition(job, state, now_s, message)
         report.finished[job.job_id] = state
+        self._renewals.pop(job.job_id, None)
+        self._prices_seen.pop(job.job_id, None)
 
     # -- records ----------------------------------------------------------------------------
     def _record_launch(self, inst: CloudInstance, now_s: float) -> None:
@@ -462,56 +467,29 @@ class Controller:
                 total += history[market].cost_usd(rec.launched_at, now_s)
         return total
 
-    def _footprint(
-        self, alive: Sequence[InstanceRecord], spec: JobSpec, history: PriceHistory, now_s: float
-    ) -> Footprint:
-        groups: dict[str, list[InstanceRecord]] = defaultdict(list)
-        for rec in alive:
-            if rec.instance_id not in self._doomed:
-                groups[rec.allocation_id].append(rec)
-        allocations = []
-        for allocation_id, recs in groups.items():
-            first = recs[0]
-            market = Market(first.instance_type, first.zone)
-            reliable = first.lifecycle == "on-demand"
-            price = (
-                self.catalog.get(first.instance_type).on_demand_price(market.region)
-                if reliable
-                else _price_at(history, market, now_s)
+    def _held(self, alive: Sequence[InstanceRecord], spec: JobSpec) -> list[HeldInstance]:
+        """The job's alive instances as a decision sees them (ready σ after launch)."""
+        return [
+            HeldInstance(
+                instance_id=rec.instance_id,
+                allocation_id=rec.allocation_id,
+                market=Market(rec.instance_type, rec.zone),
+                reliable=rec.lifecycle == "on-demand",
+                work_rate=self.catalog.work_rate(rec.instance_type, spec.gpu_work_rates),
+                max_price_usd_per_hour=rec.max_price_usd_per_hour,
+                launched_s=rec.launched_at,
+                ready_s=rec.launched_at + spec.app.add_overhead_s,
             )
-            allocations.append(
-                HeldAllocation(
-                    allocation_id=allocation_id,
-                    market=market,
-                    count=len(recs),
-                    work_rate_per_instance=self.catalog.work_rate(
-                        first.instance_type, spec.gpu_work_rates
-                    ),
-                    price_usd_per_hour=price,
-                    started_s=min(r.launched_at for r in recs),
-                    max_price_usd_per_hour=first.max_price_usd_per_hour,
-                    reliable=reliable,
-                    ready=now_s - first.launched_at >= spec.app.add_overhead_s,
-                )
-            )
-        return Footprint(allocations)
+            for rec in alive
+        ]
 
-    def _renewals_due(self, alive: Sequence[InstanceRecord], now_s: float) -> frozenset[str]:
-        """Allocations that crossed a renew-or-release point since they were last considered."""
-        s = self.settings
-        due = set()
-        started: dict[str, float] = {}
-        for rec in alive:
-            if rec.lifecycle == "spot":
-                started[rec.allocation_id] = min(
-                    started.get(rec.allocation_id, math.inf), rec.launched_at
-                )
-        for allocation_id, t0 in started.items():
-            period = math.floor((now_s - t0 + s.renew_lead_s) / s.renew_period_s)
-            if period >= 1 and self._renewal_seen.get(allocation_id, 0) < period:
-                self._renewal_seen[allocation_id] = period
-                due.add(allocation_id)
-        return frozenset(due)
+    def _price_of(self, history: PriceHistory, now_s: float) -> PriceOf:
+        def price(market: Market, reliable: bool) -> float:
+            if reliable:
+                return self.catalog.get(market.instance_type).on_demand_price(market.region)
+            return _price_at(history, market, now_s)
+
+        return price
 
     def _table(
         self, submission: JobSubmission, spec: JobSpec, history: PriceHistory
@@ -549,6 +527,17 @@ class Controller:
 
     def _log(self, event: Event) -> None:
         self.store.append_event(event)
+
+
+def _last_evictions(instances: Sequence[InstanceRecord]) -> dict[Market, float]:
+    """When each market last took one of these instances back (read from the store's records,
+    so a restarted controller knows too)."""
+    last: dict[Market, float] = {}
+    for rec in instances:
+        if rec.end_reason == EndReason.EVICTED and rec.ended_at is not None:
+            market = Market(rec.instance_type, rec.zone)
+            last[market] = max(last.get(market, rec.ended_at), rec.ended_at)
+    return last
 
 
 def _price_at(history: PriceHistory, market: Market, now_s: float) -> float:

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.bidbrain.model import AllocationRequest, Footprint, HeldAllocation, JobSpec
-from orchestrator.bidbrain.policy import Decision, DecisionInput, Policy
+from orchestrator.bidbrain.inputs import RenewalSchedule, decision_input
+from orchestrator.bidbrain.model import AllocationRequest, JobSpec
+from orchestrator.bidbrain.policy import Decision, Policy
 from orchestrator.errors import OrchestratorError
 from orchestrator.market.billing import BilledInterval, BillingModel, EndReason
 from orchestrator.market.eviction import RemovalStream
@@ -104,8 +105,8 @@ class SimInstance:
     allocation_id: str
     market: Market
     work_rate: float
-    on_demand: bool
-    max_price: float | None
+    reliable: bool  # on-demand (the reliable tier)
+    max_price_usd_per_hour: float | None
     launched_s: float
     ready_s: float
     evict_s: float
@@ -196,7 +197,7 @@ class Run:
         self.ledger: list[LedgerLine] = []
         self.last_eviction_s: dict[Market, float] = {}
         self.alloc_started: dict[str, float] = {}
-        self.renewal_due: set[str] = set()
+        self.renewals = RenewalSchedule(policy.settings)
         self._launches: dict[Market, int] = {}
         self.doomed: set[str] = set()
         self.unavailable_until: dict[Market, float] = {}
@@ -312,8 +313,7 @@ class Run:
         elif kind == "renew":
             alloc = key
             if any(i.allocation_id == alloc for i in self.instances.values()):
-                self.renewal_due.add(alloc)
-                self._schedule_decision(self.now)
+                self._schedule_decision(self.now)  # `renewals` names it due then
                 self._push(self.now + self.policy.settings.renew_period_s, "renew", alloc)
         elif kind == "price":
             self._schedule_periodic()
@@ -339,10 +339,10 @@ class Run:
     def _reliable_ready(self) -> bool:
         if not self.policy.uses_reliable_tier or self.job.reliable_count == 0:
             return True
-        return any(i.on_demand and i.ready_s <= self.now for i in self.instances.values())
+        return any(i.reliable and i.ready_s <= self.now for i in self.instances.values())
 
     def _gang_ready(self) -> bool:
-        spot = [i for i in self.instances.values() if not i.on_demand]
+        spot = [i for i in self.instances.values() if not i.reliable]
         rate = sum(i.work_rate for i in spot)
         return (
             bool(spot)
@@ -357,10 +357,10 @@ class Run:
     def _start_segment(self) -> None:
         if self.segment is not None or not self._gang_ready():
             return
-        spot = [i for i in self.instances.values() if not i.on_demand]
+        spot = [i for i in self.instances.values() if not i.reliable]
         by_market: dict[tuple[Market, float | None], int] = defaultdict(int)
         for i in spot:
-            by_market[(i.market, i.max_price)] += 1
+            by_market[(i.market, i.max_price_usd_per_hour)] += 1
         hazard = sum(
             n
             * (
@@ -399,38 +399,10 @@ class Run:
         return self._prices_cache
 
     # -- decisions ------------------------------------------------------------------------
-    def _footprint(self) -> Footprint:
-        groups: dict[str, list[SimInstance]] = defaultdict(list)
-        for inst in self.instances.values():
-            if inst.instance_id not in self.doomed:
-                groups[inst.allocation_id].append(inst)
-        allocs = []
-        for alloc_id, insts in groups.items():
-            first = insts[0]
-            price = (
-                self._on_demand_price(first.market)
-                if first.on_demand
-                else self._price(first.market)
-            )
-            allocs.append(
-                HeldAllocation(
-                    allocation_id=alloc_id,
-                    market=first.market,
-                    count=len(insts),
-                    work_rate_per_instance=first.work_rate,
-                    price_usd_per_hour=price,
-                    started_s=self.alloc_started[alloc_id],
-                    max_price_usd_per_hour=first.max_price,
-                    reliable=first.on_demand,
-                    ready=all(i.ready_s <= self.now for i in insts),
-                )
-            )
-        return Footprint(allocs)
-
     def _spend_so_far(self) -> float:
         running = 0.0
         for inst in self.instances.values():
-            if inst.on_demand:
+            if inst.reliable:
                 running += self._on_demand_price(inst.market) * (self.now - inst.launched_s) / 3600
             else:
                 running += self._series[inst.market].cost_usd(inst.launched_s, self.now)
@@ -439,20 +411,24 @@ class Run:
     def _decide(self) -> None:
         self.decisions += 1
         remaining = max(self.work_total_s - self.work_s, 0.0) / SECONDS_PER_HOUR
-        inp = DecisionInput(
+        inp = decision_input(
             now_s=self.now,
             job=self.job,
             work_remaining_gpu_hours=remaining,
             spend_usd=self._spend_so_far() if self.job.budget_usd is not None else self.cost_usd,
-            footprint=self._footprint(),
+            held=self.instances.values(),
+            price_of=self._price_held,
             prices_usd_per_hour=self._prices(),
-            renewal_due=frozenset(self.renewal_due),
+            renewals=self.renewals,
+            doomed=self.doomed,
             unavailable=frozenset(m for m, t in self.unavailable_until.items() if t > self.now),
             last_eviction_s=self.last_eviction_s,
         )
-        self.renewal_due.clear()
         decision = self.policy.decide(inp)
         self._apply(decision)
+
+    def _price_held(self, market: Market, reliable: bool) -> float:
+        return self._on_demand_price(market) if reliable else self._price(market)
 
     def _apply(self, decision: Decision) -> None:
         released = set(decision.release)
@@ -490,8 +466,8 @@ class Run:
                 allocation_id=alloc_id,
                 market=market,
                 work_rate=rate,
-                on_demand=on_demand,
-                max_price=req.max_price_usd_per_hour,
+                reliable=on_demand,
+                max_price_usd_per_hour=req.max_price_usd_per_hour,
                 launched_s=self.now,
                 ready_s=self.now + ready_delay,
                 evict_s=evict_s,
@@ -537,7 +513,7 @@ class Run:
         else:
             self._rollback()
             if self.runtime == "gang-checkpoint":
-                for other in [i for i in self.instances.values() if not i.on_demand]:
+                for other in [i for i in self.instances.values() if not i.reliable]:
                     self._end(other, EndReason.RELEASED)
         if not noticed:  # a noticed eviction was planned for when its notice came
             self._schedule_decision(self.now)
@@ -548,11 +524,11 @@ class Run:
         inst.ended_s = self.now
         inst.end_reason = reason
         run_s = self.now - inst.launched_s
-        if not inst.on_demand:
+        if not inst.reliable:
             self.policy.capacity_model.observe(
                 inst.market, 1 if reason is EndReason.EVICTED else 0, run_s
             )
-        if inst.on_demand:
+        if inst.reliable:
             intervals = self.billing.bill_on_demand(
                 self._on_demand_price(inst.market), inst.launched_s, self.now, reason
             )
@@ -583,6 +559,6 @@ class Run:
                         billed_s=iv.billed_s,
                         charged_usd=charged,
                         reason=str(iv.reason),
-                        market="on-demand" if inst.on_demand else "spot",
+                        market="on-demand" if inst.reliable else "spot",
                     )
                 )

@@ -406,8 +406,8 @@ def test_the_controller_hosts_a_training_jobs_agileml_controller_and_counts_its_
     about to launch for it, tags the launch with its address; a worker reads that tag from its
     metadata, joins and trains; the host reports the training and sets the job's work done
     from the iterations; when the job ends its controller stops and the worker exits."""
-    from orchestrator.agileml.host import TrainingHost
     from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
+    from orchestrator.controller.training import TrainingHost
     from orchestrator.jobspec import JobSubmission
     from orchestrator.store import JobRecord, JobState
 
@@ -471,7 +471,7 @@ def test_launch_tags_reach_the_instance_and_cannot_override_ours(aws):
 
 
 def test_a_restarted_controller_hosts_its_training_jobs_again_on_the_same_ports(store):
-    from orchestrator.agileml.host import TrainingHost
+    from orchestrator.controller.training import TrainingHost
     from orchestrator.jobspec import JobSubmission
     from orchestrator.store import JobRecord, JobState
 

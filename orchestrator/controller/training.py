@@ -1,35 +1,35 @@
-"""`TrainingHost`: the AgileML elasticity controller of every training job, on the controller
-node (the AWS deployment; the offline demo runs its one job's controller itself).
+"""`TrainingHost`: the AgileML elasticity controller of every training job, hosted by the
+controller (on the controller node on AWS; in the demo's process offline), through the runtime's
+hosting interface (`orchestrator.agileml.hosting`).
 
 A job trains when its spec has a `training` section (`TrainingSpec` fields but `job_id`).
-When the controller is about to launch the job's first instance, `tags_for(job_id)` starts the
-job's `Coordinator` on the next free port from `base_port` and returns the launch tag that
-tells workers where it is (`orchestrator worker start` reads it from the instance metadata).
+When the controller is about to launch the job's first instance, `tags_for(job_id)` starts
+the job's elasticity controller on the next free port from `base_port` and returns the launch
+tag that tells the instance agents where it is (read from the instance metadata on AWS, from
+the instance's tags offline).
 Every `step(now_s)` reports each hosted job's training to the store (the dashboard and
-/metrics read it) and sets its work done to the fraction of iterations done times the job's
-work, which is what BidBrain's cost per unit of work divides by; a job that has ended has its
-coordinator stopped (nodes are told to shut down).
+/metrics read it) and, with `work_from_iterations`, sets its work done to the fraction of
+iterations done times the job's work, which is what BidBrain's cost per unit of work divides
+by (the offline world counts simulated work on its faster clock instead); a job that has
+ended has its elasticity controller stopped (nodes are told to shut down).
 
-Failure semantics: a coordinator that cannot bind tries the next port (up to `max_jobs`);
-a store write that fails is logged and the next step writes the (cumulative) numbers again.
-Each job's port is kept in the store: a restarted controller's first `step` hosts every job
-it hosted before on the same port, so the workers (whose tags name it) reconnect when systemd
-restarts them. The coordinator's own state is not kept: such a job's training starts again
-from the initial model.
+Failure semantics: an elasticity controller that cannot bind tries the next port (up to
+`max_jobs`); a store write that fails is logged and the next step writes the (cumulative)
+numbers again. Each job's port is kept in the store: a restarted controller's first `step`
+hosts every job it hosted before on the same port, so the workers (whose tags name it)
+reconnect when systemd restarts them. The elasticity controller's own state is not kept: such
+a job's training starts again from the initial model.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Mapping
-from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.agileml.control import TrainingSpec
-from orchestrator.agileml.coordinator import Coordinator
+from orchestrator.agileml.hosting import HostedTraining, TrainingSpec
 from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
 from orchestrator.errors import UserError
 from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
@@ -73,21 +73,29 @@ class TrainingHost:
         bind_host: str = "0.0.0.0",
         base_port: int = DEFAULT_BASE_PORT,
         max_jobs: int = MAX_HOSTED_TRAINING_JOBS,
+        work_from_iterations: bool = True,
     ) -> None:
         self.store = store
+        self.work_from_iterations = work_from_iterations
         self._token = token
         self.advertise_host = advertise_host
         self.bind_host = bind_host
         self.base_port = base_port
         self.max_jobs = max_jobs
         self._lock = threading.Lock()
-        self._hosted: dict[str, tuple[Coordinator, TrainingSpec, int]] = {}
+        self._hosted: dict[str, tuple[HostedTraining, int]] = {}
 
     def endpoint(self, job_id: str) -> str | None:
         """Where the job's workers join, None when it is not hosted."""
         with self._lock:
             hosted = self._hosted.get(job_id)
-        return None if hosted is None else f"tcp://{self.advertise_host}:{hosted[2]}"
+        return None if hosted is None else f"tcp://{self.advertise_host}:{hosted[1]}"
+
+    def hosted(self, job_id: str) -> HostedTraining | None:
+        """The job's hosted training, None when it is not hosted."""
+        with self._lock:
+            hosted = self._hosted.get(job_id)
+        return None if hosted is None else hosted[0]
 
     def tags_for(self, job_id: str) -> Mapping[str, str]:
         """The launch tags of the job's next instance: its elasticity controller's address,
@@ -102,13 +110,13 @@ class TrainingHost:
         with self._lock:
             if job_id not in self._hosted:
                 self._hosted[job_id] = self._start(spec, self.store.training_ports().get(job_id))
-                self.store.set_training_port(job_id, self._hosted[job_id][2])
+                self.store.set_training_port(job_id, self._hosted[job_id][1])
         endpoint = self.endpoint(job_id)
         return {TAG_AGILEML_CONTROLLER: endpoint} if endpoint else {}
 
     def step(self, now_s: float) -> None:
         """Host again the jobs hosted before a restart; report every hosted job's training;
-        stop the coordinators of ended jobs."""
+        stop the elasticity controllers of ended jobs."""
         for job_id in self.store.training_ports():
             if job_id in self._hosted:
                 continue
@@ -120,10 +128,10 @@ class TrainingHost:
                 log.warning("hosting %s again failed: %r", job_id, exc)
         with self._lock:
             hosted = dict(self._hosted)
-        for job_id, (coordinator, spec, _) in hosted.items():
+        for job_id, (training, _) in hosted.items():
             try:
                 job = self.store.get_job(job_id)
-                self._report(job, coordinator, spec, now_s)
+                self._report(job, training, now_s)
             except Exception as exc:  # noqa: BLE001 - a store hiccup: report at the next step
                 log.warning("training report of %s failed: %r", job_id, exc)
                 continue
@@ -131,7 +139,7 @@ class TrainingHost:
                 self._stop(job_id)
 
     def close(self) -> None:
-        """Stop every coordinator (their nodes are told to shut down); the ports stay
+        """Stop every elasticity controller (their nodes are told to shut down); the ports stay
         recorded, for the next start."""
         for job_id in list(self._hosted):
             self._stop(job_id, forget=False)
@@ -142,23 +150,22 @@ class TrainingHost:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _start(
-        self, spec: TrainingSpec, preferred: int | None
-    ) -> tuple[Coordinator, TrainingSpec, int]:
-        used = {port for _, _, port in self._hosted.values()}
+    def _start(self, spec: TrainingSpec, preferred: int | None) -> tuple[HostedTraining, int]:
+        used = {port for _, port in self._hosted.values()}
         used |= {p for j, p in self.store.training_ports().items() if j != spec.job_id}
         ports = range(self.base_port, self.base_port + self.max_jobs)
         for port in ([preferred] if preferred is not None else []) + list(ports):
             if port in used:
                 continue
-            coordinator = Coordinator(spec, token=self._token, host=self.bind_host, port=port)
             try:
-                coordinator.start()
+                training = HostedTraining.start(
+                    spec, token=self._token, host=self.bind_host, port=port
+                )
             except Exception as exc:  # noqa: BLE001 - the port is taken: try the next one
                 log.warning("port busy", extra={"port": port, "error": str(exc)})
                 continue
             log.info("hosting agileml controller", extra={"job_id": spec.job_id, "port": port})
-            return coordinator, spec, port
+            return training, port
         raise UserError(
             f"no free port for job {spec.job_id}'s AgileML controller in "
             f"{self.base_port}-{self.base_port + self.max_jobs - 1}",
@@ -174,40 +181,20 @@ class TrainingHost:
             hosted[0].stop()
             log.info("agileml controller stopped", extra={"job_id": job_id})
 
-    def _report(
-        self, job: JobRecord, coordinator: Coordinator, spec: TrainingSpec, now_s: float
-    ) -> None:
-        progress = coordinator.progress()
+    def _report(self, job: JobRecord, training: HostedTraining, now_s: float) -> None:
+        status = training.progress()
         self.store.append_training(
             job.job_id,
             TrainingReport(
                 at_s=now_s,
-                iteration=progress.iteration,
-                loss=_latest_loss(coordinator.node_losses()),
-                reassigned=progress.reassigned_rows,
-                stage_transitions=progress.stage_transitions,
+                iteration=status.iteration,
+                loss=status.loss,
+                reassigned=status.reassigned_rows,
+                stage_transitions=status.stage_transitions,
             ),
         )
-        if not job.state.is_terminal:
+        if self.work_from_iterations and not job.state.is_terminal:
             work = float(job.spec.get("work_gpu_hours", 0.0))
-            done = min(1.0, progress.iteration / spec.iterations) * work
+            done = min(1.0, status.iteration / training.spec.iterations) * work
             if done > job.work_done_gpu_hours:
                 self.store.update_progress(job.job_id, done, now_s)
-
-
-def _latest_loss(losses: Mapping[str, list[tuple[int, float]]]) -> float | None:
-    """The mean of the nodes' losses at the latest clock any node reported."""
-    latest: dict[int, list[float]] = {}
-    for pairs in losses.values():
-        for clock, loss in pairs:
-            if math.isfinite(loss):
-                latest.setdefault(clock, []).append(loss)
-    if not latest:
-        return None
-    values = latest[max(latest)]
-    return sum(values) / len(values)
-
-
-def validate_training_section(section: Any) -> None:
-    """Check a job submission's `training` section (raises pydantic's ValidationError)."""
-    TrainingSpec.model_validate({**dict(section), "job_id": "validate"})

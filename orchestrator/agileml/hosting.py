@@ -1,0 +1,131 @@
+"""What a host of training jobs uses from the runtime: the one interface the controller (on AWS)
+and the offline world call, so they know nothing of the runtime's insides.
+
+A host starts a job's elasticity controller (`HostedTraining.start`), tells the job's nodes
+where it listens (`endpoint`), reads its progress for the dashboard and for the work done
+(`progress`), measures the model's loss when it wants to (`model_loss`), and stops it.
+
+    hosted = HostedTraining.start(spec, token=token, host="0.0.0.0", port=29500)
+    hosted.progress()  # TrainingStatus(iteration=..., loss=..., ...)
+    hosted.stop()      # the nodes are told to shut down
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.coordinator import Coordinator
+from orchestrator.agileml.errors import AgileMLError
+
+__all__ = ["HostedTraining", "TrainingSpec", "TrainingStatus", "validate_training_section"]
+
+
+@dataclass(frozen=True)
+class TrainingStatus:
+    """A job's training as its elasticity controller hears it: the furthest iteration a node
+    reported, the mean of the nodes' losses at the latest iteration any reported (None before
+    the first), FlexRR's reassigned rows and AgileML's stage transitions so far."""
+
+    iteration: int
+    loss: float | None
+    reassigned_rows: int
+    stage_transitions: int
+
+
+class HostedTraining:
+    """One job's elasticity controller, hosted (see the module docstring)."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+
+    @classmethod
+    def start(cls, spec: TrainingSpec, *, token: bytes, host: str, port: int) -> HostedTraining:
+        """Bind `host:port` (0: any free port) and start the job's elasticity controller.
+
+        Raises:
+            zmq.ZMQError: the port is taken (a host tries the next one).
+        """
+        coordinator = Coordinator(spec, token=token, host=host, port=port)
+        coordinator.start()
+        return cls(coordinator)
+
+    @property
+    def spec(self) -> TrainingSpec:
+        return self._coordinator.spec
+
+    @property
+    def endpoint(self) -> str:
+        """Where the job's nodes join (`tcp://host:port` as bound)."""
+        return self._coordinator.endpoint
+
+    @property
+    def error(self) -> str | None:
+        """Why the job's training was aborted (None: it was not)."""
+        return self._coordinator.error
+
+    def progress(self) -> TrainingStatus:
+        """Iteration, loss and counters now."""
+        progress = self._coordinator.progress()
+        return TrainingStatus(
+            iteration=progress.iteration,
+            loss=_latest_loss(self._coordinator.node_losses()),
+            reassigned_rows=progress.reassigned_rows,
+            stage_transitions=progress.stage_transitions,
+        )
+
+    def events(self) -> list[str]:
+        """What the elasticity controller did so far, one line each (started, evicted, ...)."""
+        return [
+            f"{e.kind} {' '.join(e.nodes)} {e.detail}".strip() for e in self._coordinator.events()
+        ]
+
+    def model_loss(self, timeout_s: float = 1.0) -> float | None:
+        """The model's loss on the whole training set, from the parameters as they are now
+        (None when they cannot be read yet: not started, or an owner is moving)."""
+        from orchestrator.agileml.examples import build_model, full_loss, initial_model
+        from orchestrator.agileml.partitions import PartitionLayout
+
+        try:
+            params = self._coordinator.fetch_parameters(timeout_s=timeout_s, final=False)
+        except AgileMLError:
+            return None
+        model = initial_model(build_model(self.spec), self.spec.seed)
+        PartitionLayout(model, self.spec.num_partitions).scatter(model, params)
+        return full_loss(self.spec, model)
+
+    def initial_loss(self) -> float:
+        """The model's loss on the whole training set before any update."""
+        from orchestrator.agileml.examples import build_model, full_loss, initial_model
+
+        return full_loss(self.spec, initial_model(build_model(self.spec), self.spec.seed))
+
+    def stop(self) -> None:
+        """Stop the elasticity controller; its nodes are told to shut down."""
+        self._coordinator.stop()
+
+
+def validate_training_section(section: Mapping[str, Any]) -> TrainingSpec:
+    """A job submission's `training` section as the spec it describes (its job id is filled
+    in by the host).
+
+    Raises:
+        pydantic.ValidationError: a field is invalid (named).
+    """
+    return TrainingSpec.model_validate({**dict(section), "job_id": "validate"})
+
+
+def _latest_loss(losses: Mapping[str, list[tuple[int, float]]]) -> float | None:
+    """The mean of the nodes' losses at the latest clock any node reported."""
+    latest: dict[int, list[float]] = {}
+    for pairs in losses.values():
+        for clock, loss in pairs:
+            if math.isfinite(loss):
+                latest.setdefault(clock, []).append(loss)
+    if not latest:
+        return None
+    values = latest[max(latest)]
+    return sum(values) / len(values)

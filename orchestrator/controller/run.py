@@ -1,0 +1,164 @@
+"""The controller as one running process: store, training host, controller, its scheduled
+service and the HTTP API (`orchestrator controller start`).
+
+    with running_controller(settings, on_tick=print_tick) as running:
+        serve_api(running)  # until Ctrl-C or SIGTERM
+
+Everything is built from `Settings` (`wiring.build_controller`). On exit the service finishes
+the tick in progress and stops, the hosted training controllers stop (their ports stay
+recorded for the next start) and the store is closed; instances keep running and the next
+start reconciles them.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pydantic import SecretStr
+
+from orchestrator.controller.core import TickReport
+from orchestrator.controller.service import ControllerService
+from orchestrator.controller.wiring import Clock, build_controller, controller_clock, ec2_client
+from orchestrator.errors import UserError
+from orchestrator.settings import Settings
+from orchestrator.store import Store
+
+if TYPE_CHECKING:
+    from orchestrator.controller.training import TrainingHost
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningController:
+    """A started controller service and what it runs on."""
+
+    settings: Settings
+    store: Store
+    service: ControllerService
+    clock: Clock
+    training: TrainingHost | None
+
+
+@contextmanager
+def running_controller(
+    settings: Settings, *, on_tick: Callable[[TickReport], None] | None = None
+) -> Iterator[RunningController]:
+    """Build and start the controller service (see the module docstring); stop it on exit.
+
+    Raises:
+        UserError: a setting cannot be used, a secret cannot be read, or the API token is
+            missing (nothing was started).
+        StoreUnavailableError: Redis does not answer.
+    """
+    clock, speed = controller_clock(settings)
+    store = Store.connect(settings.redis_url)
+    training: TrainingHost | None = None
+    service: ControllerService | None = None
+    try:
+        training = training_host(settings, store)
+        controller = build_controller(
+            settings,
+            store=store,
+            client=ec2_client(settings),
+            launch_tags=training.tags_for if training is not None else None,
+        )
+
+        def ticked(report: TickReport) -> None:
+            if training is not None:
+                training.step(clock())
+            if on_tick is not None:
+                on_tick(report)
+
+        service = ControllerService(controller, clock=clock, speed=speed, on_tick=ticked)
+        service.start()
+        yield RunningController(settings, store, service, clock, training)
+    finally:
+        if service is not None:
+            service.stop()
+        if training is not None:
+            training.close()
+        store.close()
+
+
+def serve_api(running: RunningController) -> None:
+    """Serve the HTTP API (and dashboard) of a running controller until Ctrl-C or SIGTERM."""
+    import uvicorn
+
+    from orchestrator.api.app import create_app
+
+    settings = running.settings
+    app = create_app(running.store, settings, clock=running.clock, on_notice=running.service.notify)
+    uvicorn.run(app, host=settings.api.host, port=settings.api.port, log_level="warning")
+
+
+def wait_for_stop() -> None:
+    """Block until Ctrl-C or SIGTERM (a controller running without its API)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+
+
+def with_api_token(settings: Settings) -> Settings:
+    """`settings` with the API token read from `api.token_secret` (Secrets Manager) when the
+    token itself is unset, as on the AWS deployment (infra/controller.yaml); checked present.
+
+    Raises:
+        UserError: no token, or the secret cannot be read (named, with the permission to
+            check).
+    """
+    from orchestrator.cloud.secrets import read_secret
+
+    if settings.api.token is None and settings.api.token_secret:
+        token = read_secret(
+            settings.api.token_secret,
+            settings.region,
+            endpoint_url=settings.controller.endpoint_url,
+        )
+        api = settings.api.model_copy(update={"token": SecretStr(token)})
+        settings = settings.model_copy(update={"api": api})
+    settings.api.require_token()
+    return settings
+
+
+def training_host(settings: Settings, store: Store) -> TrainingHost | None:
+    """On AWS (a worker token secret is configured): the host of the training jobs' AgileML
+    elasticity controllers, advertised at this node's private address; None otherwise.
+
+    Raises:
+        UserError: the address cannot be found or the worker token secret cannot be read.
+    """
+    if not settings.worker.token_secret:
+        return None
+    from orchestrator.agileml.token import token_from_hex
+    from orchestrator.cloud.imds import IMDS_BASE_URL, LOCAL_IPV4_PATH, read_metadata
+    from orchestrator.cloud.secrets import read_secret
+    from orchestrator.controller.training import TrainingHost
+
+    advertise = settings.worker.advertise_host
+    if advertise is None:
+        advertise = read_metadata(IMDS_BASE_URL, [LOCAL_IPV4_PATH])[LOCAL_IPV4_PATH]
+    if not advertise:
+        raise UserError(
+            "cannot tell the workers where this controller is",
+            field="ORCHESTRATOR_WORKER__ADVERTISE_HOST",
+            fix="set ORCHESTRATOR_WORKER__ADVERTISE_HOST to this node's private address",
+        )
+    secret_id = settings.worker.token_secret
+    secret = read_secret(secret_id, settings.region, endpoint_url=settings.controller.endpoint_url)
+    return TrainingHost(
+        store,
+        token=token_from_hex(secret, source=f"the secret {secret_id}"),
+        advertise_host=advertise,
+        base_port=settings.worker.agileml_port,
+    )

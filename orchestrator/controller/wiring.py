@@ -1,0 +1,129 @@
+"""Building a controller from `Settings`: the one place the CLI (`controller start`), the offline
+demo and the tests get a controller from, so that every setting (BidBrain's included) reaches
+it the same way.
+
+    controller = build_controller(settings, store=store)   # EC2 and its prices, from settings
+    controller = build_controller(settings, store=MemoryStore(), cloud=fake, prices=trace)
+
+What is not given is made from the settings: the EC2 adapter (`settings.region`,
+`controller_id`, `controller.endpoint_url`, the workers' launch template and subnets), the
+price source (EC2's price history, or the trace folders of `controller.prices`), the billing
+model, BidBrain's knobs and the job concurrency.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from orchestrator.cloud.ec2 import RETRY_CONFIG, EC2Cloud
+from orchestrator.cloud.local.clock import ReplayClock
+from orchestrator.controller.core import Controller
+from orchestrator.errors import UserError
+from orchestrator.market.billing import billing_model
+from orchestrator.market.catalog import Catalog
+from orchestrator.market.prices import PriceSource, to_epoch_seconds
+from orchestrator.settings import Settings
+from orchestrator.store import Store
+
+Clock = Callable[[], float]
+
+
+def controller_clock(settings: Settings) -> tuple[Clock, float]:
+    """The clock the controller decides on and how many times faster than real time it runs:
+    the wall clock, or (when `controller.prices` replays a trace) a replay clock from
+    `controller.replay_start` at `controller.speed`.
+
+    Raises:
+        UserError: a replay without a valid `controller.replay_start`.
+    """
+    c = settings.controller
+    if not c.prices:
+        return time.time, 1.0
+    if c.replay_start is None:
+        raise UserError(
+            "replaying a price trace needs the time to start at",
+            field="--replay-start",
+            fix="pass e.g. --replay-start 2020-02-03T00:00:00Z "
+            "(or set ORCHESTRATOR_CONTROLLER__REPLAY_START)",
+        )
+    try:
+        start_s = to_epoch_seconds(c.replay_start)
+    except ValueError:
+        raise UserError(
+            f"replay start {c.replay_start!r} is not ISO-8601",
+            field="--replay-start",
+            fix="e.g. 2020-02-03T00:00:00Z",
+        ) from None
+    return ReplayClock(start_s, c.speed).now, c.speed
+
+
+def ec2_client(settings: Settings) -> Any:
+    """A boto3 EC2 client for `settings.region` (and `controller.endpoint_url`), with the
+    adapter's retry policy (`cloud.ec2.RETRY_CONFIG`)."""
+    import boto3
+
+    return boto3.client(
+        "ec2",
+        region_name=settings.region,
+        endpoint_url=settings.controller.endpoint_url,
+        config=RETRY_CONFIG,
+    )
+
+
+def price_source(settings: Settings, *, client: Any) -> PriceSource:
+    """The replayed trace of `controller.prices`, else EC2's live price history."""
+    if settings.controller.prices:
+        from orchestrator.market.trace_source import TracePriceSource
+
+        return TracePriceSource(settings.controller.prices)
+    from orchestrator.market.ec2_source import EC2PriceSource
+
+    return EC2PriceSource(settings.region, client=client)
+
+
+def build_controller(
+    settings: Settings,
+    *,
+    store: Store,
+    cloud: EC2Cloud | None = None,
+    prices: PriceSource | None = None,
+    client: Any = None,
+    catalog: Catalog | None = None,
+    launch_tags: Callable[[str], Mapping[str, str]] | None = None,
+) -> Controller:
+    """A controller over `store` configured by `settings` (see the module docstring).
+
+    Args:
+        store: jobs, instances, ledger and events.
+        cloud: the cloud to launch in (default: EC2 through `client`).
+        prices: where spot prices come from (default: `price_source(settings)`).
+        client: the boto3 EC2 client for the defaults (default: `ec2_client(settings)`).
+        catalog: instance types and work rates (default: the bundled catalog).
+        launch_tags: more tags for a job's launches (the training host's address).
+
+    Raises:
+        UserError: a setting cannot be used (e.g. an unknown billing model).
+    """
+    if cloud is None or prices is None:
+        client = client if client is not None else ec2_client(settings)
+    if cloud is None:
+        cloud = EC2Cloud(
+            settings.region,
+            settings.controller_id,
+            client=client,
+            launch_template=settings.worker.launch_template,
+            subnets=settings.worker.subnet_ids,
+        )
+    return Controller(
+        store=store,
+        cloud=cloud,
+        prices=prices if prices is not None else price_source(settings, client=client),
+        billing=billing_model(settings.controller.billing),
+        catalog=catalog,
+        settings=settings.bidbrain,
+        image_id=settings.controller.image_id,
+        launch_tags=launch_tags,
+        max_running_jobs=settings.controller.max_running_jobs,
+    )
