@@ -7,10 +7,10 @@ import json
 import math
 import multiprocessing as mp
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Annotated
+from typing import IO, Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,7 +22,7 @@ from orchestrator.market.billing import billing_model
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_datetime
-from orchestrator.market.trace_source import TracePriceSource
+from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
 from orchestrator.sim.engine import Run, RunResult, RuntimeParams
 from orchestrator.sim.strategies import Strategy, get_strategies, run_oracle
 from orchestrator.sim.world import World
@@ -64,6 +64,20 @@ class SimConfig(BaseModel):
     gpu_work_rates: dict[str, Annotated[float, Field(gt=0)]] | None = Field(
         None, description="work rate per GPU model, merged over the catalog's (V100 = 1.0)"
     )
+
+
+def sim_config(settings: Mapping[str, Any]) -> SimConfig:
+    """The config of a run from a file's settings with the command line's over them (the
+    bundled us-east-1 prices when none are given); strategy and billing names checked.
+
+    Raises:
+        pydantic.ValidationError: a setting is invalid (the caller names its option).
+        UserError: an unknown strategy or billing model (listing the valid ones).
+    """
+    config = SimConfig(**{"prices": (bundled_prices_dir("us-east-1"),), **settings})
+    billing_model(config.billing)
+    get_strategies(list(config.strategies))
+    return config
 
 
 @dataclass

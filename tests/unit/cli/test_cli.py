@@ -314,6 +314,23 @@ def test_version_prints_the_package_version():
     assert proc.stdout.strip() == f"orchestrator {orchestrator.__version__}"
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("simulate", "--bogus"), "No such option: --bogus"),
+        (("simulate", "--starts", "abc"), "Invalid value for '--starts'"),
+        (("no-such-command",), "No such command"),
+    ],
+)
+def test_a_usage_error_exits_2_with_the_usage_and_no_traceback(args, needle):
+    """Whatever click typer runs on (its own copy since typer 0.29), a usage error is a usage
+    message and exit code 2, never a traceback."""
+    proc = run_cli(*args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and needle in flat(proc.stderr), proc.stderr
+    assert "Usage: orchestrator" in proc.stderr
+
+
 def test_installed_console_script_prints_the_version():
     script = shutil.which("orchestrator") or str(Path(sys.executable).parent / "orchestrator")
     if not Path(script).exists():

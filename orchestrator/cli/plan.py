@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from orchestrator.cli import app, out
+from orchestrator.cli.app import app, out
 from orchestrator.errors import UserError
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from orchestrator.cli import app, err, out
+from orchestrator.cli.app import app, err, out
 from orchestrator.errors import UserError
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from orchestrator.cli import app, out
+from orchestrator.cli.app import app, out
 from orchestrator.errors import UserError
 
 worker_app = typer.Typer(help="Run on a worker instance (AWS).", no_args_is_help=True)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from orchestrator.cli import app, out
+from orchestrator.cli.app import app, out
 from orchestrator.settings import Settings
 
 controller_app = typer.Typer(help="Run the BidBrain controller.", no_args_is_help=True)
@@ -116,7 +116,7 @@ def _with_options(settings: Settings, **options: Any) -> Settings:
     try:
         section = ControllerSettings.model_validate({**settings.controller.model_dump(), **given})
     except ValidationError as exc:
-        from orchestrator.cli import validation_to_user_error
+        from orchestrator.cli.app import validation_to_user_error
 
         raise validation_to_user_error(exc) from None
     return settings.model_copy(update={"controller": section})

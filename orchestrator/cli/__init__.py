@@ -1,0 +1,69 @@
+"""The `orchestrator` command line: each command parses its options, calls a function of the
+package that does the work, and renders what it returns.
+
+User errors (bad files, bad options) print what is wrong and what to do, with no traceback,
+and exit with code 2; `--debug` shows the traceback.
+
+    app.py         the typer app, the consoles, option-name mapping for errors
+    simulate.py    simulate, ledger-check           market.py   risk, catalog
+    demo.py        demo                             plan.py     plan
+    jobs.py        submit, jobs, job, report, cancel, api serve
+    controller.py  controller start                 deploy.py   deploy, worker start
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+from orchestrator.cli.app import DEBUG, app, err
+from orchestrator.errors import UserError
+
+__all__ = ["app", "main"]
+
+#: Importing a command module registers its commands, in the order `--help` lists them.
+COMMAND_MODULES = ("simulate", "demo", "market", "controller", "deploy", "jobs", "plan")
+for _module in COMMAND_MODULES:
+    importlib.import_module(f"{__name__}.{_module}")
+
+
+def main() -> None:
+    """Entry point of the console script: user errors exit 2 without a traceback."""
+    try:
+        app(standalone_mode=False)
+    except UserError as exc:
+        if DEBUG["on"]:
+            raise
+        err.print(f"[bold red]error:[/bold red] {exc.message}", highlight=False)
+        if exc.fix:
+            err.print(f"To fix: {exc.fix}", highlight=False)
+        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except _usage_errors() as exc:
+        exc.show()  # type: ignore[attr-defined]
+        sys.exit(2)
+
+
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """The usage-error classes of the click that typer runs on: click's own, or the copy that
+    typer 0.29 and later vendor (`typer._click`), whose errors are not click's."""
+    import click
+
+    kinds: list[type[Exception]] = [click.ClickException]
+    try:
+        from typer._click.exceptions import ClickException as VendoredClickException
+    except ImportError:
+        pass
+    else:
+        kinds.append(VendoredClickException)
+    return tuple(kinds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The typer app every command registers on, the consoles they print to, and the mapping from
+settings to the options that set them (for error messages)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from orchestrator import __version__
+from orchestrator.errors import UserError
+
+app = typer.Typer(
+    name="orchestrator",
+    help="Elastic spot-instance training orchestrator: BidBrain bidding, AgileML runtime, "
+    "trace-driven cost simulator.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=200)
+# A pipe or a CI log gets a wide table rather than rich's 80-column default.
+out = Console() if sys.stdout.isatty() else Console(width=140)
+DEBUG = {"on": False}
+
+#: pydantic field -> the CLI option that sets it, for error messages
+_OPTION_OF_FIELD = {
+    "prices": "--prices",
+    "availability": "--availability",
+    "job_hours": "--job-hours",
+    "nodes": "--nodes",
+    "starts": "--starts",
+    "seed": "--seed",
+    "billing": "--billing",
+    "budget_usd": "--budget",
+    "max_scale": "--max-scale",
+    "reference_type": "--reference-type",
+    "workers": "--workers",
+    "strategies": "--strategy",
+    "speed": "--speed",
+    "replay_start": "--replay-start",
+    "endpoint_url": "--endpoint-url",
+    "max_running_jobs": "--max-running-jobs",
+}
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"orchestrator {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    DEBUG["on"] = debug
+
+
+def validation_to_user_error(exc: ValidationError, config_file: Path | None = None) -> UserError:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    field = loc[0] if loc else "input"
+    option = _OPTION_OF_FIELD.get(field, ".".join(loc) or "input")
+    where = f" (from {config_file} or the command line)" if config_file else ""
+    fix = f"pass a valid value for {option}"
+    if first.get("type") == "extra_forbidden":
+        fix = f"remove {option}: it is not a setting (the README lists them under Configuration)"
+    return UserError(
+        f"{option}: {first.get('msg', 'invalid value')} (got {first.get('input')!r}){where}",
+        fix=fix,
+        field=option,
+    )

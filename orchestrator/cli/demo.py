@@ -1,0 +1,74 @@
+"""`orchestrator demo`: the offline demo (the README's quick start)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orchestrator.cli.app import app, out
+from orchestrator.errors import UserError
+
+
+@app.command()
+def demo(
+    speed: Annotated[
+        float, typer.Option("--speed", min=1.0, help="How many times faster than real time.")
+    ] = 300.0,
+    budget: Annotated[float, typer.Option("--budget", help="The sample job's budget, USD.")] = 40.0,
+    seed: Annotated[int, typer.Option("--seed")] = 1,
+    json_summary: Annotated[
+        Path | None, typer.Option("--json-summary", help="Write the summary as JSON here.")
+    ] = None,
+    port: Annotated[
+        int,
+        typer.Option(
+            "--port",
+            min=0,
+            max=65535,
+            help="Serve the API and the live dashboard on 127.0.0.1:PORT (0: any free port).",
+        ),
+    ] = 8750,
+    no_dashboard: Annotated[
+        bool, typer.Option("--no-dashboard", help="Do not serve the API and dashboard.")
+    ] = False,
+    linger: Annotated[
+        float,
+        typer.Option(
+            "--linger",
+            min=0.0,
+            help="Keep serving the dashboard this many seconds after the job ends.",
+        ),  # fmt: skip
+    ] = 0.0,
+) -> None:
+    """The offline demo: Redis, a moto EC2 server, replayed 2020 prices and p3 evictions, the
+    controller and local node agents, running one job with a budget to the end, watched on a
+    live dashboard."""
+    from orchestrator.demo import job_state_ok, run_demo, write_summary
+
+    if budget <= 0 or not math.isfinite(budget):
+        raise UserError(
+            f"--budget must be positive, got {budget}",
+            field="--budget",
+            fix="pass e.g. --budget 40",
+        )
+    if json_summary is not None and not json_summary.parent.is_dir():
+        raise UserError(
+            f"cannot write {json_summary}: folder {json_summary.parent} does not exist",
+            field="--json-summary",
+            fix="create the folder first",
+        )
+    summary = run_demo(
+        speed=speed,
+        budget_usd=budget,
+        seed=seed,
+        console=out,
+        port=None if no_dashboard else port,
+        linger_s=linger,
+    )
+    if json_summary is not None:
+        write_summary(summary, json_summary)
+    if not job_state_ok(summary):
+        raise typer.Exit(1)
