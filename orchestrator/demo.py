@@ -33,9 +33,9 @@ from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.api.app import create_app
 from orchestrator.api.serve import BackgroundServer
 from orchestrator.cloud.ec2 import EC2Cloud
-from orchestrator.cloud.local.agents import LocalFleet, TrainingAccess
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer
+from orchestrator.cloud.local.fleet import LocalFleet, TrainingAccess
 from orchestrator.cloud.local.moto_server import MotoEC2Server
 from orchestrator.cloud.local.redis_process import LocalRedis
 from orchestrator.controller.core import Controller
@@ -235,6 +235,7 @@ def run_demo(
             replayer=replayer,
             log_dir=Path(tmp) / "agents",
             training=TrainingAccess(training.endpoint, token),
+            record_progress=store.update_progress,
         ) as fleet:
             while time.monotonic() - wall0 < timeout_s:
                 now = clock.now()

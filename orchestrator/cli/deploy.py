@@ -12,7 +12,6 @@ Exit codes: 0 ok; 1 validation found problems (--dry-run); 2 user errors.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -266,39 +265,29 @@ def worker_start(
     endpoint_url: Annotated[str | None, typer.Option("--endpoint-url")] = None,
 ) -> None:
     """Join the job named in this instance's tags and train until it ends or is evicted."""
-    import signal
-
-    from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
+    from orchestrator.agent.aws import identify, run_worker
+    from orchestrator.agileml.token import token_from_hex
     from orchestrator.cloud.secrets import read_secret
     from orchestrator.logfmt import log_to_stderr
     from orchestrator.settings import Settings
-    from orchestrator.worker import Worker, read_identity, worker_token
 
     settings = Settings.load()
-    identity = read_identity(metadata_url)
-    controller = agileml_controller or identity.agileml_controller  # its launch tag
-    secret = token_secret or settings.worker.token_secret
-    if not controller:
-        raise UserError(
-            "no AgileML controller to join",
-            field="--agileml-controller",
-            fix=f"a training job's instances carry it in the {TAG_AGILEML_CONTROLLER} tag (the "
-            "job's spec needs a `training` section); or pass --agileml-controller tcp://HOST:PORT",
-        )
-    if not secret:
+    identity = identify(metadata_url, agileml_controller)
+    secret_id = token_secret or settings.worker.token_secret
+    if not secret_id:
         raise UserError(
             "no worker token secret",
             field="--token-secret",
             fix="pass --token-secret ARN or set ORCHESTRATOR_WORKER__TOKEN_SECRET",
         )
     log_to_stderr(f"worker[{identity.instance_id}]")
-    token = worker_token(read_secret(secret, settings.region, endpoint_url=endpoint_url))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    result = Worker(
-        identity, agileml_controller=controller, token=token, metadata_url=metadata_url
-    ).run(stop)
-    ended = "stopped" if result is None else result.ended
-    out.print(f"worker {identity.instance_id} of {identity.job_id}: {ended}", highlight=False)
-    if ended == "lost_controller":
+    secret = read_secret(secret_id, settings.region, endpoint_url=endpoint_url)
+    token = token_from_hex(secret, source=f"the secret {secret_id}")
+    outcome = run_worker(identity, token=token, metadata_url=metadata_url)
+    out.print(
+        f"worker {identity.instance_id} of {identity.job_id}: {outcome.ended}", highlight=False
+    )
+    if outcome.error is not None:
+        raise outcome.error
+    if outcome.ended == "lost_controller":
         raise typer.Exit(1)  # systemd restarts it: the controller may be back

@@ -5,22 +5,24 @@
 * `redis_process`: a throwaway `redis-server` (`LocalRedis`).
 * `evictions`: spot reclaims replayed from an availability trace, with the two-minute notice
   (`EvictionReplayer`).
-* `agents`: one node agent process and one instance metadata mock per running GPU instance
-  (`LocalFleet`; the agent itself is `orchestrator.node`).
+* `fleet`: one instance agent process and one instance metadata mock per running GPU instance
+  (`LocalFleet`; the agent itself is `orchestrator.agent`, the same as on AWS), and
+  `reports`: what the agents report to it.
 
-The modules are imported one by one (this package re-exports nothing), so a node agent process
-(`orchestrator.node`, which needs only `clock`) does not load the rest.
+The modules are imported one by one (this package re-exports nothing), so an agent process
+(which needs only `clock` and `reports`) does not load the rest.
 
 A demo loop (see `tests/integration/offline/test_local_world.py` for a complete one)::
 
     with LocalRedis() as r, MotoEC2Server() as aws:
         clock = ReplayClock(T0, speed=600)
-        controller = Controller(store=Store.connect(r.url, namespace=NS),
+        store = Store.connect(r.url, namespace=NS)
+        controller = Controller(store=store,
                                 cloud=EC2Cloud("us-east-1", CID, client=aws.client()), ...)
         replayer = EvictionReplayer(aws.client(), CID, AvailabilityTrace.bundled(), clock,
                                     seed=0, on_notice=controller.notify)
         with LocalFleet(r.url, NS, clock, cloud_client=aws.client(), controller_id=CID,
-                        replayer=replayer) as fleet:
+                        replayer=replayer, record_progress=store.update_progress) as fleet:
             while not done:
                 controller.tick(clock.now()); replayer.step(); fleet.step(); time.sleep(0.2)
 """

@@ -23,8 +23,12 @@ import pytest
 from moto import mock_aws
 from support.redis_server import free_port
 
+from orchestrator.agent.aws import identify
+from orchestrator.agent.identity import read_identity
+from orchestrator.agent.instance import InstanceAgent
 from orchestrator.agileml.control import ModelSpec, TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
+from orchestrator.agileml.token import token_from_hex
 from orchestrator.cloud.ec2 import TAG_CONTROLLER, TAG_JOB, TAG_TIER, EC2Cloud, LaunchSpec
 from orchestrator.cloud.errors import CapacityError
 from orchestrator.cloud.imds import MetadataMock
@@ -38,7 +42,6 @@ from orchestrator.deploy import (
 )
 from orchestrator.deploy.template import INFRA_DIR
 from orchestrator.errors import UserError
-from orchestrator.worker import Worker, read_identity, worker_token
 
 REPO = Path(__file__).resolve().parents[3]
 REGION = "us-east-1"
@@ -359,9 +362,9 @@ def test_ensure_secrets_is_idempotent_and_the_worker_token_is_hex(aws):
     first = StackDeployer.ensure_secrets(secrets, "prod")
     assert StackDeployer.ensure_secrets(secrets, "prod") == first
     value = secrets.get_secret_value(SecretId=first[1])["SecretString"]
-    assert len(worker_token(value)) == 32
+    assert len(token_from_hex(value, source="the worker token secret")) == 32
     with pytest.raises(UserError, match="hex"):
-        worker_token("not hex")
+        token_from_hex("not hex", source="the worker token secret")
 
 
 # --- the worker side
@@ -376,15 +379,13 @@ def test_a_worker_reads_its_job_from_instance_tags_and_joins_the_job(tmp_path):
     token = bytes(range(32))
     tags = {TAG_JOB: "job-7", TAG_TIER: "reliable", TAG_CONTROLLER: "prod"}
     with MetadataMock("i-0worker", tags=tags) as imds, Coordinator(spec, token=token) as job:
-        identity = read_identity(imds.base_url)
+        identity = identify(imds.base_url, job.endpoint)
         assert (identity.instance_id, identity.job_id, identity.tier) == (
             "i-0worker", "job-7", "reliable")  # fmt: skip
-        worker = Worker(
-            identity, agileml_controller=job.endpoint, token=token,
-            metadata_url=imds.base_url, notice_poll_s=0.1,
-        )  # fmt: skip
+        agent = InstanceAgent(identity, token=token, metadata_url=imds.base_url,
+                              notice_poll_s=0.1)  # fmt: skip
         outcome = []
-        thread = threading.Thread(target=lambda: outcome.append(worker.run(threading.Event())))
+        thread = threading.Thread(target=lambda: outcome.append(agent.run(threading.Event())))
         thread.start()
         assert job.wait_done(20), job.events()
         assert [e.nodes for e in job.events() if e.kind == "started"] == [("i-0worker",)]
@@ -392,8 +393,8 @@ def test_a_worker_reads_its_job_from_instance_tags_and_joins_the_job(tmp_path):
         thread.join(20)
     assert not thread.is_alive()
     [result] = outcome
-    assert result is not None and result.ended == "done"
-    assert len(result.losses) == spec.iterations
+    assert result.ended == "done" and result.error is None
+    assert result.training is not None and len(result.training.losses) == spec.iterations
 
 
 def test_a_worker_without_job_tags_says_how_it_must_be_launched():
@@ -432,10 +433,10 @@ def test_the_controller_hosts_a_training_jobs_agileml_controller_and_counts_its_
         with MetadataMock("i-0host", tags=instance_tags) as imds:
             identity = read_identity(imds.base_url)
             assert identity.agileml_controller == tags[TAG_AGILEML_CONTROLLER]
-            worker = Worker(identity, agileml_controller=identity.agileml_controller,
-                            token=token, metadata_url=imds.base_url, notice_poll_s=0.1)  # fmt: skip
+            agent = InstanceAgent(identity, token=token, metadata_url=imds.base_url,
+                                  notice_poll_s=0.1)  # fmt: skip
             outcome = []
-            thread = threading.Thread(target=lambda: outcome.append(worker.run(threading.Event())))
+            thread = threading.Thread(target=lambda: outcome.append(agent.run(threading.Event())))
             thread.start()
             deadline = time.monotonic() + 30
             while store.get_job("job-9").work_done_gpu_hours < 2.0:
@@ -452,7 +453,7 @@ def test_the_controller_hosts_a_training_jobs_agileml_controller_and_counts_its_
             assert host.endpoint("job-9") is None
             thread.join(20)
     assert not thread.is_alive()
-    assert outcome[0] is not None and outcome[0].ended == "done"
+    assert outcome[0].ended == "done"
 
 
 def test_launch_tags_reach_the_instance_and_cannot_override_ours(aws):

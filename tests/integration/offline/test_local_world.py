@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 import redis
 
+from orchestrator.agent.work import WorkMeter
 from orchestrator.cloud.ec2 import EC2Cloud, LaunchSpec
 from orchestrator.cloud.imds import InterruptionNotice, MetadataMock, NoticeWatcher
-from orchestrator.cloud.local.agents import LocalFleet, NodeState
 from orchestrator.cloud.local.clock import FakeClock, ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer, EvictionState
+from orchestrator.cloud.local.fleet import LocalFleet, LocalNodeState
 from orchestrator.cloud.local.moto_server import MotoEC2Server
 from orchestrator.cloud.local.redis_process import LocalRedis, RedisProcessError
 from orchestrator.controller.core import Controller, TickReport
@@ -30,7 +31,6 @@ from orchestrator.market.billing import PerSecondBilling
 from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
-from orchestrator.node import WorkMeter
 from orchestrator.store import EventKind, JobRecord, JobState
 from orchestrator.store.redis_store import Store
 
@@ -239,7 +239,7 @@ def test_a_late_step_postpones_the_eviction_to_keep_the_full_notice(aws, trace) 
     assert replayer.step().evicted == [victim]
 
 
-# -- node agents ------------------------------------------------------------------------------
+# -- instance agents ------------------------------------------------------------------------------
 
 
 def test_work_counts_only_after_the_warm_up_and_not_past_the_notices_eviction_time() -> None:
@@ -269,6 +269,7 @@ def test_gpu_instances_get_agents_whose_work_grows_with_sim_time_and_stops_at_te
         controller_id=cid,
         log_dir=tmp_path,
         ready_after_sim_s=60.0,
+        record_progress=store.update_progress,
     ) as fleet:
         first = fleet.step()
         assert sorted(first.started) == sorted([p3, g4])  # no agent for the CPU node
@@ -294,7 +295,7 @@ def test_gpu_instances_get_agents_whose_work_grows_with_sim_time_and_stops_at_te
         cloud.terminate([p3])  # the instance goes: its agent stops, its work stays
         step = fleet.step()
         assert step.stopped == [p3]
-        assert fleet.nodes[p3].state is NodeState.STOPPED
+        assert fleet.nodes[p3].state is LocalNodeState.STOPPED
         agent = fleet.nodes[p3].process
         assert agent is not None and agent.returncode == 0
         stopped_at = work()[p3]
@@ -345,6 +346,7 @@ def test_the_controller_runs_a_job_to_success_in_the_offline_world_through_an_ev
             controller_id=cid,
             replayer=replayer,
             log_dir=tmp_path,
+            record_progress=store.update_progress,
         ) as fleet:
             deadline = time.monotonic() + 60.0
             while time.monotonic() < deadline:
@@ -362,7 +364,7 @@ def test_the_controller_runs_a_job_to_success_in_the_offline_world_through_an_ev
                             break
                 time.sleep(0.2)
             fleet.step()  # stops the agents of the instances the controller released
-            assert all(n.state is NodeState.STOPPED for n in fleet.nodes.values())
+            assert all(n.state is LocalNodeState.STOPPED for n in fleet.nodes.values())
 
         final = store.get_job(job)
         events = [e.kind for _, e in store.events(job)]

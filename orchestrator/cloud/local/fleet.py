@@ -4,17 +4,18 @@ Each `step()`:
 
 1. describes this controller's instances in moto;
 2. for each GPU instance newly `running`: starts a `MetadataMock` (its instance metadata
-   service, attached to the `EvictionReplayer` so that notices appear at its
-   `/latest/meta-data/spot/instance-action`) and one node agent process
-   (`python -m orchestrator.node`, see `orchestrator.node`) at the instance type's work rate
-   (`Catalog.work_rate`). With `training` (an AgileML job's controller and token), every
-   agent also trains: spot instances as transient AgileML nodes, on-demand ones (the CPU
+   service, serving the instance's tags as AWS does, attached to the `EvictionReplayer` so
+   that notices appear at its `/latest/meta-data/spot/instance-action`) and one instance agent
+   process (`python -m orchestrator.agent`, the same agent as on AWS) at the instance type's
+   work rate (`Catalog.work_rate`). With `training` (an AgileML job's controller and token),
+   every agent also trains: spot instances as transient AgileML nodes, on-demand ones (the CPU
    reliable tier included) as reliable nodes (BackupPS / ParamServ). Without it, CPU
    instances get no agent;
 3. stops (SIGTERM, SIGKILL after `AGENT_STOP_TIMEOUT_SECONDS`) the agents of instances that are
    no longer running, and their metadata mocks;
-4. sums each job's `{ns}:job:{job_id}:agent-work` hash and records it with
-   `Store.update_progress` (the fleet is the only writer of the job's progress).
+4. sums each job's `{ns}:job:{job_id}:agent-work` hash (`cloud.local.reports`) and hands it to
+   `record_progress` (the store's `update_progress` in the demo: the fleet is the only writer
+   of a job's progress).
 
 A typical instance: launched (pending) -> step: running, agent + mock started -> the agent
 reports work after σ -> replayer: notice on the mock, agent stops counting at the eviction
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -43,14 +44,20 @@ from redis.retry import Retry
 
 import orchestrator
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
-from orchestrator.cloud.ec2 import CloudInstance, EC2Cloud, InstanceState
+from orchestrator.cloud.ec2 import (
+    TAG_AGILEML_CONTROLLER,
+    TAG_CONTROLLER,
+    TAG_JOB,
+    TAG_TIER,
+    CloudInstance,
+    EC2Cloud,
+    InstanceState,
+)
 from orchestrator.cloud.errors import CloudError
 from orchestrator.cloud.imds import MetadataMock
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer
-from orchestrator.errors import UserError
-from orchestrator.market.catalog import Catalog
-from orchestrator.node import (
+from orchestrator.cloud.local.reports import (
     DEFAULT_NOTICE_POLL_SECONDS,
     DEFAULT_READY_AFTER_SIM_SECONDS,
     REPORT_INTERVAL_SECONDS,
@@ -58,8 +65,8 @@ from orchestrator.node import (
     agent_heartbeat_key,
     agent_work_key,
 )
-from orchestrator.store.errors import NotFoundError, StoreError, StoreUnavailableError
-from orchestrator.store.redis_store import Store
+from orchestrator.errors import OrchestratorError, UserError
+from orchestrator.market.catalog import Catalog
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +75,15 @@ AGENT_STOP_TIMEOUT_SECONDS = 5.0
 REDIS_TIMEOUT_SECONDS = 2.0
 LOG_TAIL_CHARS = 2000
 
+#: What the fleet does with a job's summed work: (job_id, GPU-hours, now_s).
+RecordProgress = Callable[[str, float, float], None]
 
-class NodeState(StrEnum):
+
+class ReportsUnavailableError(OrchestratorError):
+    """The agents' reports could not be read: Redis did not answer."""
+
+
+class LocalNodeState(StrEnum):
     """Lifecycle of one local node (the process standing in for an instance)::
 
         running --instance gone / close()--> stopped
@@ -84,15 +98,17 @@ class NodeState(StrEnum):
     STOPPED = "stopped"
 
 
-_NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
-    NodeState.RUNNING: frozenset(
+_NODE_TRANSITIONS: dict[LocalNodeState, frozenset[LocalNodeState]] = {
+    LocalNodeState.RUNNING: frozenset(
         {
-            NodeState.STOPPED,  # its instance is no longer running, or the fleet closes
-            NodeState.EXITED,  # the agent process ended on its own (a crash)
+            LocalNodeState.STOPPED,  # its instance is no longer running, or the fleet closes
+            LocalNodeState.EXITED,  # the agent process ended on its own (a crash)
         }
     ),
-    NodeState.EXITED: frozenset({NodeState.STOPPED}),  # its mock is stopped with the instance
-    NodeState.STOPPED: frozenset(),
+    LocalNodeState.EXITED: frozenset(
+        {LocalNodeState.STOPPED}
+    ),  # its mock is stopped with the instance
+    LocalNodeState.STOPPED: frozenset(),
 }
 
 
@@ -114,13 +130,13 @@ class LocalNode:
     process: subprocess.Popen[bytes] | None = None
     metadata: MetadataMock | None = None
     log_path: Path | None = None
-    state: NodeState = NodeState.RUNNING
+    state: LocalNodeState = LocalNodeState.RUNNING
 
     @property
     def instance_id(self) -> str:
         return self.instance.instance_id
 
-    def move(self, to: NodeState) -> None:
+    def move(self, to: LocalNodeState) -> None:
         if to not in _NODE_TRANSITIONS[self.state]:
             raise RuntimeError(f"node {self.instance_id}: cannot go from {self.state} to {to}")
         self.state = to
@@ -138,7 +154,7 @@ class FleetStepReport:
 
 
 class LocalFleet:
-    """Node agents for one controller's running GPU instances (see the module docstring).
+    """Instance agents for one controller's running GPU instances (see the module docstring).
 
     Args:
         redis_url: the store's Redis (agents report there).
@@ -152,13 +168,14 @@ class LocalFleet:
         log_dir: where agents' logs go (default: a temporary directory deleted by `close`).
         ready_after_sim_s: σ, passed to every agent.
         training: if given, agents train in this AgileML job (see the module docstring).
+        record_progress: receives each job's summed work at every step (default: dropped).
 
     Not thread-safe: call `step` and `close` from one thread (the demo loop). Every agent and
     mock is stopped by `close` (or leaving the `with` block), also after a failure; an agent
     whose parent dies without `close` exits by itself within one report interval.
 
     Raises (on construction):
-        StoreUnavailableError: Redis does not answer.
+        ReportsUnavailableError: Redis does not answer.
     """
 
     def __init__(
@@ -177,7 +194,9 @@ class LocalFleet:
         report_interval_s: float = REPORT_INTERVAL_SECONDS,
         notice_poll_s: float = DEFAULT_NOTICE_POLL_SECONDS,
         training: TrainingAccess | None = None,
+        record_progress: RecordProgress | None = None,
     ) -> None:
+        self.record_progress = record_progress
         self.redis_url = redis_url
         self.training = training
         self.namespace = namespace
@@ -197,7 +216,6 @@ class LocalFleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.nodes: dict[str, LocalNode] = {}
         self._jobs: set[str] = set()
-        self._store = Store.connect(redis_url, namespace=namespace)
         self._redis = redis.Redis.from_url(
             redis_url,
             socket_timeout=REDIS_TIMEOUT_SECONDS,
@@ -205,6 +223,11 @@ class LocalFleet:
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
         )
+        try:
+            self._redis.ping()
+        except redis.exceptions.RedisError as exc:
+            self._redis.close()
+            raise ReportsUnavailableError(f"Redis does not answer: {exc}") from exc
         self._closed = False
 
     # -- the step -----------------------------------------------------------------------------
@@ -237,15 +260,15 @@ class LocalFleet:
             gone = [
                 n
                 for n in self.nodes.values()
-                if n.state is not NodeState.STOPPED and n.instance_id not in running
+                if n.state is not LocalNodeState.STOPPED and n.instance_id not in running
             ]
             self._stop_nodes(gone)
             report.stopped.extend(n.instance_id for n in gone)
         for node in self.nodes.values():
-            if node.state is NodeState.RUNNING and node.process is not None:
+            if node.state is LocalNodeState.RUNNING and node.process is not None:
                 code = node.process.poll()
                 if code is not None:
-                    node.move(NodeState.EXITED)
+                    node.move(LocalNodeState.EXITED)
                     report.exited.append(node.instance_id)
                     log.warning(
                         "node agent exited by itself",
@@ -263,7 +286,7 @@ class LocalFleet:
         and left out.
 
         Raises:
-            StoreUnavailableError: Redis did not answer.
+            ReportsUnavailableError: Redis did not answer.
         """
         raw = self._hgetall(agent_work_key(self.namespace, job_id))
         out: dict[str, float] = {}
@@ -278,7 +301,7 @@ class LocalFleet:
         """The job's agents' last heartbeats, per instance; bad values are logged and left out.
 
         Raises:
-            StoreUnavailableError: Redis did not answer.
+            ReportsUnavailableError: Redis did not answer.
         """
         out: dict[str, AgentHeartbeat] = {}
         for instance_id, value in self._hgetall(
@@ -294,19 +317,19 @@ class LocalFleet:
         try:
             return cast(dict[str, str], self._redis.hgetall(key))
         except redis.exceptions.RedisError as exc:
-            raise StoreUnavailableError(self._store.url, str(exc)) from exc
+            raise ReportsUnavailableError(f"cannot read {key}: {exc}") from exc
 
     def _record_progress(self, now: float) -> dict[str, float]:
         progress: dict[str, float] = {}
         for job_id in sorted(self._jobs):
             try:
                 total = sum(self.work_of(job_id).values())
-                self._store.update_progress(job_id, total, now)
-            except NotFoundError:
-                log.warning("fleet: job not in the store", extra={"job_id": job_id})
-                continue
-            except StoreError as exc:
-                log.warning("fleet: progress not recorded", extra={"error": str(exc)})
+                if self.record_progress is not None:
+                    self.record_progress(job_id, total, now)
+            except OrchestratorError as exc:  # Redis or the store: rewritten at the next step
+                log.warning(
+                    "fleet: progress not recorded", extra={"job_id": job_id, "error": str(exc)}
+                )
                 continue
             progress[job_id] = total
         return progress
@@ -326,7 +349,7 @@ class LocalFleet:
         if instance.job_id is None or (work_rate <= 0 and self.training is None):
             return node  # not a job's instance, or a CPU node with nothing to train
         self._jobs.add(instance.job_id)
-        mock = MetadataMock(instance.instance_id)
+        mock = MetadataMock(instance.instance_id, tags=self._tags_of(instance))
         try:
             mock.start()
             node.metadata = mock
@@ -342,7 +365,7 @@ class LocalFleet:
         if self.replayer is not None:
             self.replayer.attach_metadata(instance.instance_id, mock)
         log.info(
-            "node agent started",
+            "instance agent started",
             extra={
                 "instance_id": instance.instance_id,
                 "instance_type": instance.instance_type,
@@ -355,16 +378,25 @@ class LocalFleet:
         )
         return node
 
+    def _tags_of(self, instance: CloudInstance) -> dict[str, str]:
+        """The tags the instance's metadata serves, as AWS's would (the agent reads who it is
+        from them)."""
+        tags = {
+            TAG_JOB: instance.job_id or "",
+            TAG_TIER: "spot" if instance.lifecycle == "spot" else "reliable",
+            TAG_CONTROLLER: instance.controller_id,
+        }
+        if self.training is not None:
+            tags[TAG_AGILEML_CONTROLLER] = self.training.controller
+        return tags
+
     def _spawn(
         self, instance: CloudInstance, work_rate: float, metadata_url: str, log_path: Path
     ) -> subprocess.Popen[bytes]:
-        assert instance.job_id is not None
         argv = [
-            self.python, "-m", "orchestrator.node",
+            self.python, "-m", "orchestrator.agent",
             "--redis-url", self.redis_url,
             "--namespace", self.namespace,
-            "--job-id", instance.job_id,
-            "--instance-id", instance.instance_id,
             "--work-rate", repr(work_rate),
             "--clock-start", repr(self.clock.start_s),
             "--clock-speed", repr(self.clock.speed),
@@ -376,8 +408,6 @@ class LocalFleet:
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.training is not None:
-            tier = "transient" if instance.lifecycle == "spot" else "reliable"
-            argv += ["--agileml-controller", self.training.controller, "--agileml-tier", tier]
             env[AGILEML_TOKEN_ENV] = self.training.token.hex()
         source_root = str(Path(orchestrator.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
@@ -407,7 +437,7 @@ class LocalFleet:
                 self.replayer.detach_metadata(node.instance_id)
             if node.metadata is not None:
                 node.metadata.stop()
-            node.move(NodeState.STOPPED)
+            node.move(LocalNodeState.STOPPED)
             log.info(
                 "node stopped",
                 extra={
@@ -425,10 +455,11 @@ class LocalFleet:
             return
         self._closed = True
         try:
-            self._stop_nodes(n for n in self.nodes.values() if n.state is not NodeState.STOPPED)
+            self._stop_nodes(
+                n for n in self.nodes.values() if n.state is not LocalNodeState.STOPPED
+            )
         finally:
             self._redis.close()
-            self._store.close()
             if self._tmp is not None:
                 self._tmp.cleanup()
 
