@@ -122,7 +122,7 @@ def _merge(per_stage: list[float] | None) -> list[float] | None:
     return None if per_stage is None else [per_stage[0] + per_stage[1], *per_stage[2:]]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depth", type=int, default=6, help="Linear layers (2*depth-1 modules)")
     parser.add_argument("--hidden", type=int, default=256)
@@ -136,7 +136,60 @@ def main() -> None:
     parser.add_argument(
         "--eviction-minibatches", type=int, default=384, help="minibatches of each eviction run"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def throughputs(
+    args: argparse.Namespace,
+    spec: ChainModelSpec,
+    layouts: tuple[Any, Any],
+    stage_ms: tuple[list[float], list[float]],
+    result: dict[str, Any],
+) -> None:
+    """Minibatches/s of every schedule (and data parallelism), emulated and real, into
+    `result[mode]`. `layouts`: the planned one and the 1F1B-RR one (two stages merged)."""
+    layout, merged = layouts
+    fwd_ms, bwd_ms = stage_ms
+    runs = {
+        "gpipe": (Schedule.GPIPE, args.in_flight),
+        "flush": (Schedule.FLUSH, args.in_flight),
+        "1f1b": (Schedule.ONE_F_ONE_B, 1),
+        "2bw": (Schedule.TWO_BW, args.in_flight),
+        "1f1b_rr": (Schedule.ONE_F_ONE_B, 1),
+    }
+    for mode in ("emulated", "real"):
+        for name, (schedule, micro) in runs.items():
+            rr = name == "1f1b_rr"
+            per_stage = (fwd_ms, bwd_ms) if mode == "emulated" else (None, None)
+            r = run_pipeline(
+                model=spec,
+                layout=merged if rr else layout,
+                schedule=schedule,
+                minibatches=args.minibatches,
+                microbatches=micro,
+                microbatch_size=args.microbatch_size,
+                forward_ms=_merge(per_stage[0]) if rr else per_stage[0],
+                backward_ms=_merge(per_stage[1]) if rr else per_stage[1],
+            )
+            result[mode][name] = round(r.throughput_per_s(skip=args.skip), 2)
+            progress(f"{mode} {name}: {result[mode][name]} minibatches/s")
+        ddp = ddp_seconds_per_iteration(
+            "chain",
+            {"features": 64, "hidden": args.hidden, "classes": 10, "depth": args.depth},
+            {"n_samples": spec.samples, "n_features": 64, "n_classes": 10},
+            workers=STAGES,
+            global_batch=args.microbatch_size,
+            lr=0.05,
+            iterations=args.minibatches,
+            emulated_ms=(sum(fwd_ms) + sum(bwd_ms)) / STAGES if mode == "emulated" else 0.0,
+        )
+        result[mode]["data_parallel"] = round(1 / ddp.seconds_per_iteration, 2)
+        progress(f"{mode} data parallel: {result[mode]['data_parallel']} minibatches/s")
+        result[mode]["1f1b_over_gpipe"] = round(result[mode]["1f1b"] / result[mode]["gpipe"], 3)
+
+
+def main() -> None:
+    args = parse_args()
     started = time.monotonic()
     spec = ChainModelSpec(features=64, hidden=args.hidden, classes=10, depth=args.depth)
     model = build_chain(spec, 0)
@@ -152,12 +205,10 @@ def main() -> None:
     fwd_ms = [f * scale for f in fwd]
     bwd_ms = [b * scale for b in bwd]
     progress(f"{layers} layers on {STAGES} stages {bounds}; emulated x{scale:.0f} of profile")
-    runs = {
-        "gpipe": (Schedule.GPIPE, args.in_flight),
-        "flush": (Schedule.FLUSH, args.in_flight),
-        "1f1b": (Schedule.ONE_F_ONE_B, 1),
-        "2bw": (Schedule.TWO_BW, args.in_flight),
-    }
+    # 1F1B-RR: the first two stages merged into one of twice the work, run by 2 replicas
+    merged = chain_layout(
+        [(bounds[0][0], bounds[1][1]), *bounds[2:]], [2] + [1] * (len(bounds) - 2)
+    )
     result: dict[str, Any] = {
         "layers": layers,
         "stages": describe(layout),
@@ -167,43 +218,9 @@ def main() -> None:
         "emulated_stage_ms": {"forward": fwd_ms, "backward": bwd_ms},
         "emulated": {},
         "real": {},
+        "stages_rr": describe(merged),
     }
-    # 1F1B-RR: the first two stages merged into one of twice the work, run by 2 replicas
-    merged = chain_layout(
-        [(bounds[0][0], bounds[1][1]), *bounds[2:]], [2] + [1] * (len(bounds) - 2)
-    )
-    result["stages_rr"] = describe(merged)
-    for mode in ("emulated", "real"):
-        for name, (schedule, micro) in {**runs, "1f1b_rr": (Schedule.ONE_F_ONE_B, 1)}.items():
-            emulate = mode == "emulated"
-            rr = name == "1f1b_rr"
-            per_stage = (fwd_ms, bwd_ms) if emulate else (None, None)
-            r = run_pipeline(
-                model=spec,
-                layout=merged if rr else layout,
-                schedule=schedule,
-                minibatches=args.minibatches,
-                microbatches=micro,
-                microbatch_size=args.microbatch_size,
-                forward_ms=_merge(per_stage[0]) if rr else per_stage[0],
-                backward_ms=_merge(per_stage[1]) if rr else per_stage[1],
-            )
-            result[mode][name] = round(r.throughput_per_s(skip=args.skip), 2)
-            progress(f"{mode} {name}: {result[mode][name]} minibatches/s")
-        whole_ms = sum(fwd_ms) + sum(bwd_ms)
-        ddp = ddp_seconds_per_iteration(
-            "chain",
-            {"features": 64, "hidden": args.hidden, "classes": 10, "depth": args.depth},
-            {"n_samples": spec.samples, "n_features": 64, "n_classes": 10},
-            workers=STAGES,
-            global_batch=args.microbatch_size,
-            lr=0.05,
-            iterations=args.minibatches,
-            emulated_ms=whole_ms / STAGES if mode == "emulated" else 0.0,
-        )
-        result[mode]["data_parallel"] = round(1 / ddp.seconds_per_iteration, 2)
-        progress(f"{mode} data parallel: {result[mode]['data_parallel']} minibatches/s")
-        result[mode]["1f1b_over_gpipe"] = round(result[mode]["1f1b"] / result[mode]["gpipe"], 3)
+    throughputs(args, spec, (layout, merged), (fwd_ms, bwd_ms), result)
     result["target_1f1b_over_gpipe"] = TARGET_1F1B_OVER_GPIPE
     for schedule in EVICTION_LR:
         result[f"eviction_{schedule}"] = run_eviction(

@@ -31,6 +31,46 @@ def run(args: list[str]) -> tuple[dict, float]:
     return json.loads(proc.stdout), time.perf_counter() - start
 
 
+def simulate_args(starts: int) -> list[str]:
+    """`orchestrator simulate` as issue #2 specifies (billing added by the caller)."""
+    prices = str(bundled_prices_dir("us-east-1"))
+    trace = str(
+        resources.files("orchestrator.market") / "data" / "availability" / "p3-node-trace.csv"
+    )
+    return [
+        "simulate", "--prices", prices, "--availability", trace, "--strategy", STRATEGIES,
+        "--job-hours", "20", "--nodes", "16", "--starts", str(starts), "--seed", "1", "--json",
+    ]  # fmt: skip
+
+
+def ledger_error(ledger: Path, report: Path) -> float:
+    """The largest relative error `ledger-check` finds between the ledger and the report."""
+    check = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "ledger-check", str(ledger),
+         "--prices", str(bundled_prices_dir("us-east-1")), "--report", str(report)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    return float(check.stdout.strip().splitlines()[-1].split(":")[-1])
+
+
+def targets(per_second: dict, max_error: float, per_second_s: float) -> dict[str, bool]:
+    """Issue #2's targets, each met or not."""
+    s = per_second["strategies"]
+    bb = s["bidbrain"]["cost_vs_ondemand"]
+    baselines = [n for n in s if n not in ("bidbrain", "oracle", "on-demand")] + ["on-demand"]
+    return {
+        "bidbrain_cost_vs_ondemand<=0.40": bb <= 0.40,
+        "bidbrain<=0.90*standard_checkpoint": bb
+        <= 0.90 * s["standard-checkpoint"]["cost_vs_ondemand"],
+        "bidbrain<=1.20*oracle": bb <= 1.20 * s["oracle"]["cost_vs_ondemand"],
+        "bidbrain_cheaper_than_every_baseline_on_mean": all(
+            bb < s[n]["cost_vs_ondemand"] for n in baselines
+        ),
+        "ledger_matches_within_0.1%": max_error <= 0.001,
+        "simulate_within_120s": per_second_s <= 120.0,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--starts", type=int, default=1000)
@@ -38,85 +78,26 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="sim-targets-"))
     out.mkdir(parents=True, exist_ok=True)
-    prices = str(bundled_prices_dir("us-east-1"))
-    trace = str(
-        resources.files("orchestrator.market") / "data" / "availability" / "p3-node-trace.csv"
-    )
-    common = [
-        "simulate",
-        "--prices",
-        prices,
-        "--availability",
-        trace,
-        "--strategy",
-        STRATEGIES,
-        "--job-hours",
-        "20",
-        "--nodes",
-        "16",
-        "--starts",
-        str(args.starts),
-        "--seed",
-        "1",
-        "--json",
-    ]
+    common = simulate_args(args.starts)
     per_second, per_second_s = run([*common, "--billing", "per-second"])
     hourly, hourly_s = run([*common, "--billing", "hourly-refund"])
-    ledger = out / "ledger.jsonl.gz"
-    report = out / "per-second.json"
+    ledger, report = out / "ledger.jsonl.gz", out / "per-second.json"
     report.write_text(json.dumps(per_second))
     (out / "hourly-refund.json").write_text(json.dumps(hourly))
     _, ledger_run_s = run([*common, "--billing", "per-second", "--ledger", str(ledger)])
-    check = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator",
-            "ledger-check",
-            str(ledger),
-            "--prices",
-            prices,
-            "--report",
-            str(report),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    max_error = float(check.stdout.strip().splitlines()[-1].split(":")[-1])
-
+    max_error = ledger_error(ledger, report)
     s = per_second["strategies"]
     bb = s["bidbrain"]["cost_vs_ondemand"]
-    baselines = [n for n in s if n not in ("bidbrain", "oracle", "on-demand")] + ["on-demand"]
+    kept = ("cost_vs_ondemand", "runtime_vs_ondemand", "evictions_mean", "completed_fraction")
     result = {
         "starts": args.starts,
-        "per_second": {
-            n: {
-                k: v[k]
-                for k in (
-                    "cost_vs_ondemand",
-                    "runtime_vs_ondemand",
-                    "evictions_mean",
-                    "completed_fraction",
-                )
-            }
-            for n, v in s.items()
-        },
+        "per_second": {n: {k: v[k] for k in kept} for n, v in s.items()},
         "hourly_refund": {
             n: {k: v[k] for k in ("cost_vs_ondemand", "free_compute_fraction")}
             for n, v in hourly["strategies"].items()
         },
         "bidbrain_cheaper_paired": per_second["bidbrain_cheaper_paired"],
-        "targets": {
-            "bidbrain_cost_vs_ondemand<=0.40": bb <= 0.40,
-            "bidbrain<=0.90*standard_checkpoint": bb
-            <= 0.90 * s["standard-checkpoint"]["cost_vs_ondemand"],
-            "bidbrain<=1.20*oracle": bb <= 1.20 * s["oracle"]["cost_vs_ondemand"],
-            "bidbrain_cheaper_than_every_baseline_on_mean": all(
-                bb < s[n]["cost_vs_ondemand"] for n in baselines
-            ),
-            "ledger_matches_within_0.1%": max_error <= 0.001,
-            "simulate_within_120s": per_second_s <= 120.0,
-        },
+        "targets": targets(per_second, max_error, per_second_s),
         "bidbrain_vs": {n: round(bb / s[n]["cost_vs_ondemand"], 4) for n in s if n != "bidbrain"},
         "free_compute_fraction_hourly_refund": hourly["strategies"]["bidbrain"][
             "free_compute_fraction"
