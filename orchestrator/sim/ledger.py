@@ -12,8 +12,10 @@ import gzip
 import json
 import math
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import UserError
 from orchestrator.market.catalog import Catalog
@@ -85,6 +87,9 @@ def recompute_billed_s(billing: str, start_s: float, end_s: float, reason: str) 
     return SECONDS_PER_HOUR
 
 
+_LEDGER_FIX = "pass the file written by `simulate --ledger`"
+
+
 def verify_ledger(
     path: Path,
     history: PriceHistory,
@@ -93,18 +98,43 @@ def verify_ledger(
     report: dict | None = None,
     catalog: Catalog | None = None,
 ) -> LedgerCheck:
-    """Raises UserError when the ledger is unreadable or a line is malformed (line named)."""
+    """Recompute every line's charge from the price files and the catalog, and sum by strategy.
+
+    Raises:
+        UserError: the ledger is unreadable, or a line is malformed or has no price (named).
+    """
     catalog = catalog or Catalog.load()
     check = LedgerCheck()
     ledger: dict[str, float] = defaultdict(float)
     recomputed: dict[str, float] = defaultdict(float)
+    for where, line in _ledger_lines(path):
+        check.lines += 1
+        start, end, count, charged, applied = _numbers(where, line)
+        market = Market(line["instance_type"], line["zone"])
+        price, billed = _recomputed_charge(
+            where, line, market, start, end, history=history, billing=billing, catalog=catalog
+        )
+        if abs(price - applied) > 1e-9:
+            check.price_mismatches += 1
+        name = line["strategy"]
+        recomputed[name] += price * billed / SECONDS_PER_HOUR * count
+        ledger[name] += charged
+    check.ledger_usd = dict(ledger)
+    check.recomputed_usd = dict(recomputed)
+    if report is not None:
+        for name, summary in report.get("strategies", {}).items():
+            if "cost_usd_total" in summary:
+                check.reported_usd[name] = float(summary["cost_usd_total"])
+    return check
+
+
+def _ledger_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(`path:line`, the line) for every non-empty line, each checked to have every field."""
     try:
         handle = gzip.open(path, "rt") if path.suffix == ".gz" else path.open()  # noqa: SIM115
     except OSError as exc:
         raise UserError(
-            f"cannot read ledger {path}: {exc.strerror}",
-            path=str(path),
-            fix="pass the file written by `simulate --ledger`",
+            f"cannot read ledger {path}: {exc.strerror}", path=str(path), fix=_LEDGER_FIX
         ) from None
     with handle:
         for lineno, text in enumerate(handle, start=1):
@@ -122,53 +152,60 @@ def verify_ledger(
                 raise UserError(
                     f"{path}:{lineno}: missing {', '.join(missing)}",
                     path=str(path),
-                    fix="pass the file written by `simulate --ledger`",
+                    fix=_LEDGER_FIX,
                 )
-            check.lines += 1
-            try:
-                start, end = float(line["start_s"]), float(line["end_s"])
-                count, charged = float(line["count"]), float(line["charged_usd"])
-                applied = float(line["price_usd_per_hour"])
-            except (TypeError, ValueError):
-                raise UserError(
-                    f"{path}:{lineno}: a time, count, price or charge is not a number",
-                    path=str(path),
-                    fix="pass the file written by `simulate --ledger`",
-                ) from None
-            market = Market(line["instance_type"], line["zone"])
-            if line["market"] == "oracle":  # the hindsight bound pays market prices per second
-                found = history[market].price_at(start) if market in history else None
-                price = float("nan") if found is None else found
-                billed = end - start
-            elif line["market"] == "on-demand":
-                price = catalog.get(market.instance_type).on_demand_price(market.region)
-                billed = end - start
-            else:
-                if market not in history:
-                    raise UserError(
-                        f"{path}:{lineno}: no prices for {market} in the price files",
-                        path=str(path),
-                        fix="pass the same --prices as the simulation",
-                    )
-                found = history[market].price_at(start)
-                price = float("nan") if found is None else found
-                billed = recompute_billed_s(billing, start, end, line["reason"])
-            if math.isnan(price):
-                raise UserError(
-                    f"{path}:{lineno}: no price for {market} at {start}: the price "
-                    "files start later",
-                    path=str(path),
-                    fix="pass the same --prices as the simulation",
-                )
-            if abs(price - applied) > 1e-9:
-                check.price_mismatches += 1
-            name = line["strategy"]
-            recomputed[name] += price * billed / SECONDS_PER_HOUR * count
-            ledger[name] += charged
-    check.ledger_usd = dict(ledger)
-    check.recomputed_usd = dict(recomputed)
-    if report is not None:
-        for name, summary in report.get("strategies", {}).items():
-            if "cost_usd_total" in summary:
-                check.reported_usd[name] = float(summary["cost_usd_total"])
-    return check
+            yield f"{path}:{lineno}", line
+
+
+def _numbers(where: str, line: dict[str, Any]) -> tuple[float, float, float, float, float]:
+    """start, end, count, charged and applied price of a line."""
+    try:
+        return (
+            float(line["start_s"]),
+            float(line["end_s"]),
+            float(line["count"]),
+            float(line["charged_usd"]),
+            float(line["price_usd_per_hour"]),
+        )
+    except (TypeError, ValueError):
+        raise UserError(
+            f"{where}: a time, count, price or charge is not a number",
+            path=where.rsplit(":", 1)[0],
+            fix=_LEDGER_FIX,
+        ) from None
+
+
+def _recomputed_charge(
+    where: str,
+    line: dict[str, Any],
+    market: Market,
+    start: float,
+    end: float,
+    *,
+    history: PriceHistory,
+    billing: str,
+    catalog: Catalog,
+) -> tuple[float, float]:
+    """The price the line should have paid and the seconds it should have been billed."""
+    path, fix = where.rsplit(":", 1)[0], "pass the same --prices as the simulation"
+    if line["market"] == "oracle":  # the hindsight bound pays market prices per second
+        found = history[market].price_at(start) if market in history else None
+        price, billed = (math.nan if found is None else found), end - start
+    elif line["market"] == "on-demand":
+        price = catalog.get(market.instance_type).on_demand_price(market.region)
+        billed = end - start
+    else:
+        if market not in history:
+            raise UserError(
+                f"{where}: no prices for {market} in the price files", path=path, fix=fix
+            )
+        found = history[market].price_at(start)
+        price = math.nan if found is None else found
+        billed = recompute_billed_s(billing, start, end, line["reason"])
+    if math.isnan(price):
+        raise UserError(
+            f"{where}: no price for {market} at {start}: the price files start later",
+            path=path,
+            fix=fix,
+        )
+    return price, billed
