@@ -15,54 +15,62 @@ controller_app = typer.Typer(help="Run the BidBrain controller.", no_args_is_hel
 app.add_typer(controller_app, name="controller")
 
 
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        help="YAML or JSON file of settings (any Settings field: bidbrain, controller, "
+        "api, worker, ...); the environment and the options here win over it.",
+    ),
+]
+EndpointOption = Annotated[
+    str | None, typer.Option("--endpoint-url", help="EC2 endpoint (e.g. a moto server offline).")
+]
+PricesOption = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--prices",
+        help="Replay spot prices from these trace folders instead of reading them from EC2 "
+        "(offline).",
+    ),
+]
+ReplayStartOption = Annotated[
+    str | None,
+    typer.Option(
+        "--replay-start", help="With --prices: the trace time the clock starts at (ISO-8601)."
+    ),
+]
+SpeedOption = Annotated[
+    float | None,
+    typer.Option(
+        "--speed",
+        min=0.001,
+        help="With --prices: how many times faster than real time the replay clock runs.",
+    ),
+]
+BillingOption = Annotated[
+    str | None, typer.Option("--billing", help="per-second (default) or hourly-refund.")
+]
+MaxRunningJobsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--max-running-jobs",
+        min=1,
+        help="Run at most this many jobs at once (1: in sequence). Default: all.",
+    ),
+]
+
+
 @controller_app.command("start")
 def start(
-    config_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--config",
-            help="YAML or JSON file of settings (any Settings field: bidbrain, controller, "
-            "api, worker, ...); the environment and the options here win over it.",
-        ),
-    ] = None,
-    endpoint_url: Annotated[
-        str | None,
-        typer.Option("--endpoint-url", help="EC2 endpoint (e.g. a moto server offline)."),
-    ] = None,
-    prices: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--prices",
-            help="Replay spot prices from these trace folders instead of "
-            "reading them from EC2 (offline).",
-        ),
-    ] = None,
-    replay_start: Annotated[
-        str | None,
-        typer.Option(
-            "--replay-start", help="With --prices: the trace time the clock starts at (ISO-8601)."
-        ),
-    ] = None,
-    speed: Annotated[
-        float | None,
-        typer.Option(
-            "--speed",
-            min=0.001,
-            help="With --prices: how many times faster than real time the replay clock runs.",
-        ),
-    ] = None,
-    billing: Annotated[
-        str | None, typer.Option("--billing", help="per-second (default) or hourly-refund.")
-    ] = None,
+    config_file: ConfigOption = None,
+    endpoint_url: EndpointOption = None,
+    prices: PricesOption = None,
+    replay_start: ReplayStartOption = None,
+    speed: SpeedOption = None,
+    billing: BillingOption = None,
     no_api: Annotated[bool, typer.Option("--no-api", help="Run without the HTTP API.")] = False,
-    max_running_jobs: Annotated[
-        int | None,
-        typer.Option(
-            "--max-running-jobs",
-            min=1,
-            help="Run at most this many jobs at once (1: in sequence). Default: all.",
-        ),
-    ] = None,
+    max_running_jobs: MaxRunningJobsOption = None,
 ) -> None:
     """Run the controller: decide every 2 minutes and on every notice, serve the API.
 

@@ -57,6 +57,20 @@ PlotOption = Annotated[
         "spend, nodes and evictions, prices; one self-contained file).",
     ),
 ]
+JobHoursOption = Annotated[
+    float | None, typer.Option("--job-hours", help="Job length on on-demand [20].")
+]
+NodesOption = Annotated[
+    int | None, typer.Option("--nodes", help="Reference GPUs the job's work needs [16].")
+]
+BillingOption = Annotated[
+    str | None,
+    typer.Option("--billing", help="per-second (today, default) or hourly-refund (2016)."),
+]
+MaxScaleOption = Annotated[
+    float | None,
+    typer.Option("--max-scale", help="Max throughput as a multiple of --nodes [1.0]."),
+]
 ConfigOption = Annotated[
     Path | None,
     typer.Option(
@@ -72,30 +86,20 @@ def simulate(
     prices: PricesOption = None,
     availability: AvailabilityOption = None,
     strategy: StrategyOption = None,
-    job_hours: Annotated[
-        float | None, typer.Option("--job-hours", help="Job length on on-demand [20].")
-    ] = None,
-    nodes: Annotated[
-        int | None, typer.Option("--nodes", help="Reference GPUs the job's work needs [16].")
-    ] = None,
+    job_hours: JobHoursOption = None,
+    nodes: NodesOption = None,
     starts: Annotated[
         int | None, typer.Option("--starts", help="Random start times [1000].")
     ] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="[default: 1]")] = None,
-    billing: Annotated[
-        str | None,
-        typer.Option("--billing", help="per-second (today, default) or hourly-refund (2016)."),
-    ] = None,
+    billing: BillingOption = None,
     reference_type: Annotated[
         str | None, typer.Option("--reference-type", help="[default: p3.2xlarge]")
     ] = None,
     budget: Annotated[
         float | None, typer.Option("--budget", help="Job budget in USD (default: none).")
     ] = None,
-    max_scale: Annotated[
-        float | None,
-        typer.Option("--max-scale", help="Max throughput as a multiple of --nodes [1.0]."),
-    ] = None,
+    max_scale: MaxScaleOption = None,
     workers: Annotated[
         int | None, typer.Option("--workers", help="Processes (default: cores).")
     ] = None,
