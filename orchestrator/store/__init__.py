@@ -8,6 +8,9 @@ instance, every charge and every launch still in flight from here.
 * `events`: the typed entries of a job's event log.
 * `redis_store.Store`: the operations; each is one atomic Redis step (a Lua script, a MULTI/EXEC
   transaction or a single command), so a crash leaves either all of it or none of it.
+  `redis_scripts` holds its key layout and Lua scripts, `redis_codec` its JSON encoding and the
+  mapping of redis-py's errors.
+* `checks`: the argument checks made before anything changes.
 * `errors`: the `StoreError` family.
 """
 

@@ -17,7 +17,8 @@ from orchestrator.units import SECONDS_PER_HOUR
 
 #: Ids appear inside Redis keys (`{namespace}:job:{job_id}:ledger`), so they may not hold ":"
 #: (that could make one job's key collide with another's sub-key).
-RecordId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+RECORD_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+RecordId = Annotated[str, StringConstraints(pattern=RECORD_ID_PATTERN)]
 NonNegative = Annotated[float, Field(ge=0)]
 
 #: The `InstanceRecord.state` that `Store.end_instance` writes.
