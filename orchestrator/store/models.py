@@ -1,7 +1,7 @@
 """What the store keeps: the job lifecycle and the records of jobs, instances, charges and events.
 
-Records are validated, immutable snapshots of what Redis holds at the moment they were read;
-change them only through `Store` (which bumps versions and keeps indexes consistent).
+Records are validated, immutable snapshots of what the store held at the moment they were read;
+change them only through a `Store` (which bumps versions and keeps indexes consistent).
 """
 
 from __future__ import annotations

@@ -1,20 +1,19 @@
-"""`Store`: the controller's durable state in Redis.
+"""`RedisStore`: the `Store` in Redis, the controller's durable state.
 
 The key layout and the Lua scripts are in `redis_scripts`; JSON encoding, decoding and the
-mapping of redis-py's errors in `redis_codec`.
+mapping of redis-py's errors in `redis_codec`. The contract (what each operation guarantees and
+raises) is `protocol.Store`'s; this module says how Redis keeps it:
 
-Failure semantics:
-
-* Each write is one atomic Redis step (a Lua script or a MULTI/EXEC transaction): Redis applies
-  all of it or none of it, so a controller killed at any moment never leaves half a write.
+* Each write is one atomic Redis step (a Lua script, a MULTI/EXEC transaction or a single
+  command): Redis applies all of it or none of it, so a controller killed at any moment never
+  leaves half a write, and every controller sharing the Redis sees it whole.
 * Nothing is retried. The client is built with no retries (redis-py retries by default), because
   a retried write whose first attempt did land would apply twice. A Redis that cannot be reached
-  raises `StoreUnavailableError` within `timeout_s`.
-* A write whose reply was lost (timeout) may or may not have been applied. Every write is either
-  version-checked (`transition`: a replay raises `ConflictError`) or idempotent (`create_job`,
-  `append_ledger`, `put_instance`, `end_instance`, `update_progress`), so re-reading after Redis
-  is back tells which. The dashboard's series (`append_prices`, `append_training`) are neither:
-  a lost reply may leave a repeated point, which only draws twice.
+  raises `StoreUnavailableError` within `timeout_s`; a write whose reply was lost (timeout) may
+  or may not have been applied, and re-reading after Redis is back tells which.
+* Event logs and series are streams (ids `"<ms>-<seq>"` from the Redis server's clock), trimmed
+  with `MAXLEN ~` (cheap; keeps at least the limit).
+* Claims are keys with a TTL (`SET NX PX`), expired by the Redis server's clock.
 """
 
 from __future__ import annotations
@@ -59,6 +58,7 @@ from orchestrator.store.models import (
     TrainingReport,
     allowed_sources,
 )
+from orchestrator.store.protocol import DEFAULT_NAMESPACE, EVENTS_MAXLEN, SERIES_MAXLEN
 from orchestrator.store.redis_codec import (
     decode_event,
     decode_hash,
@@ -75,31 +75,35 @@ from orchestrator.store.redis_scripts import RedisKeys, Scripts
 
 logger = logging.getLogger(__name__)
 
-#: Events kept per job; older ones are trimmed (approximately: `MAXLEN ~`, which is cheap).
-EVENTS_MAXLEN = 100_000
-#: Entries kept of each dashboard series of a job (prices, training reports).
-SERIES_MAXLEN = 5_000
-DEFAULT_NAMESPACE = "orchestrator"
 DEFAULT_TIMEOUT_S = 2.0  # connect and per-command socket timeout: a dead Redis fails fast
 
 M = TypeVar("M", bound=BaseModel)
 
 
-class Store:
-    """Jobs, instances, the spend ledger, event logs and launch claims, kept in Redis.
+class RedisStore:
+    """The `Store` kept in Redis, under the keys of one namespace (see `redis_scripts`).
 
-    Thread-safe (redis-py's client and connection pool are). Records returned are snapshots.
-
-    Every method raises `StoreUnavailableError` when Redis cannot be reached and `StoreError`
-    when it refuses a command; the others are listed per method.
+    Thread-safe (redis-py's client and connection pool are). Every method raises
+    `StoreUnavailableError` when Redis cannot be reached and `StoreError` when it refuses a
+    command; the rest of each method's contract is in `protocol.Store`.
     """
 
     def __init__(
-        self, client: redis.Redis, namespace: str = DEFAULT_NAMESPACE, *, url: str | None = None
+        self,
+        client: redis.Redis,
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        url: str | None = None,
+        events_maxlen: int = EVENTS_MAXLEN,
+        series_maxlen: int = SERIES_MAXLEN,
     ) -> None:
         """Wrap a client built with `decode_responses=True` (use `connect` to build one).
 
         `url` names the server in error messages (derived from the client when omitted).
+        `events_maxlen` and `series_maxlen` are where trimming starts (tests make them small).
+
+        Raises:
+            ValueError: the client does not decode responses, or `namespace` cannot prefix keys.
         """
         kwargs = client.get_connection_kwargs()
         if not kwargs.get("decode_responses"):
@@ -109,6 +113,8 @@ class Store:
         self.url = redact_url(url) if url is not None else describe_client(kwargs)
         self._keys = RedisKeys(namespace)
         self._scripts = Scripts.register(client)
+        self._events_maxlen = events_maxlen
+        self._series_maxlen = series_maxlen
 
     @classmethod
     def connect(
@@ -117,7 +123,7 @@ class Store:
         *,
         namespace: str = DEFAULT_NAMESPACE,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> Store:
+    ) -> RedisStore:
         """Connect to the Redis at `url` and check that it answers.
 
         The client never retries and gives up on any command after `timeout_s`.
@@ -144,30 +150,18 @@ class Store:
         return store
 
     def close(self) -> None:
-        """Close the client's connections."""
+        """Close the client's connections (redis-py reconnects if the store is used again)."""
         self._client.close()
 
     def ping(self) -> None:
-        """Check that Redis answers.
-
-        Raises:
-            StoreUnavailableError: it does not.
-        """
+        """PING."""
         with redis_errors(self.url):
             self._client.ping()
 
     # --- jobs
 
     def create_job(self, record: JobRecord) -> JobRecord:
-        """Store a new job as given (normally `JobRecord.submit(...)`: queued, version 0).
-
-        Atomic with its entry in the jobs index. Spend enters only through `append_ledger`,
-        so `record.spent_usd` must be 0.
-
-        Raises:
-            ConflictError: a job with this id exists (the existing one is unchanged).
-            ValueError: `record.spent_usd` is not 0.
-        """
+        """One Lua script: refuse an existing id, else write the hash and index the id."""
         check_new_job(record)
         key = self._keys.job(record.job_id)
         with redis_errors(self.url):
@@ -179,11 +173,7 @@ class Store:
         return record
 
     def get_job(self, job_id: str) -> JobRecord:
-        """The job as stored now.
-
-        Raises:
-            NotFoundError: no such job.
-        """
+        """HGETALL."""
         key = self._keys.job(job_id)
         with redis_errors(self.url):
             raw = cast(dict[str, str], self._client.hgetall(key))
@@ -192,10 +182,7 @@ class Store:
         return decode_hash(JobRecord, key, raw)
 
     def list_jobs(self, states: Iterable[JobState | str] | None = None) -> list[JobRecord]:
-        """All jobs (or those in `states`), oldest submission first.
-
-        Each record is read atomically; the list as a whole is not one snapshot.
-        """
+        """The id set, then each hash (pipelined): each record is one read, the list is not."""
         wanted = None if states is None else {JobState(s) for s in states}
         with redis_errors(self.url):
             ids = sorted(cast(set[str], self._client.smembers(self._keys.jobs())))
@@ -213,19 +200,7 @@ class Store:
         now_s: float,
         message: str = "",
     ) -> JobRecord:
-        """Move a job to `to_state` if it is still at `expected_version`; bump its version.
-
-        One atomic check-and-set (Lua): of concurrent calls made with the same version, exactly
-        one succeeds. Sets `updated_at` to `now_s` and `message`.
-
-        Raises:
-            NotFoundError: no such job.
-            ConflictError: the job's version is not `expected_version` (checked first: a
-                stale caller's idea of the current state is not judged).
-            IllegalTransitionError: `ALLOWED_TRANSITIONS` has no edge from the current state
-                to `to_state`. The refusal is logged; the record is unchanged.
-            ValueError: `to_state` is not a `JobState`.
-        """
+        """One Lua script: compare the version, check the edge, write, read back."""
         target = JobState(to_state)
         key = self._keys.job(job_id)
         sources = sorted(enc(s.value) for s in allowed_sources(target))
@@ -243,14 +218,7 @@ class Store:
         return decode_hash(JobRecord, key, pairs(result[1:]))
 
     def update_progress(self, job_id: str, work_done_gpu_hours: float, now_s: float) -> JobRecord:
-        """Record the job's work done so far (and `updated_at = now_s`); last writer wins.
-
-        Does not change `version`, so it never makes a concurrent `transition` fail.
-
-        Raises:
-            NotFoundError: no such job.
-            ValueError: `work_done_gpu_hours` is negative or not finite.
-        """
+        """One Lua script: write the two fields and read the job back."""
         work = check_work_done(work_done_gpu_hours)
         key = self._keys.job(job_id)
         with redis_errors(self.url):
@@ -262,20 +230,8 @@ class Store:
     # --- ledger
 
     def append_ledger(self, entry: LedgerEntry) -> bool:
-        """Append a charge to the job's ledger and add it to the job's `spent_usd`, atomically.
-
-        One Lua script (atomic like MULTI/EXEC, and able to check first): a crash never leaves
-        the entry without the spend or the spend without the entry. An entry is identified by
-        (`instance_id`, `start_s`); appending the same entry again (a restarted controller
-        replaying its last bill) changes nothing and returns False.
-
-        Returns:
-            True if the entry was recorded, False if it already was.
-
-        Raises:
-            NotFoundError: no such job (nothing recorded).
-            LedgerConflictError: a different entry with the same identity is recorded.
-        """
+        """One Lua script: compare the entry's sha1 under its identity in the job's
+        ledger index, then HINCRBYFLOAT the spend, RPUSH the entry and index it."""
         keys = [
             self._keys.job(entry.job_id),
             self._keys.job_part(entry.job_id, "ledger"),
@@ -291,11 +247,7 @@ class Store:
         return bool(status == "ok")
 
     def ledger(self, job_id: str) -> list[LedgerEntry]:
-        """The job's charges in append order.
-
-        Raises:
-            NotFoundError: no such job.
-        """
+        """EXISTS and LRANGE in one MULTI/EXEC."""
         key = self._keys.job_part(job_id, "ledger")
         with redis_errors(self.url):
             pipe = self._client.pipeline(transaction=True)
@@ -307,11 +259,7 @@ class Store:
         return [decode_json(LedgerEntry, key, line) for line in lines]
 
     def spent_usd(self, job_id: str) -> float:
-        """The job's total spend: the sum of its ledger.
-
-        Raises:
-            NotFoundError: no such job.
-        """
+        """HGET of the job's `spent_usd` field (HINCRBYFLOAT keeps it)."""
         with redis_errors(self.url):
             raw = cast(str | None, self._client.hget(self._keys.job(job_id), "spent_usd"))
         if raw is None:
@@ -321,15 +269,8 @@ class Store:
     # --- instances
 
     def put_instance(self, rec: InstanceRecord) -> InstanceRecord:
-        """Create or overwrite an instance's record and keep the alive indexes in step.
-
-        Atomic (Lua). Use `end_instance` to end one; putting an ended record also ends it.
-
-        Raises:
-            IllegalTransitionError: the stored instance has ended and `rec` is alive (an ended
-                instance never comes back; the record is unchanged).
-            StoreError: the stored instance belongs to another job.
-        """
+        """One Lua script: check the stored job and end, write the hash, move the id
+        between the alive sets."""
         keys = [
             self._keys.instance(rec.instance_id),
             self._keys.instances(),
@@ -351,15 +292,8 @@ class Store:
         return rec
 
     def end_instance(self, instance_id: str, ended_at: float, reason: str) -> InstanceRecord:
-        """Mark an instance ended (state `"ended"`) and drop it from the alive indexes.
-
-        Atomic (Lua) and idempotent: if it has already ended, the first end stands and the
-        stored record is returned unchanged.
-
-        Raises:
-            NotFoundError: no such instance.
-            ValueError: `ended_at` is before the instance's `launched_at`.
-        """
+        """Validated first (a read), then one Lua script that ends it only if still alive
+        (so a concurrent end cannot be overwritten)."""
         current = self.get_instance(instance_id)
         if not current.alive:
             return current
@@ -378,11 +312,7 @@ class Store:
         return decode_hash(InstanceRecord, key, pairs(result[1:]))
 
     def get_instance(self, instance_id: str) -> InstanceRecord:
-        """The instance as stored now.
-
-        Raises:
-            NotFoundError: no such instance.
-        """
+        """HGETALL."""
         key = self._keys.instance(instance_id)
         with redis_errors(self.url):
             raw = cast(dict[str, str], self._client.hgetall(key))
@@ -393,7 +323,7 @@ class Store:
     def list_instances(
         self, job_id: str | None = None, *, alive_only: bool = False
     ) -> list[InstanceRecord]:
-        """Instances of one job (or of all jobs), optionally only those not ended; oldest first."""
+        """The id set of the index asked for, then each hash (pipelined)."""
         index = self._keys.instances(job_id, alive_only=alive_only)
         with redis_errors(self.url):
             ids = sorted(cast(set[str], self._client.smembers(index)))
@@ -403,30 +333,20 @@ class Store:
     # --- events
 
     def append_event(self, event: Event) -> str:
-        """Append to the job's event stream (XADD, trimmed to about `EVENTS_MAXLEN`).
-
-        Returns:
-            The stream id of the new entry (pass it as `since_id` to read what follows).
-        """
+        """XADD to the job's stream, `MAXLEN ~ events_maxlen`."""
         key = self._keys.job_part(event.job_id, "events")
         with redis_errors(self.url):
             return cast(
                 str,
                 self._client.xadd(
-                    key, {"event": event_json(event)}, maxlen=EVENTS_MAXLEN, approximate=True
+                    key, {"event": event_json(event)}, maxlen=self._events_maxlen, approximate=True
                 ),
             )
 
     def events(
         self, job_id: str, since_id: str = "-", count: int | None = None
     ) -> list[tuple[str, Event]]:
-        """The job's events, oldest first: all of them, or those strictly after `since_id`.
-
-        At most `count` of them when given. An unknown job has no events.
-
-        Raises:
-            StoreError: `since_id` is not a stream id.
-        """
+        """XRANGE from `(since_id` (exclusive) to `+`."""
         check_count(count)
         key = self._keys.job_part(job_id, "events")
         start = "-" if since_id == "-" else f"({since_id}"
@@ -440,23 +360,23 @@ class Store:
     # --- series for the dashboard: prices considered, training reports
 
     def append_prices(self, job_id: str, snapshot: PriceSnapshot) -> str:
-        """Append a price snapshot to the job's series (trimmed to about `SERIES_MAXLEN`)."""
+        """XADD, `MAXLEN ~ series_maxlen`."""
         return self._append_series(job_id, "prices", snapshot)
 
     def prices(self, job_id: str) -> list[PriceSnapshot]:
-        """The job's price snapshots, oldest first (an unknown job has none)."""
+        """XRANGE of the whole series."""
         return self._series(job_id, "prices", PriceSnapshot)
 
     def append_training(self, job_id: str, report: TrainingReport) -> str:
-        """Append a training report to the job's series (trimmed to about `SERIES_MAXLEN`)."""
+        """XADD, `MAXLEN ~ series_maxlen`."""
         return self._append_series(job_id, "training", report)
 
     def training(self, job_id: str) -> list[TrainingReport]:
-        """The job's training reports, oldest first (an unknown job has none)."""
+        """XRANGE of the whole series."""
         return self._series(job_id, "training", TrainingReport)
 
     def latest_training(self, job_id: str) -> TrainingReport | None:
-        """The job's newest training report (one read, for summaries and /metrics)."""
+        """XREVRANGE COUNT 1."""
         return next(iter(self._series(job_id, "training", TrainingReport, newest=1)), None)
 
     def _append_series(self, job_id: str, name: str, record: BaseModel) -> str:
@@ -465,7 +385,10 @@ class Store:
             return cast(
                 str,
                 self._client.xadd(
-                    key, {"r": record.model_dump_json()}, maxlen=SERIES_MAXLEN, approximate=True
+                    key,
+                    {"r": record.model_dump_json()},
+                    maxlen=self._series_maxlen,
+                    approximate=True,
                 ),
             )
 
@@ -481,53 +404,40 @@ class Store:
             entries = cast(list[tuple[str, dict[str, str]]], raw)
         return [decode_json(model, key, fields["r"]) for _, fields in entries]
 
-    # --- the AgileML controllers this controller hosts (agileml/host.py)
+    # --- the AgileML controllers this controller hosts (controller/training.py)
 
     def set_training_port(self, job_id: str, port: int) -> None:
-        """Remember the port the job's AgileML controller listens on (its workers' tags name
-        it), so that a restarted controller hosts it there again."""
+        """HSET in the namespace's `training-ports` hash."""
         with redis_errors(self.url):
             self._client.hset(self._keys.training_ports(), check_id("job", job_id), port)
 
     def training_ports(self) -> dict[str, int]:
-        """Job id -> the port of its hosted AgileML controller."""
+        """HGETALL of the `training-ports` hash."""
         with redis_errors(self.url):
             raw = cast(dict[str, str], self._client.hgetall(self._keys.training_ports()))
         return {job_id: int(port) for job_id, port in raw.items()}
 
     def forget_training_port(self, job_id: str) -> None:
+        """HDEL (of any id: one that cannot be a job's is simply not there)."""
         with redis_errors(self.url):
             self._client.hdel(self._keys.training_ports(), job_id)
 
     # --- claims
 
     def claim(self, key: str, owner: str, ttl_s: float) -> bool:
-        """Take the claim `key` for `owner` for `ttl_s` seconds unless someone holds it.
-
-        E.g. claim `launch:{job_id}:{allocation_id}` before asking the cloud for instances, so
-        that a restarted controller does not launch them again while the first launch is in
-        flight. SET NX PX: atomic. Even the holder cannot claim it again until it is released
-        or expires.
-
-        Returns:
-            True if `owner` now holds it, False if it was already held.
-        """
+        """`SET NX PX` of the claim's key (owner as JSON)."""
         ttl_ms = claim_ttl_ms(key, owner, ttl_s)
         with redis_errors(self.url):
             return bool(self._client.set(self._keys.claim(key), enc(owner), nx=True, px=ttl_ms))
 
     def release_claim(self, key: str, owner: str) -> bool:
-        """Release `key` if `owner` still holds it (atomic compare-and-delete, Lua).
-
-        Returns:
-            True if released; False if it was not held by `owner` (expired, or someone else's).
-        """
+        """One Lua script: DEL if the key still holds `owner`."""
         with redis_errors(self.url):
             released = self._scripts.release_claim(keys=[self._keys.claim(key)], args=[enc(owner)])
         return bool(released)
 
     def claim_owner(self, key: str) -> str | None:
-        """Who holds `key` now, or None."""
+        """GET."""
         with redis_errors(self.url):
             raw = cast(str | None, self._client.get(self._keys.claim(key)))
         return None if raw is None else str(json.loads(raw))

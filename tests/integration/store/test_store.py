@@ -37,6 +37,7 @@ from orchestrator.store import (
     LedgerEntry,
     NotFoundError,
     NoticeEvent,
+    RedisStore,
     StateEvent,
     Store,
     StoreError,
@@ -57,8 +58,8 @@ def raw(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def store(redis_url: str, raw: redis.Redis) -> Iterator[Store]:
-    s = Store.connect(redis_url, namespace=NS)
+def store(redis_url: str, raw: redis.Redis) -> Iterator[RedisStore]:
+    s = RedisStore.connect(redis_url, namespace=NS)
     yield s
     s.close()
 
@@ -548,7 +549,7 @@ def test_connecting_to_a_closed_port_fails_fast_with_a_clear_message() -> None:
     url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
     start = time.monotonic()
     with pytest.raises(StoreUnavailableError) as info:
-        Store.connect(url, timeout_s=0.5)
+        RedisStore.connect(url, timeout_s=0.5)
     assert time.monotonic() - start < 2.0
     text = str(info.value)
     assert f"127.0.0.1:{info.value.url.rsplit(':', 1)[1]}" in text
@@ -564,20 +565,20 @@ def test_a_server_that_never_answers_times_out_instead_of_hanging() -> None:
         port = listener.getsockname()[1]
         start = time.monotonic()
         with pytest.raises(StoreUnavailableError, match="127.0.0.1"):
-            Store.connect(f"redis://127.0.0.1:{port}/0", timeout_s=0.3)
+            RedisStore.connect(f"redis://127.0.0.1:{port}/0", timeout_s=0.3)
         assert time.monotonic() - start < 2.0
 
 
 def test_a_malformed_url_is_reported_as_unavailable() -> None:
     with pytest.raises(StoreUnavailableError, match="not a Redis URL"):
-        Store.connect("http://127.0.0.1:6379")
+        RedisStore.connect("http://127.0.0.1:6379")
 
 
 def test_every_operation_raises_unavailable_once_redis_is_gone() -> None:
     failure = None
     try:
         with start_redis() as url:
-            store = Store.connect(url, namespace=NS, timeout_s=0.5)
+            store = RedisStore.connect(url, namespace=NS, timeout_s=0.5)
             store.create_job(job())
     except RedisServerError as exc:
         failure = str(exc)
@@ -619,7 +620,7 @@ def test_a_restarted_controller_sees_everything_the_old_one_wrote(
     before = store.get_job("j1")
     store.close()  # the old controller is gone (its memory with it)
 
-    restarted = Store.connect(redis_url, namespace=NS)
+    restarted = RedisStore.connect(redis_url, namespace=NS)
     assert restarted.get_job("j1") == before
     assert (before.state, before.version, before.work_done_gpu_hours) == ("running", 1, 1.5)
     assert restarted.spent_usd("j1") == pytest.approx(charge().charged_usd)
@@ -634,7 +635,7 @@ def test_a_restarted_controller_sees_everything_the_old_one_wrote(
 
 
 def test_namespaces_do_not_see_each_other(redis_url: str, store: Store) -> None:
-    other = Store.connect(redis_url, namespace="other")
+    other = RedisStore.connect(redis_url, namespace="other")
     store.create_job(job())
     assert other.list_jobs() == []
     other.create_job(job())  # same id, other namespace: no conflict
@@ -671,7 +672,7 @@ def test_every_key_is_namespaced_and_every_value_is_json(store: Store, redis_url
 def test_a_client_without_decoded_responses_is_refused(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     with pytest.raises(ValueError, match="decode_responses"):
-        Store(client)
+        RedisStore(client)
     client.close()
 
 
