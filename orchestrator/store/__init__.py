@@ -10,6 +10,8 @@ instance, every charge and every launch still in flight from Redis.
   atomic Redis step (a Lua script, a MULTI/EXEC transaction or a single command), so a crash
   leaves either all of it or none of it. `redis_scripts` holds its key layout and Lua scripts,
   `redis_codec` its JSON encoding and the mapping of redis-py's errors.
+* `memory.MemoryStore`: the `Store` in memory, for fast tests; the contract tests hold it to
+  `RedisStore`'s behaviour.
 * `checks`: the argument checks every implementation makes before anything changes.
 * `models`: the job lifecycle (`JobState`, `ALLOWED_TRANSITIONS`) and the stored records.
 * `events`: the typed entries of a job's event log.
@@ -36,6 +38,7 @@ from orchestrator.store.events import (
     ReleaseEvent,
     StateEvent,
 )
+from orchestrator.store.memory import MemoryStore
 from orchestrator.store.models import (
     ALLOWED_TRANSITIONS,
     TERMINAL_STATES,
@@ -65,6 +68,7 @@ __all__ = [
     "LaunchFailedEvent",
     "LedgerConflictError",
     "LedgerEntry",
+    "MemoryStore",
     "NotFoundError",
     "NoticeEvent",
     "PriceSnapshot",

@@ -2,8 +2,8 @@
 
 Two implementations keep this contract: `RedisStore` (production: survives the controller) and
 `MemoryStore` (tests: one process, nothing persisted). The contract tests
-(`tests/unit/store/test_store_contract.py`, run against Redis too from
-`tests/integration/store/`) check that they behave alike.
+(`tests/support/store_contract/`, run on `MemoryStore` from `tests/unit/store/` and on
+`RedisStore` from `tests/integration/store/`) check that they behave alike.
 
 Failure semantics, for every implementation:
 
