@@ -46,7 +46,8 @@ from orchestrator.market.prices import to_datetime, to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
 from orchestrator.settings import ApiSettings, Settings
 from orchestrator.store.models import JobRecord, JobState, TrainingReport
-from orchestrator.store.redis_store import Store
+from orchestrator.store.protocol import Store
+from orchestrator.store.redis_store import RedisStore
 from orchestrator.units import SECONDS_PER_HOUR
 
 CONTROLLER_ID = "demo"
@@ -193,7 +194,7 @@ def run_demo(
         contextlib.ExitStack() as stack,
     ):
         probe = _LossProbe(training, spec)
-        store = Store.connect(redis.url, namespace=NAMESPACE)
+        store = RedisStore.connect(redis.url, namespace=NAMESPACE)
         client = aws.client()
         clock = ReplayClock(to_epoch_seconds(start), speed)
         server = None if port is None else stack.enter_context(_dashboard(store, clock, port))

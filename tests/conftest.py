@@ -13,7 +13,7 @@ from support.agileml_jobs import jobs  # noqa: F401  (the fixture, for the Agile
 from support.redis_server import RedisServerError, start_redis
 
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
-from orchestrator.store.redis_store import Store
+from orchestrator.store.redis_store import RedisStore
 
 REGION = "us-east-1"
 STORE_NAMESPACE = "ctltest"
@@ -32,9 +32,9 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
+def store(redis_url: str) -> Iterator[RedisStore]:
     redis.Redis.from_url(redis_url).flushdb()
-    s = Store.connect(redis_url, namespace=STORE_NAMESPACE)
+    s = RedisStore.connect(redis_url, namespace=STORE_NAMESPACE)
     yield s
     s.close()
 

@@ -29,7 +29,7 @@ from orchestrator.store.events import (
     StateEvent,
 )
 from orchestrator.store.models import InstanceRecord, JobRecord, TrainingReport
-from orchestrator.store.redis_store import Store
+from orchestrator.store.protocol import Store
 
 #: The dashboard page's assets (dashboard.html, .js, .css).
 STATIC_DIR = Path(__file__).parent / "static"

@@ -322,9 +322,9 @@ def serve(
     import uvicorn
 
     from orchestrator.api.app import create_app
-    from orchestrator.store import Store
+    from orchestrator.store import RedisStore
 
-    store = Store.connect(settings.redis_url)
+    store = RedisStore.connect(settings.redis_url)
     try:
         uvicorn.run(
             create_app(store, settings),

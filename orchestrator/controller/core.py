@@ -71,7 +71,7 @@ from orchestrator.store.models import (
     LedgerEntry,
     PriceSnapshot,
 )
-from orchestrator.store.redis_store import Store
+from orchestrator.store.protocol import Store
 from orchestrator.units import SECONDS_PER_HOUR
 
 log = logging.getLogger(__name__)

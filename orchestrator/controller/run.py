@@ -27,7 +27,7 @@ from orchestrator.controller.service import ControllerService
 from orchestrator.controller.wiring import Clock, build_controller, controller_clock, ec2_client
 from orchestrator.errors import UserError
 from orchestrator.settings import Settings
-from orchestrator.store import Store
+from orchestrator.store import RedisStore, Store
 
 if TYPE_CHECKING:
     from orchestrator.controller.training import TrainingHost
@@ -58,7 +58,7 @@ def running_controller(
         StoreUnavailableError: Redis does not answer.
     """
     clock, speed = controller_clock(settings)
-    store = Store.connect(settings.redis_url)
+    store = RedisStore.connect(settings.redis_url)
     training: TrainingHost | None = None
     service: ControllerService | None = None
     try:

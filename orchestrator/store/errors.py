@@ -1,6 +1,7 @@
 """Errors of the store package.
 
-Every Redis failure surfaces as one of these; nothing is retried behind the caller's back.
+Every failure of a `Store` (Redis's included) surfaces as one of these; nothing is retried behind
+the caller's back.
 
 * `StoreUnavailableError`: Redis cannot be reached (also a `UserError`: the CLI prints the fix).
 * `ConflictError`: a versioned write lost a race; re-read the record and decide again.
@@ -45,7 +46,7 @@ class ConflictError(StoreError):
     Nothing was written. Re-read the record and decide again.
 
     Attributes:
-        key: the Redis key of the record.
+        key: the Redis key of the record (`MemoryStore` names the same key).
         expected_version: the version the caller based its write on (None: "must not exist").
         actual_version: the version found (None: the record does not exist).
     """

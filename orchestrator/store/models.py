@@ -1,7 +1,7 @@
 """What the store keeps: the job lifecycle and the records of jobs, instances, charges and events.
 
-Records are validated, immutable snapshots of what Redis holds at the moment they were read;
-change them only through `Store` (which bumps versions and keeps indexes consistent).
+Records are validated, immutable snapshots of what the store held at the moment they were read;
+change them only through a `Store` (which bumps versions and keeps indexes consistent).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from orchestrator.units import SECONDS_PER_HOUR
 
 #: Ids appear inside Redis keys (`{namespace}:job:{job_id}:ledger`), so they may not hold ":"
 #: (that could make one job's key collide with another's sub-key).
-RecordId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+RECORD_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+RecordId = Annotated[str, StringConstraints(pattern=RECORD_ID_PATTERN)]
 NonNegative = Annotated[float, Field(ge=0)]
 
 #: The `InstanceRecord.state` that `Store.end_instance` writes.

@@ -16,14 +16,14 @@ from orchestrator.api.app import create_app
 from orchestrator.api.client import ApiClient
 from orchestrator.api.serve import BackgroundServer
 from orchestrator.settings import ApiSettings, Settings
-from orchestrator.store import Store
+from orchestrator.store import RedisStore
 
 SPEC = {"name": "resnet", "budget_usd": 40.0, "work_gpu_hours": 20.0}
 
 
 def test_state_events_from_the_api_show_their_state_in_the_events_table(redis_url: str) -> None:
     token = secrets.token_hex(16)
-    store = Store.connect(redis_url, namespace=f"events-{secrets.token_hex(4)}")
+    store = RedisStore.connect(redis_url, namespace=f"events-{secrets.token_hex(4)}")
     settings = Settings(redis_url=redis_url, api=ApiSettings(token=SecretStr(token)))
     try:
         with BackgroundServer(create_app(store, settings, clock=lambda: 1_580_000_000.0)) as srv:

@@ -48,7 +48,7 @@ class LocalRedis:
     """A private redis-server on 127.0.0.1; `url` is valid between start and stop.
 
         with LocalRedis() as r:
-            store = Store.connect(r.url, namespace="demo")
+            store = RedisStore.connect(r.url, namespace="demo")
 
     Nothing is persisted: stopping the server loses its data (its directory is deleted).
 

@@ -40,6 +40,7 @@ from orchestrator.store import (
     LedgerEntry,
     NoticeEvent,
     PriceSnapshot,
+    RedisStore,
     Store,
 )
 
@@ -72,7 +73,7 @@ def store(redis_url: str) -> Iterator[Store]:
     raw = redis.Redis.from_url(redis_url)
     raw.flushdb()
     raw.close()
-    s = Store.connect(redis_url, namespace=NS)
+    s = RedisStore.connect(redis_url, namespace=NS)
     yield s
     s.close()
 
@@ -238,7 +239,7 @@ def test_cancel_of_a_terminal_job_is_409_and_changes_nothing(
     assert store.get_job(job_id) == before
 
 
-class RacingStore(Store):
+class RacingStore(RedisStore):
     """A store whose controller moves the job queued -> running just before the first cancel
     lands (so the cancel's version is stale once)."""
 
@@ -251,7 +252,7 @@ class RacingStore(Store):
         return super().transition(job_id, to_state, **kwargs)
 
 
-class AlwaysLosingStore(Store):
+class AlwaysLosingStore(RedisStore):
     """A store where every transition loses a race."""
 
     def transition(self, job_id: str, to_state: JobState | str, **kwargs: Any) -> JobRecord:
@@ -411,7 +412,7 @@ def test_healthz_is_503_degraded_after_redis_stops() -> None:
     own_redis = ExitStack()  # this test's own server, stopped halfway through
     url = own_redis.enter_context(start_redis())
     try:
-        store = Store.connect(url, namespace=NS, timeout_s=1.0)
+        store = RedisStore.connect(url, namespace=NS, timeout_s=1.0)
         try:
             with TestClient(create_app(store, settings_for(url))) as c:
                 assert c.get("/healthz").status_code == 200
@@ -650,7 +651,7 @@ def test_client_reports_a_non_api_answer_and_a_read_timeout() -> None:
 @pytest.fixture(scope="module")
 def live_api(redis_url: str) -> Iterator[tuple[str, Store]]:
     """The API served by uvicorn on a free loopback port in a thread; stopped at the end."""
-    store = Store.connect(redis_url, namespace="live")
+    store = RedisStore.connect(redis_url, namespace="live")
     config = uvicorn.Config(
         create_app(store, settings_for(redis_url)),
         host="127.0.0.1",

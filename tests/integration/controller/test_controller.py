@@ -14,7 +14,7 @@ from orchestrator.market.billing import PerSecondBilling
 from orchestrator.market.prices import to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource
 from orchestrator.store import EventKind, JobRecord, JobState
-from orchestrator.store.redis_store import Store
+from orchestrator.store.protocol import Store
 
 REGION = "us-east-1"
 T0 = to_epoch_seconds("2020-02-03T00:00:00Z")

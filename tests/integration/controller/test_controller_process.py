@@ -17,7 +17,7 @@ from support.redis_server import free_port
 
 from orchestrator.api.client import ApiClient
 from orchestrator.market.trace_source import bundled_prices_dir
-from orchestrator.store.redis_store import Store
+from orchestrator.store.protocol import Store
 
 TOKEN = "test-token-123"
 

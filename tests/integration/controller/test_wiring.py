@@ -12,10 +12,10 @@ from orchestrator.controller.wiring import build_controller, controller_clock
 from orchestrator.errors import UserError
 from orchestrator.market.trace_source import TracePriceSource
 from orchestrator.settings import Settings
-from orchestrator.store.redis_store import Store
+from orchestrator.store.redis_store import RedisStore
 
 
-def first_decision(settings: Settings, store: Store, ec2: Any, prices: Any) -> list[str]:
+def first_decision(settings: Settings, store: RedisStore, ec2: Any, prices: Any) -> list[str]:
     """What the first tick acquires for a job with a $5 budget: `count x type (max price)`."""
     store._client.flushdb()  # noqa: SLF001 - each controller starts from an empty store
     submit(store, budget=5.0)
@@ -25,7 +25,7 @@ def first_decision(settings: Settings, store: Store, ec2: Any, prices: Any) -> l
 
 
 def test_a_bidbrain_setting_in_the_config_file_changes_the_decisions(
-    store: Store, ec2: Any, prices: TracePriceSource, tmp_path: Path, monkeypatch
+    store: RedisStore, ec2: Any, prices: TracePriceSource, tmp_path: Path, monkeypatch
 ) -> None:
     """A budget must carry what the footprint commits until the next decision: decide every
     hour instead of every 2 minutes and the $5 job cannot take a whole p3.16xlarge."""
@@ -39,7 +39,7 @@ def test_a_bidbrain_setting_in_the_config_file_changes_the_decisions(
 
 
 def test_settings_from_the_environment_reach_the_controller_and_win_over_the_file(
-    store: Store, ec2: Any, prices: TracePriceSource, tmp_path: Path, monkeypatch
+    store: RedisStore, ec2: Any, prices: TracePriceSource, tmp_path: Path, monkeypatch
 ) -> None:
     config = tmp_path / "controller.yaml"
     config.write_text("bidbrain:\n  decision_interval_s: 3600\n  max_adds_per_decision: 5\n")

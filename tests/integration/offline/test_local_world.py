@@ -32,7 +32,8 @@ from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
 from orchestrator.store import EventKind, JobRecord, JobState
-from orchestrator.store.redis_store import Store
+from orchestrator.store.protocol import Store
+from orchestrator.store.redis_store import RedisStore
 
 REGION = "us-east-1"
 T0 = to_epoch_seconds("2020-02-03T00:00:00Z")
@@ -57,7 +58,7 @@ def local_redis() -> Iterator[LocalRedis]:
 @pytest.fixture
 def store(local_redis: LocalRedis) -> Iterator[Store]:
     redis.Redis.from_url(local_redis.url).flushdb()
-    s = Store.connect(local_redis.url, namespace=NS)
+    s = RedisStore.connect(local_redis.url, namespace=NS)
     yield s
     s.close()
 
@@ -318,7 +319,7 @@ def test_the_controller_runs_a_job_to_success_in_the_offline_world_through_an_ev
     budget = 20.0
     reports: list[TickReport] = []
     with LocalRedis() as local_redis, MotoEC2Server() as aws:
-        store = Store.connect(local_redis.url, namespace=NS)
+        store = RedisStore.connect(local_redis.url, namespace=NS)
         submit(
             store,
             job,

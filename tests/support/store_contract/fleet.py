@@ -1,0 +1,161 @@
+"""The contract for what the controller keeps about its fleet: instances, hosted training
+ports and launch claims."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from orchestrator.market.billing import EndReason
+from orchestrator.store import (
+    IllegalTransitionError,
+    InstanceRecord,
+    NotFoundError,
+    Store,
+    StoreError,
+)
+from support.store_contract.data import instance, run_together
+
+
+class FleetContract:
+    """Instances, training ports and claims (see `StoreContract`)."""
+
+    # --- instances
+
+    def test_instances_are_listed_per_job_and_ended_ones_drop_from_alive(
+        self, store: Store
+    ) -> None:
+        store.put_instance(instance("i-2", launched_at=20.0))
+        store.put_instance(instance("i-1", launched_at=10.0))
+        store.put_instance(instance("i-9", job_id="j2"))
+
+        assert [r.instance_id for r in store.list_instances("j1")] == ["i-1", "i-2"]
+        assert [r.instance_id for r in store.list_instances()] == ["i-1", "i-9", "i-2"]
+
+        ended = store.end_instance("i-1", ended_at=70.0, reason=EndReason.EVICTED.value)
+        assert (ended.state, ended.ended_at, ended.end_reason) == ("ended", 70.0, "evicted")
+        assert not ended.alive
+        assert store.get_instance("i-1") == ended
+        assert [r.instance_id for r in store.list_instances("j1", alive_only=True)] == ["i-2"]
+        assert [r.instance_id for r in store.list_instances(alive_only=True)] == ["i-9", "i-2"]
+        assert [r.instance_id for r in store.list_instances("j1")] == ["i-1", "i-2"]
+        assert store.list_instances("nobody") == []
+        with pytest.raises(NotFoundError):
+            store.list_instances("not a job id")
+
+    def test_putting_an_instance_again_overwrites_it(self, store: Store) -> None:
+        store.put_instance(instance("i-1"))
+        pending = instance("i-1").model_copy(update={"state": "pending"})
+        assert store.put_instance(pending) == pending
+        assert store.get_instance("i-1") == pending
+        assert len(store.list_instances(alive_only=True)) == 1
+
+    def test_putting_an_ended_record_ends_the_instance(self, store: Store) -> None:
+        store.put_instance(instance("i-1"))
+        ended = instance("i-1").model_copy(
+            update={"state": "ended", "ended_at": 50.0, "end_reason": "released"}
+        )
+        store.put_instance(ended)
+        assert store.get_instance("i-1") == ended
+        assert store.list_instances(alive_only=True) == []
+        assert store.end_instance("i-1", ended_at=90.0, reason="evicted") == ended
+
+    def test_ending_an_instance_twice_keeps_the_first_end(self, store: Store) -> None:
+        store.put_instance(instance("i-1", launched_at=10.0))
+        first = store.end_instance("i-1", ended_at=70.0, reason="evicted")
+        assert store.end_instance("i-1", ended_at=90.0, reason="released") == first
+        assert store.end_instance("i-1", ended_at=1.0, reason="released") == first  # not checked
+
+    def test_concurrent_ends_of_an_instance_leave_one_end(self, store: Store) -> None:
+        store.put_instance(instance("i-1"))
+
+        def end(i: int) -> InstanceRecord:
+            return store.end_instance("i-1", ended_at=100.0 + i, reason=f"r{i}")
+
+        ends, errors = run_together(8, end)
+        assert not errors and len(ends) == 8
+        stored = store.get_instance("i-1")
+        assert stored.ended_at is not None and stored.end_reason == f"r{stored.ended_at - 100:.0f}"
+        assert all(e == stored for e in ends)  # every caller sees the one end that stands
+
+    def test_an_ended_instance_cannot_be_put_back_alive(self, store: Store) -> None:
+        store.put_instance(instance("i-1"))
+        ended = store.end_instance("i-1", ended_at=70.0, reason="released")
+        with pytest.raises(IllegalTransitionError) as info:
+            store.put_instance(instance("i-1"))
+        assert (info.value.from_state, info.value.to_state) == ("ended", "running")
+        assert store.get_instance("i-1") == ended
+        assert store.list_instances(alive_only=True) == []
+
+    def test_an_instance_cannot_move_to_another_job(self, store: Store) -> None:
+        store.put_instance(instance("i-1", job_id="j1"))
+        with pytest.raises(StoreError, match="belongs to job 'j1'"):
+            store.put_instance(instance("i-1", job_id="j2"))
+        assert store.get_instance("i-1").job_id == "j1"
+        assert store.list_instances("j2") == []
+
+    def test_instance_errors(self, store: Store) -> None:
+        with pytest.raises(NotFoundError) as info:
+            store.get_instance("i-404")
+        assert (info.value.kind, info.value.record_id) == ("instance", "i-404")
+        with pytest.raises(NotFoundError):
+            store.get_instance("i:404")
+        with pytest.raises(NotFoundError):
+            store.end_instance("i-404", ended_at=1.0, reason="released")
+        store.put_instance(instance("i-1", launched_at=10.0))
+        with pytest.raises(ValueError, match="before launched_at"):
+            store.end_instance("i-1", ended_at=5.0, reason="released")
+        assert store.get_instance("i-1").alive
+
+    # --- hosted training ports
+
+    def test_training_ports_are_remembered_overwritten_and_forgotten(self, store: Store) -> None:
+        assert store.training_ports() == {}
+        store.set_training_port("j1", 29500)
+        store.set_training_port("j2", 29501)
+        store.set_training_port("j1", 29502)
+        assert store.training_ports() == {"j1": 29502, "j2": 29501}
+        store.forget_training_port("j2")
+        store.forget_training_port("never-hosted")
+        assert store.training_ports() == {"j1": 29502}
+        with pytest.raises(NotFoundError):
+            store.set_training_port("not a job id", 1)
+
+    # --- claims
+
+    def test_a_held_claim_cannot_be_taken_and_only_its_owner_releases_it(
+        self, store: Store
+    ) -> None:
+        assert store.claim("launch:j1:a1", "ctl-A", ttl_s=30.0) is True
+        assert store.claim("launch:j1:a1", "ctl-B", ttl_s=30.0) is False
+        assert store.claim("launch:j1:a1", "ctl-A", ttl_s=30.0) is False
+        assert store.release_claim("launch:j1:a1", "ctl-B") is False
+        assert store.claim_owner("launch:j1:a1") == "ctl-A"
+        assert store.release_claim("launch:j1:a1", "ctl-A") is True
+        assert store.claim_owner("launch:j1:a1") is None
+        assert store.release_claim("launch:j1:a1", "ctl-A") is False
+        assert store.claim("launch:j1:a1", "ctl-B", ttl_s=30.0) is True
+        assert store.claim_owner("launch:j1:a2") is None
+
+    def test_a_claim_expires_after_its_ttl(self, store: Store) -> None:
+        assert store.claim("launch:j1:a1", "ctl-A", ttl_s=0.05)
+        time.sleep(0.15)
+        assert store.claim_owner("launch:j1:a1") is None
+        assert store.release_claim("launch:j1:a1", "ctl-A") is False
+        assert store.claim("launch:j1:a1", "ctl-B", ttl_s=30.0)
+
+    def test_of_concurrent_claims_exactly_one_wins(self, store: Store) -> None:
+        won, errors = run_together(8, lambda i: store.claim("launch:j1:a1", f"ctl-{i}", 30.0))
+        assert not errors and sorted(won) == [False] * 7 + [True]
+        assert store.claim_owner("launch:j1:a1") is not None
+
+    def test_claim_arguments_are_checked(self, store: Store) -> None:
+        for ttl_s in (0.0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError):
+                store.claim("k", "me", ttl_s=ttl_s)
+        with pytest.raises(ValueError):
+            store.claim("", "me", ttl_s=1.0)
+        with pytest.raises(ValueError):
+            store.claim("k", "", ttl_s=1.0)
+        assert store.claim_owner("k") is None

@@ -1,0 +1,38 @@
+"""The store's records and the job lifecycle table, without a store."""
+
+from __future__ import annotations
+
+import pytest
+from support.store_contract import EDGES, charge
+
+from orchestrator.store import (
+    ALLOWED_TRANSITIONS,
+    TERMINAL_STATES,
+    JobRecord,
+    JobState,
+    LedgerEntry,
+)
+
+
+def test_job_records_are_validated() -> None:
+    with pytest.raises(ValueError):
+        JobRecord.submit("j1", {}, budget_usd=0.0, now_s=0.0)
+    with pytest.raises(ValueError):
+        JobRecord.submit("bad:id", {}, budget_usd=1.0, now_s=0.0)
+    with pytest.raises(ValueError):
+        JobRecord.submit("j1", {}, budget_usd=float("inf"), now_s=0.0)
+
+
+def test_transition_table_covers_every_state_and_terminal_states_go_nowhere() -> None:
+    assert set(ALLOWED_TRANSITIONS) == set(JobState)
+    assert sorted(TERMINAL_STATES) == sorted(
+        [JobState.SUCCEEDED, JobState.FAILED, JobState.BUDGET_EXHAUSTED, JobState.CANCELLED]
+    )
+    assert len(EDGES) == 8
+    for state in JobState:
+        assert state.value in (JobState.__doc__ or "")
+
+
+def test_ledger_entry_charge_must_match_price_and_billed_time() -> None:
+    with pytest.raises(ValueError, match="charged_usd"):
+        LedgerEntry.model_validate(charge().model_dump() | {"charged_usd": 5.0})
