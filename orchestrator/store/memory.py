@@ -227,6 +227,8 @@ class MemoryStore:
         check_id("job", job_id)
         with self._lock:
             current = self._job(job_id)
+            if current.state.is_terminal:
+                return current  # an ended job's numbers are frozen
             return self._put_job(current, {"work_done_gpu_hours": work, "updated_at": now_s})
 
     # --- ledger

@@ -136,7 +136,9 @@ class Store(Protocol):
     def update_progress(self, job_id: str, work_done_gpu_hours: float, now_s: float) -> JobRecord:
         """Record the job's work done so far (and `updated_at = now_s`); last writer wins.
 
-        Does not change `version`, so it never makes a concurrent `transition` fail.
+        Does not change `version`, so it never makes a concurrent `transition` fail. A job in a
+        terminal state is left as it is (an ended job's numbers do not change: a late report
+        from a worker that had not yet stopped is dropped).
 
         Returns:
             The job as it is now.

@@ -97,10 +97,16 @@ table.insert(out, 1, 'ok')
 return out
 """
 
-# KEYS: job hash. ARGV: work done, updated_at.
+# KEYS: job hash. ARGV: work done, updated_at, then the terminal states (as stored): an ended
+# job's numbers are frozen.
 UPDATE_PROGRESS_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
-redis.call('HSET', KEYS[1], 'work_done_gpu_hours', ARGV[1], 'updated_at', ARGV[2])
+local state = redis.call('HGET', KEYS[1], 'state')
+local ended = false
+for i = 3, #ARGV do if state == ARGV[i] then ended = true end end
+if not ended then
+  redis.call('HSET', KEYS[1], 'work_done_gpu_hours', ARGV[1], 'updated_at', ARGV[2])
+end
 local out = redis.call('HGETALL', KEYS[1])
 table.insert(out, 1, 'ok')
 return out

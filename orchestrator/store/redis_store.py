@@ -50,6 +50,7 @@ from orchestrator.store.errors import (
 from orchestrator.store.events import Event, event_json
 from orchestrator.store.models import (
     INSTANCE_ENDED,
+    TERMINAL_STATES,
     InstanceRecord,
     JobRecord,
     JobState,
@@ -218,11 +219,12 @@ class RedisStore:
         return decode_hash(JobRecord, key, pairs(result[1:]))
 
     def update_progress(self, job_id: str, work_done_gpu_hours: float, now_s: float) -> JobRecord:
-        """One Lua script: write the two fields and read the job back."""
+        """One Lua script: write the two fields unless the job has ended, read it back."""
         work = check_work_done(work_done_gpu_hours)
         key = self._keys.job(job_id)
+        ended = [enc(state) for state in sorted(TERMINAL_STATES)]
         with redis_errors(self.url):
-            result = self._scripts.update_progress(keys=[key], args=[enc(work), enc(now_s)])
+            result = self._scripts.update_progress(keys=[key], args=[enc(work), enc(now_s), *ended])
         if result[0] == "missing":
             raise NotFoundError("job", job_id)
         return decode_hash(JobRecord, key, pairs(result[1:]))

@@ -196,7 +196,9 @@ class JobContract:
         updated = store.update_progress("j1", 2.5, now_s=9.0)
         assert (updated.work_done_gpu_hours, updated.updated_at, updated.version) == (2.5, 9.0, 1)
         assert store.get_job("j1") == updated
-        store.transition("j1", JobState.SUCCEEDED, expected_version=1, now_s=10.0)
+        ended = store.transition("j1", JobState.SUCCEEDED, expected_version=1, now_s=10.0)
+        assert store.update_progress("j1", 3.0, now_s=12.0) == ended  # frozen once ended
+        assert store.get_job("j1") == ended
         for bad in (-1.0, float("nan"), float("inf")):
             with pytest.raises(ValueError):
                 store.update_progress("j1", bad, now_s=11.0)
