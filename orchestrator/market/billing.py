@@ -99,9 +99,9 @@ def charged_fraction(hazard_per_s: float | np.ndarray) -> Any:
     evaluates every candidate at once).
     """
     if isinstance(hazard_per_s, np.ndarray):
-        x = hazard_per_s.astype(np.float64) * SECONDS_PER_HOUR
-        safe = np.where(x > 0, x, 1.0)
-        return np.where(x > 0, safe * np.exp(-safe) / -np.expm1(-safe), 1.0)
+        xs = hazard_per_s.astype(np.float64) * SECONDS_PER_HOUR
+        safe = np.where(xs > 0, xs, 1.0)
+        return np.where(xs > 0, safe * np.exp(-safe) / -np.expm1(-safe), 1.0)
     if hazard_per_s <= 0.0:
         return 1.0
     x = hazard_per_s * SECONDS_PER_HOUR

@@ -86,7 +86,8 @@ def _job_page(
 ) -> dict[str, Any]:
     end_s = start_s + r.runtime_s
     lines = sorted(r.ledger, key=lambda line: (line.end_s, line.start_s))
-    spend, spent = [{"t": start_s, "spent_usd": 0.0}], 0.0
+    spend: list[dict[str, float | None]] = [{"t": start_s, "spent_usd": 0.0}]
+    spent = 0.0
     for line in lines:
         spent += line.charged_usd * line.count
         spend.append({"t": line.end_s, "spent_usd": spent})

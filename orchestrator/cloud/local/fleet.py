@@ -76,7 +76,7 @@ REDIS_TIMEOUT_SECONDS = 2.0
 LOG_TAIL_CHARS = 2000
 
 #: What the fleet does with a job's summed work: (job_id, GPU-hours, now_s).
-RecordProgress = Callable[[str, float, float], None]
+RecordProgress = Callable[[str, float, float], object]
 
 
 class ReportsUnavailableError(OrchestratorError):
