@@ -2,13 +2,15 @@
 
 It starts a real Redis and a moto EC2 server on loopback, replays the 2020 us-east-1 spot prices
 on a clock running `speed`× faster than real time, replays capacity evictions from the real
-32-node p3 trace (each with its 2-minute notice on the node's instance-metadata mock), runs the
-unchanged controller (BidBrain, EC2 adapter, Redis store), and starts a local process per
-instance moto launches (the node agent). The agents train a real PyTorch model with AgileML:
-spot instances are transient nodes (ActivePSs and workers), the on-demand CPU node is the
-reliable one (BackupPS, or ParamServ when no spot node is left), and the job's elasticity
-controller runs here. Evictions reach the training as eviction notices. It submits one job with
-a budget, prints a live progress line and ends with a summary that includes the training loss.
+32-node p3 trace (each with its 2-minute notice on the instance's metadata mock), and runs the
+controller exactly as `controller start` builds it (`controller.wiring`: BidBrain, the EC2
+adapter, the Redis store, the training host). Every instance moto launches gets a local process
+running the same instance agent as an AWS worker (`orchestrator.agent`), which reads who it is
+from its metadata tags and trains a real PyTorch model with AgileML: spot instances are
+transient nodes (ActivePSs and workers), the on-demand CPU node is the reliable one (BackupPS,
+or ParamServ when no spot node is left). Evictions reach the training as eviction notices. It
+submits one job with a budget through the API's submission, prints a live progress line and
+ends with a summary that includes the training loss.
 """
 
 from __future__ import annotations
@@ -19,35 +21,32 @@ import math
 import secrets
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pydantic import SecretStr
 from rich.console import Console
 
-from orchestrator.agileml.control import ModelSpec, TrainingSpec
-from orchestrator.agileml.coordinator import Coordinator
-from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.examples import build_model, full_loss, initial_model
-from orchestrator.agileml.partitions import PartitionLayout
-from orchestrator.api.app import create_app
+from orchestrator.agileml.hosting import HostedTraining
+from orchestrator.api.app import create_app, submit_job
 from orchestrator.api.serve import BackgroundServer
 from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer
-from orchestrator.cloud.local.fleet import LocalFleet, TrainingAccess
+from orchestrator.cloud.local.fleet import LocalFleet
 from orchestrator.cloud.local.moto_server import MotoEC2Server
-from orchestrator.cloud.local.redis_process import LocalRedis
+from orchestrator.cloud.local.redis_process import LocalRedis, free_port
 from orchestrator.controller.core import Controller
+from orchestrator.controller.training import TrainingHost
+from orchestrator.controller.wiring import build_controller, replay_clock
 from orchestrator.jobspec import JobSubmission
-from orchestrator.market.billing import PerSecondBilling
 from orchestrator.market.eviction import AvailabilityTrace
-from orchestrator.market.prices import to_datetime, to_epoch_seconds
-from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
-from orchestrator.settings import ApiSettings, Settings
-from orchestrator.store.models import JobRecord, JobState, TrainingReport
-from orchestrator.store.protocol import Store
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.market.prices import to_datetime
+from orchestrator.market.trace_source import bundled_prices_dir
+from orchestrator.settings import ApiSettings, ControllerSettings, Settings
+from orchestrator.store import JobRecord, JobState, RedisStore
 from orchestrator.units import SECONDS_PER_HOUR
 
 CONTROLLER_ID = "demo"
@@ -59,11 +58,24 @@ DEFAULT_START = "2020-02-03T00:00:00Z"
 LOOP_WALL_S = 0.2
 #: Off a terminal (a log, CI), one progress line per this much simulated time.
 PLAIN_LINE_EVERY_SIM_S = 900.0
-#: Real seconds between two measurements of the model's loss (parameters pulled from the
-#: parameter servers, loss over the whole training set).
-LOSS_EVERY_WALL_S = 2.0
+#: Real seconds between two training reports (to the store, for the dashboard) and two
+#: measurements of the model's loss (parameters pulled from the parameter servers, loss over
+#: the whole training set).
+TRAINING_EVERY_WALL_S = 2.0
 #: Where the demo serves the API and dashboard (the API's default port, so the CLI finds it).
 DEFAULT_PORT = 8750
+#: The demo job's model: multinomial logistic regression on a generated mixture, sized to train
+#: at a visible pace on a few CPU processes (`TrainingSpec` fields).
+TRAINING: dict[str, Any] = {
+    "model": {"kind": "mlr", "features": 64, "classes": 8},
+    "samples": 4096,
+    "global_batch": 128,
+    "lr": 0.5,
+    "iterations": 10_000_000,  # runs until the controller's job ends
+    "num_partitions": 4,
+    "min_nodes": 2,
+    "failure_timeout_s": 3.0,  # many processes on few cores: be patient before "failed"
+}
 
 
 @dataclass
@@ -87,75 +99,101 @@ class DemoSummary:
 
 
 def sample_job(budget_usd: float) -> JobSubmission:
-    """A 12 reference-GPU-hour job on up to 4 V100s (p3 types), with a budget."""
+    """A 12 reference-GPU-hour job on up to 4 V100s (p3 types) that trains `TRAINING`."""
     return JobSubmission(
         name="demo-training",
         budget_usd=budget_usd,
         work_gpu_hours=12.0,
         max_gpus=4.0,
         instance_types=("p3.2xlarge", "p3.8xlarge", "p3.16xlarge"),
+        training=TRAINING,
     )
 
 
-def training_spec() -> TrainingSpec:
-    """The demo job's model: multinomial logistic regression on a generated mixture, sized to
-    train at a visible pace on a few CPU processes."""
-    return TrainingSpec(
-        job_id=JOB_ID,
-        model=ModelSpec(kind="mlr", features=64, classes=8),
-        samples=4096,
-        global_batch=128,
-        lr=0.5,
-        iterations=10_000_000,  # runs until the controller's job ends
-        num_partitions=4,
-        min_nodes=2,
-        failure_timeout_s=3.0,  # many processes on few cores: be patient before "failed"
+def demo_settings(*, speed: float, start: str) -> Settings:
+    """The controller's settings: replayed us-east-1 prices from `start` at `speed`, and an API
+    token nobody is shown (the demo's API is for watching)."""
+    return Settings(
+        controller_id=CONTROLLER_ID,
+        region=REGION,
+        api=ApiSettings(token=SecretStr(secrets.token_hex(16))),
+        controller=ControllerSettings(
+            prices=(bundled_prices_dir(REGION),), replay_start=start, speed=speed
+        ),
     )
 
 
-class _LossProbe:
-    """Measures the training loss now and then from the parameter servers' current state."""
+@dataclass
+class _World:
+    """The running offline world and what the demo's loop keeps track of."""
 
-    def __init__(self, coordinator: Coordinator, spec: TrainingSpec) -> None:
-        self.coordinator, self.spec = coordinator, spec
-        self.model = initial_model(build_model(spec), spec.seed)
-        self.layout = PartitionLayout(self.model, spec.num_partitions)
-        self.at_start = full_loss(spec, self.model)
-        self.last = math.nan
-        self._next = 0.0
-
-    def maybe_measure(self) -> bool:
-        """Measure if it is time; True when a new loss was measured."""
-        if time.monotonic() < self._next:
-            return False
-        self._next = time.monotonic() + LOSS_EVERY_WALL_S
-        try:
-            params = self.coordinator.fetch_parameters(timeout_s=1.0, final=False)
-        except AgileMLError:
-            return False  # not started yet, or an owner is moving: measure next time
-        self.layout.scatter(self.model, params)
-        self.last = full_loss(self.spec, self.model)
-        return True
+    store: RedisStore
+    clock: ReplayClock
+    client: Any  # boto3 EC2 client of the moto server
+    controller: Controller
+    replayer: EvictionReplayer
+    fleet: LocalFleet
+    training: TrainingHost
+    server: BackgroundServer | None
+    where: str  # the Redis and moto URLs, for the first line
+    launched: set[str] = field(default_factory=set)
+    injected: int = 0
+    hosted: HostedTraining | None = None
+    loss_at_start: float = math.nan
+    last_loss: float = math.nan
+    next_training_s: float = 0.0
 
 
-def _report_training(store: Store, training: Coordinator, probe: _LossProbe, now_s: float) -> None:
-    """What the runtime reports to the controller for the dashboard and /metrics."""
-    progress = training.progress()
-    report = TrainingReport(
-        at_s=now_s,
-        iteration=progress.iteration,
-        loss=probe.last if math.isfinite(probe.last) else None,
-        reassigned=progress.reassigned_rows,
-        stage_transitions=progress.stage_transitions,
-    )
-    store.append_training(JOB_ID, report)
-
-
-def _dashboard(store: Store, clock: ReplayClock, port: int) -> BackgroundServer:
-    """The API and dashboard over the demo's store, on the demo's clock (read-only use: the
-    token is random and not shown)."""
-    settings = Settings(api=ApiSettings(token=SecretStr(secrets.token_hex(16))))
-    return BackgroundServer(create_app(store, settings, clock=clock.now), port=port)
+@contextlib.contextmanager
+def _offline_world(settings: Settings, *, seed: int, port: int | None) -> Iterator[_World]:
+    """Redis, moto, the controller with its training host, the eviction replayer, the local
+    fleet and (unless `port` is None) the dashboard; everything stopped on exit."""
+    clock = replay_clock(settings)
+    assert clock is not None  # the demo's settings replay a trace
+    token = secrets.token_bytes(32)
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="orchestrator-demo-")))
+        redis = stack.enter_context(LocalRedis())
+        aws = stack.enter_context(MotoEC2Server())
+        store = RedisStore.connect(redis.url, namespace=NAMESPACE)
+        stack.callback(store.close)
+        training = stack.enter_context(
+            TrainingHost(
+                store,
+                token=token,
+                advertise_host="127.0.0.1",
+                bind_host="127.0.0.1",
+                base_port=free_port(),
+                work_from_iterations=False,
+            )  # fmt: skip
+        )  # the offline world counts the instances' simulated work instead (the fleet)
+        client = aws.client()
+        controller = build_controller(
+            settings, store=store, client=client, launch_tags=training.tags_for
+        )
+        replayer = EvictionReplayer(
+            client, CONTROLLER_ID, AvailabilityTrace.bundled(), clock,
+            seed=seed, on_notice=controller.notify,
+        )  # fmt: skip
+        server = None
+        if port is not None:
+            app = create_app(store, settings, clock=clock.now)
+            server = stack.enter_context(BackgroundServer(app, port=port))
+        fleet = stack.enter_context(
+            LocalFleet(
+                redis.url,
+                NAMESPACE,
+                clock,
+                cloud_client=client,
+                controller_id=CONTROLLER_ID,
+                replayer=replayer,
+                log_dir=tmp / "agents",
+                training_token=token,
+                record_progress=store.update_progress,
+            )  # fmt: skip
+        )
+        where = f"Redis {redis.url}, EC2 (moto) {aws.endpoint_url}"
+        yield _World(store, clock, client, controller, replayer, fleet, training, server, where)
 
 
 def run_demo(
@@ -184,144 +222,120 @@ def run_demo(
     console = console or Console()
     wall0 = time.monotonic()
     job = sample_job(budget_usd)
-    spec = training_spec()
-    token = secrets.token_bytes(32)
-    with (
-        tempfile.TemporaryDirectory(prefix="orchestrator-demo-") as tmp,
-        LocalRedis() as redis,
-        MotoEC2Server() as aws,
-        Coordinator(spec, token=token) as training,
-        contextlib.ExitStack() as stack,
-    ):
-        probe = _LossProbe(training, spec)
-        store = RedisStore.connect(redis.url, namespace=NAMESPACE)
-        client = aws.client()
-        clock = ReplayClock(to_epoch_seconds(start), speed)
-        server = None if port is None else stack.enter_context(_dashboard(store, clock, port))
-        controller = Controller(
-            store=store,
-            cloud=EC2Cloud(REGION, CONTROLLER_ID, client=client),
-            prices=TracePriceSource([bundled_prices_dir(REGION)]),
-            billing=PerSecondBilling(),
-        )
-        replayer = EvictionReplayer(
-            client,
-            CONTROLLER_ID,
-            AvailabilityTrace.bundled(),
-            clock,
-            seed=seed,
-            on_notice=controller.notify,
-        )
-        store.create_job(
-            JobRecord.submit(JOB_ID, job.model_dump(mode="json"), budget_usd, clock.now())
-        )
-        console.print(
-            f"[bold]Offline demo[/bold]: job {JOB_ID} ({job.work_gpu_hours:g} GPU-hours on up "
-            f"to {job.max_gpus:g} V100s, budget ${budget_usd:g}) from "
-            f"{to_datetime(clock.now()):%Y-%m-%d %H:%M} UTC in replayed us-east-1 spot prices, "
-            f"{speed:g}x real time. Redis {redis.url}, EC2 (moto) {aws.endpoint_url}.",
-            highlight=False,
-        )
-        if server is not None:
-            console.print(f"Dashboard: {server.url}/dashboard", highlight=False)
-        injected = 0
-        last_line_s = -float("inf")
-        launched: set[str] = set()
-        with LocalFleet(
-            redis.url,
-            NAMESPACE,
-            clock,
-            cloud_client=client,
-            controller_id=CONTROLLER_ID,
-            replayer=replayer,
-            log_dir=Path(tmp) / "agents",
-            training=TrainingAccess(training.endpoint, token),
-            record_progress=store.update_progress,
-        ) as fleet:
-            while time.monotonic() - wall0 < timeout_s:
-                now = clock.now()
-                report = controller.tick(now)
-                launched.update(report.launched)
-                replayer.step()
-                fleet.step()
-                if probe.maybe_measure():
-                    _report_training(store, training, probe, now)
-                record = store.get_job(JOB_ID)
-                if record.state.is_terminal:
-                    break
-                done = record.work_done_gpu_hours / job.work_gpu_hours
-                if done >= 0.5 and not replayer.evictions and injected == 0:
-                    injected += _inject_eviction(store, replayer, now)
-                if console.is_terminal or now - last_line_s >= PLAIN_LINE_EVERY_SIM_S:
-                    _progress(
-                        console, controller, record, job, replayer, now, clock.start_s, probe.last
-                    )
-                    last_line_s = now
-                time.sleep(LOOP_WALL_S)
-            fleet.step()
+    settings = demo_settings(speed=speed, start=start)
+    with _offline_world(settings, seed=seed, port=port) as world:
+        submit_job(world.store, job, now_s=world.clock.now(), new_id=lambda: JOB_ID)
+        _announce(console, world, job, speed)
+        _run(world, job, console, deadline=wall0 + timeout_s)
         if console.is_terminal:
             console.print()
-        if server is not None and linger_s > 0:
-            console.print(f"Serving the dashboard {linger_s:g} s more: {server.url}/dashboard")
+        if world.server is not None and linger_s > 0:
+            console.print(
+                f"Serving the dashboard {linger_s:g} s more: {world.server.url}/dashboard"
+            )
             time.sleep(linger_s)
-        final = store.get_job(JOB_ID)
-        orphans = len(EC2Cloud(REGION, CONTROLLER_ID, client=client).describe())
-        summary = DemoSummary(
-            job_state=str(final.state),
-            budget_usd=budget_usd,
-            spent_usd=round(store.spent_usd(JOB_ID), 4),
-            evictions=len(replayer.evictions),
-            instances_launched=len(launched),
-            orphans_after=orphans,
-            work_done_fraction=round(min(final.work_done_gpu_hours / job.work_gpu_hours, 1.0), 4),
-            sim_hours=round((clock.now() - clock.start_s) / SECONDS_PER_HOUR, 3),
-            wall_seconds=round(time.monotonic() - wall0, 1),
-            injected_evictions=injected,
-            loss_at_start=round(probe.at_start, 4),
-            final_loss=round(probe.last, 4),
-            training_iterations=max(
-                (c + 1 for ls in training.node_losses().values() for c, _ in ls), default=0
-            ),
-            training_events=[
-                f"{e.kind} {' '.join(e.nodes)} {e.detail}".strip() for e in training.events()
-            ],
-        )
-        store.close()
+        summary = _summary(world, job, wall0)
     _print_summary(console, summary)
     return summary
 
 
-def _inject_eviction(store: Store, replayer: EvictionReplayer, now_s: float) -> int:
-    spot = [r for r in store.list_instances(JOB_ID, alive_only=True) if r.lifecycle == "spot"]
+def _announce(console: Console, world: _World, job: JobSubmission, speed: float) -> None:
+    console.print(
+        f"[bold]Offline demo[/bold]: job {JOB_ID} ({job.work_gpu_hours:g} GPU-hours on up "
+        f"to {job.max_gpus:g} V100s, budget ${job.budget_usd:g}) from "
+        f"{to_datetime(world.clock.now()):%Y-%m-%d %H:%M} UTC in replayed us-east-1 spot prices, "
+        f"{speed:g}x real time. {world.where}.",
+        highlight=False,
+    )
+    if world.server is not None:
+        console.print(f"Dashboard: {world.server.url}/dashboard", highlight=False)
+
+
+def _run(world: _World, job: JobSubmission, console: Console, *, deadline: float) -> None:
+    """Tick the controller, the replayer and the fleet until the job ends or the deadline."""
+    last_line_s = -math.inf
+    while time.monotonic() < deadline:
+        now = world.clock.now()
+        world.launched.update(world.controller.tick(now).launched)
+        world.replayer.step()
+        world.fleet.step()
+        _training_step(world, now)
+        record = world.store.get_job(JOB_ID)
+        if record.state.is_terminal:
+            break
+        done = record.work_done_gpu_hours / job.work_gpu_hours
+        if done >= 0.5 and not world.replayer.evictions and world.injected == 0:
+            world.injected += _inject_eviction(world, now)
+        if console.is_terminal or now - last_line_s >= PLAIN_LINE_EVERY_SIM_S:
+            _progress(console, world, record, job, now)
+            last_line_s = now
+        time.sleep(LOOP_WALL_S)
+    world.fleet.step()  # stops the agents of the instances the controller released
+
+
+def _training_step(world: _World, now_s: float) -> None:
+    """Every `TRAINING_EVERY_WALL_S`: report the training (the host), measure the loss."""
+    if time.monotonic() < world.next_training_s:
+        return
+    world.next_training_s = time.monotonic() + TRAINING_EVERY_WALL_S
+    world.training.step(now_s)
+    if world.hosted is None:
+        world.hosted = world.training.hosted(JOB_ID)  # hosted at the job's first launch
+        if world.hosted is None:
+            return
+        world.loss_at_start = world.hosted.initial_loss()
+    loss = world.hosted.model_loss()
+    if loss is not None:
+        world.last_loss = loss
+
+
+def _inject_eviction(world: _World, now_s: float) -> int:
+    alive = world.store.list_instances(JOB_ID, alive_only=True)
+    spot = [r for r in alive if r.lifecycle == "spot"]
     if not spot:
         return 0
-    return 1 if replayer.force_evict(spot[0].instance_id, now_s + 180.0) else 0
+    return 1 if world.replayer.force_evict(spot[0].instance_id, now_s + 180.0) else 0
 
 
 def _progress(
-    console: Console,
-    controller: Controller,
-    record: JobRecord,
-    job: JobSubmission,
-    replayer: EvictionReplayer,
-    now_s: float,
-    start_s: float,
-    loss: float,
+    console: Console, world: _World, record: JobRecord, job: JobSubmission, now_s: float
 ) -> None:
     """One progress line: rewritten in place on a terminal, appended otherwise."""
-    alive = controller.store.list_instances(JOB_ID, alive_only=True)
+    alive = world.store.list_instances(JOB_ID, alive_only=True)
     spot = sum(1 for r in alive if r.lifecycle == "spot")
-    spent = controller.spend_usd(JOB_ID, now_s)
+    spent = world.controller.spend_usd(JOB_ID, now_s)
     pct = 100.0 * min(record.work_done_gpu_hours / job.work_gpu_hours, 1.0)
     line = (
-        f"t+{(now_s - start_s) / 3600:5.2f} h  work {pct:5.1f}%  spent ${spent:7.2f} / "
-        f"${job.budget_usd:g}  nodes: {len(alive) - spot} reliable, {spot} spot  "
-        f"evictions {len(replayer.evictions)}  loss {loss:.3f}  [{record.state}]"
+        f"t+{(now_s - world.clock.start_s) / SECONDS_PER_HOUR:5.2f} h  work {pct:5.1f}%  "
+        f"spent ${spent:7.2f} / ${job.budget_usd:g}  nodes: {len(alive) - spot} reliable, "
+        f"{spot} spot  evictions {len(world.replayer.evictions)}  loss {world.last_loss:.3f}  "
+        f"[{record.state}]"
     )
     if console.is_terminal:
         console.print(f"\r{line}   ", end="", highlight=False, soft_wrap=True, markup=False)
     else:
         console.print(line, highlight=False, markup=False)
+
+
+def _summary(world: _World, job: JobSubmission, wall0: float) -> DemoSummary:
+    final = world.store.get_job(JOB_ID)
+    hosted = world.hosted
+    return DemoSummary(
+        job_state=str(final.state),
+        budget_usd=job.budget_usd,
+        spent_usd=round(world.store.spent_usd(JOB_ID), 4),
+        evictions=len(world.replayer.evictions),
+        instances_launched=len(world.launched),
+        orphans_after=len(EC2Cloud(REGION, CONTROLLER_ID, client=world.client).describe()),
+        work_done_fraction=round(min(final.work_done_gpu_hours / job.work_gpu_hours, 1.0), 4),
+        sim_hours=round((world.clock.now() - world.clock.start_s) / SECONDS_PER_HOUR, 3),
+        wall_seconds=round(time.monotonic() - wall0, 1),
+        injected_evictions=world.injected,
+        loss_at_start=round(world.loss_at_start, 4),
+        final_loss=round(world.last_loss, 4),
+        training_iterations=0 if hosted is None else hosted.progress().iteration,
+        training_events=[] if hosted is None else hosted.events(),
+    )
 
 
 def _print_summary(console: Console, s: DemoSummary) -> None:

@@ -135,6 +135,7 @@ class CloudInstance(BaseModel, frozen=True):
     controller_id: str
     launched_at: datetime
     max_price_usd_per_hour: float | None = None
+    tags: dict[str, str] = {}  # every tag EC2 reports (ours parsed into the fields above)
 
     @property
     def market(self) -> Market:
@@ -528,6 +529,7 @@ class EC2Cloud:
             controller_id=tags.get(TAG_CONTROLLER, self.controller_id),
             launched_at=launched_at.astimezone(UTC),
             max_price_usd_per_hour=_float_or_none(tags.get(TAG_MAX_PRICE)),
+            tags=tags,
         )
 
 

@@ -30,17 +30,16 @@ from orchestrator.store import Store
 Clock = Callable[[], float]
 
 
-def controller_clock(settings: Settings) -> tuple[Clock, float]:
-    """The clock the controller decides on and how many times faster than real time it runs:
-    the wall clock, or (when `controller.prices` replays a trace) a replay clock from
-    `controller.replay_start` at `controller.speed`.
+def replay_clock(settings: Settings) -> ReplayClock | None:
+    """The replay clock of a trace replay (`controller.prices`): from `controller.replay_start`
+    at `controller.speed`; None when the controller runs on EC2's live prices.
 
     Raises:
         UserError: a replay without a valid `controller.replay_start`.
     """
     c = settings.controller
     if not c.prices:
-        return time.time, 1.0
+        return None
     if c.replay_start is None:
         raise UserError(
             "replaying a price trace needs the time to start at",
@@ -56,7 +55,18 @@ def controller_clock(settings: Settings) -> tuple[Clock, float]:
             field="--replay-start",
             fix="e.g. 2020-02-03T00:00:00Z",
         ) from None
-    return ReplayClock(start_s, c.speed).now, c.speed
+    return ReplayClock(start_s, c.speed)
+
+
+def controller_clock(settings: Settings) -> tuple[Clock, float]:
+    """The clock the controller decides on and how many times faster than real time it runs:
+    the wall clock, or the replay clock of a trace replay (`replay_clock`).
+
+    Raises:
+        UserError: a replay without a valid `controller.replay_start`.
+    """
+    replay = replay_clock(settings)
+    return (time.time, 1.0) if replay is None else (replay.now, replay.speed)
 
 
 def ec2_client(settings: Settings) -> Any:

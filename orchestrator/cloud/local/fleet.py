@@ -7,10 +7,11 @@ Each `step()`:
    service, serving the instance's tags as AWS does, attached to the `EvictionReplayer` so
    that notices appear at its `/latest/meta-data/spot/instance-action`) and one instance agent
    process (`python -m orchestrator.agent`, the same agent as on AWS) at the instance type's
-   work rate (`Catalog.work_rate`). With `training` (an AgileML job's controller and token),
-   every agent also trains: spot instances as transient AgileML nodes, on-demand ones (the CPU
-   reliable tier included) as reliable nodes (BackupPS / ParamServ). Without it, CPU
-   instances get no agent;
+   work rate (`Catalog.work_rate`). An instance launched with its job's elasticity controller
+   in its tags (the controller's `TrainingHost` adds it) also trains, with the fleet's
+   `training_token`: spot instances as transient AgileML nodes, on-demand ones (the CPU
+   reliable tier included) as reliable nodes (BackupPS / ParamServ). A CPU instance that
+   does not train gets no agent;
 3. stops (SIGTERM, SIGKILL after `AGENT_STOP_TIMEOUT_SECONDS`) the agents of instances that are
    no longer running, and their metadata mocks;
 4. sums each job's `{ns}:job:{job_id}:agent-work` hash (`cloud.local.reports`) and hands it to
@@ -46,8 +47,6 @@ import orchestrator
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.cloud.ec2 import (
     TAG_AGILEML_CONTROLLER,
-    TAG_CONTROLLER,
-    TAG_JOB,
     TAG_TIER,
     CloudInstance,
     EC2Cloud,
@@ -112,14 +111,6 @@ _NODE_TRANSITIONS: dict[LocalNodeState, frozenset[LocalNodeState]] = {
 }
 
 
-@dataclass(frozen=True)
-class TrainingAccess:
-    """How the fleet's agents reach the AgileML job they train in."""
-
-    controller: str  # the elasticity controller's endpoint
-    token: bytes  # the job token (passed to agents in the environment, never on argv)
-
-
 @dataclass
 class LocalNode:
     """One running instance of ours and what stands in for it locally."""
@@ -167,7 +158,9 @@ class LocalFleet:
         catalog: work rates per instance type (default: the bundled catalog).
         log_dir: where agents' logs go (default: a temporary directory deleted by `close`).
         ready_after_sim_s: σ, passed to every agent.
-        training: if given, agents train in this AgileML job (see the module docstring).
+        training_token: the AgileML token of the jobs that train (handed to their agents in
+            the environment, never on argv); an instance trains when it carries the
+            `orchestrator:agileml-controller` tag its controller launched it with.
         record_progress: receives each job's summed work at every step (default: dropped).
 
     Not thread-safe: call `step` and `close` from one thread (the demo loop). Every agent and
@@ -193,12 +186,12 @@ class LocalFleet:
         ready_after_sim_s: float = DEFAULT_READY_AFTER_SIM_SECONDS,
         report_interval_s: float = REPORT_INTERVAL_SECONDS,
         notice_poll_s: float = DEFAULT_NOTICE_POLL_SECONDS,
-        training: TrainingAccess | None = None,
+        training_token: bytes | None = None,
         record_progress: RecordProgress | None = None,
     ) -> None:
         self.record_progress = record_progress
         self.redis_url = redis_url
-        self.training = training
+        self.training_token = training_token
         self.namespace = namespace
         self.clock = clock
         self.python = python
@@ -346,7 +339,8 @@ class LocalFleet:
             )
             work_rate = 0.0
         node = LocalNode(instance, work_rate, now)
-        if instance.job_id is None or (work_rate <= 0 and self.training is None):
+        trains = self.training_token is not None and TAG_AGILEML_CONTROLLER in instance.tags
+        if instance.job_id is None or (work_rate <= 0 and not trains):
             return node  # not a job's instance, or a CPU node with nothing to train
         self._jobs.add(instance.job_id)
         mock = MetadataMock(instance.instance_id, tags=self._tags_of(instance))
@@ -379,15 +373,12 @@ class LocalFleet:
         return node
 
     def _tags_of(self, instance: CloudInstance) -> dict[str, str]:
-        """The tags the instance's metadata serves, as AWS's would (the agent reads who it is
-        from them)."""
-        tags = {
-            TAG_JOB: instance.job_id or "",
-            TAG_TIER: "spot" if instance.lifecycle == "spot" else "reliable",
-            TAG_CONTROLLER: instance.controller_id,
-        }
-        if self.training is not None:
-            tags[TAG_AGILEML_CONTROLLER] = self.training.controller
+        """The tags the instance's metadata serves: its EC2 tags, as on AWS (the agent reads
+        who it is from them), without the training controller when no token was given."""
+        tags = {TAG_TIER: "spot" if instance.lifecycle == "spot" else "reliable"}
+        tags.update(instance.tags)
+        if self.training_token is None:
+            tags.pop(TAG_AGILEML_CONTROLLER, None)
         return tags
 
     def _spawn(
@@ -407,8 +398,8 @@ class LocalFleet:
             "--notice-poll-s", repr(self.notice_poll_s),
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if self.training is not None:
-            env[AGILEML_TOKEN_ENV] = self.training.token.hex()
+        if self.training_token is not None:
+            env[AGILEML_TOKEN_ENV] = self.training_token.hex()
         source_root = str(Path(orchestrator.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
         with open(log_path, "ab") as out:
