@@ -30,7 +30,8 @@ from pydantic import SecretStr
 from rich.console import Console
 
 from orchestrator.agileml.hosting import HostedTraining
-from orchestrator.api.app import create_app, submit_job
+from orchestrator.api.app import create_app
+from orchestrator.api.operations import submit_job
 from orchestrator.api.serve import BackgroundServer
 from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.clock import ReplayClock

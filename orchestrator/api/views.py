@@ -1,5 +1,5 @@
 """What the dashboard, the run report and the Prometheus metrics show about jobs, read from the
-store in one place (`static/CONTRACT.md` describes the JSON).
+store in one place (`orchestrator/dashboard/static/CONTRACT.md` describes the JSON).
 
 `JobFacts` scans a job's event log once: BidBrain's latest decision, evictions (warned or not),
 launches and launch failures; with the alive instances and the latest training report it is
@@ -9,10 +9,8 @@ draws. Reads only; nothing here writes.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,12 +29,6 @@ from orchestrator.store.events import (
 from orchestrator.store.models import InstanceRecord, JobRecord, TrainingReport
 from orchestrator.store.protocol import Store
 
-#: The dashboard page's assets (dashboard.html, .js, .css).
-STATIC_DIR = Path(__file__).parent / "static"
-#: What `dashboard_html` replaces to make a self-contained page.
-CSS_TAG = '<link rel="stylesheet" href="static/dashboard.css">'
-JS_TAG = '<script src="static/dashboard.js"></script>'
-DATA_PLACEHOLDER = "<!--DASHBOARD_DATA-->"
 #: Points kept of a long series (evenly thinned, the last point always kept).
 MAX_SERIES_POINTS = 400
 #: Events listed on a job's page, newest first.
@@ -52,28 +44,6 @@ class TrainingBody(BaseModel):
     loss: float | None = None  # finite (allow_inf_nan above); some losses go below 0
     reassigned: Annotated[int, Field(ge=0)] = 0
     stage_transitions: Annotated[int, Field(ge=0)] = 0
-
-
-def dashboard_html(data: dict[str, Any] | None = None) -> str:
-    """The dashboard page: live (assets under `static/`, data polled), or with `data`
-    (`{"fleet": ..., "job": ...}`) a self-contained page with assets and data inlined."""
-    page = (STATIC_DIR / "dashboard.html").read_text()
-    if data is None:
-        return page
-    css = (STATIC_DIR / "dashboard.css").read_text()
-    js = (STATIC_DIR / "dashboard.js").read_text()
-    # "</" inside the JSON must not end the script element early
-    embedded = json.dumps(data).replace("</", "<\\/")
-    for tag, inline in (
-        (CSS_TAG, f"<style>\n{css}\n</style>"),
-        (JS_TAG, f"<script>\n{js}\n</script>"),
-        (DATA_PLACEHOLDER,
-         f'<script id="dashboard-data" type="application/json">{embedded}</script>'),
-    ):  # fmt: skip
-        if page.count(tag) != 1:
-            raise RuntimeError(f"dashboard.html must hold {tag!r} exactly once")
-        page = page.replace(tag, inline)
-    return page
 
 
 def tier_of(record: InstanceRecord) -> str:

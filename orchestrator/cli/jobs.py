@@ -256,7 +256,7 @@ def report(
 ) -> None:
     """Write the job's dashboard as one self-contained HTML file to share: spend vs budget,
     cost per work, spot prices, nodes and evictions, training and events, as of now."""
-    from orchestrator.api.views import dashboard_html
+    from orchestrator.dashboard.page import dashboard_html
 
     if not out_path.parent.is_dir():
         raise UserError(

@@ -1,11 +1,11 @@
-"""The simulator's run report: the dashboard page (the controller's, `api/static/`) drawn from
-simulated runs instead of a live store.
+"""The simulator's run report: the dashboard page (the controller's, `orchestrator/dashboard/`)
+drawn from simulated runs instead of a live store.
 
 Every strategy is replayed from one start time with its ledger kept; each becomes a "job" of
 the page's fleet (its id is the strategy's name), and each job's page shows its spend over time
 against the on-demand cost, its nodes by tier with evictions marked, and the spot prices of
 the markets the strategies used. Simulated runs have no training loss and no event log, so
-those panels stay empty. The JSON follows `api/static/CONTRACT.md`, with every job's page
+those panels stay empty. The JSON follows `dashboard/static/CONTRACT.md`, with every job's page
 embedded under `jobs` so the report can switch between strategies offline.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from orchestrator.api.views import dashboard_html
+from orchestrator.dashboard.page import dashboard_html
 from orchestrator.errors import UserError
 from orchestrator.market.prices import Market
 from orchestrator.sim.engine import LedgerLine, RunResult

@@ -23,8 +23,9 @@ import uvicorn
 from pydantic import SecretStr
 from support.redis_server import free_port, start_redis
 
-from orchestrator.api.app import CANCEL_ATTEMPTS, cancel_job, create_app
+from orchestrator.api.app import create_app
 from orchestrator.api.client import ApiClient, ApiResponseError
+from orchestrator.api.operations import CANCEL_ATTEMPTS, cancel_job
 from orchestrator.errors import UserError
 from orchestrator.market.billing import EndReason
 from orchestrator.settings import ApiSettings, Settings

@@ -1,0 +1,159 @@
+"""The API's refusals: bearer-token authentication and the mapping of every error to the JSON
+error document (`orchestrator.api.error_body`) and its HTTP status."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import SecretStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orchestrator.api import error_body, validation_error
+from orchestrator.api.operations import JobEndedError
+from orchestrator.errors import UserError
+from orchestrator.settings import API_TOKEN_ENV
+from orchestrator.store import (
+    ConflictError,
+    IllegalTransitionError,
+    NotFoundError,
+    StoreError,
+    StoreUnavailableError,
+)
+
+logger = logging.getLogger(__name__)
+
+AUTH_FIX = f"send `Authorization: Bearer <token>` (CLI: --token or {API_TOKEN_ENV})"
+
+
+class ApiError(UserError):
+    """A refusal of the wire layer itself (authentication), with its HTTP status."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        fix: str = "",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, fix=fix)
+        self.status_code = status_code
+        self.headers = headers
+
+
+def bearer_auth(token: SecretStr) -> Callable[[Request], None]:
+    """A dependency refusing requests without `Authorization: Bearer <token>` (401/403)."""
+    expected = token.get_secret_value().encode()
+
+    def check(request: Request) -> None:
+        header = request.headers.get("authorization")
+        if header is None:
+            raise ApiError(
+                401,
+                "this call needs an API token and none was sent",
+                fix=AUTH_FIX,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise ApiError(
+                401,
+                "the Authorization header is not `Bearer <token>`",
+                fix=AUTH_FIX,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if not hmac.compare_digest(given.strip().encode(), expected):
+            raise ApiError(
+                403,
+                "the API token is wrong",
+                fix=f"use the token the server was started with ({API_TOKEN_ENV})",
+            )
+
+    return check
+
+
+def as_user(exc: Exception) -> UserError:
+    return exc if isinstance(exc, UserError) else UserError(str(exc))
+
+
+def _error(
+    status_code: int, exc: UserError, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=status_code, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error to the JSON error document and its status code."""
+
+    def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return _error(exc.status_code, exc, exc.headers)
+
+    def invalid(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = list(exc.errors())
+        in_body = bool(errors) and tuple(errors[0].get("loc", ()))[:1] == ("body",)
+        return _error(
+            422, validation_error(errors, skip_loc=1, what="job spec" if in_body else "request")
+        )
+
+    def not_found(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, NotFoundError)
+        fix = "list jobs with GET /v1/jobs (`orchestrator jobs`)" if exc.kind == "job" else ""
+        return _error(404, UserError(str(exc), fix=fix))
+
+    def unavailable(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StoreUnavailableError)
+        return _error(503, exc)
+
+    def job_ended(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, JobEndedError)
+        return _error(409, exc)
+
+    def illegal(_: Request, exc: Exception) -> JSONResponse:
+        return _error(409, UserError(str(exc), fix="read the job's state and try again"))
+
+    def conflict(_: Request, exc: Exception) -> JSONResponse:
+        return _error(
+            409,
+            UserError(
+                "the job kept changing while this request was handled; nothing was changed",
+                fix="try again",
+            ),
+        )
+
+    def user_error(_: Request, exc: Exception) -> JSONResponse:
+        return _error(400, as_user(exc))
+
+    def store_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("store error", exc_info=exc)
+        return _error(500, UserError(f"store error: {exc}"))
+
+    def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return _error(exc.status_code, UserError(str(exc.detail)), exc.headers)
+
+    def internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error in the API", exc_info=exc)
+        return _error(500, UserError("internal server error", fix="see the API server's log"))
+
+    handlers: dict[type[Exception], Callable[[Request, Exception], JSONResponse]] = {
+        ApiError: api_error,
+        RequestValidationError: invalid,
+        NotFoundError: not_found,
+        StoreUnavailableError: unavailable,
+        JobEndedError: job_ended,
+        IllegalTransitionError: illegal,
+        ConflictError: conflict,
+        StoreError: store_error,
+        UserError: user_error,
+        StarletteHTTPException: http_error,
+        Exception: internal,
+    }
+    for kind, handler in handlers.items():
+        app.add_exception_handler(kind, handler)

@@ -1,0 +1,1 @@
+"""The dashboard page and its assets (`page.py`, `static/`)."""
