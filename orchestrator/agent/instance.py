@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 from orchestrator.agent.identity import InstanceIdentity
 from orchestrator.agent.work import WorkReporter
-from orchestrator.cloud.imds import InterruptionNotice, NoticeWatcher
+from orchestrator.cloud.imds import NoticeWatcher
+from orchestrator.cloud.notices import InterruptionNotice
 
 if TYPE_CHECKING:
     from orchestrator.agileml.node import AgileMLNode, NodeResult

@@ -28,7 +28,7 @@ from types import FrameType
 from orchestrator.agent.identity import read_identity
 from orchestrator.agent.instance import InstanceAgent
 from orchestrator.agent.work import WorkMeter, WorkReporter
-from orchestrator.cloud.imds import MetadataError
+from orchestrator.cloud.errors import MetadataError
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.local.reports import (
     DEFAULT_NOTICE_POLL_SECONDS,

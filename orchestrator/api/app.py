@@ -41,7 +41,7 @@ from orchestrator.api.errors import as_user, bearer_auth, install_error_handlers
 from orchestrator.api.metrics import StoreCollector
 from orchestrator.api.operations import cancel_job, job_cost, new_job_id, submit_job
 from orchestrator.api.views import TrainingBody, fleet, job_dashboard
-from orchestrator.cloud.imds import InterruptionNotice
+from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.dashboard.page import STATIC_DIR, dashboard_html
 from orchestrator.jobspec import JobSubmission
 from orchestrator.settings import Settings

@@ -56,3 +56,42 @@ class ThrottledError(CloudError):
 
     Not a market problem: retry on a later tick, and issue fewer calls.
     """
+
+
+class MetadataError(CloudError):
+    """A metadata request failed or returned something unusable.
+
+    Attributes (besides `CloudError`'s `code`, `message`, `operation`):
+        url: the URL requested, when there was a request.
+        status: the HTTP status, or None when no response came back (`code` is then the
+            exception class name, e.g. "ConnectionRefusedError" or "TimeoutError").
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str,
+        operation: str,
+        url: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        self.url = url
+        self.status = status
+        super().__init__(message, code=code, operation=operation)
+
+
+class LifecycleError(OrchestratorError):
+    """A lifecycle move that its transition table does not allow (a caller bug).
+
+    Attributes:
+        component: the class whose lifecycle it is ("NoticeWatcher", "MetadataMock").
+        state: the state it was in.
+        requested: the state the caller asked for.
+    """
+
+    def __init__(self, component: str, state: str, requested: str) -> None:
+        self.component = component
+        self.state = state
+        self.requested = requested
+        super().__init__(f"{component}: cannot go from {state!r} to {requested!r}")

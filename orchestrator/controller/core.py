@@ -41,7 +41,7 @@ from orchestrator.bidbrain.policy import (
 from orchestrator.cloud.availability import MarketAvailability
 from orchestrator.cloud.ec2 import CloudInstance, EC2Cloud, LaunchSpec
 from orchestrator.cloud.errors import CapacityError, CloudError
-from orchestrator.cloud.imds import InterruptionNotice
+from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.cloud.reconcile import Reconciler
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import BillingModel, EndReason

@@ -141,7 +141,8 @@ def training_host(settings: Settings, store: Store) -> TrainingHost | None:
     if not settings.worker.token_secret:
         return None
     from orchestrator.agileml.token import token_from_hex
-    from orchestrator.cloud.imds import IMDS_BASE_URL, LOCAL_IPV4_PATH, read_metadata
+    from orchestrator.cloud.imds import read_metadata
+    from orchestrator.cloud.imds_wire import IMDS_BASE_URL, LOCAL_IPV4_PATH
     from orchestrator.cloud.secrets import read_secret
     from orchestrator.controller.training import TrainingHost
 

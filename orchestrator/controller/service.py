@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from orchestrator.cloud.imds import InterruptionNotice
+from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.controller.core import Controller, TickReport
 
 log = logging.getLogger(__name__)

@@ -5,6 +5,7 @@
 * `redis_process`: a throwaway `redis-server` (`LocalRedis`).
 * `evictions`: spot reclaims replayed from an availability trace, with the two-minute notice
   (`EvictionReplayer`).
+* `metadata_mock`: an instance's IMDSv2 on loopback (`MetadataMock`: tags, notices).
 * `fleet`: one instance agent process and one instance metadata mock per running GPU instance
   (`LocalFleet`; the agent itself is `orchestrator.agent`, the same as on AWS), and
   `reports`: what the agents report to it.

@@ -31,8 +31,9 @@ from typing import Any
 
 from orchestrator.cloud.ec2 import CloudInstance, EC2Cloud
 from orchestrator.cloud.errors import CloudError
-from orchestrator.cloud.imds import InterruptionNotice, MetadataMock
 from orchestrator.cloud.local.clock import SimClock
+from orchestrator.cloud.local.metadata_mock import MetadataMock
+from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.market.eviction import AvailabilityTrace, RemovalStream
 from orchestrator.market.prices import Market
 

@@ -53,9 +53,9 @@ from orchestrator.cloud.ec2 import (
     InstanceState,
 )
 from orchestrator.cloud.errors import CloudError
-from orchestrator.cloud.imds import MetadataMock
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer
+from orchestrator.cloud.local.metadata_mock import MetadataMock
 from orchestrator.cloud.local.reports import (
     DEFAULT_NOTICE_POLL_SECONDS,
     DEFAULT_READY_AFTER_SIM_SECONDS,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from test_controller import T0, controller, submit
 
-from orchestrator.cloud.imds import InterruptionNotice
+from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.controller.service import ControllerService
 from orchestrator.store.models import JobState
 

@@ -31,7 +31,7 @@ from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.token import token_from_hex
 from orchestrator.cloud.ec2 import TAG_CONTROLLER, TAG_JOB, TAG_TIER, EC2Cloud, LaunchSpec
 from orchestrator.cloud.errors import CapacityError
-from orchestrator.cloud.imds import MetadataMock
+from orchestrator.cloud.local.metadata_mock import MetadataMock
 from orchestrator.deploy import (
     DeployParams,
     StackDeployer,

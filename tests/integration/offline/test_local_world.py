@@ -19,12 +19,14 @@ import redis
 
 from orchestrator.agent.work import WorkMeter
 from orchestrator.cloud.ec2 import EC2Cloud, LaunchSpec
-from orchestrator.cloud.imds import InterruptionNotice, MetadataMock, NoticeWatcher
+from orchestrator.cloud.imds import NoticeWatcher
 from orchestrator.cloud.local.clock import FakeClock, ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer, EvictionState
 from orchestrator.cloud.local.fleet import LocalFleet, LocalNodeState
+from orchestrator.cloud.local.metadata_mock import MetadataMock
 from orchestrator.cloud.local.moto_server import MotoEC2Server
 from orchestrator.cloud.local.redis_process import LocalRedis, RedisProcessError
+from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.controller.core import Controller, TickReport
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import PerSecondBilling

@@ -16,20 +16,18 @@ from typing import Any
 
 import pytest
 
-from orchestrator.cloud.imds import (
+from orchestrator.cloud.errors import LifecycleError
+from orchestrator.cloud.imds import NoticeWatcher, WatcherState
+from orchestrator.cloud.imds_wire import (
     INSTANCE_ID_PATH,
     REBALANCE_PATH,
     SPOT_ACTION_PATH,
     TOKEN_HEADER,
     TOKEN_PATH,
     TOKEN_TTL_HEADER,
-    InterruptionNotice,
-    LifecycleError,
-    MetadataMock,
-    NoticeFormatError,
-    NoticeWatcher,
-    WatcherState,
 )
+from orchestrator.cloud.local.metadata_mock import MetadataMock
+from orchestrator.cloud.notices import InterruptionNotice, NoticeFormatError
 from orchestrator.errors import UserError
 
 INSTANCE_ID = "i-1234567890abcdef0"
