@@ -169,16 +169,14 @@ def deploy(
         )
         return
 
-    import boto3
+    from orchestrator.aws import aws_client
 
-    secretsmanager = boto3.client("secretsmanager", region_name=region, endpoint_url=endpoint_url)
+    secretsmanager = aws_client("secretsmanager", region, endpoint_url=endpoint_url)
     api_arn, worker_arn = StackDeployer.ensure_secrets(secretsmanager, controller_id)
     params = params.model_copy(
         update={"api_token_secret_arn": api_arn, "worker_token_secret_arn": worker_arn}
     )
-    deployer = StackDeployer(
-        boto3.client("cloudformation", region_name=region, endpoint_url=endpoint_url), stack
-    )
+    deployer = StackDeployer(aws_client("cloudformation", region, endpoint_url=endpoint_url), stack)
     out.print(f"deploying stack {stack} in {region} (takes a few minutes)...", highlight=False)
     outputs = deployer.deploy(
         rendered,
@@ -216,25 +214,22 @@ def _port_range(text: str) -> tuple[int, int]:
 
 
 def _teardown(stack: str, controller_id: str, region: str, endpoint_url: str | None) -> None:
-    import boto3
-
+    from orchestrator.aws import aws_client
     from orchestrator.cloud.ec2 import EC2Cloud
     from orchestrator.deploy import StackDeployer
 
     ec2 = EC2Cloud(
         region,
         controller_id,
-        client=boto3.client("ec2", region_name=region, endpoint_url=endpoint_url),
+        client=aws_client("ec2", region, endpoint_url=endpoint_url),
     )
-    deployer = StackDeployer(
-        boto3.client("cloudformation", region_name=region, endpoint_url=endpoint_url), stack
-    )
+    deployer = StackDeployer(aws_client("cloudformation", region, endpoint_url=endpoint_url), stack)
     out.print(f"tearing down {stack}: workers first, then the stack...", highlight=False)
     terminated = deployer.teardown(
         ec2, on_event=lambda e: out.print(f"  {e.resource:<28} {e.status}", highlight=False)
     )
     StackDeployer.delete_secrets(
-        boto3.client("secretsmanager", region_name=region, endpoint_url=endpoint_url),
+        aws_client("secretsmanager", region, endpoint_url=endpoint_url),
         controller_id,
     )
     out.print(

@@ -4,9 +4,10 @@ Every instance is tagged with the controller, job and allocation that own it and
 that a restarted controller can find what it owns (`describe`) and `Reconciler` can clean up.
 
 Failure semantics:
-    * Transient failures are retried by botocore itself, in its "adaptive" retry mode (client
-      side rate limiting on top of exponential backoff) with `max_attempts=8`, which botocore
-      counts as retries: up to 9 attempts per call. This module adds no retry loop of its own.
+    * Transient failures are retried by botocore itself, with the policy of every AWS call of
+      the orchestrator (`orchestrator.aws`: "adaptive" mode, client side rate limiting on top
+      of exponential backoff, `max_attempts=8`, which botocore counts as retries: up to 9
+      attempts per call). This module adds no retry loop of its own.
     * What remains is raised as a `CloudError` carrying the AWS code and the operation:
       `ThrottledError` for RequestLimitExceeded, `CapacityError` for the capacity and limit
       codes of RunInstances (`CAPACITY_CODES`), `CloudError` for anything else (including
@@ -46,10 +47,10 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 import boto3
-from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.aws import aws_client
 from orchestrator.bidbrain.model import AllocationRequest
 from orchestrator.cloud.errors import CapacityError, CloudError, ThrottledError
 from orchestrator.market.prices import Market, region_of_zone
@@ -66,7 +67,6 @@ TAG_AGILEML_CONTROLLER = "orchestrator:agileml-controller"
 #: The spot max price the instance was launched with; DescribeInstances does not report it.
 TAG_MAX_PRICE = "orchestrator:max-price-usd-per-hour"
 
-RETRY_CONFIG = Config(retries={"mode": "adaptive", "max_attempts": 8})
 #: Placeholder AMI for offline runs (moto accepts any id); live runs must pass a real image.
 OFFLINE_IMAGE_ID = "ami-orchestrator"
 #: AWS refuses spot max prices at or below $0.001/h.
@@ -219,9 +219,7 @@ class EC2Cloud:
         if not controller_id:
             raise ValueError("controller_id must not be empty")
         if client is None:
-            client = (session or boto3.Session()).client(
-                "ec2", region_name=region, config=RETRY_CONFIG
-            )
+            client = aws_client("ec2", region, session=session)
         elif client.meta.region_name != region:
             raise ValueError(
                 f"EC2 client is for region {client.meta.region_name!r}, not {region!r}"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
+from orchestrator.aws import aws_client
 from orchestrator.errors import UserError
 
 
@@ -20,7 +20,7 @@ def read_secret(
         UserError: the secret is missing, empty or not readable with this role.
     """
     if client is None:
-        client = boto3.client("secretsmanager", region_name=region, endpoint_url=endpoint_url)
+        client = aws_client("secretsmanager", region, endpoint_url=endpoint_url)
     try:
         value = client.get_secret_value(SecretId=secret_id).get("SecretString") or ""
     except (ClientError, BotoCoreError) as exc:

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from orchestrator.cloud.ec2 import RETRY_CONFIG, EC2Cloud
+from orchestrator.aws import aws_client
+from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.controller.core import Controller
 from orchestrator.errors import UserError
@@ -71,15 +72,8 @@ def controller_clock(settings: Settings) -> tuple[Clock, float]:
 
 def ec2_client(settings: Settings) -> Any:
     """A boto3 EC2 client for `settings.region` (and `controller.endpoint_url`), with the
-    adapter's retry policy (`cloud.ec2.RETRY_CONFIG`)."""
-    import boto3
-
-    return boto3.client(
-        "ec2",
-        region_name=settings.region,
-        endpoint_url=settings.controller.endpoint_url,
-        config=RETRY_CONFIG,
-    )
+    retry policy of every AWS call (`orchestrator.aws`)."""
+    return aws_client("ec2", settings.region, endpoint_url=settings.controller.endpoint_url)
 
 
 def price_source(settings: Settings, *, client: Any) -> PriceSource:

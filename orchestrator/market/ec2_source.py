@@ -1,11 +1,12 @@
 """`EC2PriceSource`: live spot price history from EC2's DescribeSpotPriceHistory.
 
 Failure semantics:
-    * Transient failures are retried by botocore itself, in its "standard" retry mode with
-      `max_attempts=10` -- botocore counts that as retries, so up to 11 attempts per API call
-      (i.e. per page): throttling (RequestLimitExceeded, Throttling, ...), 5xx responses, and
-      connection/read timeouts, with exponential backoff and jitter. This module adds no retry
-      loop of its own; a client passed in keeps whatever retry config it was built with.
+    * Transient failures are retried by botocore itself with the policy of every AWS call of
+      the orchestrator (`orchestrator.aws`: "adaptive" mode, up to 9 attempts per API call,
+      i.e. per page): throttling (RequestLimitExceeded, Throttling, ...), 5xx responses, and
+      connection/read timeouts, with exponential backoff, jitter and client-side rate limiting.
+      This module adds no retry loop of its own; a client passed in keeps whatever retry config
+      it was built with.
     * Any error that remains after those retries -- a `botocore.exceptions.ClientError` (e.g.
       UnauthorizedOperation, AuthFailure, InvalidParameterValue) or a `BotoCoreError` (no
       credentials, endpoint unreachable) -- is raised as `PriceFetchError` with the AWS error
@@ -22,9 +23,9 @@ from datetime import datetime
 from typing import Any
 
 import boto3
-from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from orchestrator.aws import aws_client
 from orchestrator.market.errors import MarketError, PriceDataError
 from orchestrator.market.prices import (
     LINUX_PRODUCT,
@@ -37,7 +38,6 @@ from orchestrator.market.prices import (
 )
 
 OPERATION = "DescribeSpotPriceHistory"
-RETRY_CONFIG = Config(retries={"mode": "standard", "max_attempts": 10})
 
 
 class PriceFetchError(MarketError):
@@ -68,9 +68,7 @@ class EC2PriceSource(PriceSource):
         self, region: str, *, client: Any = None, session: boto3.Session | None = None
     ) -> None:
         if client is None:
-            client = (session or boto3.Session()).client(
-                "ec2", region_name=region, config=RETRY_CONFIG
-            )
+            client = aws_client("ec2", region, session=session)
         elif client.meta.region_name != region:
             raise ValueError(
                 f"EC2 client is for region {client.meta.region_name!r}, not {region!r}"

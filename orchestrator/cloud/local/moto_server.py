@@ -19,6 +19,8 @@ from typing import Any, Self
 import boto3
 from botocore.config import Config
 
+from orchestrator.aws import aws_client
+
 log = logging.getLogger(__name__)
 
 REGION = "us-east-1"
@@ -128,8 +130,9 @@ class MotoEC2Server:
 
     def client(self, service: str = "ec2", region: str = REGION) -> Any:
         """A boto3 client for this server with fake credentials (nothing ever reaches AWS)."""
-        return boto3.session.Session(region_name=region, **FAKE_CREDENTIALS).client(
-            service, endpoint_url=self.endpoint_url, config=CLIENT_CONFIG
+        session = boto3.session.Session(region_name=region, **FAKE_CREDENTIALS)
+        return aws_client(
+            service, region, endpoint_url=self.endpoint_url, session=session, config=CLIENT_CONFIG
         )
 
     @staticmethod

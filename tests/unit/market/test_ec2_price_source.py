@@ -365,13 +365,13 @@ def test_no_credentials_wrapped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     assert exc.value.code == "NoCredentialsError"
 
 
-def test_default_client_uses_standard_retries(aws_env: None) -> None:
+def test_default_client_uses_the_orchestrators_retry_policy(aws_env: None) -> None:
     source = EC2PriceSource("us-west-2")
     assert source.client.meta.region_name == "us-west-2"
     retries = source.client.meta.config.retries
-    assert retries["mode"] == "standard"
-    # botocore reads max_attempts=10 as 10 retries after the first try
-    assert retries["total_max_attempts"] == 11
+    assert retries["mode"] == "adaptive"
+    # botocore reads max_attempts=8 as 8 retries after the first try
+    assert retries["total_max_attempts"] == 9
 
 
 def test_client_of_other_region_rejected() -> None:
