@@ -15,7 +15,7 @@ import threading
 
 from orchestrator.agent.identity import InstanceIdentity, read_identity
 from orchestrator.agent.instance import NOTICE_POLL_SECONDS, AgentOutcome, InstanceAgent
-from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
+from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER
 from orchestrator.errors import UserError
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER, TAG_CONTROLLER, TAG_JOB, TAG_TIER
 from orchestrator.cloud.imds import read_metadata
 from orchestrator.cloud.imds_wire import INSTANCE_ID_PATH, INSTANCE_TAG_PATH, LOCAL_IPV4_PATH
+from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER, TAG_CONTROLLER, TAG_JOB, TAG_TIER
 from orchestrator.errors import UserError
 
 AgileMLTier = Literal["transient", "reliable"]

@@ -38,165 +38,38 @@ Behaviour of moto 5.2 (what the offline tests run against):
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
-from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError
-from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.aws import aws_client
-from orchestrator.bidbrain.model import AllocationRequest
 from orchestrator.cloud.errors import CapacityError, CloudError, ThrottledError
-from orchestrator.market.prices import Market, region_of_zone
+from orchestrator.cloud.instances import (
+    CAPACITY_CODES,
+    LIVE_STATES,
+    TAG_ALLOCATION,
+    TAG_CONTROLLER,
+    TAG_JOB,
+    THROTTLE_CODES,
+    CloudInstance,
+    InstanceState,
+    LaunchSpec,
+    check_allocation_market,
+    instance_from_tags,
+)
+from orchestrator.market.prices import Market
 
 log = logging.getLogger(__name__)
 
-TAG_CONTROLLER = "orchestrator:controller-id"
-TAG_JOB = "orchestrator:job-id"
-TAG_ALLOCATION = "orchestrator:allocation-id"
-TAG_TIER = "orchestrator:tier"  # "spot" | "reliable"
-#: Where a training job's AgileML elasticity controller listens (`tcp://host:port`), set by
-#: the controller's `TrainingHost` on AWS and read by `orchestrator worker start`.
-TAG_AGILEML_CONTROLLER = "orchestrator:agileml-controller"
-#: The spot max price the instance was launched with; DescribeInstances does not report it.
-TAG_MAX_PRICE = "orchestrator:max-price-usd-per-hour"
-
-#: Placeholder AMI for offline runs (moto accepts any id); live runs must pass a real image.
-OFFLINE_IMAGE_ID = "ami-orchestrator"
-#: AWS refuses spot max prices at or below $0.001/h.
-MIN_SPOT_PRICE_USD_PER_HOUR = 0.001
 #: TerminateInstances takes at most 1000 ids per call.
 TERMINATE_CHUNK_SIZE = 1000
-#: EC2 allows ClientToken values of up to 64 ASCII characters.
-CLIENT_TOKEN_MAX_CHARS = 64
-
-#: RunInstances codes meaning "EC2 cannot give us these instances now" (see `availability`).
-CAPACITY_CODES = frozenset(
-    {
-        "InsufficientInstanceCapacity",
-        "MaxSpotInstanceCountExceeded",
-        "SpotMaxPriceTooLow",
-        "Unsupported",
-        "InstanceLimitExceeded",
-        "VcpuLimitExceeded",
-    }
-)
-THROTTLE_CODES = frozenset({"RequestLimitExceeded", "Throttling"})
 _NOT_FOUND = "InvalidInstanceID.NotFound"
 _INSTANCE_ID = re.compile(r"\bi-[0-9A-Za-z]+\b")
-
-
-class InstanceState(StrEnum):
-    """EC2's instance lifecycle, as observed (the controller cannot refuse EC2's moves)::
-
-        pending -> running -> stopping -> stopped -> pending      (stop / start)
-        pending | running | stopping | stopped -> shutting-down -> terminated
-
-    Our spot instances are one-time with interruption behaviour "terminate": an interruption
-    is running -> shutting-down -> terminated. `shutting-down` is already gone for our purposes:
-    it cannot come back and is no longer billed.
-    """
-
-    PENDING = "pending"
-    RUNNING = "running"
-    SHUTTING_DOWN = "shutting-down"
-    TERMINATED = "terminated"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-    @property
-    def is_gone(self) -> bool:
-        return self in (InstanceState.SHUTTING_DOWN, InstanceState.TERMINATED)
-
-
-LIVE_STATES = tuple(s for s in InstanceState if not s.is_gone)
-
-
-class CloudInstance(BaseModel, frozen=True):
-    """One of our instances as EC2 reports it (live state, not a spec).
-
-    `job_id` and `allocation_id` are None when the instance lacks those tags (never the case
-    for instances `EC2Cloud.launch` started).
-    """
-
-    instance_id: str
-    instance_type: str
-    zone: str
-    state: InstanceState
-    lifecycle: Literal["spot", "on-demand"]
-    job_id: str | None
-    allocation_id: str | None
-    controller_id: str
-    launched_at: datetime
-    max_price_usd_per_hour: float | None = None
-    tags: dict[str, str] = {}  # every tag EC2 reports (ours parsed into the fields above)
-
-    @property
-    def market(self) -> Market:
-        return Market(self.instance_type, self.zone)
-
-
-class LaunchSpec(BaseModel):
-    """What to launch for one allocation: `count` instances of one market, all or nothing.
-
-    `max_price_usd_per_hour` None means on-demand (the reliable tier); otherwise it is the spot
-    bid, which must exceed $0.001 (`EC2Cloud.launch` refuses it otherwise).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    job_id: str = Field(min_length=1)
-    allocation_id: str = Field(min_length=1)
-    instance_type: str = Field(min_length=1)
-    zone: str = Field(min_length=1)
-    count: Annotated[int, Field(gt=0)]
-    max_price_usd_per_hour: Annotated[float, Field(allow_inf_nan=False)] | None = None
-    image_id: str = OFFLINE_IMAGE_ID
-    user_data: str = ""
-    key_name: str | None = None
-    security_group_ids: tuple[str, ...] = ()
-    extra_tags: dict[str, str] = Field(
-        default_factory=dict, description="more instance tags (the orchestrator's own win)"
-    )
-
-    @classmethod
-    def from_request(
-        cls, request: AllocationRequest, *, job_id: str, allocation_id: str, **options: Any
-    ) -> LaunchSpec:
-        """The launch of a BidBrain `AllocationRequest` (options: image_id, user_data, ...)."""
-        return cls(
-            job_id=job_id,
-            allocation_id=allocation_id,
-            instance_type=request.instance_type,
-            zone=request.zone,
-            count=request.count,
-            max_price_usd_per_hour=request.max_price_usd_per_hour,
-            **options,
-        )
-
-    @property
-    def market(self) -> Market:
-        return Market(self.instance_type, self.zone)
-
-    @property
-    def is_spot(self) -> bool:
-        return self.max_price_usd_per_hour is not None
-
-    @property
-    def tier(self) -> Literal["spot", "reliable"]:
-        return "spot" if self.is_spot else "reliable"
-
-    def client_token(self, controller_id: str) -> str:
-        """RunInstances' idempotency token: the same for every retry of this allocation by this
-        controller, different for any other (a hash, so always <= 64 ASCII characters)."""
-        digest = hashlib.sha256(f"{controller_id}\n{self.allocation_id}".encode()).hexdigest()
-        return f"orchestrator-{digest}"[:CLIENT_TOKEN_MAX_CHARS]
 
 
 class EC2Cloud:
@@ -256,61 +129,20 @@ class EC2Cloud:
         botocore exception name (a timeout, a lost connection) leaves the outcome unknown:
         retry `launch` with the same spec, which finds or launches the instances exactly once.
         """
-        operation = "RunInstances"
-        max_price = self._checked_max_price(spec, operation)
+        max_price = spec.checked_max_price(self.region)
         existing = self._find_allocation(spec)
         if existing:
             return existing
-
-        subnet = self._subnet_for(spec) if self.subnets else None
-        tags = self._tags(spec, max_price)
-        tag_list = [{"Key": k, "Value": v} for k, v in tags.items()]
-        params: dict[str, Any] = {
-            "ImageId": spec.image_id,
-            "InstanceType": spec.instance_type,
-            "MinCount": spec.count,
-            "MaxCount": spec.count,
-            "Placement": {"AvailabilityZone": spec.zone},
-            "ClientToken": spec.client_token(self.controller_id),
-            "TagSpecifications": [
-                {"ResourceType": "instance", "Tags": tag_list},
-                {"ResourceType": "volume", "Tags": tag_list},
-            ],
-        }
-        if self.launch_template is not None:
-            # the template carries the AMI, instance profile, security group, IMDS options and
-            # the boot user data (infra/controller.yaml)
-            params["LaunchTemplate"] = {
-                "LaunchTemplateName": self.launch_template,
-                "Version": "$Latest",
-            }
-            del params["ImageId"]
-        if subnet is not None:
-            params["SubnetId"] = subnet
-        if spec.user_data:
-            params["UserData"] = spec.user_data
-        if spec.key_name is not None:
-            params["KeyName"] = spec.key_name
-        if spec.security_group_ids:
-            params["SecurityGroupIds"] = list(spec.security_group_ids)
-        if max_price is not None:
-            params["InstanceMarketOptions"] = {
-                "MarketType": "spot",
-                "SpotOptions": {
-                    "MaxPrice": max_price,
-                    "SpotInstanceType": "one-time",
-                    "InstanceInterruptionBehavior": "terminate",
-                },
-            }
-
+        tags = spec.tags(self.controller_id, max_price)
+        params = self._run_instances_params(spec, max_price, tags)
         try:
             response = self.client.run_instances(**params)
         except (ClientError, BotoCoreError) as exc:
-            error = _wrap(exc, operation, market=spec.market)
+            error = _wrap(exc, "RunInstances", market=spec.market)
             log.warning(
                 "launch failed",
                 extra={
-                    "operation": operation,
+                    "operation": "RunInstances",
                     "code": error.code,
                     "market": str(spec.market),
                     "allocation_id": spec.allocation_id,
@@ -331,26 +163,55 @@ class EC2Cloud:
         )
         return instances
 
-    def _checked_max_price(self, spec: LaunchSpec, operation: str) -> str | None:
-        """Refuse what EC2 would refuse (zone of another region, spot price <= $0.001); return
-        the spot max price as RunInstances takes it (None for on-demand)."""
-        if region_of_zone(spec.zone) != self.region:
-            raise CloudError(
-                f"zone {spec.zone} is not in region {self.region}",
-                code="InvalidParameterValue",
-                operation=operation,
-            )
-        if spec.max_price_usd_per_hour is None:
-            return None
-        price = round(spec.max_price_usd_per_hour, 6)
-        if not price > MIN_SPOT_PRICE_USD_PER_HOUR:
-            raise CloudError(
-                f"spot max price ${spec.max_price_usd_per_hour}/h for {spec.market} must exceed "
-                f"${MIN_SPOT_PRICE_USD_PER_HOUR}/h",
-                code="InvalidParameterValue",
-                operation=operation,
-            )
-        return str(price)
+    def _run_instances_params(
+        self, spec: LaunchSpec, max_price: str | None, tags: dict[str, str]
+    ) -> dict[str, Any]:
+        """RunInstances' parameters for `spec`: all or nothing (MinCount = MaxCount), the
+        allocation's client token, tags on the instances and their volumes, the workers' launch
+        template and subnet when configured, the spot options for a spot launch.
+
+        Raises:
+            CapacityError: code NoWorkerSubnetInZone (`_subnet_for`).
+        """
+        tag_list = [{"Key": k, "Value": v} for k, v in tags.items()]
+        params: dict[str, Any] = {
+            "InstanceType": spec.instance_type,
+            "MinCount": spec.count,
+            "MaxCount": spec.count,
+            "Placement": {"AvailabilityZone": spec.zone},
+            "ClientToken": spec.client_token(self.controller_id),
+            "TagSpecifications": [
+                {"ResourceType": "instance", "Tags": tag_list},
+                {"ResourceType": "volume", "Tags": tag_list},
+            ],
+        }
+        if self.launch_template is not None:
+            # the template carries the AMI, instance profile, security group, IMDS options and
+            # the boot user data (infra/controller.yaml)
+            params["LaunchTemplate"] = {
+                "LaunchTemplateName": self.launch_template,
+                "Version": "$Latest",
+            }
+        else:
+            params["ImageId"] = spec.image_id
+        if self.subnets:
+            params["SubnetId"] = self._subnet_for(spec)
+        if spec.user_data:
+            params["UserData"] = spec.user_data
+        if spec.key_name is not None:
+            params["KeyName"] = spec.key_name
+        if spec.security_group_ids:
+            params["SecurityGroupIds"] = list(spec.security_group_ids)
+        if max_price is not None:
+            params["InstanceMarketOptions"] = {
+                "MarketType": "spot",
+                "SpotOptions": {
+                    "MaxPrice": max_price,
+                    "SpotInstanceType": "one-time",
+                    "InstanceInterruptionBehavior": "terminate",
+                },
+            }
+        return params
 
     def _subnet_for(self, spec: LaunchSpec) -> str:
         """The configured subnet in `spec.zone` (zones looked up once, with DescribeSubnets).
@@ -375,31 +236,12 @@ class EC2Cloud:
             )
         return subnet
 
-    def _tags(self, spec: LaunchSpec, max_price: str | None) -> dict[str, str]:
-        tags = {
-            **spec.extra_tags,
-            TAG_CONTROLLER: self.controller_id,
-            TAG_JOB: spec.job_id,
-            TAG_ALLOCATION: spec.allocation_id,
-            TAG_TIER: spec.tier,
-        }
-        if max_price is not None:
-            tags[TAG_MAX_PRICE] = max_price
-        return tags
-
     def _find_allocation(self, spec: LaunchSpec) -> list[CloudInstance]:
         """Instances of an earlier launch of this allocation (any state), checked to match."""
         found = list(
             self._describe([{"Name": f"tag:{TAG_ALLOCATION}", "Values": [spec.allocation_id]}])
         )
-        wrong = [i for i in found if i.market != spec.market]
-        if wrong:
-            raise CloudError(
-                f"allocation {spec.allocation_id} already has instances in {wrong[0].market} "
-                f"({wrong[0].instance_id}), not {spec.market}",
-                code="IdempotentParameterMismatch",
-                operation="RunInstances",
-            )
+        check_allocation_market(found, spec)
         if found:
             log.info(
                 "launch already done",
@@ -516,18 +358,15 @@ class EC2Cloud:
             launched_at = datetime.fromisoformat(launched_at.replace("Z", "+00:00"))
         if launched_at.tzinfo is None:
             launched_at = launched_at.replace(tzinfo=UTC)
-        return CloudInstance(
+        return instance_from_tags(
             instance_id=str(raw["InstanceId"]),
             instance_type=str(raw["InstanceType"]),
             zone=str(raw["Placement"]["AvailabilityZone"]),
             state=InstanceState(raw["State"]["Name"]),
             lifecycle="spot" if raw.get("InstanceLifecycle") == "spot" else "on-demand",
-            job_id=tags.get(TAG_JOB),
-            allocation_id=tags.get(TAG_ALLOCATION),
-            controller_id=tags.get(TAG_CONTROLLER, self.controller_id),
             launched_at=launched_at.astimezone(UTC),
-            max_price_usd_per_hour=_float_or_none(tags.get(TAG_MAX_PRICE)),
             tags=tags,
+            controller_id=self.controller_id,
         )
 
 
@@ -551,12 +390,3 @@ def _wrap(
     if market is not None and code in CAPACITY_CODES:
         return CapacityError(message, code=code, operation=operation, market=market)
     return CloudError(message, code=code, operation=operation)
-
-
-def _float_or_none(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        return None

@@ -17,7 +17,8 @@ import logging
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-from orchestrator.cloud.ec2 import CloudInstance, EC2Cloud
+from orchestrator.cloud.instances import CloudInstance
+from orchestrator.cloud.protocol import Cloud
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class Reconciler:
     Recording adopted and gone instances is the caller's job (the store integration).
     """
 
-    def __init__(self, cloud: EC2Cloud) -> None:
+    def __init__(self, cloud: Cloud) -> None:
         self.cloud = cloud
 
     def reconcile(self, owned: Mapping[str, str], active_jobs: Set[str]) -> ReconcilePlan:

@@ -39,9 +39,10 @@ from orchestrator.bidbrain.policy import (
     MarketTable,
 )
 from orchestrator.cloud.availability import MarketAvailability
-from orchestrator.cloud.ec2 import CloudInstance, EC2Cloud, LaunchSpec
 from orchestrator.cloud.errors import CapacityError, CloudError
+from orchestrator.cloud.instances import CloudInstance, LaunchSpec
 from orchestrator.cloud.notices import InterruptionNotice
+from orchestrator.cloud.protocol import Cloud
 from orchestrator.cloud.reconcile import Reconciler
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import BillingModel, EndReason
@@ -101,7 +102,7 @@ class Controller:
 
     Args:
         store: jobs, instances, ledger and events.
-        cloud: the EC2 adapter (moto offline).
+        cloud: where instances are launched (`EC2Cloud`; moto offline; a fake in tests).
         prices: where spot prices come from (EC2 live, trace files offline).
         billing: how instances are charged (for the ledger).
         settings: BidBrain's knobs.
@@ -116,7 +117,7 @@ class Controller:
         self,
         *,
         store: Store,
-        cloud: EC2Cloud,
+        cloud: Cloud,
         prices: PriceSource,
         billing: BillingModel,
         catalog: Catalog | None = None,

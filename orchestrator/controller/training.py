@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pydantic import ValidationError
 
 from orchestrator.agileml.hosting import HostedTraining, TrainingSpec
-from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
+from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER
 from orchestrator.errors import UserError
 from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
 from orchestrator.store import JobRecord, NotFoundError, Store, TrainingReport

@@ -20,6 +20,7 @@ from typing import Any
 from orchestrator.aws import aws_client
 from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.clock import ReplayClock
+from orchestrator.cloud.protocol import Cloud
 from orchestrator.controller.core import Controller
 from orchestrator.errors import UserError
 from orchestrator.market.billing import billing_model
@@ -91,7 +92,7 @@ def build_controller(
     settings: Settings,
     *,
     store: Store,
-    cloud: EC2Cloud | None = None,
+    cloud: Cloud | None = None,
     prices: PriceSource | None = None,
     client: Any = None,
     catalog: Catalog | None = None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from orchestrator.cloud.ec2 import TAG_CONTROLLER
+from orchestrator.cloud.instances import TAG_CONTROLLER
 from orchestrator.errors import UserError
 
 READ_ONLY_PREFIXES = ("Describe", "Get", "List")

@@ -29,8 +29,9 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from orchestrator.cloud.ec2 import CloudInstance, EC2Cloud
+from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.errors import CloudError
+from orchestrator.cloud.instances import CloudInstance
 from orchestrator.cloud.local.clock import SimClock
 from orchestrator.cloud.local.metadata_mock import MetadataMock
 from orchestrator.cloud.notices import InterruptionNotice

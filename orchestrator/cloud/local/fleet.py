@@ -45,14 +45,14 @@ from redis.retry import Retry
 
 import orchestrator
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
-from orchestrator.cloud.ec2 import (
+from orchestrator.cloud.ec2 import EC2Cloud
+from orchestrator.cloud.errors import CloudError
+from orchestrator.cloud.instances import (
     TAG_AGILEML_CONTROLLER,
     TAG_TIER,
     CloudInstance,
-    EC2Cloud,
     InstanceState,
 )
-from orchestrator.cloud.errors import CloudError
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer
 from orchestrator.cloud.local.metadata_mock import MetadataMock

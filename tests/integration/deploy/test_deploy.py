@@ -29,8 +29,9 @@ from orchestrator.agent.instance import InstanceAgent
 from orchestrator.agileml.control import ModelSpec, TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.token import token_from_hex
-from orchestrator.cloud.ec2 import TAG_CONTROLLER, TAG_JOB, TAG_TIER, EC2Cloud, LaunchSpec
+from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.errors import CapacityError
+from orchestrator.cloud.instances import TAG_CONTROLLER, TAG_JOB, TAG_TIER, LaunchSpec
 from orchestrator.cloud.local.metadata_mock import MetadataMock
 from orchestrator.deploy import (
     DeployParams,
@@ -407,7 +408,7 @@ def test_the_controller_hosts_a_training_jobs_agileml_controller_and_counts_its_
     about to launch for it, tags the launch with its address; a worker reads that tag from its
     metadata, joins and trains; the host reports the training and sets the job's work done
     from the iterations; when the job ends its controller stops and the worker exits."""
-    from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER
+    from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER
     from orchestrator.controller.training import TrainingHost
     from orchestrator.jobspec import JobSubmission
     from orchestrator.store import JobRecord, JobState

@@ -18,8 +18,9 @@ import pytest
 import redis
 
 from orchestrator.agent.work import WorkMeter
-from orchestrator.cloud.ec2 import EC2Cloud, LaunchSpec
+from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.imds import NoticeWatcher
+from orchestrator.cloud.instances import LaunchSpec
 from orchestrator.cloud.local.clock import FakeClock, ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer, EvictionState
 from orchestrator.cloud.local.fleet import LocalFleet, LocalNodeState

@@ -12,7 +12,7 @@ import pytest
 from orchestrator.agent.identity import InstanceIdentity, read_identity
 from orchestrator.agent.instance import InstanceAgent
 from orchestrator.agent.work import WorkMeter
-from orchestrator.cloud.ec2 import TAG_AGILEML_CONTROLLER, TAG_CONTROLLER, TAG_JOB, TAG_TIER
+from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER, TAG_CONTROLLER, TAG_JOB, TAG_TIER
 from orchestrator.cloud.local.metadata_mock import MetadataMock
 from orchestrator.errors import UserError
 

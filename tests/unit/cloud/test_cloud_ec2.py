@@ -14,18 +14,18 @@ from moto import mock_aws
 from orchestrator.bidbrain.model import AllocationRequest
 from orchestrator.cloud import ec2 as ec2_module
 from orchestrator.cloud.availability import MarketAvailability, Scope
-from orchestrator.cloud.ec2 import (
+from orchestrator.cloud.ec2 import EC2Cloud
+from orchestrator.cloud.errors import CapacityError, CloudError, ThrottledError
+from orchestrator.cloud.instances import (
     TAG_ALLOCATION,
     TAG_CONTROLLER,
     TAG_JOB,
     TAG_MAX_PRICE,
     TAG_TIER,
     CloudInstance,
-    EC2Cloud,
     InstanceState,
     LaunchSpec,
 )
-from orchestrator.cloud.errors import CapacityError, CloudError, ThrottledError
 from orchestrator.cloud.reconcile import Reconciler, plan_reconciliation
 from orchestrator.errors import OrchestratorError
 from orchestrator.market.prices import Market
