@@ -1,0 +1,147 @@
+"""The controller's tick on the in-memory store and cloud (fast; the same behaviour runs against
+Redis and moto in tests/integration/controller): what it launches, how it reads evictions and
+renewals into BidBrain's input, and what a restart knows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from orchestrator.bidbrain.policy import BidBrainPolicy, DecisionInput
+from orchestrator.cloud.memory import InMemoryCloud, InMemoryEC2
+from orchestrator.controller.core import Controller
+from orchestrator.controller.wiring import build_controller
+from orchestrator.jobspec import JobSubmission
+from orchestrator.market.prices import Market, to_epoch_seconds
+from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
+from orchestrator.settings import Settings
+from orchestrator.store import EventKind, JobRecord, JobState, MemoryStore
+
+T0 = to_epoch_seconds("2020-02-03T00:00:00Z")
+REGION = "us-east-1"
+
+
+@pytest.fixture(scope="module")
+def prices() -> TracePriceSource:
+    return TracePriceSource([bundled_prices_dir(REGION)])
+
+
+@pytest.fixture
+def ec2() -> InMemoryEC2:
+    return InMemoryEC2(clock=lambda: T0)
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    return MemoryStore()
+
+
+def controller(store: MemoryStore, ec2: InMemoryEC2, prices: TracePriceSource) -> Controller:
+    cloud = InMemoryCloud(REGION, "ctl", ec2=ec2)
+    return build_controller(Settings(), store=store, cloud=cloud, prices=prices)
+
+
+def submit(store: MemoryStore, job_id: str = "job-1", budget: float = 200.0) -> JobRecord:
+    sub = JobSubmission(
+        name="test", budget_usd=budget, work_gpu_hours=40.0, max_gpus=8.0,
+        instance_types=("p3.2xlarge", "p3.8xlarge", "p3.16xlarge"),
+    )  # fmt: skip
+    return store.create_job(JobRecord.submit(job_id, sub.model_dump(mode="json"), budget, T0))
+
+
+class Spy:
+    """Records the decision inputs BidBrain is given."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.inputs: list[DecisionInput] = []
+        decide = BidBrainPolicy.decide
+
+        def spy(policy: BidBrainPolicy, inp: DecisionInput) -> Any:
+            self.inputs.append(inp)
+            return decide(policy, inp)
+
+        monkeypatch.setattr(BidBrainPolicy, "decide", spy)
+
+
+def test_a_queued_job_starts_with_a_reliable_node_and_spot_gpus(store, ec2, prices) -> None:
+    report = controller(store, ec2, prices).tick(T0)
+    assert report.launched == [] and store.list_jobs() == []
+    submit(store)
+    report = controller(store, ec2, prices).tick(T0)
+    assert store.get_job("job-1").state is JobState.RUNNING
+    alive = store.list_instances("job-1", alive_only=True)
+    assert {r.lifecycle for r in alive} == {"on-demand", "spot"}
+    assert sorted(report.launched) == sorted(r.instance_id for r in alive)
+
+
+def test_an_eviction_is_billed_recorded_and_reaches_bidbrain_as_the_markets_last(
+    store, ec2, prices, monkeypatch
+) -> None:
+    submit(store)
+    ctl = controller(store, ec2, prices)
+    ctl.tick(T0)
+    spot = next(r for r in store.list_instances("job-1") if r.lifecycle == "spot")
+    ec2.reclaim(spot.instance_id)
+    spy = Spy(monkeypatch)
+    report = ctl.tick(T0 + 600.0)
+    assert report.evicted == [spot.instance_id]
+    ended = store.get_instance(spot.instance_id)
+    assert ended.end_reason == "evicted" and ended.ended_at == T0 + 600.0
+    assert store.ledger("job-1")  # billed
+    [inp] = spy.inputs
+    assert inp.last_eviction_s == {Market(spot.instance_type, spot.zone): T0 + 600.0}
+    kinds = [e.kind for _, e in store.events("job-1")]
+    assert EventKind.EVICTION in kinds
+
+
+def test_a_restarted_controller_still_knows_the_last_evictions(
+    store, ec2, prices, monkeypatch
+) -> None:
+    submit(store)
+    controller(store, ec2, prices).tick(T0)
+    spot = next(r for r in store.list_instances("job-1") if r.lifecycle == "spot")
+    ec2.reclaim(spot.instance_id)
+    controller(store, ec2, prices).tick(T0 + 600.0)
+    spy = Spy(monkeypatch)
+    controller(store, ec2, prices).tick(T0 + 720.0)  # a new controller process
+    assert spy.inputs[0].last_eviction_s == {Market(spot.instance_type, spot.zone): T0 + 600.0}
+
+
+def test_a_spot_allocation_is_due_for_renewal_once_per_period_per_job(
+    store, ec2, prices, monkeypatch
+) -> None:
+    submit(store)
+    ctl = controller(store, ec2, prices)
+    ctl.tick(T0)
+    spot = {r.allocation_id for r in store.list_instances("job-1") if r.lifecycle == "spot"}
+    spy = Spy(monkeypatch)
+    for minutes in range(2, 60, 2):  # a tick every two minutes for the first hour
+        ctl.tick(T0 + 60.0 * minutes)
+    due = [inp.renewal_due for inp in spy.inputs]
+    assert due[-1] == spot  # at 58 min: 2 min before the hour ends
+    assert all(not d for d in due[:-1])
+    ctl.tick(T0 + 3600.0)
+    assert spy.inputs[-1].renewal_due == frozenset()  # named once per period
+
+
+def test_a_market_out_of_capacity_is_avoided(store, ec2, prices) -> None:
+    submit(store)
+    ec2.refuse_launches("InsufficientInstanceCapacity", Market("p3.16xlarge", "us-east-1b"))
+    report = controller(store, ec2, prices).tick(T0)
+    assert report.launch_failures == ["p3.16xlarge@us-east-1b: InsufficientInstanceCapacity"]
+    assert report.launched  # launched elsewhere in the same tick or the next
+    events = [e for _, e in store.events("job-1") if e.kind is EventKind.LAUNCH_FAILED]
+    assert events and events[0].code == "InsufficientInstanceCapacity"
+
+
+def test_cancelling_a_running_job_terminates_its_instances(store, ec2, prices) -> None:
+    submit(store)
+    ctl = controller(store, ec2, prices)
+    ctl.tick(T0)
+    job = store.get_job("job-1")
+    store.transition("job-1", JobState.CANCELLING, expected_version=job.version, now_s=T0 + 60)
+    report = ctl.tick(T0 + 120.0)
+    assert report.finished == {"job-1": JobState.CANCELLED}
+    assert store.list_instances("job-1", alive_only=True) == []
+    assert InMemoryCloud(REGION, "ctl", ec2=ec2).describe() == []
