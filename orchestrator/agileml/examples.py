@@ -18,7 +18,8 @@ from torch import nn
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.roster import global_batch_indices
-from orchestrator.agileml.server import ParamServer, ServerStats
+from orchestrator.agileml.server import ParamServer
+from orchestrator.agileml.server_loop import ServerStats
 from orchestrator.agileml.worker import LossFn, Worker, WorkerSpec
 
 ModelFactory = Callable[[], nn.Module]

@@ -31,8 +31,8 @@ from torch import nn
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError, WireError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
+from orchestrator.agileml.rejections import RejectReason, parse_moved
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
-from orchestrator.agileml.server import RejectReason, parse_moved
 from orchestrator.agileml.wire import MessageKind
 
 if TYPE_CHECKING:

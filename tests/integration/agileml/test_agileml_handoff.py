@@ -16,14 +16,11 @@ from torch import nn
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import HandoffError, OwnershipConflictError
 from orchestrator.agileml.examples import gaussian_mixture, initial_model, mlr_factory, shard
+from orchestrator.agileml.partition_state import PartitionStore, PushOutcome
 from orchestrator.agileml.partitions import Ownership, PartitionLayout, PartitionTable
-from orchestrator.agileml.server import (
-    ParamServer,
-    PartitionStore,
-    PushOutcome,
-    parse_moved,
-    snapshot_to_wire,
-)
+from orchestrator.agileml.rejections import parse_moved
+from orchestrator.agileml.server import ParamServer
+from orchestrator.agileml.snapshots import snapshot_to_wire
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.agileml.worker import Worker, WorkerSpec
 

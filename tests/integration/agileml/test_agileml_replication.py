@@ -14,18 +14,16 @@ from support.wire_client import HELD_CHECK_MS, WireClient, WireClients
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import OwnershipConflictError, PartitionError, RosterError
-from orchestrator.agileml.roster import Roster, RosterEntry
-from orchestrator.agileml.server import (
-    ParamServer,
+from orchestrator.agileml.partition_state import (
     PartitionSnapshot,
     PartitionStore,
     PendingChunk,
     PushOutcome,
-    RejectedError,
-    RejectReason,
-    snapshot_from_wire,
-    snapshot_to_wire,
 )
+from orchestrator.agileml.rejections import RejectedError, RejectReason
+from orchestrator.agileml.roster import Roster, RosterEntry
+from orchestrator.agileml.server import ParamServer
+from orchestrator.agileml.snapshots import snapshot_from_wire, snapshot_to_wire
 from orchestrator.agileml.wire import Header, MessageKind
 
 JOB, TOKEN = "job-r", b"replication-test-token"

@@ -1,0 +1,370 @@
+"""A parameter server's partitions and the updates applied to them: the state a `ParamServer`
+serves, decided here without sockets (pure, not thread-safe; the server holds its lock).
+
+Pushes are additive deltas identified by (worker, clock, partition): a repeat is acknowledged
+and not applied again. A clock of a partition is complete once every roster member pushed it;
+`consistent_clock` is the highest clock up to which all are. A partition travels whole between
+servers as a `PartitionSnapshot` (values, applied set, ownership version, updates not yet
+streamed to its BackupPS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+from orchestrator.agileml.errors import OwnershipConflictError, PartitionError, RosterError
+from orchestrator.agileml.rejections import RejectedError, RejectReason
+from orchestrator.agileml.roster import Roster
+
+
+class PushOutcome(StrEnum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # already applied earlier; acknowledged, not re-applied
+
+
+@dataclass
+class _Partition:
+    values: torch.Tensor
+    # (worker, clock) pushes applied but not implied by `consistent` (pruned as it advances)
+    applied: set[tuple[str, int]] = field(default_factory=set)
+    version: int = 0  # ownership version: bumped by every hand-off
+    consistent: int = -1  # every roster member's pushes for clocks <= this are applied
+    # updates applied here but not yet streamed to the BackupPS: clock -> (sum, workers)
+    pending: dict[int, tuple[torch.Tensor, set[str]]] = field(default_factory=dict)
+    generation: int = 0  # bumped by every change of `values`
+
+
+@dataclass(frozen=True)
+class PendingChunk:
+    """The summed update of some workers to one partition for one clock."""
+
+    clock: int
+    delta: torch.Tensor
+    workers: frozenset[str]
+
+
+@dataclass(frozen=True)
+class PartitionSnapshot:
+    """Everything a new owner needs to serve a partition exactly as the old one did.
+
+    `values` is a private float32 copy; `applied` the (worker, clock) pushes in it beyond what
+    `consistent` implies (every roster member's pushes up to `consistent` are in it);
+    `version` the ownership version at export (the receiver will hold `version + 1`);
+    `workers` the roster members at the sender's next clock (a receiver without a roster adopts
+    them); `pending` the updates in `values` that the BackupPS does not have yet.
+    """
+
+    partition: int
+    values: torch.Tensor
+    applied: frozenset[tuple[str, int]]
+    version: int
+    workers: tuple[str, ...] = ()
+    consistent: int = -1
+    pending: tuple[PendingChunk, ...] = ()
+
+
+class PartitionStore:
+    """The partitions a server owns (or backs up) and the updates applied to them.
+
+    Which workers must push each clock comes from the `Roster`; a clock of a partition is
+    complete once all of them have pushed it, and `consistent_clock` is the highest clock up to
+    which all are complete. Not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[int, _Partition] = {}
+        self._given_away: dict[int, int] = {}  # partition -> the version its new owner holds
+        self.roster: Roster | None = None
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """The roster members of clock 0 (empty without a roster)."""
+        return self.roster.members(0) if self.roster is not None else ()
+
+    def add(self, p: int, values: torch.Tensor, *, version: int = 0) -> None:
+        """Take ownership of partition p with these values (copied to a float32 vector)."""
+        self._parts[p] = _Partition(
+            values.detach().reshape(-1).to(torch.float32).clone(), version=version
+        )
+        self._given_away.pop(p, None)
+
+    def set_roster(self, roster: Roster) -> None:
+        """Adopt `roster`; partitions whose next clocks are now complete advance.
+
+        Membership may change only at clocks nothing has been pushed for yet: a push of a
+        later clock was computed on a share of the global batch that the change redraws.
+
+        Raises:
+            RosterError: the change comes too late for some partition (schedule it later);
+                nothing changed.
+        """
+        self.check_roster(roster)
+        self.roster = roster
+        for part in self._parts.values():
+            self._advance(part)
+
+    def check_roster(self, roster: Roster) -> int | None:
+        """The first clock `roster` changes; raises RosterError as `set_roster` would."""
+        old = self.roster
+        changed_from = old.first_difference(roster) if old is not None else None
+        if changed_from is not None:
+            for p, part in self._parts.items():
+                latest = max([part.consistent, *(c for _, c in part.applied)])
+                if latest >= changed_from:
+                    raise RosterError(
+                        f"partition {p} already has pushes of clock {latest}; a roster change "
+                        f"from clock {changed_from} comes too late. To fix: schedule it after "
+                        f"clock {latest}."
+                    )
+        return changed_from
+
+    def is_stale(self, roster_version: int, clock: int) -> bool:
+        """Whether a push of `clock` computed on roster `roster_version` missed a change that
+        redraws that clock's shares."""
+        roster = self.roster
+        return roster is not None and any(
+            v > roster_version and c <= clock for v, c in roster.changes
+        )
+
+    def worker_progress(self, p: int, worker: str) -> tuple[int, int, int]:
+        """(frontier, latest, latest of anyone) at partition p: all of `worker`'s pushes up to
+        `frontier` are applied, none after `latest`, and nobody's after the third (-1: none).
+        Raises PartitionError."""
+        part = self._get(p)
+        roster = self.roster
+        frontier = latest = -1
+        if roster is not None:
+            latest = roster.last_clock_of(worker, part.consistent)
+            frontier = part.consistent
+        mine = sorted(c for w, c in part.applied if w == worker)
+        if mine:
+            latest = max(latest, mine[-1])
+        while (worker, frontier + 1) in part.applied:
+            frontier += 1
+        anyone = max([part.consistent, *(c for _, c in part.applied)])
+        return frontier, latest, anyone
+
+    def register_workers(self, ids: Iterable[str]) -> None:
+        """Add workers to the roster from clock 0 (before training starts)."""
+        self.set_roster(Roster.starting(tuple(set(self.workers) | set(ids))))
+
+    def version(self, p: int) -> int:
+        """The ownership version of partition p. Raises PartitionError if not owned here."""
+        return self._get(p).version
+
+    def owned(self) -> list[int]:
+        return sorted(self._parts)
+
+    def owns(self, p: int) -> bool:
+        return p in self._parts
+
+    def values(self, p: int) -> torch.Tensor:
+        """A copy of partition p. Raises PartitionError if this store does not own it."""
+        return self._get(p).values.clone()
+
+    def live_values(self, p: int) -> tuple[torch.Tensor, int]:
+        """Partition p's values without a copy, and their generation (it changes with them):
+        read them under the caller's lock only."""
+        part = self._get(p)
+        return part.values, part.generation
+
+    def export_partition(self, p: int) -> PartitionSnapshot:
+        """A snapshot of partition p (copies); the store keeps owning and serving it.
+
+        Raises:
+            PartitionError: p is not owned here.
+        """
+        part = self._get(p)
+        pending = tuple(
+            PendingChunk(c, d.clone(), frozenset(ws)) for c, (d, ws) in sorted(part.pending.items())
+        )
+        members = self.roster.members(part.consistent + 1) if self.roster is not None else ()
+        return PartitionSnapshot(
+            p,
+            part.values.clone(),
+            frozenset(part.applied),
+            part.version,
+            tuple(members),
+            part.consistent,
+            pending,
+        )
+
+    def import_partition(self, snapshot: PartitionSnapshot, *, restore: bool = False) -> int:
+        """Take ownership of a partition from a snapshot; returns its new version.
+
+        A hand-off (`restore=False`) must be newer than what this store holds (version above the
+        owned one) and not older than what it last gave away; a restore from a BackupPS replaces
+        the partition whatever its version. The applied set comes along, so replayed pushes stay
+        duplicates. A store without a roster adopts the snapshot's workers from clock 0.
+
+        Raises:
+            OwnershipConflictError: a stale hand-off; nothing changed.
+            PartitionError: malformed snapshot (values not 1-D float32, a negative clock, or a
+                pending chunk of another size); nothing changed.
+        """
+        p = snapshot.partition
+        owned = self._parts.get(p)
+        floor = owned.version + 1 if owned is not None else self._given_away.get(p, 0)
+        if snapshot.version < floor and not restore:
+            current = owned.version if owned is not None else floor
+            raise OwnershipConflictError(p, snapshot.version, current)
+        values = snapshot.values
+        if values.dtype != torch.float32 or values.dim() != 1:
+            raise PartitionError(
+                f"snapshot values: {values.dtype} {tuple(values.shape)}", partition=p
+            )
+        if any(clock < 0 for _, clock in snapshot.applied) or snapshot.consistent < -1:
+            raise PartitionError("snapshot has a negative clock", partition=p)
+        if any(c.delta.shape != values.shape for c in snapshot.pending):
+            raise PartitionError("snapshot pending chunk of the wrong size", partition=p)
+        version = max(snapshot.version, floor - 1) + 1
+        part = _Partition(
+            values.clone(),
+            set(snapshot.applied),
+            version=version,
+            consistent=snapshot.consistent,
+            pending={c.clock: (c.delta.clone(), set(c.workers)) for c in snapshot.pending},
+        )
+        if self.roster is None:
+            self.roster = Roster.starting(snapshot.workers)
+        self._parts[p] = part
+        self._given_away.pop(p, None)
+        self._advance(part)
+        return part.version
+
+    def drop_partition(self, p: int, new_version: int) -> None:
+        """Stop owning p after its hand-off; remembers `new_version` to refuse stale imports.
+
+        Raises:
+            PartitionError: p is not owned here.
+        """
+        self._get(p)
+        del self._parts[p]
+        self._given_away[p] = new_version
+
+    def is_applied(self, p: int, worker: str, clock: int) -> bool:
+        """Whether the push (worker, clock) is in partition p. Raises PartitionError."""
+        part = self._get(p)
+        return self._applied(part, worker, clock)
+
+    def apply_push(
+        self, p: int, worker: str, clock: int, delta: torch.Tensor, *, track_pending: bool = False
+    ) -> PushOutcome:
+        """Add `delta` to partition p once per (worker, clock).
+
+        `track_pending` also sums it into the updates still to stream to the BackupPS.
+
+        Raises:
+            RejectedError: not owned, a worker not in the roster at `clock`, a negative clock,
+                or a delta of the wrong dtype or shape; nothing changed.
+        """
+        part = self._parts.get(p)
+        if part is None:
+            raise RejectedError(RejectReason.NOT_OWNER, f"partition {p}")
+        if clock < 0:
+            raise RejectedError(RejectReason.BAD_CLOCK, f"clock {clock}")
+        if self.roster is None or worker not in self.roster.members(clock):
+            raise RejectedError(RejectReason.UNKNOWN_WORKER, f"{worker} at clock {clock}")
+        if delta.dtype != torch.float32 or delta.shape != part.values.shape:
+            raise RejectedError(
+                RejectReason.BAD_DELTA,
+                f"{delta.dtype} {tuple(delta.shape)}, want float32 {tuple(part.values.shape)}",
+            )
+        if self._applied(part, worker, clock):
+            return PushOutcome.DUPLICATE
+        part.values += delta
+        part.generation += 1
+        part.applied.add((worker, clock))
+        if track_pending:
+            total, who = part.pending.get(clock, (None, set()))
+            part.pending[clock] = (delta.clone() if total is None else total.add_(delta), who)
+            who.add(worker)
+        self._advance(part)
+        return PushOutcome.APPLIED
+
+    def apply_chunk(
+        self, p: int, clock: int, workers: Iterable[str], delta: torch.Tensor
+    ) -> PushOutcome:
+        """Apply a streamed update (the sum of `workers`' pushes for `clock`) once.
+
+        Raises:
+            RejectedError: not held here, bad delta, or a chunk only partly applied before;
+                nothing changed.
+        """
+        part = self._parts.get(p)
+        if part is None:
+            raise RejectedError(RejectReason.NOT_OWNER, f"no backup of partition {p}")
+        if clock < 0:
+            raise RejectedError(RejectReason.BAD_CLOCK, f"clock {clock}")
+        if delta.dtype != torch.float32 or delta.shape != part.values.shape:
+            raise RejectedError(RejectReason.BAD_DELTA, f"{delta.dtype} {tuple(delta.shape)}")
+        who = set(workers)
+        done = {w for w in who if self._applied(part, w, clock)}
+        if done == who:
+            return PushOutcome.DUPLICATE
+        if done:
+            raise RejectedError(
+                RejectReason.BAD_DELTA, f"clock {clock}: {sorted(done)} of {sorted(who)} applied"
+            )
+        part.values += delta
+        part.generation += 1
+        part.applied.update((w, clock) for w in who)
+        self._advance(part)
+        return PushOutcome.APPLIED
+
+    def take_streamable(self, p: int) -> list[PendingChunk]:
+        """Remove and return partition p's pending updates of complete clocks, oldest first."""
+        part = self._get(p)
+        ready = sorted(c for c in part.pending if c <= part.consistent)
+        out = []
+        for c in ready:
+            delta, who = part.pending.pop(c)
+            out.append(PendingChunk(c, delta, frozenset(who)))
+        return out
+
+    def clear_pending(self, p: int) -> None:
+        """Forget partition p's unstreamed updates (its BackupPS already has its whole state)."""
+        self._get(p).pending.clear()
+
+    def consistent_clock(self, p: int) -> int | None:
+        """The highest c such that every roster member's pushes 0..c to p are applied.
+
+        None if there is no roster (every pull is then answerable). Raises PartitionError.
+        """
+        part = self._get(p)
+        return None if self.roster is None else part.consistent
+
+    def ready(self, p: int, min_clock: int) -> bool:
+        """Whether a pull of p that must see clocks up to `min_clock` can be answered now."""
+        c = self.consistent_clock(p)
+        return c is None or c >= min_clock
+
+    def _applied(self, part: _Partition, worker: str, clock: int) -> bool:
+        if (worker, clock) in part.applied:
+            return True
+        return (
+            clock <= part.consistent
+            and self.roster is not None
+            and worker in self.roster.members(clock)
+        )
+
+    def _advance(self, part: _Partition) -> None:
+        roster = self.roster
+        if roster is None:
+            return
+        while True:
+            members = roster.members(part.consistent + 1)
+            if not members or any((w, part.consistent + 1) not in part.applied for w in members):
+                break
+            part.consistent += 1
+            part.applied.difference_update((w, part.consistent) for w in members)
+
+    def _get(self, p: int) -> _Partition:
+        part = self._parts.get(p)
+        if part is None:
+            raise PartitionError(f"partition {p} is not owned here", partition=p)
+        return part

@@ -1,0 +1,331 @@
+"""The service side of a parameter server: one thread on a ZMQ ROUTER socket that parses,
+authenticates and renders messages, and streams updates to BackupPSs over DEALER sockets.
+
+`ServerLoop` runs the thread, answers `hello`, hands `control` ops to the node's handler on a
+thread of their own, refuses messages of another job, and passes every other authenticated
+request to `_dispatch` (the `ParamServer` decides). Replies made on other threads go through
+`_outbox`; updates for BackupPSs through `_stream_out`, their acks are counted in `_unacked`.
+Malformed or unauthenticated messages never reach `_dispatch`: they get an `error` reply with
+the reason in `detail`, or are dropped if the header is not even JSON; both are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Self
+
+import torch
+import zmq
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.errors import HandoffError, ServerError, WireError, WireReason
+from orchestrator.agileml.rejections import ROUTINE_REJECTIONS, RejectedError, RejectReason
+from orchestrator.agileml.wire import Header, MessageKind
+
+log = logging.getLogger("orchestrator.agileml.server")
+
+POLL_INTERVAL_MS = 50  # how often the server thread checks for stop() while idle
+STOP_TIMEOUT_SECONDS = 5.0  # stop() gives the thread this long to exit
+
+Frames = list[bytes | memoryview]
+Reply = tuple[bytes, Frames]
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """Counters of a server since it started."""
+
+    pushes_applied: int = 0
+    pushes_duplicate: int = 0
+    pulls_answered: int = 0
+    pulls_held: int = 0  # held right now, waiting for slower workers
+    rejected: int = 0  # got an `error` reply (bad MAC, schema, not owner, ...)
+    dropped: int = 0  # unparseable; no reply
+    handoffs_sent: int = 0  # partitions handed to another server (acknowledged)
+    handoffs_received: int = 0  # partitions taken over from another server
+    chunks_streamed: int = 0  # coalesced updates sent to BackupPSs
+    chunks_backed: int = 0  # coalesced updates applied to this server's backup copies
+    restores: int = 0  # partitions replaced by a BackupPS's copy (roll-back)
+
+
+class ServerLoop:
+    """The message loop of a server (see the module docstring); a subclass decides.
+
+    Use as a context manager, or call `start()` and `stop()`.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        job_id: str,
+        token: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+        control: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.job_id = job_id
+        self._token = token
+        self._address = f"tcp://{host}:{port}"
+        self._max_message_bytes = max_message_bytes
+        self._control = control  # the node agent's handler of `control` ops it owns
+        self._outbox: list[Reply] = []  # replies from other threads, sent by the serve thread
+        self._stream_out: list[tuple[str, Frames]] = []  # (backup endpoint, frames)
+        self._unacked: dict[int, int] = {}  # replicate seq -> partition
+        self._stats = ServerStats()
+        self._lock = threading.Lock()
+        self._acked = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._thread: threading.Thread | None = None
+        self.endpoint = ""
+
+    def start(self) -> Self:
+        """Bind the socket and start serving. Raises ServerError if binding fails."""
+        if self._thread is not None:
+            raise ServerError(f"server {self.node_id} already started")
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self._address)
+        except zmq.ZMQError as exc:
+            sock.close()
+            self._ctx.term()
+            raise ServerError(f"server {self.node_id}: cannot bind {self._address}: {exc}") from exc
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._serve, name=f"ps-{self.node_id}", daemon=True)
+        self._thread.start()
+        log.info("param server started", extra={"node": self.node_id, "endpoint": self.endpoint})
+        return self
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_SECONDS) -> None:
+        """Stop serving and close the socket. Held pulls are dropped (their workers time out).
+
+        Raises:
+            ServerError: the thread did not exit within `timeout_s`.
+        """
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise ServerError(f"server {self.node_id} did not stop within {timeout_s}s")
+        self._thread = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _serve(self) -> None:
+        sock = self._sock
+        assert sock is not None and self._ctx is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        backup_socks: dict[str, zmq.Socket[Any]] = {}
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    outbox, self._outbox = self._outbox, []
+                    stream, self._stream_out = self._stream_out, []
+                for identity, frames in outbox:
+                    sock.send_multipart([identity, *frames], copy=False)
+                for endpoint, frames in stream:
+                    dealer = backup_socks.get(endpoint)
+                    if dealer is None:
+                        dealer = self._ctx.socket(zmq.DEALER)
+                        dealer.setsockopt(zmq.LINGER, 0)
+                        dealer.connect(endpoint)
+                        poller.register(dealer, zmq.POLLIN)
+                        backup_socks[endpoint] = dealer
+                    dealer.send_multipart(frames, copy=False)
+                events = dict(poller.poll(POLL_INTERVAL_MS))
+                for dealer in backup_socks.values():
+                    if dealer in events:
+                        self._drain_acks(dealer)
+                if sock not in events:
+                    continue
+                while True:
+                    try:
+                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    for identity, frames in self._handle(msg):
+                        sock.send_multipart([identity, *frames], copy=False)
+        except Exception:
+            log.exception("param server crashed", extra={"node": self.node_id})
+        finally:
+            for dealer in backup_socks.values():
+                dealer.close(linger=0)
+            sock.close(linger=0)
+            self._sock = None
+
+    def _drain_acks(self, dealer: zmq.Socket[Any]) -> None:
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                header, _ = wire.decode(frames, self._token)
+            except WireError:
+                continue
+            with self._acked:
+                self._unacked.pop(header.seq, None)
+                if header.kind is MessageKind.ERROR:
+                    log.warning(
+                        "backup refused a streamed update",
+                        extra={"node": self.node_id, "detail": header.detail},
+                    )
+                self._acked.notify_all()
+
+    def _handle(self, msg: list[zmq.Frame]) -> list[Reply]:
+        """Process one ROUTER message; returns the replies to send. Never raises."""
+        if len(msg) < 2:
+            return self._drop("no frames after identity")
+        identity, frames = msg[0].bytes, [f.buffer for f in msg[1:]]
+        try:
+            header, tensors = wire.decode(
+                frames, self._token, max_message_bytes=self._max_message_bytes
+            )
+        except WireError as exc:
+            if exc.reason is WireReason.BAD_JSON:
+                return self._drop(str(exc))
+            return [self._reject(identity, _best_effort_seq(bytes(frames[0])), str(exc.reason))]
+        if header.kind is MessageKind.CONTROL and header.job_id == self.job_id:
+            return self._on_control(identity, header, tensors)
+        with self._lock:
+            try:
+                if header.job_id != self.job_id:
+                    raise RejectedError(RejectReason.WRONG_JOB, header.job_id)
+                if header.kind is MessageKind.HELLO:
+                    return [(identity, self._encode(MessageKind.HELLO, header.seq))]
+                return self._dispatch(identity, header, tensors)
+            except RejectedError as exc:
+                return [self._reject_locked(identity, header.seq, exc.wire_detail, header)]
+
+    def _dispatch(
+        self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
+    ) -> list[Reply]:
+        """Handle an authenticated request of this job (under the lock); raise
+        `RejectedError` to refuse it. Subclasses say what they serve."""
+        raise RejectedError(RejectReason.UNEXPECTED_KIND, str(header.kind))
+
+    def _request(
+        self,
+        endpoint: str,
+        kind: MessageKind,
+        seq: int,
+        fields_and_tensors: tuple[dict[str, Any], dict[str, torch.Tensor]],
+        want: MessageKind,
+        timeout_s: float,
+        p: int,
+    ) -> tuple[Header, dict[str, torch.Tensor]]:
+        """One request to another server on a private socket; raises HandoffError."""
+        fields, tensors = fields_and_tensors
+        frames = self._encode(kind, seq, partition=p, tensors=tensors, **fields)
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            sock.send_multipart(frames)
+            try:
+                got = wire.await_reply(sock, seq, self._token, timeout_s)
+            except WireError as exc:
+                raise HandoffError(p, str(exc.reason), outcome_unknown=True) from exc
+            if got is None:
+                raise HandoffError(p, "timeout", outcome_unknown=True)
+            header, reply = got
+            if header.kind is MessageKind.ERROR:
+                raise HandoffError(p, header.detail or "error")
+            if header.kind is not want or header.partition != p:
+                raise HandoffError(p, f"unexpected {header.kind} reply", outcome_unknown=True)
+            return header, reply
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def _on_control(
+        self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
+    ) -> list[Reply]:
+        """Hand a control op to the node agent on a thread of its own (ops may take a while)."""
+        try:
+            body = wire.parse_json_body(tensors)
+        except WireError as exc:
+            return [self._reject(identity, header.seq, str(exc.reason))]
+        handler = self._control
+        if handler is None or not isinstance(body, dict):
+            return [self._reject(identity, header.seq, str(RejectReason.UNEXPECTED_KIND))]
+
+        def run() -> None:
+            try:
+                result = {"ok": True, **handler(body)}
+            except Exception as exc:  # reported to the controller, which decides what next
+                log.warning("control op failed", extra={"node": self.node_id, "op": body})
+                result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            frames = self._encode(
+                MessageKind.CONTROL_REPLY, header.seq, tensors=wire.json_body(result)
+            )
+            with self._lock:
+                self._outbox.append((identity, frames))
+
+        threading.Thread(target=run, name=f"control-{self.node_id}", daemon=True).start()
+        return []
+
+    def _encode(
+        self,
+        kind: MessageKind,
+        seq: int,
+        *,
+        tensors: dict[str, torch.Tensor] | None = None,
+        zero_copy: bool = False,
+        **fields: Any,
+    ) -> list[bytes | memoryview]:
+        header = {"kind": kind, "job_id": self.job_id, "sender": self.node_id, "seq": seq, **fields}
+        return wire.encode(header, tensors or {}, self._token, zero_copy=zero_copy)
+
+    def _reject(self, identity: bytes, seq: int, reason: str) -> Reply:
+        with self._lock:
+            return self._reject_locked(identity, seq, reason, None)
+
+    def _reject_locked(
+        self, identity: bytes, seq: int, reason: str, header: Header | None
+    ) -> Reply:
+        self._stats = replace(self._stats, rejected=self._stats.rejected + 1)
+        routine = reason.partition(":")[0] in ROUTINE_REJECTIONS
+        log.log(
+            logging.DEBUG if routine else logging.WARNING,
+            "param server rejected a message",
+            extra={"node": self.node_id, "reason": reason, "sender": header and header.sender},
+        )
+        partition = header.partition if header is not None else None
+        return identity, self._encode(MessageKind.ERROR, seq, partition=partition, detail=reason)
+
+    def _drop(self, why: str) -> list[Reply]:
+        with self._lock:
+            self._stats = replace(self._stats, dropped=self._stats.dropped + 1)
+        log.warning("param server dropped a message", extra={"node": self.node_id, "why": why})
+        return []
+
+
+def _best_effort_seq(raw: bytes) -> int:
+    """The `seq` of an unauthenticated header if it has a usable one (for the error reply)."""
+    try:
+        seq = json.loads(raw).get("seq")
+    except (ValueError, AttributeError):
+        return 0
+    return seq if isinstance(seq, int) and seq >= 0 else 0
