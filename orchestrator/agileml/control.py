@@ -8,6 +8,7 @@ eviction says `leaving`; once its partitions are handed off and its last clock i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import zmq
@@ -93,6 +94,25 @@ class Adoption(BaseModel):
     surrogate: NodeId
     from_clock: Annotated[int, Field(ge=0)]
     to_clock: Annotated[int, Field(ge=0)]
+
+
+def without_failed(
+    roster: Roster, adoptions: Mapping[str, Adoption], ranges: Mapping[str, tuple[int, int]]
+) -> tuple[Roster, dict[str, Adoption]]:
+    """The roster without the failed workers of `ranges` (worker -> the clocks [first, end)
+    survivors must redo for it), each leaving at its `end`, and the adoptions that give its
+    shares of those clocks to surrogates (spread over the survivors, in worker order)."""
+    out = dict(adoptions)
+    failed = set(ranges)
+    for i, f in enumerate(sorted(ranges)):
+        first, end = ranges[f]
+        surrogates = [w for w in roster.members(first) if w not in failed]
+        roster = roster.without({f}, end)
+        if end > first and surrogates:
+            out[f] = Adoption(
+                surrogate=surrogates[i % len(surrogates)], from_clock=first, to_clock=end
+            )
+    return roster, out
 
 
 class View(BaseModel):

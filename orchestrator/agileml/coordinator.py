@@ -20,11 +20,15 @@ It tracks the job's nodes by tier and lifecycle, and drives every change of the 
   a restored partition are deduplicated, so each one is applied exactly once.
 
 Node messages arrive on a ROUTER thread that only records and answers; changes run one at a
-time on a reconfiguration thread that calls the nodes' parameter servers (`control` ops).
+time on a reconfiguration thread that calls the nodes' parameter servers (`control` ops, carried
+out by `server_calls`). The module stays a little over 600 lines on purpose: `Coordinator` is
+the one owner of the job's membership, view and partition table, which both threads share under
+one lock; splitting that state across classes would spread the lock discipline with it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -39,7 +43,6 @@ from pydantic import ValidationError
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.control import (
-    Adoption,
     ControlClient,
     ControlError,
     Heartbeat,
@@ -52,6 +55,7 @@ from orchestrator.agileml.control import (
     TrainingSpec,
     View,
     dump,
+    without_failed,
 )
 from orchestrator.agileml.elasticity import (
     Membership,
@@ -66,6 +70,14 @@ from orchestrator.agileml.elasticity import (
 from orchestrator.agileml.errors import AgileMLError, NoReliableNodeError, WireError
 from orchestrator.agileml.partitions import PartitionTable
 from orchestrator.agileml.roster import Roster
+from orchestrator.agileml.server_calls import (
+    configure_all,
+    pull_partitions,
+    rebalance,
+    roll_back,
+    start_nodes,
+    unfinished_clocks,
+)
 from orchestrator.agileml.wire import MessageKind
 
 log = logging.getLogger(__name__)
@@ -216,15 +228,6 @@ class Coordinator:
         with self._lock:
             return self._error
 
-    def _abort(self, reason: str) -> None:
-        """The job cannot go on: record why, tell every node to shut down, wake waiters."""
-        log.error("agileml job aborted", extra={"error": reason})
-        with self._lock:
-            self._error = reason
-            self._view = self._view.model_copy(update={"done": True, "shutdown": True})
-        self._record("aborted", [], reason)
-        self._done.set()
-
     def fetch_parameters(
         self, timeout_s: float = CONTROL_TIMEOUT_SECONDS, *, final: bool = True
     ) -> list[torch.Tensor]:
@@ -238,33 +241,25 @@ class Coordinator:
         view = self.view()
         if self._ctx is None or view.epoch == 0:
             raise AgileMLError("the job has not started; no parameters yet")
-        out = []
-        for p in range(self.spec.num_partitions):
-            owner = self._table.owner(p)
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            try:
-                sock.connect(view.endpoints[owner])
-                header = {
-                    "kind": MessageKind.PULL,
-                    "job_id": self.spec.job_id,
-                    "sender": SENDER,
-                    "seq": p,
-                    "partition": p,
-                    "clock": self.spec.iterations - 1 if final else -1,
-                    "epoch": view.epoch,
-                }
-                sock.send_multipart(wire.encode(header, {}, self._token))
-                got = wire.await_reply(sock, p, self._token, timeout_s)
-                if got is None:
-                    raise AgileMLError(f"partition {p}: no answer from {owner}")
-                reply, tensors = got
-                if reply.kind is not MessageKind.PULL_REPLY:
-                    raise AgileMLError(f"partition {p}: {owner} answered {reply.detail}")
-                out.append(tensors["values"])
-            finally:
-                sock.close(linger=0)
-        return out
+        return pull_partitions(
+            self._ctx,
+            spec=self.spec,
+            view=view,
+            owner_of=self._table.owner,
+            token=self._token,
+            sender=SENDER,
+            timeout_s=timeout_s,
+            final=final,
+        )
+
+    def _abort(self, reason: str) -> None:
+        """The job cannot go on: record why, tell every node to shut down, wake waiters."""
+        log.error("agileml job aborted", extra={"error": reason})
+        with self._lock:
+            self._error = reason
+            self._view = self._view.model_copy(update={"done": True, "shutdown": True})
+        self._record("aborted", [], reason)
+        self._done.set()
 
     # -- node messages (ROUTER thread) ----------------------------------------------------
 
@@ -391,20 +386,14 @@ class Coordinator:
         endpoints = self._endpoints()
         backups = self._backups(plan, endpoints)
         roster = Roster.starting(plan.workers)
-        for n in nodes:
-            mine = {p: self._table.get(p).version for p, o in owners.items() if o == n.node_id}
-            backed = [p for p, b in backups.items() if b == endpoints[n.node_id]]
-            body = {
-                "op": "configure",
-                "epoch": 1,
-                "horizon": self._horizon,
-                "slack": self.spec.slack,
-                "roster": dump(roster),
-                "backups": backups,
-                "init_own": mine,
-                "init_backup": backed,
-            }
-            self._call(client, n.node_id, body)
+        start_nodes(
+            functools.partial(self._call, client),
+            [n.node_id for n in nodes],
+            table=self._table,
+            backups=backups,
+            endpoints=endpoints,
+            common={"horizon": self._horizon, "slack": self.spec.slack, "roster": dump(roster)},
+        )
         for n in nodes:
             self._move(n.node_id, NodeState.ACTIVE)
         self._publish(
@@ -413,22 +402,22 @@ class Coordinator:
         self._record("started", [n.node_id for n in nodes], f"stage {int(plan.stage)}")
 
     def _scale_up(self, client: ControlClient, ready: list[str]) -> None:
-        plan = plan_roles(self._nodes_in(NodeState.ACTIVE, NodeState.READY), self.spec.thresholds)
-        roster, start = self._schedule(
-            client, plan, lambda r, clock: r.with_change(clock, plan.workers)
-        )
-        for n in ready:
-            self._move(n, NodeState.ACTIVE)
-        self._rebalance(client, plan)
+        start = self._replan(client, ready)
         self._record("joined", ready, f"from clock {start}")
 
     def _evict(self, client: ControlClient, leaving: list[str]) -> None:
-        plan = plan_roles(self._nodes_in(NodeState.ACTIVE, NodeState.READY), self.spec.thresholds)
-        roster, start = self._schedule(
-            client, plan, lambda r, clock: r.with_change(clock, plan.workers)
-        )
-        self._rebalance(client, plan)
+        start = self._replan(client)
         self._record("evicted", leaving, f"out from clock {start}")
+
+    def _replan(self, client: ControlClient, joining: tuple[str, ...] | list[str] = ()) -> int:
+        """Plan roles for the nodes active or ready now, change the roster past the horizon,
+        make `joining` active and move partitions; returns the clock the change starts at."""
+        plan = plan_roles(self._nodes_in(NodeState.ACTIVE, NodeState.READY), self.spec.thresholds)
+        _, start = self._schedule(client, plan, lambda r, clock: r.with_change(clock, plan.workers))
+        for n in joining:
+            self._move(n, NodeState.ACTIVE)
+        self._rebalance(client, plan)
+        return start
 
     def _extend_horizon(self, client: ControlClient) -> None:
         """Move the horizon on when the fastest worker is within half of it. Nodes that
@@ -437,16 +426,12 @@ class Coordinator:
         if ahead - self._horizon < self.spec.horizon_clocks // 2:
             return
         self._horizon = ahead
-        body = {"op": "configure", "horizon": ahead, "slack": self.spec.slack}
         fresh = self._now() - 2 * self.spec.heartbeat_s
-        for node in self._serving_nodes():
-            with self._lock:
-                if self._nodes[node].last_seen_s < fresh:
-                    continue
-            try:
-                self._call(client, node, body)
-            except AgileMLError as exc:
-                log.warning("horizon not extended", extra={"node": node, "error": str(exc)})
+        serving = self._serving_nodes()
+        with self._lock:
+            live = [n for n in serving if self._nodes[n].last_seen_s >= fresh]
+        body = {"op": "configure", "horizon": ahead, "slack": self.spec.slack}
+        configure_all(functools.partial(self._call, client), live, body)
 
     def _schedule(
         self, client: ControlClient, plan: RolePlan, change: Callable[[Roster, int], Roster]
@@ -477,21 +462,16 @@ class Coordinator:
         endpoints = self._endpoints()
         lost = [p for p in range(self.spec.num_partitions) if self._table.owner(p) in failed]
         epoch, restart = view.epoch, view.restart_clock
+        call = functools.partial(self._call, client)
         if lost:
-            epoch, restart, upto = self._roll_back(client, view, failed, plan)
+            epoch, restart, upto = roll_back(
+                call, view=view, failed=failed, plan=plan, table=self._table,
+                endpoints=self._endpoints(),
+            )  # fmt: skip
             ranges = {f: (restart, upto) for f in failed}
         else:
-            ranges = {f: self._unfinished(client, f) for f in failed}
-        roster = view.roster
-        adoptions = dict(view.adoptions)
-        for i, f in enumerate(sorted(failed)):
-            first, end = ranges[f]
-            surrogates = [w for w in roster.members(first) if w not in failed]
-            roster = roster.without({f}, end)
-            if end > first and surrogates:
-                adoptions[f] = Adoption(
-                    surrogate=surrogates[i % len(surrogates)], from_clock=first, to_clock=end
-                )
+            ranges = {f: unfinished_clocks(call, f, self._table) for f in failed}
+        roster, adoptions = without_failed(view.roster, view.adoptions, ranges)
         backups = self._backups(plan, endpoints)
         self._configure_all(client, roster, backups, epoch)
         self._publish(
@@ -512,74 +492,17 @@ class Coordinator:
             self._schedule(client, plan, lambda r, clock: r.with_change(clock, plan.workers))
         self._rebalance(client, plan)
 
-    def _roll_back(
-        self, client: ControlClient, view: View, failed: list[str], plan: RolePlan
-    ) -> tuple[int, int, int]:
-        """Restore every partition from its BackupPS to its new owner under a new epoch.
-
-        Returns (epoch, restart clock, end): every partition is restored at a consistent clock
-        in [restart - 1, end - 1], so workers redo from `restart`, and the failed workers' shares
-        of clocks [restart, end) are computed by survivors (the pushes already in a partition
-        are deduplicated).
-        """
-        if not view.backups:
-            raise AgileMLError(f"partitions of {failed} lost: no BackupPS (stage 1)")
-        epoch = view.epoch + 1
-        endpoints = self._endpoints()
-        previous = PartitionTable(self.spec.num_partitions)
-        for p in range(self.spec.num_partitions):
-            if self._table.owner(p) not in failed:
-                previous.move(p, self._table.owner(p))
-        owners = assign_partitions(self.spec.num_partitions, plan.serving, previous)
-        by_backup: dict[str, dict[int, str]] = {}
-        for p, backup in view.backups.items():
-            by_backup.setdefault(backup, {})[p] = endpoints[owners[p]]
-        consistent: dict[int, int] = {}
-        for backup, targets in by_backup.items():
-            node = next(n for n, e in endpoints.items() if e == backup)
-            versions = {p: self._table.get(p).version for p in targets}
-            body = {"op": "restore", "epoch": epoch, "owners": targets, "versions": versions}
-            out = self._call(client, node, body)
-            for p, (clock, version) in out["restored"].items():
-                consistent[int(p)] = clock
-                self._table.set(int(p), owners[int(p)], version)
-        return epoch, min(consistent.values()) + 1, max(consistent.values()) + 1
-
-    def _unfinished(self, client: ControlClient, worker: str) -> tuple[int, int]:
-        """The clocks [first, end) whose shares of a dead worker survivors must compute: from
-        the first it may not have pushed everywhere, to past the last anyone has pushed (the
-        roster may change only after that)."""
-        frontier, latest = [], []
-        for owner in sorted({self._table.owner(p) for p in range(self.spec.num_partitions)}):
-            out = self._call(client, owner, {"op": "progress", "worker": worker})
-            for mine, last, anyone in out["progress"].values():
-                frontier.append(mine)
-                latest.append(max(last, anyone))
-        first = min(frontier) + 1
-        return first, max(first, max(latest) + 1)
-
     def _rebalance(self, client: ControlClient, plan: RolePlan) -> None:
         """Hand partitions to the plan's serving nodes with as few moves as possible."""
-        owners = assign_partitions(self.spec.num_partitions, plan.serving, self._table)
-        endpoints = self._endpoints()
-        moves: dict[str, dict[int, str]] = {}
-        for p, new in owners.items():
-            old = self._table.owner(p)
-            if old != new:
-                moves.setdefault(old, {})[p] = endpoints[new]
-        for old, targets in moves.items():
-            out = self._call(client, old, {"op": "handoff", "moves": targets})
-            for p, version in out["versions"].items():
-                self._table.set(int(p), owners[int(p)], version)
-        if moves:
+        call = functools.partial(self._call, client)
+        if rebalance(call, plan=plan, table=self._table, endpoints=self._endpoints()):
             self._publish()
 
     def _configure_all(
         self, client: ControlClient, roster: Roster, backups: dict[int, str], epoch: int
     ) -> bool:
         """Give every live node the roster, backups and epoch; False if one refused the
-        roster as too late. A node that does not answer is left to the failure detector."""
-        ok = True
+        roster as too late (see `server_calls.configure_all`)."""
         body = {
             "op": "configure",
             "epoch": epoch,
@@ -588,15 +511,7 @@ class Coordinator:
             "horizon": self._horizon,
             "slack": self.spec.slack,
         }
-        for node in self._serving_nodes():
-            try:
-                self._call(client, node, body)
-            except AgileMLError as exc:
-                if "RosterError" in str(exc):
-                    ok = False
-                else:
-                    log.warning("configure failed", extra={"node": node, "error": str(exc)})
-        return ok
+        return configure_all(functools.partial(self._call, client), self._serving_nodes(), body)
 
     def _call(self, client: ControlClient, node: str, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:

@@ -1,0 +1,205 @@
+"""What the elasticity controller asks the nodes' parameter servers to do: the steps of
+`Coordinator` that only talk to servers, as functions of what they need (a `call` to a node's
+control ops, the partition table, the view). The coordinator decides; these carry it out.
+
+* `configure_all`: every live node gets the roster, backups, epoch and horizon.
+* `rebalance`: partitions move to the plan's serving nodes by hand-off, fewest moves first.
+* `roll_back`: partitions of a failed owner are lost; every partition is restored from its
+  BackupPS to its (new) owner under a new epoch, at its last consistent clock.
+* `unfinished_clocks`: a failed worker-only node; which of its clocks survivors must redo.
+* `pull_partitions`: every partition's values from its owner (the trained model).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import zmq
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.control import TrainingSpec, View
+from orchestrator.agileml.elasticity import RolePlan, assign_partitions
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.partitions import PartitionTable
+from orchestrator.agileml.wire import MessageKind
+
+log = logging.getLogger("orchestrator.agileml.coordinator")
+
+#: A control op on a node: (node id, body) -> the node's answer. Raises AgileMLError.
+NodeCall = Callable[[str, dict[str, Any]], dict[str, Any]]
+
+
+def start_nodes(
+    call: NodeCall,
+    nodes: list[str],
+    *,
+    table: PartitionTable,
+    backups: Mapping[int, str],
+    endpoints: Mapping[str, str],
+    common: Mapping[str, Any],
+) -> None:
+    """Configure the job's first nodes for epoch 1: each gets the partitions `table` gives it
+    (with their versions), the backups it keeps, and the `common` settings (roster, horizon,
+    slack).
+
+    Raises:
+        AgileMLError: a node refused or did not answer.
+    """
+    for node in nodes:
+        mine = {
+            p: table.get(p).version for p in range(table.num_partitions) if table.owner(p) == node
+        }
+        backed = [p for p, b in backups.items() if b == endpoints[node]]
+        body = {
+            "op": "configure", "epoch": 1, "backups": dict(backups), "init_own": mine,
+            "init_backup": backed, **common,
+        }  # fmt: skip
+        call(node, body)
+
+
+def configure_all(call: NodeCall, nodes: list[str], body: dict[str, Any]) -> bool:
+    """Send the `configure` op `body` to every node; False if one refused the roster as too
+    late (a worker already passed its first clock). A node that does not answer is left to
+    the failure detector (logged)."""
+    ok = True
+    for node in nodes:
+        try:
+            call(node, body)
+        except AgileMLError as exc:
+            if "RosterError" in str(exc):
+                ok = False
+            else:
+                log.warning("configure failed", extra={"node": node, "error": str(exc)})
+    return ok
+
+
+def rebalance(
+    call: NodeCall, *, plan: RolePlan, table: PartitionTable, endpoints: Mapping[str, str]
+) -> bool:
+    """Hand partitions to the plan's serving nodes with as few moves as possible; `table`
+    records the new owners and versions. True if any partition moved.
+
+    Raises:
+        AgileMLError: a hand-off failed.
+    """
+    owners = assign_partitions(table.num_partitions, plan.serving, table)
+    moves: dict[str, dict[int, str]] = {}
+    for p, new in owners.items():
+        old = table.owner(p)
+        if old != new:
+            moves.setdefault(old, {})[p] = endpoints[new]
+    for old, targets in moves.items():
+        out = call(old, {"op": "handoff", "moves": targets})
+        for p, version in out["versions"].items():
+            table.set(int(p), owners[int(p)], version)
+    return bool(moves)
+
+
+def roll_back(
+    call: NodeCall,
+    *,
+    view: View,
+    failed: list[str],
+    plan: RolePlan,
+    table: PartitionTable,
+    endpoints: Mapping[str, str],
+) -> tuple[int, int, int]:
+    """Restore every partition from its BackupPS to its new owner under a new epoch; `table`
+    records the new owners and versions.
+
+    Returns (epoch, restart clock, end): every partition is restored at a consistent clock in
+    [restart - 1, end - 1], so workers redo from `restart`, and the failed workers' shares of
+    clocks [restart, end) are computed by survivors (the pushes already in a partition are
+    deduplicated).
+
+    Raises:
+        AgileMLError: no BackupPS holds the partitions (stage 1), or a restore failed.
+    """
+    if not view.backups:
+        raise AgileMLError(f"partitions of {failed} lost: no BackupPS (stage 1)")
+    epoch = view.epoch + 1
+    previous = PartitionTable(table.num_partitions)
+    for p in range(table.num_partitions):
+        if table.owner(p) not in failed:
+            previous.move(p, table.owner(p))
+    owners = assign_partitions(table.num_partitions, plan.serving, previous)
+    by_backup: dict[str, dict[int, str]] = {}
+    for p, backup in view.backups.items():
+        by_backup.setdefault(backup, {})[p] = endpoints[owners[p]]
+    consistent: dict[int, int] = {}
+    for backup, targets in by_backup.items():
+        node = next(n for n, e in endpoints.items() if e == backup)
+        versions = {p: table.get(p).version for p in targets}
+        body = {"op": "restore", "epoch": epoch, "owners": targets, "versions": versions}
+        out = call(node, body)
+        for p, (clock, version) in out["restored"].items():
+            consistent[int(p)] = clock
+            table.set(int(p), owners[int(p)], version)
+    return epoch, min(consistent.values()) + 1, max(consistent.values()) + 1
+
+
+def unfinished_clocks(call: NodeCall, worker: str, table: PartitionTable) -> tuple[int, int]:
+    """The clocks [first, end) whose shares of a dead worker survivors must compute: from the
+    first it may not have pushed everywhere, to past the last anyone has pushed (the roster may
+    change only after that).
+
+    Raises:
+        AgileMLError: an owner did not answer.
+    """
+    frontier, latest = [], []
+    for owner in sorted({table.owner(p) for p in range(table.num_partitions)}):
+        out = call(owner, {"op": "progress", "worker": worker})
+        for mine, last, anyone in out["progress"].values():
+            frontier.append(mine)
+            latest.append(max(last, anyone))
+    first = min(frontier) + 1
+    return first, max(first, max(latest) + 1)
+
+
+def pull_partitions(
+    ctx: zmq.Context[Any],
+    *,
+    spec: TrainingSpec,
+    view: View,
+    owner_of: Callable[[int], str],
+    token: bytes,
+    sender: str,
+    timeout_s: float,
+    final: bool,
+) -> list[torch.Tensor]:
+    """Every partition's values, pulled from its owner: once every clock of the job is in them
+    (`final`), or as they are now.
+
+    Raises:
+        AgileMLError: a partition could not be pulled within `timeout_s`.
+    """
+    out = []
+    for p in range(spec.num_partitions):
+        owner = owner_of(p)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(view.endpoints[owner])
+            header = {
+                "kind": MessageKind.PULL,
+                "job_id": spec.job_id,
+                "sender": sender,
+                "seq": p,
+                "partition": p,
+                "clock": spec.iterations - 1 if final else -1,
+                "epoch": view.epoch,
+            }
+            sock.send_multipart(wire.encode(header, {}, token))
+            got = wire.await_reply(sock, p, token, timeout_s)
+            if got is None:
+                raise AgileMLError(f"partition {p}: no answer from {owner}")
+            reply, tensors = got
+            if reply.kind is not MessageKind.PULL_REPLY:
+                raise AgileMLError(f"partition {p}: {owner} answered {reply.detail}")
+            out.append(tensors["values"])
+        finally:
+            sock.close(linger=0)
+    return out
