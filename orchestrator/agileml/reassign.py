@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
 import torch
@@ -47,7 +47,25 @@ from orchestrator.straggler.protocol import (
 from orchestrator.straggler.spec import StragglerSpec
 
 if TYPE_CHECKING:
-    from orchestrator.agileml.worker import Worker
+    from orchestrator.agileml.partitions import PartitionLayout
+
+
+class Worker(Protocol):
+    """What FlexRR needs of the AgileML worker it runs for (`agileml.worker.Worker`): its
+    partition layout, and computing, stashing and taking the gradients of rows of a share."""
+
+    layout: PartitionLayout
+
+    def share_rows(self, identity: str, clock: int) -> int: ...
+    def backward_rows(
+        self, identity: str, clock: int, start: int, end: int
+    ) -> tuple[float, bool]: ...
+    def preload(self, identity: str, clock: int, fraction: float) -> None: ...
+    def stash_grads(self) -> list[torch.Tensor | None]: ...
+    def restore_grads(self, stash: list[torch.Tensor | None]) -> None: ...
+    def take_grads(self) -> list[torch.Tensor]: ...
+    def check_abort(self) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
