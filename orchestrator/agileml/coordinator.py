@@ -58,12 +58,12 @@ from orchestrator.agileml.control import (
     without_failed,
 )
 from orchestrator.agileml.elasticity import (
+    AgileMLStage,
     Membership,
     Node,
     NodeState,
     NodeTier,
     RolePlan,
-    Stage,
     assign_partitions,
     plan_roles,
 )
@@ -568,7 +568,7 @@ class Coordinator:
             )
 
     def _backups(self, plan: RolePlan, endpoints: dict[str, str]) -> dict[int, str]:
-        if plan.stage is Stage.PARAMSERV_ONLY:
+        if plan.stage is AgileMLStage.PARAMSERV_ONLY:
             return {}
         reliable = plan.backup_ps
         return {p: endpoints[reliable[p % len(reliable)]] for p in range(self.spec.num_partitions)}

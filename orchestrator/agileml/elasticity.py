@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from orchestrator.agileml.errors import (
     ElasticityError,
-    IllegalTransitionError,
+    IllegalNodeTransitionError,
     NoReliableNodeError,
     PartitionError,
 )
@@ -47,7 +47,7 @@ class Node:
     joined_at_s: float
 
 
-class Stage(IntEnum):
+class AgileMLStage(IntEnum):
     """The AgileML stage (see the module docstring)."""
 
     PARAMSERV_ONLY = 1
@@ -90,7 +90,7 @@ def _count(nodes: Sequence[Node]) -> tuple[int, int]:
     return reliable, len(nodes) - reliable
 
 
-def choose_stage(nodes: Sequence[Node], thresholds: StageThresholds | None = None) -> Stage:
+def choose_stage(nodes: Sequence[Node], thresholds: StageThresholds | None = None) -> AgileMLStage:
     """The stage for this node set, from the transient:reliable ratio.
 
     Raises:
@@ -100,10 +100,10 @@ def choose_stage(nodes: Sequence[Node], thresholds: StageThresholds | None = Non
     reliable, transient = _count(nodes)
     ratio = transient / reliable
     if ratio > th.stage3_above:
-        return Stage.ACTIVE_BACKUP_NO_RELIABLE_WORKERS
+        return AgileMLStage.ACTIVE_BACKUP_NO_RELIABLE_WORKERS
     if ratio > th.stage2_above:
-        return Stage.ACTIVE_BACKUP
-    return Stage.PARAMSERV_ONLY
+        return AgileMLStage.ACTIVE_BACKUP
+    return AgileMLStage.PARAMSERV_ONLY
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class RolePlan:
     `serving` is the set of nodes that own partitions (the ParamServs or the ActivePSs).
     """
 
-    stage: Stage
+    stage: AgileMLStage
     param_servs: tuple[str, ...]
     active_ps: tuple[str, ...]
     backup_ps: tuple[str, ...]
@@ -122,7 +122,7 @@ class RolePlan:
 
     @property
     def serving(self) -> tuple[str, ...]:
-        return self.param_servs if self.stage is Stage.PARAMSERV_ONLY else self.active_ps
+        return self.param_servs if self.stage is AgileMLStage.PARAMSERV_ONLY else self.active_ps
 
 
 def plan_roles(nodes: Sequence[Node], thresholds: StageThresholds | None = None) -> RolePlan:
@@ -138,13 +138,13 @@ def plan_roles(nodes: Sequence[Node], thresholds: StageThresholds | None = None)
     reliable = tuple(sorted(n.node_id for n in nodes if n.tier is NodeTier.RELIABLE))
     transient_nodes = [n for n in nodes if n.tier is NodeTier.TRANSIENT]
     transient = tuple(sorted(n.node_id for n in transient_nodes))
-    if stage is Stage.PARAMSERV_ONLY:
+    if stage is AgileMLStage.PARAMSERV_ONLY:
         return RolePlan(stage, reliable, (), (), tuple(sorted(reliable + transient)))
     oldest = sorted(transient_nodes, key=lambda n: (n.joined_at_s, n.node_id))
     active = tuple(sorted(n.node_id for n in oldest[: math.ceil(len(oldest) / 2)]))
     workers = (
         transient
-        if stage is Stage.ACTIVE_BACKUP_NO_RELIABLE_WORKERS
+        if stage is AgileMLStage.ACTIVE_BACKUP_NO_RELIABLE_WORKERS
         else tuple(sorted(reliable + transient))
     )
     return RolePlan(stage, (), active, reliable, workers)
@@ -273,7 +273,7 @@ class Membership:
         """Add a node in `joining`.
 
         Raises:
-            IllegalTransitionError: the node id is already known (even if gone); unchanged.
+            IllegalNodeTransitionError: the node id is already known (even if gone); unchanged.
         """
         current = self._states.get(node_id)
         if current is not None:
@@ -285,7 +285,7 @@ class Membership:
         """Move a node to `to` if `ALLOWED` permits it.
 
         Raises:
-            IllegalTransitionError: unknown node or an edge not in `ALLOWED`; the refusal is
+            IllegalNodeTransitionError: unknown node or an edge not in `ALLOWED`; the refusal is
                 recorded in `history` and the state is unchanged.
         """
         current = self._states.get(node_id)
@@ -306,4 +306,4 @@ class Membership:
         self, node_id: str, current: NodeState | None, to: NodeState, now_s: float
     ) -> NoReturn:
         self.history.append(TransitionRecord(node_id, current, to, now_s, False))
-        raise IllegalTransitionError(node_id, current, to)
+        raise IllegalNodeTransitionError(node_id, current, to)

@@ -112,7 +112,7 @@ class NoReliableNodeError(ElasticityError):
     live there, so the job cannot go on; the elasticity controller aborts it."""
 
 
-class IllegalTransitionError(ElasticityError):
+class IllegalNodeTransitionError(ElasticityError):
     """A membership move that the lifecycle table does not allow; the node's state is unchanged.
 
     Attributes:

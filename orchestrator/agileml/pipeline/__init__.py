@@ -5,7 +5,7 @@
 torch until `profile_sequential` runs.
 """
 
-from orchestrator.agileml.pipeline.planner import Plan, PlanError, Stage, plan, stage_time_ms
+from orchestrator.agileml.pipeline.planner import Plan, PlanError, PlannedStage, plan, stage_time_ms
 from orchestrator.agileml.pipeline.profiler import (
     LayerProfile,
     ModelProfile,
@@ -19,7 +19,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "ProfileError",
-    "Stage",
+    "PlannedStage",
     "plan",
     "profile_sequential",
     "stage_time_ms",

@@ -40,7 +40,7 @@ import zmq
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError, WireError
-from orchestrator.agileml.pipeline.planner import Stage as PlannedStage
+from orchestrator.agileml.pipeline.planner import PlannedStage
 from orchestrator.agileml.pipeline.schedule import Schedule, stuck_worker
 from orchestrator.agileml.pipeline.stage import ChainModelSpec, StageConfig, build_chain
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV

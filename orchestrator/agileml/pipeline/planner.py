@@ -49,7 +49,7 @@ class PlanError(UserError):
     the argument (`workers`, `bandwidth_bytes_per_s`, `levels`, `stages`, `layers`)."""
 
 
-class Stage(BaseModel):
+class PlannedStage(BaseModel):
     """Layers first_layer..last_layer (0-based, inclusive) run data-parallel by `replicas`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -59,7 +59,7 @@ class Stage(BaseModel):
     replicas: Annotated[int, Field(ge=1)]
 
     @model_validator(mode="after")
-    def _ordered(self) -> Stage:
+    def _ordered(self) -> PlannedStage:
         if self.last_layer < self.first_layer:
             raise ValueError(f"last_layer {self.last_layer} < first_layer {self.first_layer}")
         return self
@@ -72,7 +72,7 @@ class Plan(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    stages: Annotated[tuple[Stage, ...], Field(min_length=1)]
+    stages: Annotated[tuple[PlannedStage, ...], Field(min_length=1)]
     noam: Annotated[int, Field(ge=1)]
     time_per_minibatch_ms: Annotated[float, Field(gt=0)]
     data_parallel_ms: Annotated[float, Field(gt=0)]
@@ -190,7 +190,9 @@ def plan(
     )
 
 
-def stage_time_ms(profile: ModelProfile, stage: Stage, bandwidth_bytes_per_s: float) -> float:
+def stage_time_ms(
+    profile: ModelProfile, stage: PlannedStage, bandwidth_bytes_per_s: float
+) -> float:
     """T(first→last, replicas) on one flat level: the stage's effective ms per minibatch."""
     layers = profile.layers[stage.first_layer : stage.last_layer + 1]
     compute_ms = sum(layer.compute_ms for layer in layers)
@@ -393,7 +395,7 @@ def _forced_depth(
 
 def _expand(
     tables: list[_Table], topology: list[_Level], k: int, i: int, j: int, m: int, copies: int
-) -> list[Stage]:
+) -> list[PlannedStage]:
     """The stages of A^k(i→j, m), each run `copies` times over by higher-level components."""
     table = tables[k - 1]
     s = int(table.split_layer[i, j, m])
@@ -407,9 +409,9 @@ def _expand(
 
 def _replicate(
     tables: list[_Table], topology: list[_Level], k: int, i: int, j: int, components: int
-) -> list[Stage]:
+) -> list[PlannedStage]:
     """One level-k stage i..j on `components` level-(k-1) components, as physical stages."""
     if k == 1:
-        return [Stage(first_layer=i, last_layer=j, replicas=components)]
+        return [PlannedStage(first_layer=i, last_layer=j, replicas=components)]
     below = topology[k - 2].devices
     return _expand(tables, topology, k - 1, i, j, below, components)

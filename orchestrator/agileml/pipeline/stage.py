@@ -130,7 +130,7 @@ class StageConfig(BaseModel):
         return sum(self.replica_counts[: self.stage]) + self.replica
 
 
-class Stage:
+class PipelineStage:
     """The stage's state and its operations (see the module docstring)."""
 
     def __init__(self, config: StageConfig, token: bytes) -> None:
@@ -327,7 +327,7 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
     """Rendezvous, run every operation of the schedule, save the weights; returns the
     worker's result (timings and losses)."""
     torch.set_num_threads(1)
-    stage = Stage(config, token)
+    stage = PipelineStage(config, token)
     link = _Link(config, token)
     me = config.worker_index
     try:

@@ -9,18 +9,18 @@ from pydantic import ValidationError
 
 from orchestrator.agileml.elasticity import (
     ALLOWED,
+    AgileMLStage,
     Membership,
     Node,
     NodeState,
     NodeTier,
-    Stage,
     StageThresholds,
     assign_partitions,
     choose_stage,
     partition_moves,
     plan_roles,
 )
-from orchestrator.agileml.errors import ElasticityError, IllegalTransitionError, PartitionError
+from orchestrator.agileml.errors import ElasticityError, IllegalNodeTransitionError, PartitionError
 from orchestrator.agileml.partitions import PartitionTable
 
 
@@ -33,26 +33,26 @@ def _nodes(reliable: int, transient: int) -> list[Node]:
 @pytest.mark.parametrize(
     ("reliable", "transient", "stage"),
     [
-        (1, 0, Stage.PARAMSERV_ONLY),
-        (1, 1, Stage.PARAMSERV_ONLY),  # 1:1 is not above the stage-2 threshold
-        (2, 2, Stage.PARAMSERV_ONLY),
-        (1, 2, Stage.ACTIVE_BACKUP),  # 2:1
-        (1, 15, Stage.ACTIVE_BACKUP),  # 15:1 is not above the stage-3 threshold
-        (2, 30, Stage.ACTIVE_BACKUP),
-        (1, 16, Stage.ACTIVE_BACKUP_NO_RELIABLE_WORKERS),  # 16:1
+        (1, 0, AgileMLStage.PARAMSERV_ONLY),
+        (1, 1, AgileMLStage.PARAMSERV_ONLY),  # 1:1 is not above the stage-2 threshold
+        (2, 2, AgileMLStage.PARAMSERV_ONLY),
+        (1, 2, AgileMLStage.ACTIVE_BACKUP),  # 2:1
+        (1, 15, AgileMLStage.ACTIVE_BACKUP),  # 15:1 is not above the stage-3 threshold
+        (2, 30, AgileMLStage.ACTIVE_BACKUP),
+        (1, 16, AgileMLStage.ACTIVE_BACKUP_NO_RELIABLE_WORKERS),  # 16:1
     ],
 )
 def test_stage_is_chosen_by_the_transient_to_reliable_ratio(
-    reliable: int, transient: int, stage: Stage
+    reliable: int, transient: int, stage: AgileMLStage
 ) -> None:
     assert choose_stage(_nodes(reliable, transient)) is stage
 
 
 def test_custom_thresholds_move_the_stage_boundaries() -> None:
     th = StageThresholds(stage2_above=3.0, stage3_above=5.0)
-    assert choose_stage(_nodes(1, 3), th) is Stage.PARAMSERV_ONLY
-    assert choose_stage(_nodes(1, 4), th) is Stage.ACTIVE_BACKUP
-    assert choose_stage(_nodes(1, 6), th) is Stage.ACTIVE_BACKUP_NO_RELIABLE_WORKERS
+    assert choose_stage(_nodes(1, 3), th) is AgileMLStage.PARAMSERV_ONLY
+    assert choose_stage(_nodes(1, 4), th) is AgileMLStage.ACTIVE_BACKUP
+    assert choose_stage(_nodes(1, 6), th) is AgileMLStage.ACTIVE_BACKUP_NO_RELIABLE_WORKERS
 
 
 @pytest.mark.parametrize(("s2", "s3"), [(0.0, 5.0), (5.0, 5.0), (6.0, 5.0), (-1.0, 2.0)])
@@ -75,7 +75,7 @@ def test_duplicate_node_ids_are_refused() -> None:
 
 def test_stage1_plan_puts_paramservs_on_reliable_nodes_and_workers_everywhere() -> None:
     plan = plan_roles(_nodes(2, 1))
-    assert plan.stage is Stage.PARAMSERV_ONLY
+    assert plan.stage is AgileMLStage.PARAMSERV_ONLY
     assert plan.param_servs == ("r0", "r1") == plan.serving
     assert (plan.active_ps, plan.backup_ps) == ((), ())
     assert plan.workers == ("r0", "r1", "t00")
@@ -91,7 +91,7 @@ def test_stage2_activeps_run_on_the_longest_running_half_of_transient_nodes() ->
         Node("newest", NodeTier.TRANSIENT, 60.0),
     ]
     plan = plan_roles(nodes)
-    assert plan.stage is Stage.ACTIVE_BACKUP
+    assert plan.stage is AgileMLStage.ACTIVE_BACKUP
     assert plan.active_ps == ("mid-a", "mid-b", "old") == plan.serving  # ceil(5 / 2) = 3
     assert plan.backup_ps == ("r0",)
     assert plan.param_servs == ()
@@ -100,7 +100,7 @@ def test_stage2_activeps_run_on_the_longest_running_half_of_transient_nodes() ->
 
 def test_stage3_plan_has_no_workers_on_reliable_nodes() -> None:
     plan = plan_roles(_nodes(1, 17))
-    assert plan.stage is Stage.ACTIVE_BACKUP_NO_RELIABLE_WORKERS
+    assert plan.stage is AgileMLStage.ACTIVE_BACKUP_NO_RELIABLE_WORKERS
     assert plan.active_ps == tuple(f"t{i:02d}" for i in range(9))  # the 9 oldest of 17
     assert plan.backup_ps == ("r0",)
     assert plan.workers == tuple(f"t{i:02d}" for i in range(17))
@@ -198,7 +198,7 @@ def test_every_allowed_membership_edge_is_accepted(src: NodeState, dst: NodeStat
 @pytest.mark.parametrize(("src", "dst"), ILLEGAL_EDGES)
 def test_illegal_membership_edge_is_refused_and_recorded(src: NodeState, dst: NodeState) -> None:
     m = _member_in(src)
-    with pytest.raises(IllegalTransitionError) as info:
+    with pytest.raises(IllegalNodeTransitionError) as info:
         m.transition("n1", dst, now_s=100.0)
     assert (info.value.node_id, info.value.from_state, info.value.to_state) == ("n1", src, dst)
     assert m.state("n1") is src
@@ -213,8 +213,8 @@ def test_scale_up_then_eviction_lifecycle() -> None:
         m.transition("spot-1", to, now_s=1.0)
     assert m.in_state(NodeState.GONE) == ("spot-1",)
     assert m.in_state(NodeState.JOINING) == ("spot-2",)
-    with pytest.raises(IllegalTransitionError):
+    with pytest.raises(IllegalNodeTransitionError):
         m.join("spot-1", now_s=2.0)  # a node id is never reused
-    with pytest.raises(IllegalTransitionError) as info:
+    with pytest.raises(IllegalNodeTransitionError) as info:
         m.transition("ghost", NodeState.READY, now_s=2.0)
     assert info.value.from_state is None

@@ -20,8 +20,8 @@ from orchestrator.agileml.pipeline import (
     ModelProfile,
     Plan,
     PlanError,
+    PlannedStage,
     ProfileError,
-    Stage,
     plan,
     stage_time_ms,
 )
@@ -155,7 +155,7 @@ def test_uniform_compute_dominated_tie_prefers_one_replicated_stage() -> None:
 
 
 def test_paper_figure8_two_one_configuration() -> None:
-    # Stage 1 takes twice as long as stage 2 and is replicated twice (seed 001, Figure 8).
+    # PlannedStage 1 takes twice as long as stage 2 and is replicated twice (seed 001, Figure 8).
     profile = profile_of([2.0, 1.0], [0, 1_000_000_000], [1_000, 1_000])
     result = plan(profile, 3, 1e9)
     assert as_tuples(result) == [(0, 0, 2), (1, 1, 1)]
@@ -321,7 +321,7 @@ def test_profile_without_layers_or_with_negative_sizes_is_invalid(tmp_path: Path
 
 def test_stage_rejects_reversed_layers() -> None:
     with pytest.raises(ValidationError):
-        Stage(first_layer=3, last_layer=2, replicas=1)
+        PlannedStage(first_layer=3, last_layer=2, replicas=1)
 
 
 # -- the command -------------------------------------------------------------------------------
