@@ -178,6 +178,25 @@ class Reassigner:
         self._clock = clock
         rows = w.share_rows(self.worker_id, clock)
         now = self._now()
+        own = self._begin_own(w, clock, rows, now)
+        self._preload(w, clock)
+        own_end_at: float | None = None
+        try:
+            loss, own_end_at = self._work_own_rows(w, own)
+        finally:
+            self._close_own(own)
+        self._log_iteration(own, now, own_end_at)
+        self.stats.own_rows += rows
+        self.stats.rows_helped_by_others += own.helped_rows
+        self.stats.dropped_messages += own.dropped
+        self.stats.offers += len(own.assignments)
+        self.stats.iterations += 1
+        results, self._help_results = self._help_results, []
+        return loss + sum(s for _, s in results), rows, [g for g, _ in results]
+
+    def _begin_own(self, w: Worker, clock: int, rows: int, now: float) -> OwnWork:
+        """Time the iteration average (not across a redo or a gap), calibrate chunks once, and
+        start the bookkeeping of this worker's own rows of `clock`."""
         if clock != self._last_clock + 1:
             self._last_start = None  # a redo or a gap: not an iteration's length
         self._last_clock = clock
@@ -200,63 +219,61 @@ class Reassigner:
             roster_version=self._roster.version if self._roster is not None else 0,
         )
         self._own, self._help_results = own, []
-        self._preload(w, clock)
+        return own
+
+    def _work_own_rows(self, w: Worker, own: OwnWork) -> tuple[float, float | None]:
+        """Compute chunks of the own rows, checking the inbox between them, until every row is
+        done here or by a helper; returns (loss sum, when the own range was done)."""
+        clock, rows = own.clock, own.rows
         chunk = self._chunk_rows(rows)
         loss = 0.0
         own_end_at: float | None = None
-        try:
-            while True:
-                w.check_abort()
-                span = own.next_chunk(chunk)
-                if span is None and own.own_range_done and not own.cancelled:
-                    own_end_at = self._now()
-                    self.check(w)  # a `begun` already here keeps its assignment
-                    for helper, cancel in own.cancel_unbegun(self._now()).items():
-                        self.stats.cancelled_offers += len(cancel.assignments)
-                        self._send(helper, cancel)
-                    # Algorithm 2, end of own rows: the saved offers are helped right after this
-                    # worker's push (its own update should not wait for them), at the next check
-                    self._pending.extend(self.desk.take_saved())
-                    continue
-                if span is not None:
-                    from_front = span[1] <= own.tail  # taken-back ranges lie past the tail
-                    fraction = (span[0] / rows, span[1] / rows) if from_front else None
-                    loss += self._work(w, self.worker_id, clock, span, fraction)
-                    own.record_done(span[1] - span[0])
-                    if own.progress_due():
-                        self._report_progress(clock)
-                    self.check(w)
-                    continue
-                if own.finished():
-                    break
-                members = set(self._roster.members(clock)) if self._roster is not None else set()
-                for a in own.reclaim(self._now(), frozenset(members & set(self.peers))):
-                    self.stats.reclaimed += 1
-                    log.info("took back a begun assignment", extra={"helper": a.helper, "id": a.id})
-                self.check(w, WAIT_POLL_MS)
-        finally:
-            self._close_own(own)
-        if log.isEnabledFor(logging.DEBUG):
-            end = self._now()
-            log.debug(
-                "iteration rows done",
-                extra={
-                    "clock": clock,
-                    "rows": rows,
-                    "helped": own.helped_rows,
-                    "offers": len(own.assignments),
-                    "took_s": round(end - now, 4),
-                    "waited_s": round(end - (own_end_at or end), 4),
-                    "multiplier": self._pacer.multiplier(clock, 0, 1) if self._pacer else 1.0,
-                },
-            )
-        self.stats.own_rows += rows
-        self.stats.rows_helped_by_others += own.helped_rows
-        self.stats.dropped_messages += own.dropped
-        self.stats.offers += len(own.assignments)
-        self.stats.iterations += 1
-        results, self._help_results = self._help_results, []
-        return loss + sum(s for _, s in results), rows, [g for g, _ in results]
+        while True:
+            w.check_abort()
+            span = own.next_chunk(chunk)
+            if span is None and own.own_range_done and not own.cancelled:
+                own_end_at = self._now()
+                self.check(w)  # a `begun` already here keeps its assignment
+                for helper, cancel in own.cancel_unbegun(self._now()).items():
+                    self.stats.cancelled_offers += len(cancel.assignments)
+                    self._send(helper, cancel)
+                # Algorithm 2, end of own rows: the saved offers are helped right after this
+                # worker's push (its own update should not wait for them), at the next check
+                self._pending.extend(self.desk.take_saved())
+                continue
+            if span is not None:
+                from_front = span[1] <= own.tail  # taken-back ranges lie past the tail
+                fraction = (span[0] / rows, span[1] / rows) if from_front else None
+                loss += self._work(w, self.worker_id, clock, span, fraction)
+                own.record_done(span[1] - span[0])
+                if own.progress_due():
+                    self._report_progress(clock)
+                self.check(w)
+                continue
+            if own.finished():
+                return loss, own_end_at
+            members = set(self._roster.members(clock)) if self._roster is not None else set()
+            for a in own.reclaim(self._now(), frozenset(members & set(self.peers))):
+                self.stats.reclaimed += 1
+                log.info("took back a begun assignment", extra={"helper": a.helper, "id": a.id})
+            self.check(w, WAIT_POLL_MS)
+
+    def _log_iteration(self, own: OwnWork, started: float, own_end_at: float | None) -> None:
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        end = self._now()
+        log.debug(
+            "iteration rows done",
+            extra={
+                "clock": own.clock,
+                "rows": own.rows,
+                "helped": own.helped_rows,
+                "offers": len(own.assignments),
+                "took_s": round(end - started, 4),
+                "waited_s": round(end - (own_end_at or end), 4),
+                "multiplier": self._pacer.multiplier(own.clock, 0, 1) if self._pacer else 1.0,
+            },
+        )
 
     def _close_own(self, own: OwnWork) -> None:
         """The iteration's rows are settled, or given up (StaleViewError): withdraw what no

@@ -144,21 +144,7 @@ def run_pipeline(
     layout = tuple(layout)
     sizes = layer_sizes(model, seed)
     _check_layout(layout, len(sizes), schedule, minibatches, microbatches)
-    if vertical_sync and any(st.replicas > 1 for st in layout):
-        raise AgileMLError(
-            "vertical_sync numbers weight versions by update, and replicated stages update "
-            "once per replica group: use unreplicated stages with vertical_sync"
-        )
-    if schedule is Schedule.TWO_BW and microbatches < len(layout):
-        raise AgileMLError(
-            f"2bw keeps two weight versions only when it accumulates at least as many "
-            f"microbatches as there are stages: microbatches {microbatches} < "
-            f"{len(layout)} stages"
-        )
-    if evict is not None and not backup:
-        raise AgileMLError("an injected eviction needs backup=True (nothing to recover from)")
-    if evict is not None and not (0 <= evict[0] < len(layout) and 0 < evict[1] < minibatches):
-        raise AgileMLError(f"evict={evict}: want (a stage, a minibatch count before the last)")
+    _check_run(layout, schedule, minibatches, microbatches, vertical_sync, backup, evict)
     token = secrets.token_bytes(32)
     ctx: zmq.Context[Any] = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -193,25 +179,63 @@ def run_pipeline(
                 left = minibatches - backups.done
                 _check_layout(layout, len(sizes), schedule, left, microbatches)
             recoveries[-1].resumed_minibatch, recoveries[-1].layout = backups.done, layout
-        results = launch.results
-        weights = torch.cat(
-            [torch.from_numpy(np.load(out_dir / f"stage{k}.npy")) for k in range(len(layout))]
-        )
-        for r in results:  # the last attempt's own, backed up or not
-            losses.update(zip(r["loss_minibatches"], r["losses"], strict=True))
-        all_losses = [losses[m] for m in sorted(losses)]
+        result = _result(launch.results, out_dir, len(layout), losses, recoveries)
         shutil.rmtree(out_dir, ignore_errors=True)  # kept, with the logs, when a run fails
-        return PipelineResult(
-            seconds=max(r["ended"] for r in results) - min(r["started"] for r in results),
-            losses=all_losses,
-            stages=results,
-            weights=weights,
-            recoveries=recoveries,
-        )
+        return result
     finally:
         launch.kill_all()
         inbox.close()
         ctx.term()
+
+
+def _check_run(
+    layout: Layout,
+    schedule: Schedule,
+    minibatches: int,
+    microbatches: int,
+    vertical_sync: bool,
+    backup: bool,
+    evict: tuple[int, int] | None,
+) -> None:
+    """Refuse run options that cannot work together (`run_pipeline` says which)."""
+    if vertical_sync and any(st.replicas > 1 for st in layout):
+        raise AgileMLError(
+            "vertical_sync numbers weight versions by update, and replicated stages update "
+            "once per replica group: use unreplicated stages with vertical_sync"
+        )
+    if schedule is Schedule.TWO_BW and microbatches < len(layout):
+        raise AgileMLError(
+            f"2bw keeps two weight versions only when it accumulates at least as many "
+            f"microbatches as there are stages: microbatches {microbatches} < "
+            f"{len(layout)} stages"
+        )
+    if evict is not None and not backup:
+        raise AgileMLError("an injected eviction needs backup=True (nothing to recover from)")
+    if evict is not None and not (0 <= evict[0] < len(layout) and 0 < evict[1] < minibatches):
+        raise AgileMLError(f"evict={evict}: want (a stage, a minibatch count before the last)")
+
+
+def _result(
+    results: list[dict[str, Any]],
+    out_dir: Path,
+    stages: int,
+    losses: dict[int, float],
+    recoveries: list[Recovery],
+) -> PipelineResult:
+    """The finished run: the stages' weights in layer order, every minibatch's loss (backed
+    up before a recovery, or the last attempt's own), the stages' reports."""
+    weights = torch.cat(
+        [torch.from_numpy(np.load(out_dir / f"stage{k}.npy")) for k in range(stages)]
+    )
+    for r in results:  # the last attempt's own, backed up or not
+        losses.update(zip(r["loss_minibatches"], r["losses"], strict=True))
+    return PipelineResult(
+        seconds=max(r["ended"] for r in results) - min(r["started"] for r in results),
+        losses=[losses[m] for m in sorted(losses)],
+        stages=results,
+        weights=weights,
+        recoveries=recoveries,
+    )
 
 
 class _Backups:

@@ -127,18 +127,8 @@ def plan(
     """
     import numpy as np
 
-    if not profile.layers:
-        raise PlanError(
-            "the profile has no layers", fix="profile at least one layer", field="layers"
-        )
+    compute = _checked_compute(profile)
     layer_count = len(profile.layers)
-    compute = np.array([layer.compute_ms for layer in profile.layers], dtype=np.float64)
-    if not compute.sum() > 0:
-        raise PlanError(
-            "every layer of the profile takes 0 ms (forward_ms + backward_ms)",
-            fix="profile the model on the target hardware so that times are measured",
-            field="layers",
-        )
     topology = _validated_levels(workers, bandwidth_bytes_per_s, levels)
     if stages is not None:
         _check_stages(stages, workers, layer_count, topology)
@@ -176,11 +166,7 @@ def plan(
             for first, end, components in top_stages
             for stage in _replicate(tables, topology, depth, first, end, components)
         ]
-
-    data_parallel_ms = float(compute.sum())
-    for level in topology:
-        sync_ms = 2.0 * (level.devices - 1) * weights.sum() / level.bandwidth_bytes_per_s * MS_PER_S
-        data_parallel_ms = max(data_parallel_ms, sync_ms) / level.devices
+    data_parallel_ms = _data_parallel_ms(float(compute.sum()), float(weights.sum()), topology)
     return Plan(
         stages=tuple(pipeline),
         noam=math.ceil(workers / pipeline[0].replicas),
@@ -188,6 +174,38 @@ def plan(
         data_parallel_ms=data_parallel_ms,
         speedup_vs_data_parallel=data_parallel_ms / time_ms,
     )
+
+
+def _checked_compute(profile: ModelProfile) -> Any:
+    """Each layer's forward + backward ms, as an array.
+
+    Raises:
+        PlanError: no layers, or no layer takes any time.
+    """
+    import numpy as np
+
+    if not profile.layers:
+        raise PlanError(
+            "the profile has no layers", fix="profile at least one layer", field="layers"
+        )
+    compute = np.array([layer.compute_ms for layer in profile.layers], dtype=np.float64)
+    if not compute.sum() > 0:
+        raise PlanError(
+            "every layer of the profile takes 0 ms (forward_ms + backward_ms)",
+            fix="profile the model on the target hardware so that times are measured",
+            field="layers",
+        )
+    return compute
+
+
+def _data_parallel_ms(compute_ms: float, weight_bytes: float, topology: Sequence[Any]) -> float:
+    """A minibatch's time under pure data parallelism on every worker: compute split evenly,
+    or the weights' all-reduce at each level when it is slower."""
+    data_parallel_ms = compute_ms
+    for level in topology:
+        sync_ms = 2.0 * (level.devices - 1) * weight_bytes / level.bandwidth_bytes_per_s * MS_PER_S
+        data_parallel_ms = max(data_parallel_ms, sync_ms) / level.devices
+    return data_parallel_ms
 
 
 def stage_time_ms(

@@ -333,10 +333,11 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
     try:
         link.send(config.rendezvous, "hello", me, wire.json_body({"inbox": link.endpoint}))
         _, body = link.receive("peers", 0)
-        inboxes = {int(k): v for k, v in wire.parse_json_body(body).items()}
-        share = config.replica_counts[config.stage]
-        mates = [inboxes[me - config.replica + r] for r in range(share) if r != config.replica]
-        ops = stage_ops(
+        run = _StageRun(
+            config, stage, link, {int(k): v for k, v in wire.parse_json_body(body).items()}
+        )
+        started = time.time()
+        for op in stage_ops(
             config.schedule,
             stages=config.stages,
             stage=config.stage,
@@ -345,51 +346,13 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
             replicas=config.replica_counts,
             replica=config.replica,
             first_minibatch=config.first_minibatch,
-        )
-        completed, sent_losses = config.first_minibatch, 0  # minibatches in the weights
-        started = time.time()
-        backward_ends: list[float] = []  # wall time each backward ended, in schedule order
-        for op in ops:
+        ):
             if op.kind == "F":
-                x_in, version = None, None
-                if not stage.first:
-                    header, tensors = link.receive("act", op.minibatch)
-                    x_in, version = tensors["x"], header.epoch
-                t0 = time.perf_counter()
-                out = stage.forward(op.minibatch, x_in, version)
-                _emulate(config.forward_ms)  # the output exists once the compute is done
-                if out is not None:
-                    activation, v = out
-                    down = inboxes[config.worker(config.stage + 1, op.minibatch)]
-                    link.send(down, "act", op.minibatch, {"x": activation}, epoch=v)
+                run.forward(op.minibatch)
             elif op.kind == "B":
-                grad_out = None
-                if not stage.last:
-                    grad_out = link.receive("grad", op.minibatch)[1]["x"]
-                t0 = time.perf_counter()
-                grad_in = stage.backward(op.minibatch, grad_out)
-                _emulate(config.backward_ms)
-                if grad_in is not None:
-                    up = inboxes[config.worker(config.stage - 1, op.minibatch)]
-                    link.send(up, "grad", op.minibatch, {"x": grad_in})
-                backward_ends.append(time.time())
-                if stage.first and len(backward_ends) == 1:
-                    link.send(config.rendezvous, "first", op.minibatch, {})
+                run.backward(op.minibatch)
             else:
-                t0 = time.perf_counter()
-                grads = stage.flat_gradient()
-                stage.update(_replicas_sum(link, config, mates, completed, grads))
-                completed += stage.group
-                if config.backup:
-                    losses = torch.tensor(stage.losses[sent_losses:], dtype=torch.float64)
-                    indexes = torch.tensor(stage.loss_minibatches[sent_losses:])
-                    sent_losses = len(stage.losses)
-                    # replicas hold the same weights: replica 0 sends them for the stage
-                    weights = torch.from_numpy(stage.flat_weights() if config.replica == 0
-                                               else np.zeros(0, dtype=np.float32))  # fmt: skip
-                    link.send(config.rendezvous, "backup", completed,
-                              {"w": weights, "loss": losses, "mb": indexes})  # fmt: skip
-            stage.busy_s += time.perf_counter() - t0
+                run.update()
         ended = time.time()
         final = stage.flat_weights()
         if config.replica == 0:
@@ -401,7 +364,7 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
             "started": started,
             "ended": ended,
             "busy_s": stage.busy_s,
-            "backward_ends": backward_ends,
+            "backward_ends": run.backward_ends,
             "losses": stage.losses,
             "loss_minibatches": stage.loss_minibatches,
             "versions_kept_max": stage.versions_kept_max,
@@ -409,6 +372,79 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
         }
     finally:
         link.close()
+
+
+class _StageRun:
+    """One worker's pass through its schedule: each operation receives what it needs from the
+    neighbouring stages, computes, and sends on; the stage's busy time counts from the moment
+    its input is there (waiting for a neighbour is idle time)."""
+
+    def __init__(
+        self, config: StageConfig, stage: PipelineStage, link: _Link, inboxes: dict[int, str]
+    ) -> None:
+        self.config, self.stage, self.link, self.inboxes = config, stage, link, inboxes
+        me, share = config.worker_index, config.replica_counts[config.stage]
+        self.mates = [inboxes[me - config.replica + r] for r in range(share) if r != config.replica]
+        self.completed = config.first_minibatch  # minibatches in the weights
+        self.sent_losses = 0
+        self.backward_ends: list[float] = []  # wall time each backward ended, in schedule order
+
+    def forward(self, minibatch: int) -> None:
+        config, stage = self.config, self.stage
+        x_in, version = None, None
+        if not stage.first:
+            header, tensors = self.link.receive("act", minibatch)
+            x_in, version = tensors["x"], header.epoch
+        t0 = time.perf_counter()
+        out = stage.forward(minibatch, x_in, version)
+        _emulate(config.forward_ms)  # the output exists once the compute is done
+        if out is not None:
+            activation, v = out
+            down = self.inboxes[config.worker(config.stage + 1, minibatch)]
+            self.link.send(down, "act", minibatch, {"x": activation}, epoch=v)
+        stage.busy_s += time.perf_counter() - t0
+
+    def backward(self, minibatch: int) -> None:
+        config, stage = self.config, self.stage
+        grad_out = None
+        if not stage.last:
+            grad_out = self.link.receive("grad", minibatch)[1]["x"]
+        t0 = time.perf_counter()
+        grad_in = stage.backward(minibatch, grad_out)
+        _emulate(config.backward_ms)
+        if grad_in is not None:
+            up = self.inboxes[config.worker(config.stage - 1, minibatch)]
+            self.link.send(up, "grad", minibatch, {"x": grad_in})
+        self.backward_ends.append(time.time())
+        if stage.first and len(self.backward_ends) == 1:
+            self.link.send(config.rendezvous, "first", minibatch, {})
+        stage.busy_s += time.perf_counter() - t0
+
+    def update(self) -> None:
+        t0 = time.perf_counter()
+        self._update()
+        self.stage.busy_s += time.perf_counter() - t0
+
+    def _update(self) -> None:
+        config, stage = self.config, self.stage
+        grads = stage.flat_gradient()
+        stage.update(_replicas_sum(self.link, config, self.mates, self.completed, grads))
+        self.completed += stage.group
+        if not config.backup:
+            return
+        losses = torch.tensor(stage.losses[self.sent_losses :], dtype=torch.float64)
+        indexes = torch.tensor(stage.loss_minibatches[self.sent_losses :])
+        self.sent_losses = len(stage.losses)
+        # replicas hold the same weights: replica 0 sends them for the stage
+        weights = torch.from_numpy(
+            stage.flat_weights() if config.replica == 0 else np.zeros(0, dtype=np.float32)
+        )
+        self.link.send(
+            config.rendezvous,
+            "backup",
+            self.completed,
+            {"w": weights, "loss": losses, "mb": indexes},
+        )
 
 
 def _replicas_sum(
