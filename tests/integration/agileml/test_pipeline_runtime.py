@@ -128,6 +128,7 @@ def test_boundaries_that_skip_layers_are_refused() -> None:
                      minibatches=2, microbatches=2)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "replan",
     [None, lambda nodes: chain_layout([(0, 3), (4, 6)])],
@@ -224,6 +225,7 @@ def test_replicas_split_minibatches_round_robin_and_the_input_stage_admits_one_p
                   replicas=replicas, replica=0)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("schedule", "replicas"),
     [(Schedule.FLUSH, [2, 1, 1]), (Schedule.GPIPE, [1, 1, 3])],
@@ -269,6 +271,7 @@ def test_replicated_one_f_one_b_trains_with_replicas_in_step() -> None:
     assert len(inputs) == 2 and inputs[0]["weights_sha256"] == inputs[1]["weights_sha256"]
 
 
+@pytest.mark.slow
 def test_eviction_of_a_replicated_stage_replans_with_the_planner() -> None:
     """4 workers as stages of 2+1+1 replicas; one of stage 0's workers is killed and the
     planner lays the job out on the 3 left; the result still equals plain SGD."""
@@ -321,6 +324,7 @@ def test_vertical_sync_with_replicated_stages_is_refused() -> None:
                      schedule=Schedule.ONE_F_ONE_B, minibatches=5)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("schedule", "layout", "cut"),
     [

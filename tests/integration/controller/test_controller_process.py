@@ -174,6 +174,7 @@ def test_controller_process_runs_a_submitted_job_and_takes_notices(
     assert proc.wait(timeout=15) is not None
 
 
+@pytest.mark.slow
 def test_sigkill_mid_acquisition_then_restart_launches_nothing_twice(store, redis_url, moto_url):
     # `store` flushes Redis: only this test's job exists
     api_port = free_port()
