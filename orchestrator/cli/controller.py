@@ -87,6 +87,7 @@ def start(
     )
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)  # two lines a tick otherwise
     settings = _with_options(
         Settings.load(config_file),
         endpoint_url=endpoint_url,
