@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import pytest
 from botocore.exceptions import ClientError
-from moto import mock_aws
 from support.cloud_contract import ITYPE, REGION, CloudContract
 
 from orchestrator.cloud.ec2 import EC2Cloud
@@ -30,16 +27,9 @@ class _Hooks:
 
 
 @pytest.fixture
-def client(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": REGION,
-        "MOTO_EC2_LOAD_DEFAULT_AMIS": "false",
-    }.items():
-        monkeypatch.setenv(name, value)
-    with mock_aws():
-        yield boto3.client("ec2", region_name=REGION)
+def client(ec2: Any) -> Any:
+    """moto's EC2 (the `ec2` fixture of tests/conftest.py)."""
+    return ec2
 
 
 @pytest.fixture
