@@ -7,12 +7,12 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.controller.core import Controller
+from orchestrator.controller.wiring import build_controller
 from orchestrator.jobspec import JobSubmission
-from orchestrator.market.billing import PerSecondBilling
 from orchestrator.market.prices import to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource
+from orchestrator.settings import Settings
 from orchestrator.store import EventKind, JobRecord, JobState
 from orchestrator.store.protocol import Store
 
@@ -22,12 +22,9 @@ NS = "ctltest"  # the `store` fixture's namespace (tests/conftest.py)
 
 
 def controller(store: Store, ec2: Any, prices: TracePriceSource, cid: str = "ctl") -> Controller:
-    return Controller(
-        store=store,
-        cloud=EC2Cloud(REGION, cid, client=ec2),
-        prices=prices,
-        billing=PerSecondBilling(),
-    )
+    """The controller `controller start` would build, on moto and the bundled prices."""
+    settings = Settings(region=REGION, controller_id=cid)
+    return build_controller(settings, store=store, client=ec2, prices=prices)
 
 
 def submit(
@@ -202,13 +199,8 @@ def test_cancelling_a_running_job_terminates_its_instances(store, ec2, prices):
 def test_with_one_job_at_a_time_a_second_job_waits_for_the_first(store, ec2, prices):
     submit(store, job_id="job-1", work=10.0)
     submit(store, job_id="job-2", work=10.0)
-    ctl = Controller(
-        store=store,
-        cloud=EC2Cloud(REGION, "ctl", client=ec2),
-        prices=prices,
-        billing=PerSecondBilling(),
-        max_running_jobs=1,
-    )
+    settings = Settings(region=REGION, controller_id="ctl", controller={"max_running_jobs": 1})
+    ctl = build_controller(settings, store=store, client=ec2, prices=prices)
     ctl.tick(T0)
     assert store.get_job("job-1").state is JobState.RUNNING
     assert store.get_job("job-2").state is JobState.QUEUED

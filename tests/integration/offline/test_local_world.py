@@ -28,12 +28,13 @@ from orchestrator.cloud.local.metadata_mock import MetadataMock
 from orchestrator.cloud.local.moto_server import MotoEC2Server
 from orchestrator.cloud.local.redis_process import LocalRedis, RedisProcessError
 from orchestrator.cloud.notices import InterruptionNotice
-from orchestrator.controller.core import Controller, TickReport
+from orchestrator.controller.core import TickReport
+from orchestrator.controller.wiring import build_controller
 from orchestrator.jobspec import JobSubmission
-from orchestrator.market.billing import PerSecondBilling
 from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
+from orchestrator.settings import Settings
 from orchestrator.store import EventKind, JobRecord, JobState
 from orchestrator.store.protocol import Store
 from orchestrator.store.redis_store import RedisStore
@@ -331,12 +332,10 @@ def test_the_controller_runs_a_job_to_success_in_the_offline_world_through_an_ev
             max_gpus=2,
             instance_types=("p3.2xlarge",),
         )
-        controller = Controller(
-            store=store,
-            cloud=EC2Cloud(REGION, cid, client=aws.client()),
-            prices=TracePriceSource([bundled_prices_dir(REGION)]),
-            billing=PerSecondBilling(),
-        )
+        settings = Settings(region=REGION, controller_id=cid)
+        controller = build_controller(
+            settings, store=store, client=aws.client(), prices=TracePriceSource(
+                [bundled_prices_dir(REGION)]))  # fmt: skip
         clock = ReplayClock(T0, 600.0)
         replayer = EvictionReplayer(
             aws.client(), cid, trace, clock, seed=11, on_notice=controller.notify
