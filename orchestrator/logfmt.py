@@ -1,4 +1,4 @@
-"""Log formatting for the processes the project starts (node agents, AgileML nodes)."""
+"""Log formatting for the processes the project starts (instance agents, AgileML nodes)."""
 
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ class ServerLoop:
         self._token = token
         self._address = f"tcp://{host}:{port}"
         self._max_message_bytes = max_message_bytes
-        self._control = control  # the node agent's handler of `control` ops it owns
+        self._control = control  # the AgileML node's handler of `control` ops it owns
         self._outbox: list[Reply] = []  # replies from other threads, sent by the serve thread
         self._stream_out: list[tuple[str, Frames]] = []  # (backup endpoint, frames)
         self._unacked: dict[int, int] = {}  # replicate seq -> partition
@@ -262,7 +262,7 @@ class ServerLoop:
     def _on_control(
         self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
     ) -> list[Reply]:
-        """Hand a control op to the node agent on a thread of its own (ops may take a while)."""
+        """Hand a control op to the AgileML node on a thread of its own (ops may take a while)."""
         try:
             body = wire.parse_json_body(tensors)
         except WireError as exc:

@@ -44,7 +44,7 @@ def demo(
     ] = 0.0,
 ) -> None:
     """The offline demo: Redis, a moto EC2 server, replayed 2020 prices and p3 evictions, the
-    controller and local node agents, running one job with a budget to the end, watched on a
+    controller and local instance agents, running one job with a budget to the end, watched on a
     live dashboard."""
     from orchestrator.demo import job_state_ok, run_demo, write_summary
 

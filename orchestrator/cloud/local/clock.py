@@ -1,6 +1,6 @@
 """Simulated time for the offline world: a replay clock that runs N times faster than real time.
 
-Every decision in the offline world (controller tick, eviction replay, node agents' work) reads
+Every decision in the offline world (controller tick, eviction replay, instance agents' work) reads
 simulated epoch seconds from one of these clocks, never `time.time()`:
 
 * `ReplayClock(start_s, speed)`: sim = start_s + speed × (monotonic now − monotonic at origin).

@@ -264,7 +264,7 @@ class LocalFleet:
                     node.move(LocalNodeState.EXITED)
                     report.exited.append(node.instance_id)
                     log.warning(
-                        "node agent exited by itself",
+                        "instance agent exited by itself",
                         extra={
                             "instance_id": node.instance_id,
                             "exit_code": code,
@@ -421,7 +421,7 @@ class LocalFleet:
                 try:
                     proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
                 except subprocess.TimeoutExpired:
-                    log.warning("node agent ignored SIGTERM; killed", extra={"pid": proc.pid})
+                    log.warning("instance agent ignored SIGTERM; killed", extra={"pid": proc.pid})
                     proc.kill()
                     proc.wait()
             if self.replayer is not None:

@@ -1,5 +1,5 @@
 """The offline world: replay clock, moto over HTTP, a local Redis, replayed evictions with their
-notices, node agent processes -- and the unchanged controller running a job through all of it.
+notices, instance agent processes -- and the unchanged controller running a job through all of it.
 
 Everything started here (servers, processes, threads) is stopped by context managers and
 fixtures, also when a test fails.
