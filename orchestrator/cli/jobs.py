@@ -3,8 +3,8 @@
 They talk to the controller's HTTP API (`orchestrator.api.client.ApiClient`); the API URL and
 token come from `--api`/`--token` or `Settings` (`ORCHESTRATOR_API__URL`,
 `ORCHESTRATOR_API__TOKEN`). Importing this module registers them on `orchestrator.cli.app`
-(`orchestrator.cli` does so). Heavy imports (httpx, FastAPI, the catalog) happen inside the commands, so
-the rest of the CLI starts as fast as before.
+(`orchestrator.cli` does so). Heavy imports (httpx, FastAPI, the catalog) happen inside the
+commands, so the rest of the CLI starts as fast as before.
 
 Exit codes: 0 ok; 1 `--wait` saw the job end in another state than the one hoped for;
 2 user errors (bad spec, API unreachable or refusing, `--timeout` reached), printed as
