@@ -51,6 +51,9 @@ class TrainingSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     job_id: NodeId
+    # the user's job file (or directory with job.py) on the nodes' machines (see `jobcode`);
+    # None: the built-in example `model` on generated data, trained by SGD with `lr`
+    code: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     model: ModelSpec = ModelSpec()
     samples: Annotated[int, Field(ge=1, le=10_000_000)] = 4096
     data_seed: int = 0

@@ -20,6 +20,7 @@ from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.server import ParamServer
 from orchestrator.agileml.server_loop import ServerStats
+from orchestrator.agileml.updates import sgd_rules
 from orchestrator.agileml.worker import LossFn, Worker, WorkerSpec
 
 ModelFactory = Callable[[], nn.Module]
@@ -175,6 +176,7 @@ def train_local(
     servers = [ParamServer(sid, job_id=job_id, token=token) for sid in server_ids]
     try:
         for server in servers:
+            server.set_update_rules(sgd_rules(lr))
             for p in table.owned_by(server.node_id):
                 server.add_partition(p, parts[p])
             server.register_workers(worker_ids)
@@ -182,7 +184,7 @@ def train_local(
         endpoints = {s.node_id: s.endpoint for s in servers}
         workers = [
             Worker(
-                WorkerSpec(wid, job_id, batch_size, lr, slack=slack, seed=seed),
+                WorkerSpec(wid, job_id, batch_size, slack=slack, seed=seed),
                 token=token,
                 layout=layout,
                 table=table,

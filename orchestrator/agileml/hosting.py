@@ -20,6 +20,7 @@ from typing import Any
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.parts import TrainingParts, training_parts
 
 __all__ = ["HostedTraining", "TrainingSpec", "TrainingStatus", "validate_training_section"]
 
@@ -41,6 +42,7 @@ class HostedTraining:
 
     def __init__(self, coordinator: Coordinator) -> None:
         self._coordinator = coordinator
+        self._built: TrainingParts | None = None
 
     @classmethod
     def start(cls, spec: TrainingSpec, *, token: bytes, host: str, port: int) -> HostedTraining:
@@ -84,24 +86,25 @@ class HostedTraining:
         ]
 
     def model_loss(self, timeout_s: float = 1.0) -> float | None:
-        """The model's loss on the whole training set, from the parameters as they are now
-        (None when they cannot be read yet: not started, or an owner is moving)."""
-        from orchestrator.agileml.examples import build_model, full_loss, initial_model
-        from orchestrator.agileml.partitions import PartitionLayout
-
+        """The model's loss on the training set (see `TrainingParts.loss_of`), from the
+        parameters as they are now (None when they cannot be read yet: not started, or an
+        owner is moving)."""
         try:
             params = self._coordinator.fetch_parameters(timeout_s=timeout_s, final=False)
         except AgileMLError:
             return None
-        model = initial_model(build_model(self.spec), self.spec.seed)
-        PartitionLayout(model, self.spec.num_partitions).scatter(model, params)
-        return full_loss(self.spec, model)
+        parts = self._parts()
+        return parts.loss_of(parts.model_with(params))
 
     def initial_loss(self) -> float:
-        """The model's loss on the whole training set before any update."""
-        from orchestrator.agileml.examples import build_model, full_loss, initial_model
+        """The model's loss on the training set before any update."""
+        parts = self._parts()
+        return parts.loss_of(parts.initial_model)
 
-        return full_loss(self.spec, initial_model(build_model(self.spec), self.spec.seed))
+    def _parts(self) -> TrainingParts:
+        if self._built is None:
+            self._built = training_parts(self.spec)
+        return self._built
 
     def stop(self) -> None:
         """Stop the elasticity controller; its nodes are told to shut down."""

@@ -87,6 +87,18 @@ class LocalJob:
         self._killed.add(node_id)
         return time.time()
 
+    def crashed(self, tail_lines: int = 20) -> dict[str, str]:
+        """Nodes whose process ended with an error (not killed here): node -> its log's end."""
+        out = {}
+        for node_id, proc in self._procs.items():
+            code = proc.poll()
+            if code is None or code == 0 or node_id in self._killed:
+                continue
+            path = self._log_dir / f"{node_id}.log"
+            lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+            out[node_id] = "\n".join(lines[-tail_lines:]) or f"(exit code {code}, no log)"
+        return out
+
     def max_clock(self) -> int:
         """The highest clock any node reported finishing."""
         done = [c for losses in self.coordinator.node_losses().values() for c, _ in losses]

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from orchestrator.agileml.control import (
     ControlClient,
     ControlError,
@@ -40,8 +42,8 @@ from orchestrator.agileml.control import (
 )
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, WorkerError
-from orchestrator.agileml.examples import build_data, build_loss, build_model, initial_model
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
+from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.peers import PeerLink
 from orchestrator.agileml.reassign import Reassigner
 from orchestrator.agileml.roster import Roster
@@ -182,22 +184,21 @@ class AgileMLNode:
         return reply.spec
 
     def _load(self, spec: TrainingSpec) -> Worker:
-        factory = build_model(spec)
-        model = initial_model(factory, spec.seed)
-        self._layout = PartitionLayout(model, spec.num_partitions)
-        self._initial = self._layout.gather(model)
-        data = build_data(spec)
+        parts = training_parts(spec)
+        if self._server is not None:
+            self._server.set_update_rules(parts.rules)
+        self._initial = parts.layout.gather(parts.initial_model)
+        self._layout = parts.layout
         self._worker = Worker(
-            WorkerSpec(
-                self.node_id, spec.job_id, spec.global_batch, spec.lr, spec.slack, seed=spec.seed
-            ),
+            WorkerSpec(self.node_id, spec.job_id, spec.global_batch, spec.slack, seed=spec.seed),
             token=self._token,
             layout=self._layout,
             table=PartitionTable(spec.num_partitions),
             endpoints={},
-            model_factory=factory,
-            data=data,
-            loss_fn=build_loss(spec),
+            model_factory=parts.model_factory,
+            data=parts.rows,
+            loss_fn=parts.loss_fn,
+            device=torch.device("cuda") if torch.cuda.is_available() else None,
             roster=Roster.starting([self.node_id]),
             epoch=0,
             abort=self._should_abort,

@@ -1,11 +1,13 @@
 """A parameter server's partitions and the updates applied to them: the state a `ParamServer`
 serves, decided here without sockets (pure, not thread-safe; the server holds its lock).
 
-Pushes are additive deltas identified by (worker, clock, partition): a repeat is acknowledged
-and not applied again. A clock of a partition is complete once every roster member pushed it;
-`consistent_clock` is the highest clock up to which all are. A partition travels whole between
-servers as a `PartitionSnapshot` (values, applied set, ownership version, updates not yet
-streamed to its BackupPS).
+Pushes are identified by (worker, clock, partition): a repeat is acknowledged and not applied
+again. A partition sums its pushes per clock; a clock is complete once every roster member
+pushed it, and is then applied to the values by the partition's `UpdateRule` (the optimizer,
+see `updates`), once, in clock order. `consistent_clock` is the highest clock up to which all
+are. A partition travels whole between servers as a `PartitionSnapshot` (values, the sums of
+incomplete clocks, applied set, the rule's state, ownership version, updates not yet streamed
+to its BackupPS).
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ from enum import StrEnum
 
 import torch
 
-from orchestrator.agileml.errors import OwnershipConflictError, PartitionError, RosterError
+from orchestrator.agileml.errors import (
+    AgileMLError,
+    OwnershipConflictError,
+    PartitionError,
+    RosterError,
+)
 from orchestrator.agileml.rejections import RejectedError, RejectReason
 from orchestrator.agileml.roster import Roster
+from orchestrator.agileml.updates import RuleFactory, UpdateRule, sum_rules
 
 
 class PushOutcome(StrEnum):
@@ -28,9 +36,11 @@ class PushOutcome(StrEnum):
 
 @dataclass
 class _Partition:
-    values: torch.Tensor
-    # (worker, clock) pushes applied but not implied by `consistent` (pruned as it advances)
+    values: torch.Tensor  # as of clock `consistent` (every complete clock applied)
+    rule: UpdateRule  # bound to `values`, which it updates in place
+    # (worker, clock) pushes taken but not implied by `consistent` (pruned as it advances)
     applied: set[tuple[str, int]] = field(default_factory=set)
+    accum: dict[int, torch.Tensor] = field(default_factory=dict)  # clock -> sum of its pushes
     version: int = 0  # ownership version: bumped by every hand-off
     consistent: int = -1  # every roster member's pushes for clocks <= this are applied
     # updates applied here but not yet streamed to the BackupPS: clock -> (sum, workers)
@@ -65,6 +75,8 @@ class PartitionSnapshot:
     workers: tuple[str, ...] = ()
     consistent: int = -1
     pending: tuple[PendingChunk, ...] = ()
+    accum: tuple[tuple[int, torch.Tensor], ...] = ()  # (clock, sum of its pushes so far)
+    rule_state: bytes = b""  # the update rule's state (`UpdateRule.state`)
 
 
 class PartitionStore:
@@ -75,7 +87,8 @@ class PartitionStore:
     which all are complete. Not thread-safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rules: RuleFactory = sum_rules) -> None:
+        self._rules = rules
         self._parts: dict[int, _Partition] = {}
         self._given_away: dict[int, int] = {}  # partition -> the version its new owner holds
         self.roster: Roster | None = None
@@ -85,11 +98,15 @@ class PartitionStore:
         """The roster members of clock 0 (empty without a roster)."""
         return self.roster.members(0) if self.roster is not None else ()
 
+    def set_rules(self, rules: RuleFactory) -> None:
+        """Use `rules` for the partitions added or imported from now on."""
+        self._rules = rules
+
     def add(self, p: int, values: torch.Tensor, *, version: int = 0) -> None:
-        """Take ownership of partition p with these values (copied to a float32 vector)."""
-        self._parts[p] = _Partition(
-            values.detach().reshape(-1).to(torch.float32).clone(), version=version
-        )
+        """Take ownership of partition p with these values (copied to a float32 vector) and a
+        fresh update rule."""
+        copy = values.detach().reshape(-1).to(torch.float32).clone()
+        self._parts[p] = _Partition(copy, self._rules(p, copy), version=version)
         self._given_away.pop(p, None)
 
     def set_roster(self, roster: Roster) -> None:
@@ -191,6 +208,8 @@ class PartitionStore:
             tuple(members),
             part.consistent,
             pending,
+            tuple((c, a.clone()) for c, a in sorted(part.accum.items())),
+            part.rule.state(),
         )
 
     def import_partition(self, snapshot: PartitionSnapshot, *, restore: bool = False) -> int:
@@ -219,12 +238,24 @@ class PartitionStore:
             )
         if any(clock < 0 for _, clock in snapshot.applied) or snapshot.consistent < -1:
             raise PartitionError("snapshot has a negative clock", partition=p)
-        if any(c.delta.shape != values.shape for c in snapshot.pending):
+        if any(c.delta.shape != values.shape for c in snapshot.pending) or any(
+            a.shape != values.shape for _, a in snapshot.accum
+        ):
             raise PartitionError("snapshot pending chunk of the wrong size", partition=p)
+        if any(c <= snapshot.consistent for c, _ in snapshot.accum):
+            raise PartitionError("snapshot sums a clock it has applied", partition=p)
         version = max(snapshot.version, floor - 1) + 1
+        copy = values.clone()
+        rule = self._rules(p, copy)
+        try:
+            rule.load_state(snapshot.rule_state)
+        except AgileMLError as exc:
+            raise PartitionError(str(exc), partition=p) from exc
         part = _Partition(
-            values.clone(),
+            copy,
+            rule,
             set(snapshot.applied),
+            {c: a.clone() for c, a in snapshot.accum},
             version=version,
             consistent=snapshot.consistent,
             pending={c.clock: (c.delta.clone(), set(c.workers)) for c in snapshot.pending},
@@ -254,7 +285,8 @@ class PartitionStore:
     def apply_push(
         self, p: int, worker: str, clock: int, delta: torch.Tensor, *, track_pending: bool = False
     ) -> PushOutcome:
-        """Add `delta` to partition p once per (worker, clock).
+        """Sum `delta` into partition p's `clock` once per (worker, clock); the clock is applied
+        once every roster member's push is in.
 
         `track_pending` also sums it into the updates still to stream to the BackupPS.
 
@@ -276,8 +308,7 @@ class PartitionStore:
             )
         if self._applied(part, worker, clock):
             return PushOutcome.DUPLICATE
-        part.values += delta
-        part.generation += 1
+        self._accumulate(part, clock, delta)
         part.applied.add((worker, clock))
         if track_pending:
             total, who = part.pending.get(clock, (None, set()))
@@ -310,8 +341,7 @@ class PartitionStore:
             raise RejectedError(
                 RejectReason.BAD_DELTA, f"clock {clock}: {sorted(done)} of {sorted(who)} applied"
             )
-        part.values += delta
-        part.generation += 1
+        self._accumulate(part, clock, delta)
         part.applied.update((w, clock) for w in who)
         self._advance(part)
         return PushOutcome.APPLIED
@@ -352,7 +382,16 @@ class PartitionStore:
             and worker in self.roster.members(clock)
         )
 
+    @staticmethod
+    def _accumulate(part: _Partition, clock: int, delta: torch.Tensor) -> None:
+        total = part.accum.get(clock)
+        if total is None:
+            part.accum[clock] = delta.clone()
+        else:
+            total += delta
+
     def _advance(self, part: _Partition) -> None:
+        """Apply every clock that is now complete, in order."""
         roster = self.roster
         if roster is None:
             return
@@ -362,6 +401,10 @@ class PartitionStore:
                 break
             part.consistent += 1
             part.applied.difference_update((w, part.consistent) for w in members)
+            total = part.accum.pop(part.consistent, None)
+            if total is not None:
+                part.rule.apply(total)
+                part.generation += 1
 
     def _get(self, p: int) -> _Partition:
         part = self._parts.get(p)

@@ -1,9 +1,9 @@
 """Fixed partitions of a model's state, and which server owns each.
 
-The model's parameters (`named_parameters()` order) are flattened into one float32 vector that
-is cut into N contiguous, nearly equal partitions. N never changes during a job: when servers
-come and go, whole partitions move between owners (`PartitionTable.move`), so the state is never
-re-sharded.
+The model's parameters (`named_parameters()` order) and persistent buffers are flattened into
+one float32 vector that is cut into N contiguous, nearly equal partitions. N never changes
+during a job: when servers come and go, whole partitions move between owners
+(`PartitionTable.move`), so the state is never re-sharded.
 """
 
 from __future__ import annotations
@@ -19,19 +19,26 @@ from orchestrator.agileml.errors import OwnershipConflictError, PartitionError
 
 
 class PartitionLayout:
-    """How a model's parameters map onto N partitions of one float32 vector.
+    """How a model's state maps onto N partitions of one float32 vector.
 
-    Partition p covers `[bounds(p)[0], bounds(p)[1])`; the first `total % N` partitions hold one
-    element more than the others.
+    The vector holds the parameters (`named_parameters()` order), then the persistent buffers
+    (`named_buffers()` order, those in `state_dict()`: BatchNorm's running statistics and the
+    like), each converted to float32. Partition p covers `[bounds(p)[0], bounds(p)[1])`; the
+    first `total % N` partitions hold one element more than the others.
 
     Raises:
-        PartitionError: on construction if N < 1 or N > the number of parameter elements.
+        PartitionError: on construction if N < 1 or N > the number of elements.
     """
 
     def __init__(self, model: nn.Module, num_partitions: int) -> None:
         self.names: tuple[str, ...] = tuple(n for n, _ in model.named_parameters())
         self.shapes: tuple[torch.Size, ...] = tuple(p.shape for _, p in model.named_parameters())
-        self.total = sum(s.numel() for s in self.shapes)
+        buffers = _persistent_buffers(model)
+        self.buffer_names: tuple[str, ...] = tuple(n for n, _ in buffers)
+        self.buffer_shapes: tuple[torch.Size, ...] = tuple(b.shape for _, b in buffers)
+        self.param_total = sum(s.numel() for s in self.shapes)
+        self.buffer_sizes: tuple[int, ...] = tuple(s.numel() for s in self.buffer_shapes)
+        self.total = self.param_total + sum(self.buffer_sizes)
         if not 1 <= num_partitions <= self.total:
             raise PartitionError(
                 f"num_partitions must be in 1..{self.total} (the parameter count), "
@@ -64,30 +71,57 @@ class PartitionLayout:
         return [flat[start:stop].clone() for start, stop in self._bounds]
 
     def gather(self, model: nn.Module) -> list[torch.Tensor]:
-        """The model's parameters as N float32 partitions (copies). Raises PartitionError."""
-        params = self._params(model)
-        return self.split(torch.cat([p.detach().reshape(-1).float() for p in params]))
+        """The model's parameters and buffers as N float32 partitions (copies).
+        Raises PartitionError."""
+        tensors = [*self._params(model), *self._buffers(model)]
+        return self.split(torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]))
 
-    def gather_grads(self, model: nn.Module) -> list[torch.Tensor]:
-        """The parameters' gradients as N float32 partitions (views of one fresh vector); a
-        missing gradient counts as 0."""
+    def gather_buffers(self, model: nn.Module) -> torch.Tensor:
+        """The model's buffers as one float32 vector (on the model's device)."""
+        buffers = self._buffers(model)
+        if not buffers:
+            return torch.empty(0)
+        return torch.cat([b.detach().reshape(-1).float() for b in buffers])
+
+    def load_buffers(self, model: nn.Module, flat: torch.Tensor) -> None:
+        """Set the model's buffers from a `gather_buffers` vector (rounded for integer ones)."""
+        offset = 0
+        with torch.no_grad():
+            for buf in self._buffers(model):
+                n = buf.numel()
+                chunk = flat[offset : offset + n].view(buf.shape)
+                buf.copy_(chunk if buf.is_floating_point() else chunk.round())
+                offset += n
+
+    def gather_grads(
+        self, model: nn.Module, buffer_delta: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """The parameters' gradients (a missing one counts as 0), then `buffer_delta` (zeros if
+        None) as N float32 partitions on the CPU (views of one fresh vector)."""
         params = self._params(model)
-        flat = torch.cat(
-            [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
-                for p in params
-            ]
-        )
+        pieces = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
+            for p in params
+        ]
+        if self.buffer_sizes:
+            delta = (
+                buffer_delta
+                if buffer_delta is not None
+                else torch.zeros(self.total - self.param_total)
+            )
+            pieces.append(delta.reshape(-1).float())
+        flat = torch.cat([piece.cpu() for piece in pieces]) if pieces else torch.empty(0)
         return [flat[start:stop] for start, stop in self._bounds]
 
     def scatter(self, model: nn.Module, parts: Sequence[torch.Tensor]) -> None:
-        """Load N partitions into the model's parameters in place.
+        """Load N partitions into the model's parameters and buffers in place.
 
         Raises:
             PartitionError: wrong number or sizes of partitions, or a model that does not match
                 the layout; the model is then unchanged.
         """
         params = self._params(model)
+        buffers = self._buffers(model)
         if len(parts) != self.num_partitions:
             raise PartitionError(f"got {len(parts)} partitions, want {self.num_partitions}")
         for p, part in enumerate(parts):
@@ -103,6 +137,8 @@ class PartitionLayout:
                 n = param.numel()
                 param.copy_(flat[offset : offset + n].view_as(param))
                 offset += n
+        if buffers:
+            self.load_buffers(model, flat[offset:])
 
     def _params(self, model: nn.Module) -> list[nn.Parameter]:
         named = list(model.named_parameters())
@@ -112,11 +148,31 @@ class PartitionLayout:
             raise PartitionError("model parameters do not match the partition layout")
         return [p for _, p in named]
 
+    def _buffers(self, model: nn.Module) -> list[torch.Tensor]:
+        if not self.buffer_names:
+            return []
+        named = dict(model.named_buffers())
+        try:
+            buffers = [named[n] for n in self.buffer_names]
+        except KeyError as exc:
+            raise PartitionError(
+                f"model has no buffer {exc}: it does not match the layout"
+            ) from None
+        if tuple(b.shape for b in buffers) != self.buffer_shapes:
+            raise PartitionError("model buffers do not match the partition layout")
+        return buffers
+
     def _check(self, p: int) -> None:
         if not 0 <= p < self.num_partitions:
             raise PartitionError(
                 f"unknown partition {p}; valid: 0..{self.num_partitions - 1}", partition=p
             )
+
+
+def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers that `state_dict()` saves, in `named_buffers()` order."""
+    saved = set(model.state_dict().keys())
+    return [(n, b) for n, b in model.named_buffers() if n in saved]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ leaving worker stops, at a clock boundary that every node agrees on.
 from __future__ import annotations
 
 import bisect
+import functools
 import zlib
 from typing import Annotated
 
@@ -137,9 +138,25 @@ class Roster(BaseModel):
 
 
 def global_batch_indices(seed: int, clock: int, dataset_size: int, batch: int) -> torch.Tensor:
-    """The rows of the global minibatch of `clock`: a deterministic function of (seed, clock)."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{clock}".encode()))
-    return torch.randint(0, dataset_size, (batch,), generator=gen)
+    """The rows of the global minibatch of `clock`: a deterministic function of (seed, clock).
+
+    Epochs as a shuffled loader with `drop_last=True` makes them: epoch e is a permutation of
+    the rows drawn from (seed, e), cut into `dataset_size // batch` batches in order. A batch
+    larger than the data set draws its rows with replacement instead.
+    """
+    per_epoch = dataset_size // batch
+    if per_epoch == 0:
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{clock}".encode()))
+        return torch.randint(0, dataset_size, (batch,), generator=gen)
+    epoch, index = divmod(clock, per_epoch)
+    order = _epoch_permutation(seed, epoch, dataset_size)
+    return order[index * batch : (index + 1) * batch].clone()
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(seed: int, epoch: int, dataset_size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/epoch/{epoch}".encode()))
+    return torch.randperm(dataset_size, generator=gen)
 
 
 def worker_share(members: tuple[str, ...], worker: str, batch: int) -> slice:

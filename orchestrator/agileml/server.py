@@ -55,6 +55,7 @@ from orchestrator.agileml.server_loop import (
     ServerStats,
 )
 from orchestrator.agileml.snapshots import snapshot_fields, snapshot_from_wire
+from orchestrator.agileml.updates import RuleFactory
 from orchestrator.agileml.wire import Header, MessageKind
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,13 @@ class ParamServer(ServerLoop):
         self.slack = 0
 
     # -- state (thread-safe) --------------------------------------------------------------
+
+    def set_update_rules(self, rules: RuleFactory) -> None:
+        """How complete clocks update partitions added or taken over from now on (default:
+        pushes are deltas, added as they are; see `updates`)."""
+        with self._lock:
+            self._store.set_rules(rules)
+            self._backup.set_rules(rules)
 
     def add_partition(self, p: int, values: torch.Tensor, *, version: int = 0) -> None:
         """Take ownership of partition p with the given initial values and ownership version."""

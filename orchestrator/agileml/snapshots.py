@@ -46,6 +46,15 @@ def snapshot_to_wire(snapshot: PartitionSnapshot) -> tuple[list[str], dict[str, 
         "pending": pending,
         "pending_clocks": torch.tensor([c.clock for c in snapshot.pending], dtype=torch.int64),
         "pending_pairs": pairs((w, c.clock) for c in snapshot.pending for w in c.workers),
+        "accum": (
+            torch.stack([a for _, a in snapshot.accum])
+            if snapshot.accum
+            else torch.empty(0, size, dtype=torch.float32)
+        ),
+        "accum_clocks": torch.tensor([c for c, _ in snapshot.accum], dtype=torch.int64),
+        "rule_state": torch.frombuffer(bytearray(snapshot.rule_state), dtype=torch.uint8)
+        if snapshot.rule_state
+        else torch.empty(0, dtype=torch.uint8),
     }
 
 
@@ -57,6 +66,9 @@ _SNAPSHOT_TENSORS = (
     "pending",
     "pending_clocks",
     "pending_pairs",
+    "accum",
+    "accum_clocks",
+    "rule_state",
 )
 
 
@@ -65,7 +77,7 @@ def snapshot_from_wire(header: Header, tensors: dict[str, torch.Tensor]) -> Part
     bad = RejectedError(RejectReason.BAD_SNAPSHOT, "want the snapshot tensors (see MessageKind)")
     if header.partition is None or set(tensors) != set(_SNAPSHOT_TENSORS):
         raise bad
-    values, applied, version, consistent, pending, p_clocks, p_pairs = (
+    values, applied, version, consistent, pending, p_clocks, p_pairs, accum, a_clocks, rule = (
         tensors[k] for k in _SNAPSHOT_TENSORS
     )
     workers = header.workers or ()
@@ -80,6 +92,13 @@ def snapshot_from_wire(header: Header, tensors: dict[str, torch.Tensor]) -> Part
         or pending.shape[1] != values.shape[0]
         or p_clocks.dtype != torch.int64
         or p_clocks.shape != (pending.shape[0],)
+        or accum.dtype != torch.float32
+        or accum.dim() != 2
+        or accum.shape[1] != values.shape[0]
+        or a_clocks.dtype != torch.int64
+        or a_clocks.shape != (accum.shape[0],)
+        or rule.dtype != torch.uint8
+        or rule.dim() != 1
     ):
         raise bad
 
@@ -106,4 +125,6 @@ def snapshot_from_wire(header: Header, tensors: dict[str, torch.Tensor]) -> Part
             PendingChunk(c, pending[i].clone(), frozenset(by_clock.get(c, ())))
             for i, c in enumerate(clocks)
         ),
+        tuple((int(c), accum[i].clone()) for i, c in enumerate(a_clocks.tolist())),
+        rule.numpy().tobytes(),
     )

@@ -2,8 +2,11 @@
 
 The worker keeps no model state between iterations, only its clock: each iteration pulls every
 partition from its owner (waiting, under BSP/SSP, until the others are close enough), loads them
-into a scratch model, computes the gradient on a minibatch, and pushes `delta = -lr * grad` per
-partition tagged with its clock. The minibatch of clock t is a function of (seed, worker, t), or,
+into a scratch model, computes the gradient on a minibatch, and pushes it per partition tagged
+with its clock (the servers apply each complete clock with the job's optimizer, see `updates`).
+A model's buffers (BatchNorm statistics) travel in the same vector: the worker pushes their
+change over its share divided by the clock's worker count, so a clock moves them by the mean of
+the workers' changes. The minibatch of clock t is a function of (seed, worker, t), or,
 with a `Roster`, the worker's share of the global batch of clock t, so a redone iteration
 computes on the same rows, and the server's (worker, clock, partition) deduplication keeps an
 update from being applied twice.
@@ -29,6 +32,7 @@ import zmq
 from torch import nn
 
 from orchestrator.agileml import wire
+from orchestrator.agileml.batches import Batch, RowSource, TensorRows, slice_batch, to_device
 from orchestrator.agileml.errors import AgileMLError, WireError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.rejections import RejectReason, parse_moved
@@ -42,7 +46,7 @@ DEFAULT_REQUEST_TIMEOUT_SECONDS = 30.0  # a pull may legitimately wait for the s
 RETRY_DELAY_SECONDS = 0.002  # before asking again about a partition in flight
 WAIT_SLICE_MS = 20  # how often a waiting worker checks its abort callback
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
 # partition, kind, clock, tensors, the worker identity it is sent as
 _Request = tuple[int, MessageKind, int, dict[str, torch.Tensor], str]
 
@@ -58,7 +62,6 @@ class WorkerSpec:
     worker_id: str
     job_id: str
     batch_size: int
-    lr: float
     slack: int = 0
     seed: int = 0
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
@@ -98,25 +101,27 @@ class Worker:
         table: PartitionTable,
         endpoints: Mapping[str, str],
         model_factory: Callable[[], nn.Module],
-        data: tuple[torch.Tensor, torch.Tensor],
+        data: tuple[torch.Tensor, torch.Tensor] | RowSource,
         loss_fn: LossFn,
         roster: Roster | None = None,
         epoch: int | None = None,
         abort: Callable[[], bool] | None = None,
         phase_hook: Callable[[str, int], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        if spec.batch_size < 1 or spec.lr <= 0 or spec.slack < 0:
+        if spec.batch_size < 1 or spec.slack < 0:
             raise ValueError(f"invalid worker spec: {spec}")
-        if len(data[0]) != len(data[1]) or len(data[0]) == 0:
-            raise ValueError("data must be two non-empty tensors of the same length")
         self.spec = spec
         self._token = token
         self.layout = layout
         self.table = table
         self.endpoints = dict(endpoints)
+        self.device = device or torch.device("cpu")
         self._model = model_factory()
         layout.gather(self._model)  # raises PartitionError if the factory does not fit
-        self._x, self._y = data
+        self._model.to(self.device)
+        self._model.train()
+        self._rows: RowSource = TensorRows(*data) if isinstance(data, tuple) else data
         self._loss_fn = loss_fn
         self.roster = roster  # with a roster, `spec.batch_size` is the global batch
         self.epoch = epoch
@@ -137,8 +142,8 @@ class Worker:
         self.reassigner: Reassigner | None = None
         # (identity, clock, roster version) -> dataset rows of the share
         self._rows_cache: dict[tuple[str, int, int], torch.Tensor] = {}
-        # same key -> (first row cached, inputs, labels): helpees' input, preloaded
-        self._preloaded: dict[tuple[str, int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}
+        # same key -> (first row cached, the batch of the rows from there): helpees' input
+        self._preloaded: dict[tuple[str, int, int], tuple[int, Batch]] = {}
 
     def run(self, iterations: int) -> list[float]:
         """Run `iterations` iterations; returns each one's minibatch loss (before its update).
@@ -224,24 +229,28 @@ class Worker:
 
     def _compute(self, identity: str, clock: int) -> tuple[float, list[_Request]]:
         """The loss and the pushes of `identity`'s minibatch of `clock` on the loaded model."""
-        x, y = self._minibatch(identity, clock)
+        (x, y), n = self._minibatch(identity, clock)
         self._model.zero_grad(set_to_none=True)
+        before = self.layout.gather_buffers(self._model)
         loss = self._loss_fn(self._model(x), y)
         if self.roster is not None:
             # the loss is a sum over the share: scaled by the global batch, the workers'
             # updates add up to the global batch's mean gradient whoever computes what
             (loss / self.spec.batch_size).backward()
-            return float(loss.item()) / max(len(x), 1), self._push_requests(identity, clock)
-        loss.backward()
-        return float(loss.item()), self._push_requests(identity, clock)
+            mean = float(loss.item()) / max(n, 1)
+        else:
+            loss.backward()
+            mean = float(loss.item())
+        return mean, self._push_requests(identity, clock, buffers_from=before)
 
     def _compute_reassigned(
         self, reassigner: Reassigner, clock: int
     ) -> tuple[float, list[_Request]]:
         """The own share of `clock` in chunks, some rows perhaps computed by helpers."""
         self._model.zero_grad(set_to_none=True)
+        before = self.layout.gather_buffers(self._model)
         loss_sum, rows, helped = reassigner.compute_own(self, clock)
-        grads = self.layout.gather_grads(self._model)
+        grads = self.layout.gather_grads(self._model, self._buffer_delta(before, clock))
         for parts in helped:
             for g, h in zip(grads, parts, strict=True):
                 g.add_(h)
@@ -263,11 +272,13 @@ class Worker:
         input came from the preloaded cache)."""
         cached = self._preloaded.get((identity, clock, self._roster_version()))
         if cached is not None and start >= cached[0]:
-            first, xs, ys = cached
-            x, y, hit = xs[start - first : end - first], ys[start - first : end - first], True
+            first, batch = cached
+            x, y = slice_batch(batch, start - first, end - first)
+            hit = True
         else:
-            rows = self._share_rows(identity, clock)[start:end]
-            x, y, hit = self._x[rows], self._y[rows], False
+            x, y = self._rows.take(self._share_rows(identity, clock)[start:end])
+            hit = False
+        x, y = to_device(x, self.device), to_device(y, self.device)
         loss = self._loss_fn(self._model(x), y)
         (loss / self.spec.batch_size).backward()
         return float(loss.item()), hit
@@ -283,7 +294,7 @@ class Worker:
         except AgileMLError:
             return  # not a member at that clock: nothing to help with
         first = len(rows) - math.ceil(len(rows) * fraction)
-        self._preloaded[key] = (first, self._x[rows[first:]], self._y[rows[first:]])
+        self._preloaded[key] = (first, self._rows.take(rows[first:]))
         for old in [k for k in self._preloaded if k[1] < clock - 1]:
             del self._preloaded[old]
 
@@ -324,7 +335,9 @@ class Worker:
         if rows is None:
             if self.roster is None:
                 raise AgileMLError("row shares need a roster")
-            batch = global_batch_indices(self.spec.seed, clock, len(self._x), self.spec.batch_size)
+            batch = global_batch_indices(
+                self.spec.seed, clock, len(self._rows), self.spec.batch_size
+            )
             share = worker_share(self.roster.members(clock), identity, self.spec.batch_size)
             rows = batch[share]
             if len(self._rows_cache) > 64:
@@ -333,14 +346,27 @@ class Worker:
         return rows
 
     def _push_requests(
-        self, identity: str, clock: int, grads: list[torch.Tensor] | None = None
+        self,
+        identity: str,
+        clock: int,
+        grads: list[torch.Tensor] | None = None,
+        *,
+        buffers_from: torch.Tensor | None = None,
     ) -> list[_Request]:
         if grads is None:
-            grads = self.layout.gather_grads(self._model)
-        return [
-            (p, MessageKind.PUSH, clock, {"delta": g.mul_(-self.spec.lr)}, identity)
-            for p, g in enumerate(grads)
-        ]
+            delta = self._buffer_delta(buffers_from, clock) if buffers_from is not None else None
+            grads = self.layout.gather_grads(self._model, delta)
+        return [(p, MessageKind.PUSH, clock, {"delta": g}, identity) for p, g in enumerate(grads)]
+
+    def _buffer_delta(self, before: torch.Tensor, clock: int) -> torch.Tensor | None:
+        """How this computation changed the buffers, over the clock's worker count; the
+        buffers are put back as pulled (another identity may compute next)."""
+        if not self.layout.buffer_sizes:
+            return None
+        after = self.layout.gather_buffers(self._model)
+        self.layout.load_buffers(self._model, before)
+        workers = len(self.roster.members(clock)) if self.roster is not None else 1
+        return (after - before).div_(max(workers, 1))
 
     def close(self) -> None:
         """Close the sockets (a later `step` opens new ones)."""
@@ -351,14 +377,16 @@ class Worker:
             self._ctx.term()
             self._ctx = None
 
-    def _minibatch(self, identity: str, clock: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _minibatch(self, identity: str, clock: int) -> tuple[Batch, int]:
+        """`identity`'s rows of `clock` as a batch on the worker's device, and their count."""
         if self.roster is not None:
             rows = self._share_rows(identity, clock)
-            return self._x[rows], self._y[rows]
-        key = f"{self.spec.seed}/{identity}/{clock}".encode()
-        gen = torch.Generator().manual_seed(zlib.crc32(key))
-        idx = torch.randint(0, len(self._x), (self.spec.batch_size,), generator=gen)
-        return self._x[idx], self._y[idx]
+        else:
+            key = f"{self.spec.seed}/{identity}/{clock}".encode()
+            gen = torch.Generator().manual_seed(zlib.crc32(key))
+            rows = torch.randint(0, len(self._rows), (self.spec.batch_size,), generator=gen)
+        x, y = self._rows.take(rows)
+        return (to_device(x, self.device), to_device(y, self.device)), len(rows)
 
     def _round_trip(
         self, requests: list[_Request], want: MessageKind

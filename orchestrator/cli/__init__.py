@@ -5,6 +5,7 @@ User errors (bad files, bad options) print what is wrong and what to do, with no
 and exit with code 2; `--debug` shows the traceback.
 
     app.py         the typer app, the consoles, option-name mapping for errors
+    train.py       train (a user's job on local processes)
     simulate.py    simulate, ledger-check           market.py   risk, catalog
     demo.py        demo                             plan.py     plan
     jobs.py        submit, jobs, job, report, cancel, api serve
@@ -24,7 +25,7 @@ from orchestrator.errors import UserError
 __all__ = ["app", "main"]
 
 #: Importing a command module registers its commands, in the order `--help` lists them.
-COMMAND_MODULES = ("simulate", "demo", "market", "controller", "deploy", "jobs", "plan")
+COMMAND_MODULES = ("train", "simulate", "demo", "market", "controller", "deploy", "jobs", "plan")
 for _module in COMMAND_MODULES:
     importlib.import_module(f"{__name__}.{_module}")
 

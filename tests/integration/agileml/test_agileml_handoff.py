@@ -21,6 +21,7 @@ from orchestrator.agileml.partitions import Ownership, PartitionLayout, Partitio
 from orchestrator.agileml.rejections import parse_moved
 from orchestrator.agileml.server import ParamServer
 from orchestrator.agileml.snapshots import snapshot_to_wire
+from orchestrator.agileml.updates import sgd_rules
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.agileml.worker import Worker, WorkerSpec
 
@@ -57,12 +58,16 @@ def test_store_snapshot_round_trip_keeps_values_applied_set_and_dedup() -> None:
     assert old.apply_push(3, "w0", 1, d) is PushOutcome.APPLIED
     snap = old.export_partition(3)
     assert (snap.version, snap.applied, snap.workers) == (4, {("w0", 0), ("w0", 1)}, ("w0", "w1"))
+    assert [c for c, _ in snap.accum] == [0, 1]  # summed, not applied: w1 is missing
     assert new.import_partition(snap) == 5
-    assert torch.equal(new.values(3), INITIAL + 2)
+    assert torch.equal(new.values(3), INITIAL)
     assert new.apply_push(3, "w0", 1, d) is PushOutcome.DUPLICATE  # replay after the hand-off
     assert new.consistent_clock(3) == -1  # w1 has pushed nothing yet
     assert new.apply_push(3, "w1", 0, d) is PushOutcome.APPLIED
     assert new.consistent_clock(3) == 0
+    assert torch.equal(new.values(3), INITIAL + 2)  # clock 0 applied once: w0's and w1's
+    assert new.apply_push(3, "w1", 1, 3 * d) is PushOutcome.APPLIED
+    assert torch.equal(new.values(3), INITIAL + 6)
 
 
 def test_store_refuses_an_older_snapshot() -> None:
@@ -90,15 +95,18 @@ def test_handoff_moves_state_and_applied_set_over_the_wire(
     result = old.handoff_to(0, new.endpoint)
     assert (result.partition, result.new_owner, result.version) == (0, "ps-b", 1)
     assert old.owned() == [] and new.owned() == [0]
-    assert torch.equal(new.state(0), INITIAL + d)
+    assert torch.equal(new.state(0), INITIAL)  # clock 0 waits for w1: summed, not applied
     snap = new.snapshot(0)
     assert (snap.applied, snap.version) == ({("w0", 0)}, 1)
+    assert [(c, a.tolist()) for c, a in snap.accum] == [(0, d.tolist())]
     assert (old.stats().handoffs_sent, new.stats().handoffs_received) == (1, 1)
 
     # The push applied before the hand-off, replayed to the new owner, is a duplicate.
     w0_new = WireClient(ctx, new.endpoint, "w0", job_id=JOB, token=TOKEN)
     assert w0_new.push(0, d).detail == "duplicate"
-    assert torch.equal(new.state(0), INITIAL + d)
+    w1_new = WireClient(ctx, new.endpoint, "w1", job_id=JOB, token=TOKEN)
+    assert w1_new.push(0, d).detail == "applied"
+    assert torch.equal(new.state(0), INITIAL + 2 * d)  # clock 0 complete: applied once
     assert w0_new.push(1, d).detail == "applied"
 
     # The old owner refuses pushes and pulls for the partition and names the new owner.
@@ -107,7 +115,7 @@ def test_handoff_moves_state_and_applied_set_over_the_wire(
     assert parse_moved(refused.detail) == ("ps-b", 1)
     pulled, _ = w0.request(MessageKind.PULL, partition=0, clock=-1)
     assert parse_moved(pulled.detail) == ("ps-b", 1)
-    assert torch.equal(new.state(0), INITIAL + 2 * d)
+    assert torch.equal(new.state(0), INITIAL + 2 * d)  # clock 1 still lacks w1
 
 
 def test_held_pull_gets_moved_error_when_its_partition_is_handed_off(
@@ -209,6 +217,7 @@ def test_two_worker_mlr_keeps_learning_across_a_mid_run_handoff() -> None:
     servers = {sid: ParamServer(sid, job_id=JOB, token=token) for sid in ("ps-0", "ps-1")}
     parts = layout.gather(model)
     for sid, server in servers.items():
+        server.set_update_rules(sgd_rules(0.5))
         for p in table.owned_by(sid):
             server.add_partition(p, parts[p], version=table.get(p).version)
         server.register_workers(["w-0", "w-1"])
@@ -240,7 +249,7 @@ def test_two_worker_mlr_keeps_learning_across_a_mid_run_handoff() -> None:
         endpoints = {sid: s.endpoint for sid, s in servers.items()}
         workers = [
             Worker(
-                WorkerSpec(f"w-{i}", JOB, batch_size=32, lr=0.5, seed=2, request_timeout_s=5.0),
+                WorkerSpec(f"w-{i}", JOB, batch_size=32, seed=2, request_timeout_s=5.0),
                 token=token,
                 layout=layout,
                 table=table,

@@ -262,7 +262,8 @@ def test_export_import_carries_pending_chunks_and_the_applied_set() -> None:
     assert chunk.workers == frozenset(WORKERS)
     assert torch.equal(chunk.delta, _delta("w0", 1) + _delta("w1", 1))
     snap.values.add_(100.0)  # the snapshot is a private copy in both directions
-    assert torch.equal(receiver.values(0), owner.values(0) + _delta("w1", 1))
+    # clock 1 is now complete, so applied: w0's half (carried, summed) and w1's
+    assert torch.equal(receiver.values(0), owner.values(0) + _delta("w0", 1) + _delta("w1", 1))
 
 
 def test_snapshot_with_pending_chunks_round_trips_through_the_wire() -> None:
@@ -416,7 +417,7 @@ def test_owner_streams_complete_clocks_so_the_backup_matches_it(
 
     clients(owner.endpoint, "w0").push(5, epoch=1)  # clock 5 incomplete: not streamed yet
     assert owner.flush(5.0) and owner.stats().chunks_streamed == 5
-    assert torch.equal(backup.backup_state(0) + _delta("w0", 5), owner.state(0))
+    assert torch.equal(backup.backup_state(0), owner.state(0))  # summed, not yet applied
     clients(owner.endpoint, "w1").push(5, epoch=1)
     assert owner.flush(5.0)
     assert torch.equal(backup.backup_state(0), owner.state(0))
@@ -651,7 +652,7 @@ def test_malformed_replicate_is_refused_and_changes_nothing(
         MessageKind.REPLICATE, {"delta": torch.ones(4)}, **{**REPLICATE_OK, "clock": 1}
     )[0]
     assert (partial.kind, partial.detail) == (MessageKind.ERROR, "bad_delta")  # w0 already in
-    assert torch.equal(backup.backup_state(0), INITIAL + 2)
+    assert torch.equal(backup.backup_state(0), INITIAL + 1)  # clock 1 lacks w1: summed only
 
 
 def _restore_tensors(**changes: torch.Tensor | None) -> dict[str, torch.Tensor]:

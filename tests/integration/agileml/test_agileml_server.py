@@ -71,12 +71,15 @@ def test_ssp_pull_is_answered_within_the_slack(server: ParamServer, ctx: WireCli
     w0.send(MessageKind.PULL, partition=0, clock=1 - slack - 1)  # w0 at clock 1
     header, tensors = w0.recv()
     assert header.kind is MessageKind.PULL_REPLY
-    assert torch.equal(tensors["values"], INITIAL + 1)  # sees its own update, not waiting
+    # not waiting; complete clocks only: w0's own update waits for w1 (no read-my-writes)
+    assert torch.equal(tensors["values"], INITIAL)
     w0.push(1, torch.ones(4))
     w0.send(MessageKind.PULL, partition=0, clock=2 - slack - 1)  # clock 2: needs w1's clock 0
     assert w0.silent()
     w1.push(0, torch.ones(4))
-    assert w0.recv()[0].kind is MessageKind.PULL_REPLY
+    header, tensors = w0.recv()
+    assert header.kind is MessageKind.PULL_REPLY
+    assert torch.equal(tensors["values"], INITIAL + 2)  # clock 0, both pushes, applied once
 
 
 def test_unauthenticated_push_changes_nothing(server: ParamServer, ctx: WireClients) -> None:

@@ -18,6 +18,7 @@ from orchestrator.agileml.examples import (
 )
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.server import ParamServer
+from orchestrator.agileml.updates import sgd_rules
 from orchestrator.agileml.worker import Worker, WorkerSpec
 
 FEATURES, CLASSES = 16, 4
@@ -77,11 +78,12 @@ def _single_worker_setup(server_token: bytes, worker_token: bytes) -> tuple[Para
     layout, table = PartitionLayout(model, 2), PartitionTable(2)
     table.assign_round_robin(["ps-0"])
     server = ParamServer("ps-0", job_id="j", token=server_token)
+    server.set_update_rules(sgd_rules(0.1))
     for p, part in enumerate(layout.gather(model)):
         server.add_partition(p, part)
     server.register_workers(["w-0"])
     worker = Worker(
-        WorkerSpec("w-0", "j", batch_size=16, lr=0.1, request_timeout_s=2.0),
+        WorkerSpec("w-0", "j", batch_size=16, request_timeout_s=2.0),
         token=worker_token,
         layout=layout,
         table=table,

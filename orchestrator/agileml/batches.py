@@ -1,0 +1,99 @@
+"""Where a worker's rows come from: the job's training set, indexed by global row number.
+
+A worker asks for the rows of its share of a clock's global batch (`RowSource.take`) and gets
+one collated (inputs, targets) batch. The examples keep their data as two tensors
+(`TensorRows`); a user's job gives a map-style `torch.utils.data.Dataset` whose items are
+(input, target) pairs, collated by its own collate function or PyTorch's default
+(`DatasetRows`). Inputs may be a tensor or any nesting of tuples, lists and dicts of tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+Batch = tuple[Any, Any]  # (inputs, targets), as the model and the loss take them
+Collate = Callable[[list[Any]], Any]
+
+
+class RowSource(Protocol):
+    """A training set addressed by row number."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, rows: torch.Tensor) -> Batch:
+        """The rows (int64 indices) as one batch, in the given order."""
+        ...
+
+
+class TensorRows:
+    """Rows of two tensors of the same length (features, targets)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if len(x) != len(y) or len(x) == 0:
+            raise ValueError("data must be two non-empty tensors of the same length")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def take(self, rows: torch.Tensor) -> Batch:
+        return self.x[rows], self.y[rows]
+
+
+class DatasetRows:
+    """Rows of a map-style dataset of (input, target) pairs, collated into one batch."""
+
+    def __init__(self, dataset: Dataset[Any], collate: Collate | None = None) -> None:
+        self.dataset = dataset
+        self.collate: Collate = collate or default_collate
+        self._len = len(dataset)  # type: ignore[arg-type]
+        if self._len == 0:
+            raise ValueError("the dataset is empty")
+
+    def __len__(self) -> int:
+        return self._len
+
+    def take(self, rows: torch.Tensor) -> Batch:
+        batch = self.collate([self.dataset[int(i)] for i in rows.tolist()])
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError("a collated batch must be an (inputs, targets) pair")
+        return batch[0], batch[1]
+
+
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    """Rows [start, stop) of a collated batch (tensors sliced on their first dimension)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, dict):
+        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(slice_batch(v, start, stop) for v in batch)
+    return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A collated batch with its tensors on `device` (the same object on the CPU)."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def batch_rows(batch: Any) -> int:
+    """How many rows a collated batch holds (its first tensor's first dimension)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else 1
+    values = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(values, (tuple, list)) or isinstance(batch, dict):
+        for v in values:
+            return batch_rows(v)
+    return len(batch)

@@ -1,0 +1,279 @@
+"""A user's training job: a Python file (or a directory with `job.py`) that defines
+
+    def model() -> torch.nn.Module                  # called on every node under the same seed
+    def dataset() -> torch.utils.data.Dataset       # map-style; items are (input, target)
+    def loss(output, target) -> torch.Tensor        # the mean over the batch (a scalar)
+    def optimizer(params) -> torch.optim.Optimizer  # as in plain PyTorch
+    def scheduler(optimizer) -> LRScheduler         # optional; stepped once per iteration
+    def collate(items) -> (inputs, targets)         # optional; default: PyTorch's
+    def evaluate(model) -> dict[str, float]         # optional; held-out metrics
+
+`load_job_code` imports it (its directory first on `sys.path`, so sibling modules import);
+`check_job_code` runs each function once on a few rows and refuses, naming the function and
+the fix, what would fail later on an instance: a missing or misspelt function, a model whose
+initial state depends on more than the seed, items that are not pairs, a loss that is not a
+finite scalar, an optimizer or scheduler the parameter servers cannot run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from orchestrator.agileml.batches import DatasetRows
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.updates import OptimizerPlan
+from orchestrator.errors import UserError
+
+REQUIRED = ("model", "dataset", "loss", "optimizer")
+OPTIONAL = ("scheduler", "collate", "evaluate")
+ENTRY_FILE = "job.py"  # the module a job directory must hold
+CHECK_ROWS = 4
+
+
+class JobCodeError(UserError):
+    """The job's code cannot be trained: the message names the function and the fix."""
+
+
+@dataclass(frozen=True)
+class JobCode:
+    """The functions of a user's job (see the module docstring)."""
+
+    path: Path
+    model: Callable[[], nn.Module]
+    dataset: Callable[[], Any]
+    loss: Callable[[Any, Any], torch.Tensor]
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    collate: Callable[[list[Any]], Any] | None = None
+    evaluate: Callable[[nn.Module], dict[str, float]] | None = None
+
+
+def job_file(path: str | Path) -> Path:
+    """The job's Python file: `path` itself, or `path/job.py` for a directory.
+
+    Raises:
+        JobCodeError: neither exists.
+    """
+    p = Path(path).expanduser().resolve()
+    if p.is_dir():
+        p = p / ENTRY_FILE
+        if not p.is_file():
+            raise JobCodeError(
+                f"job directory {p.parent} has no {ENTRY_FILE}. To fix: put the functions "
+                f"model, dataset, loss and optimizer in {ENTRY_FILE} at its top level."
+            )
+        return p
+    if not p.is_file():
+        raise JobCodeError(f"job file {path} does not exist")
+    if p.suffix != ".py":
+        raise JobCodeError(f"job file {path} is not a Python file (.py)")
+    return p
+
+
+def load_job_code(path: str | Path) -> JobCode:
+    """Import the job's file and collect its functions.
+
+    Raises:
+        JobCodeError: no such file, importing it failed, or a function is missing or not
+            callable (with a close name if one exists: a misspelling).
+    """
+    file = job_file(path)
+    module = _import(file)
+    found: dict[str, Any] = {}
+    for name in (*REQUIRED, *OPTIONAL):
+        fn = getattr(module, name, None)
+        if fn is None:
+            if name in REQUIRED:
+                raise JobCodeError(_missing(file, module, name))
+            continue
+        if not callable(fn):
+            raise JobCodeError(f"{file.name}: `{name}` is a {type(fn).__name__}, not a function")
+        found[name] = fn
+    return JobCode(path=file, **found)
+
+
+def _import(file: Path) -> ModuleType:
+    digest = hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    name = f"orchestrator_job_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise JobCodeError(f"job file {file} cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(file.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise JobCodeError(f"importing {file} failed: {type(exc).__name__}: {exc}") from exc
+    sys.modules[name] = module
+    return module
+
+
+def _missing(file: Path, module: ModuleType, name: str) -> str:
+    defined = [n for n in vars(module) if not n.startswith("_")]
+    close = difflib.get_close_matches(name, defined, n=1, cutoff=0.6)
+    hint = f" (it defines `{close[0]}`: a misspelling?)" if close else ""
+    return (
+        f"{file.name} defines no `{name}()`{hint}. To fix: define `{name}` at the top level; "
+        f"a job needs {', '.join(REQUIRED)}."
+    )
+
+
+@dataclass(frozen=True)
+class JobCheck:
+    """What the check learnt: the data set's size and the model's size."""
+
+    rows: int
+    parameters: int
+    optimizer: str
+
+
+def seeded_model(code: JobCode, seed: int) -> nn.Module:
+    """`code.model()` under `torch.manual_seed(seed)`; the global RNG is left as it was.
+
+    Raises:
+        JobCodeError: it raised, or did not return an nn.Module.
+    """
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        try:
+            model = code.model()
+        except Exception as exc:
+            raise JobCodeError(f"model() raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise JobCodeError(f"model() returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def check_job_code(code: JobCode, *, global_batch: int, seed: int = 0) -> JobCheck:
+    """Run the job's functions once on a few rows (see the module docstring).
+
+    Raises:
+        JobCodeError: naming the function that fails and the fix.
+    """
+    model = seeded_model(code, seed)
+    _check_deterministic(model, seeded_model(code, seed))
+    rows = _check_dataset(code, global_batch)
+    x, y = rows.take(torch.arange(min(CHECK_ROWS, len(rows))))
+    try:
+        out = model(x)
+    except Exception as exc:
+        raise JobCodeError(
+            f"model()(inputs) raised on a batch of {CHECK_ROWS} collated items: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        value = code.loss(out, y)
+    except Exception as exc:
+        raise JobCodeError(f"loss(output, target) raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise JobCodeError(
+            f"loss(output, target) returned {shape}, not a scalar tensor. To fix: reduce it "
+            f"to the mean over the batch (e.g. `reduction='mean'`)."
+        )
+    if not torch.isfinite(value.detach()).item():
+        raise JobCodeError(f"loss(output, target) is {value.item()} on the first rows")
+    if not value.requires_grad:
+        raise JobCodeError("loss(output, target) does not depend on the model's parameters")
+    plan = optimizer_plan(code, model)
+    return JobCheck(
+        rows=len(rows),
+        parameters=sum(p.numel() for p in model.parameters()),
+        optimizer=plan.kind.__name__,
+    )
+
+
+def optimizer_plan(
+    code: JobCode, model: nn.Module, buffer_sizes: tuple[int, ...] = ()
+) -> OptimizerPlan:
+    """The job's optimizer and scheduler as the parameter servers run them.
+
+    Raises:
+        JobCodeError: optimizer() or scheduler() raised, or cannot run per partition.
+    """
+    try:
+        plan = OptimizerPlan.from_model(model, code.optimizer, code.scheduler, buffer_sizes)
+    except AgileMLError as exc:
+        raise JobCodeError(f"optimizer(params): {exc}") from exc
+    except Exception as exc:
+        raise JobCodeError(f"optimizer(params) raised {type(exc).__name__}: {exc}") from exc
+    if code.scheduler is not None:
+        try:
+            scheduler = code.scheduler(code.optimizer(model.parameters()))
+        except Exception as exc:
+            raise JobCodeError(f"scheduler(optimizer) raised {type(exc).__name__}: {exc}") from exc
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise JobCodeError(
+                "scheduler(optimizer) returned ReduceLROnPlateau, which needs a metric; the "
+                "servers step the scheduler once per iteration. To fix: use a schedule of the "
+                "iteration (CosineAnnealingLR, OneCycleLR, LambdaLR, ...)."
+            )
+        if not hasattr(scheduler, "step") or not hasattr(scheduler, "state_dict"):
+            raise JobCodeError("scheduler(optimizer) must return a torch LR scheduler")
+    return plan
+
+
+def dataset_rows(code: JobCode) -> DatasetRows:
+    """The job's training set, addressed by row. Raises JobCodeError."""
+    try:
+        data = code.dataset()
+    except Exception as exc:
+        raise JobCodeError(f"dataset() raised {type(exc).__name__}: {exc}") from exc
+    if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
+        raise JobCodeError(
+            f"dataset() returned {type(data).__name__}, not a map-style Dataset "
+            f"(__getitem__ and __len__). To fix: return e.g. a TensorDataset."
+        )
+    try:
+        return DatasetRows(data, code.collate)
+    except ValueError as exc:
+        raise JobCodeError(f"dataset(): {exc}") from exc
+
+
+def _check_dataset(code: JobCode, global_batch: int) -> DatasetRows:
+    rows = dataset_rows(code)
+    if len(rows) < global_batch:
+        raise JobCodeError(
+            f"dataset() has {len(rows)} items, fewer than the global batch ({global_batch}). "
+            f"To fix: use a smaller --global-batch."
+        )
+    item = rows.dataset[0]
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise JobCodeError(
+            f"dataset()[0] is a {type(item).__name__}, not an (input, target) pair. To fix: "
+            f"make __getitem__ return (input, target)."
+        )
+    try:
+        rows.take(torch.arange(min(CHECK_ROWS, len(rows))))
+    except Exception as exc:
+        who = "collate(items)" if code.collate is not None else "collating dataset items"
+        raise JobCodeError(f"{who} failed: {type(exc).__name__}: {exc}") from exc
+    return rows
+
+
+def _check_deterministic(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    if list(sa) != list(sb):
+        raise JobCodeError("model() builds different modules on two calls")
+    for key in sa:
+        if sa[key].shape != sb[key].shape or not torch.equal(sa[key], sb[key]):
+            raise JobCodeError(
+                f"model() gives `{key}` different values under the same seed, so nodes would "
+                f"start from different models. To fix: draw initial values from torch's "
+                f"RNG only (not `random`, numpy or the clock)."
+            )

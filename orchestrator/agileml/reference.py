@@ -1,0 +1,43 @@
+"""The plain PyTorch loop a job's AgileML run must match: one process, the same initial model,
+the same global batches (`roster.global_batch_indices`), the user's optimizer and scheduler
+stepped once per iteration. Used by the exactness tests and as the single-process baseline."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from orchestrator.agileml.jobcode import JobCode, dataset_rows, seeded_model
+from orchestrator.agileml.roster import global_batch_indices
+
+
+def train_reference(
+    code: JobCode, *, iterations: int, global_batch: int, seed: int = 0
+) -> tuple[nn.Module, list[float]]:
+    """Train the job for `iterations` iterations in this process; returns the model and the
+    loss of each iteration."""
+    model = seeded_model(code, seed)
+    model.train()
+    rows = dataset_rows(code)
+    optimizer = code.optimizer(model.parameters())
+    scheduler = code.scheduler(optimizer) if code.scheduler is not None else None
+    losses = []
+    for clock in range(iterations):
+        x, y = rows.take(global_batch_indices(seed, clock, len(rows), global_batch))
+        optimizer.zero_grad(set_to_none=True)
+        loss = code.loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(float(loss.item()))
+    return model, losses
+
+
+def relative_error(a: nn.Module, b: nn.Module) -> float:
+    """max over state_dict entries of |a - b| / max(|b|, 1e-12), by norms."""
+    worst = 0.0
+    sa, sb = a.state_dict(), b.state_dict()
+    for key, ref in sb.items():
+        diff = (sa[key].double() - ref.double()).norm().item()
+        worst = max(worst, diff / max(ref.double().norm().item(), 1e-12))
+    return worst

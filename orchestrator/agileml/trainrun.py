@@ -1,0 +1,331 @@
+"""`orchestrator train`: a user's job on local processes, through the real runtime (wire,
+parameter servers, elasticity controller), with faults injected at given iterations, like
+`torchrun --standalone` for an elastic spot job.
+
+    result = train_locally(TrainPlan(code="job.py", nodes=4, iterations=300), on_progress=print)
+    save_outputs(result, Path("out"))   # out/model.safetensors, out/summary.json
+
+An injection `evict@100` gives one transient node its spot interruption notice (it finishes its
+clocks, hands off and leaves), `join@150` starts a new transient node, `kill@200` SIGKILLs one
+transient node without notice. The job's result does not depend on them: the global batches are
+fixed, and every clock's gradient is applied exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.jobcode import check_job_code, load_job_code, seeded_model
+from orchestrator.agileml.local import LocalJob, NodeOutcome
+from orchestrator.agileml.partitions import PartitionLayout
+from orchestrator.agileml.parts import training_parts
+from orchestrator.errors import UserError
+
+WARMUP_ITERATIONS = 5  # not counted in the time per iteration
+NEAR_EVENT = 2  # iterations on either side of an injection not counted either
+MAX_PARTITIONS = 16
+_INJECTION = re.compile(r"^(evict|join|kill)@(\d+)$")
+
+
+class Injection(BaseModel):
+    """A fault at an iteration (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["evict", "join", "kill"]
+    at: Annotated[int, Field(ge=0)]
+
+
+def parse_injections(text: str) -> list[Injection]:
+    """`"evict@100,join@150,kill@200"` as injections, in iteration order.
+
+    Raises:
+        UserError: a malformed item (named, with the expected form).
+    """
+    out = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        m = _INJECTION.match(item)
+        if m is None:
+            raise UserError(
+                f"--inject: {item!r} is not KIND@ITERATION with KIND one of evict, join, kill "
+                f"(e.g. 'evict@100,join@150,kill@200')"
+            )
+        out.append(Injection(kind=m.group(1), at=int(m.group(2))))
+    return sorted(out, key=lambda i: i.at)
+
+
+class TrainPlan(BaseModel):
+    """What `train_locally` runs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    code: str
+    nodes: Annotated[int, Field(ge=1, le=64)] = 4  # transient nodes at the start
+    reliable: Annotated[int, Field(ge=1, le=16)] = 1
+    iterations: Annotated[int, Field(ge=1)] = 300
+    global_batch: Annotated[int, Field(ge=1)] = 256
+    seed: int = 0
+    injections: tuple[Injection, ...] = ()
+    slack: Annotated[int, Field(ge=0, le=100)] = 0
+
+
+@dataclass
+class TrainResult:
+    """What a local run produced."""
+
+    model: nn.Module
+    iterations: int
+    final_loss: float | None
+    seconds_per_iteration: float | None
+    events: list[dict[str, Any]]
+    losses: list[tuple[int, float]]  # (iteration, mean loss of the nodes that computed it)
+    evaluation: dict[str, float] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a run is: the furthest iteration done, its loss, the recent time per iteration."""
+
+    iteration: int
+    total: int
+    loss: float | None
+    seconds_per_iteration: float | None
+
+
+def check_plan(plan: TrainPlan) -> None:
+    """Refuse, before any process starts, what cannot run (as UserError/JobCodeError)."""
+    joins = sum(1 for i in plan.injections if i.kind == "join")
+    workers = plan.nodes + plan.reliable + joins
+    if plan.global_batch < workers:
+        raise UserError(
+            f"--global-batch {plan.global_batch} is smaller than the {workers} nodes that "
+            f"would share it. To fix: use a global batch of at least {workers}."
+        )
+    late = [i for i in plan.injections if i.at >= plan.iterations]
+    if late:
+        raise UserError(
+            f"--inject {late[0].kind}@{late[0].at}: the job has only {plan.iterations} "
+            f"iterations. To fix: inject at an iteration below {plan.iterations}."
+        )
+    leaving = sum(1 for i in plan.injections if i.kind in ("evict", "kill"))
+    if leaving > plan.nodes + joins - 1:
+        raise UserError(
+            f"--inject takes away {leaving} transient nodes of {plan.nodes + joins}; at least "
+            f"one must stay. To fix: start more with --nodes."
+        )
+    check_job_code(load_job_code(plan.code), global_batch=plan.global_batch, seed=plan.seed)
+
+
+def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
+    """The runtime's spec for a plan."""
+    total = PartitionLayout(seeded_model(load_job_code(plan.code), plan.seed), 1).total
+    partitions = max(1, min(MAX_PARTITIONS, 2 * (plan.nodes + plan.reliable), total))
+    return TrainingSpec(
+        job_id=job_id,
+        code=str(Path(plan.code).resolve()),
+        global_batch=plan.global_batch,
+        iterations=plan.iterations,
+        seed=plan.seed,
+        slack=plan.slack,
+        num_partitions=partitions,
+        min_nodes=plan.nodes + plan.reliable,
+        heartbeat_s=0.1,
+        failure_timeout_s=2.0,
+    )
+
+
+def train_locally(
+    plan: TrainPlan,
+    *,
+    on_progress: Callable[[Progress], None] | None = None,
+    log_dir: Path | None = None,
+) -> TrainResult:
+    """Run the plan (see the module docstring); every process is gone on return.
+
+    Raises:
+        UserError / JobCodeError: the plan or the job's code cannot run (nothing started).
+        AgileMLError: the run failed (a node crashed, the job was aborted, or no progress).
+    """
+    check_plan(plan)
+    spec = train_spec(plan)
+    started = time.monotonic()
+    with (
+        tempfile.TemporaryDirectory(prefix="orchestrator-train-") as tmp,
+        LocalJob(spec, log_dir=log_dir or Path(tmp)) as job,
+    ):
+        for i in range(plan.reliable):
+            job.add_node(f"r{i}", NodeTier.RELIABLE)
+        transient = [f"t{i}" for i in range(plan.nodes)]
+        for node_id in transient:
+            job.add_node(node_id, NodeTier.TRANSIENT)
+        events = _drive(job, plan, transient, on_progress)
+        params, outcomes = job.finish(_finish_timeout(plan))
+    parts = training_parts(spec)
+    model = parts.model_with(params)
+    losses = _mean_losses(outcomes)
+    result = TrainResult(
+        model=model,
+        iterations=plan.iterations,
+        final_loss=losses[-1][1] if losses else None,
+        seconds_per_iteration=_steady_seconds(outcomes, plan, events),
+        events=events + [_event(e) for e in job.events()],
+        losses=losses,
+        wall_seconds=time.monotonic() - started,
+    )
+    if parts.code is not None and parts.code.evaluate is not None:
+        model.eval()
+        with torch.no_grad():
+            result.evaluation = {k: float(v) for k, v in parts.code.evaluate(model).items()}
+    return result
+
+
+def _drive(
+    job: LocalJob,
+    plan: TrainPlan,
+    transient: list[str],
+    on_progress: Callable[[Progress], None] | None,
+) -> list[dict[str, Any]]:
+    """Wait for the job to finish its iterations, injecting faults on the way."""
+    pending = list(plan.injections)
+    alive = list(transient)
+    joined = 0
+    injected: list[dict[str, Any]] = []
+    deadline = time.monotonic() + _finish_timeout(plan)
+    recent: list[tuple[int, float]] = []
+    while not job.coordinator.wait_done(0.1):
+        crashed = job.crashed()
+        if crashed:
+            node_id, tail = next(iter(crashed.items()))
+            raise AgileMLError(f"node {node_id} crashed; the end of its log:\n{tail}")
+        if time.monotonic() > deadline:
+            raise AgileMLError(f"no finish within {_finish_timeout(plan):.0f} s: {job.events()}")
+        clock = job.max_clock()
+        joined_nodes = {n for e in job.events() if e.kind == "joined" for n in e.nodes}
+        waiting = [n for n in alive if n.startswith("j") and n not in joined_nodes]
+        while pending and clock >= pending[0].at:
+            if waiting and pending[0].kind != "join":
+                break  # a node takes away only once the joiner computes: every fault happens
+            injection = pending.pop(0)
+            if injection.kind == "join":
+                joined += 1
+                node_id = f"j{joined}"
+                job.add_node(node_id, NodeTier.TRANSIENT)
+                alive.append(node_id)
+                waiting.append(node_id)
+            else:
+                node_id = _victim(job, alive, clock)
+                alive.remove(node_id)
+                if injection.kind == "evict":
+                    job.evict(node_id)
+                else:
+                    job.kill(node_id)
+            injected.append(
+                {"iteration": clock, "kind": f"injected_{injection.kind}", "node": node_id}
+            )
+        if on_progress is not None:
+            recent = (recent + [(clock, time.monotonic())])[-50:]
+            on_progress(_progress(job, plan, recent))
+    if job.coordinator.error is not None:
+        raise AgileMLError(f"the job was aborted: {job.coordinator.error}")
+    for injection in pending:
+        why = "a joining node was not computing yet" if waiting else "the job ended first"
+        injected.append(
+            {"iteration": injection.at, "kind": f"skipped_{injection.kind}", "reason": why}
+        )
+    return injected
+
+
+def _victim(job: LocalJob, alive: list[str], clock: int) -> str:
+    """The newest transient node that computes at `clock` (else the newest one alive)."""
+    roster = job.coordinator.view().roster
+    members = set(roster.members(clock)) if roster is not None else set()
+    computing = [n for n in alive if n in members]
+    return (computing or alive)[-1]
+
+
+def _progress(job: LocalJob, plan: TrainPlan, recent: list[tuple[int, float]]) -> Progress:
+    clock = max(job.max_clock(), -1)
+    losses = job.coordinator.node_losses()
+    latest = [ls[-1] for ls in losses.values() if ls]
+    loss = None
+    if latest:
+        top = max(c for c, _ in latest)
+        values = [v for c, v in latest if c == top and math.isfinite(v)]
+        loss = sum(values) / len(values) if values else None
+    rate = None
+    if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
+        rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+    return Progress(clock + 1, plan.iterations, loss, rate)
+
+
+def _finish_timeout(plan: TrainPlan) -> float:
+    return 120.0 + 5.0 * plan.iterations
+
+
+def _mean_losses(outcomes: dict[str, NodeOutcome]) -> list[tuple[int, float]]:
+    by_clock: dict[int, list[float]] = {}
+    for outcome in outcomes.values():
+        for clock, loss in outcome.losses:
+            if math.isfinite(loss):
+                by_clock.setdefault(clock, []).append(loss)
+    return [(c, sum(v) / len(v)) for c, v in sorted(by_clock.items())]
+
+
+def _steady_seconds(
+    outcomes: dict[str, NodeOutcome], plan: TrainPlan, injected: list[dict[str, Any]]
+) -> float | None:
+    """The median time between consecutive iterations' completion (the last node's), not
+    counting the first iterations or those next to an injection."""
+    done: dict[int, float] = {}
+    for outcome in outcomes.values():
+        for clock, at in outcome.ends:
+            done[clock] = max(done.get(clock, at), at)
+    near = {e["iteration"] + d for e in injected for d in range(-NEAR_EVENT, NEAR_EVENT + 1)}
+    gaps = [
+        done[c] - done[c - 1]
+        for c in range(WARMUP_ITERATIONS, plan.iterations)
+        if c in done and c - 1 in done and c not in near
+    ]
+    return statistics.median(gaps) if gaps else None
+
+
+def _event(e: Any) -> dict[str, Any]:
+    return {"at_s": round(e.at_s, 3), "kind": e.kind, "nodes": list(e.nodes), "detail": e.detail}
+
+
+def save_outputs(result: TrainResult, out: Path) -> None:
+    """Write `out/model.safetensors` (the model's full state_dict) and `out/summary.json`."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in result.model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"))
+    summary = {
+        "iterations": result.iterations,
+        "final_loss": result.final_loss,
+        "seconds_per_iteration": result.seconds_per_iteration,
+        "wall_seconds": round(result.wall_seconds, 2),
+        "evaluation": result.evaluation,
+        "events": result.events,
+        "losses": [[c, round(v, 6)] for c, v in result.losses],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,122 @@
+"""The `train` command: the user's job on local processes through the real AgileML runtime
+(`orchestrator.agileml.trainrun`), with injected evictions, joins and kills, and the weights
+written back. Exit codes: 0 trained; 1 the run failed (a node crashed, the job was aborted);
+2 bad input (no such file, a broken job module, --global-batch below the nodes, a malformed
+--inject), printed as one `error:` line without a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from orchestrator.cli.app import app as cli_app
+from orchestrator.cli.app import err, out, validation_to_user_error
+from orchestrator.errors import UserError
+
+
+@cli_app.command("train")
+def train_command(
+    job: Annotated[Path, typer.Argument(help="JOB.py, or a directory with job.py.")],
+    nodes: Annotated[int, typer.Option("--nodes", help="Transient (spot) nodes.", min=1)] = 4,
+    reliable: Annotated[
+        int, typer.Option("--reliable", help="Reliable (on-demand) nodes.", min=1)
+    ] = 1,
+    iterations: Annotated[int, typer.Option("--iterations", help="Iterations.", min=1)] = 300,
+    global_batch: Annotated[
+        int, typer.Option("--global-batch", help="Rows per iteration, over all nodes.", min=1)
+    ] = 256,
+    seed: Annotated[int, typer.Option("--seed", help="Initial model and batch order.")] = 0,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", help="Write DIR/model.safetensors and DIR/summary.json."),
+    ] = None,
+    inject: Annotated[
+        str,
+        typer.Option(
+            "--inject",
+            help="Faults at iterations: evict@N (spot notice), join@N (a new node), kill@N "
+            "(SIGKILL), comma-separated, e.g. evict@100,join@150,kill@200.",
+        ),
+    ] = "",
+) -> None:
+    """Train JOB.py on local processes, like torchrun --standalone for a spot job."""
+    from orchestrator.agileml.errors import AgileMLError
+    from orchestrator.agileml.trainrun import (
+        TrainPlan,
+        check_plan,
+        parse_injections,
+        save_outputs,
+        train_locally,
+    )
+
+    if not job.exists():
+        raise UserError(f"job file {job} does not exist", field="JOB")
+    try:
+        plan = TrainPlan(
+            code=str(job),
+            nodes=nodes,
+            reliable=reliable,
+            iterations=iterations,
+            global_batch=global_batch,
+            seed=seed,
+            injections=tuple(parse_injections(inject)),
+        )
+    except ValidationError as exc:
+        raise validation_to_user_error(exc) from None
+    check_plan(plan)
+    logging.getLogger("orchestrator").setLevel(logging.ERROR)  # the bar shows the progress
+    log_dir = out_dir / "logs" if out_dir is not None else None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    columns = (
+        TextColumn("[bold]training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}  {task.fields[rate]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task("train", total=iterations, loss="-", rate="")
+
+        def show(p: object) -> None:
+            loss = getattr(p, "loss", None)
+            rate = getattr(p, "seconds_per_iteration", None)
+            bar.update(
+                task,
+                completed=getattr(p, "iteration", 0),
+                loss=f"{loss:.4f}" if loss is not None else "-",
+                rate=f"{rate:.3f} s/it" if rate else "",
+            )
+
+        try:
+            result = train_locally(plan, on_progress=show, log_dir=log_dir)
+        except AgileMLError as exc:
+            err.print(f"[bold red]error:[/bold red] training failed: {exc}", highlight=False)
+            raise typer.Exit(1) from exc
+        bar.update(task, completed=iterations)
+    per_it = result.seconds_per_iteration
+    out.print(
+        f"trained {result.iterations} iterations in {result.wall_seconds:.1f} s; final loss "
+        f"{result.final_loss:.4f}; {per_it:.3f} s per steady iteration"
+        if result.final_loss is not None and per_it is not None
+        else f"trained {result.iterations} iterations in {result.wall_seconds:.1f} s"
+    )
+    for name, value in result.evaluation.items():
+        out.print(f"evaluate: {name} = {value:.4f}")
+    for e in result.events:
+        kind = str(e.get("kind", ""))
+        if kind.startswith("injected_"):
+            what = kind.removeprefix("injected_")
+            out.print(f"  {what} {e['node']} at iteration {e['iteration']}")
+        elif kind.startswith("skipped_"):
+            what = kind.removeprefix("skipped_")
+            err.print(f"[yellow]warning:[/yellow] {what}@{e['iteration']} not done: {e['reason']}")
+    if out_dir is not None:
+        save_outputs(result, out_dir)
+        out.print(f"wrote {out_dir / 'model.safetensors'} and {out_dir / 'summary.json'}")
