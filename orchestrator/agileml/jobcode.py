@@ -142,6 +142,12 @@ class JobCheck:
     optimizer: str
 
 
+def uses_batch_statistics(model: nn.Module) -> bool:
+    """Whether a layer's output depends on the batch it is computed in (BatchNorm): then a
+    share may not be split into chunks (FlexRR) without changing the gradient."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def seeded_model(code: JobCode, seed: int) -> nn.Module:
     """`code.model()` under `torch.manual_seed(seed)`; the global RNG is left as it was.
 

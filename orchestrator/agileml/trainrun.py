@@ -31,11 +31,17 @@ from torch import nn
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.jobcode import check_job_code, load_job_code, seeded_model
+from orchestrator.agileml.jobcode import (
+    check_job_code,
+    load_job_code,
+    seeded_model,
+    uses_batch_statistics,
+)
 from orchestrator.agileml.local import LocalJob, NodeOutcome
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.parts import training_parts
 from orchestrator.errors import UserError
+from orchestrator.straggler.spec import StragglerSpec
 
 WARMUP_ITERATIONS = 5  # not counted in the time per iteration
 NEAR_EVENT = 2  # iterations on either side of an injection not counted either
@@ -137,7 +143,8 @@ def check_plan(plan: TrainPlan) -> None:
 
 def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
     """The runtime's spec for a plan."""
-    total = PartitionLayout(seeded_model(load_job_code(plan.code), plan.seed), 1).total
+    model = seeded_model(load_job_code(plan.code), plan.seed)
+    total = PartitionLayout(model, 1).total
     partitions = max(1, min(MAX_PARTITIONS, 2 * (plan.nodes + plan.reliable), total))
     return TrainingSpec(
         job_id=job_id,
@@ -150,6 +157,9 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         min_nodes=plan.nodes + plan.reliable,
         heartbeat_s=0.1,
         failure_timeout_s=2.0,
+        # FlexRR computes a share in chunks: exact for a sum of per-row gradients, not with
+        # BatchNorm's per-batch statistics
+        straggler=StragglerSpec(flexrr=not uses_batch_statistics(model)),
     )
 
 

@@ -1,0 +1,108 @@
+"""The test of record for users' own jobs: real node processes train a job file through an
+eviction with notice, a join and a SIGKILL, and end with the weights of a single-process
+PyTorch loop over the same global batches; `orchestrator train` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from orchestrator.agileml.jobcode import load_job_code
+from orchestrator.agileml.reference import relative_error, train_reference
+from orchestrator.agileml.trainrun import TrainPlan, parse_injections, train_locally
+
+JOBS = Path(__file__).parents[2] / "support" / "jobs"
+ITERATIONS = 120
+GLOBAL_BATCH = 64
+FAULTS = "evict@10,join@20,kill@50"  # the kill waits until the joiner computes
+PAUSE_S = "0.05"  # per loss call: gives the joining process time to start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["digits_sgd.py", "digits_adamw.py"])
+def test_weights_through_evict_join_and_kill_equal_a_single_process_loop(
+    job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = JOBS / job
+    monkeypatch.setenv("ORCHESTRATOR_TEST_JOB_PAUSE_S", PAUSE_S)
+    plan = TrainPlan(
+        code=str(path),
+        nodes=3,
+        reliable=1,
+        iterations=ITERATIONS,
+        global_batch=GLOBAL_BATCH,
+        injections=tuple(parse_injections(FAULTS)),
+    )
+    result = train_locally(plan)
+    monkeypatch.delenv("ORCHESTRATOR_TEST_JOB_PAUSE_S")
+    kinds = [e["kind"] for e in result.events]
+    assert [k for k in kinds if k.startswith(("injected_", "skipped_"))] == [
+        "injected_evict",
+        "injected_join",
+        "injected_kill",
+    ], result.events
+    assert {"evicted", "joined"} <= set(kinds), result.events
+    assert {"failed", "rolled_back"} & set(kinds), result.events  # the kill, with or without partitions
+    expected, losses = train_reference(
+        load_job_code(path), iterations=ITERATIONS, global_batch=GLOBAL_BATCH
+    )
+    assert relative_error(result.model, expected) <= 1e-5
+    assert result.final_loss is not None and result.final_loss < losses[0] / 2
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "orchestrator", "train", *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_train_cli_writes_weights_that_load_into_the_users_model(tmp_path: Path) -> None:
+    """A job directory with a helper module, BatchNorm, RMSprop + OneCycleLR, an evaluate hook."""
+    out = tmp_path / "out"
+    run = _cli(
+        str(JOBS / "bn_rmsprop"),
+        "--nodes", "3", "--iterations", "100", "--global-batch", "64",
+        "--inject", "evict@30", "--out", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "evict t2 at iteration" in run.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 100 and summary["seconds_per_iteration"] > 0
+    assert summary["final_loss"] < 0.5
+    assert summary["evaluation"]["held_out_accuracy"] >= 0.9
+    sys.path.insert(0, str(JOBS / "bn_rmsprop"))
+    try:
+        job = load_job_code(JOBS / "bn_rmsprop")
+        model = job.model()
+        weights = load_file(str(out / "model.safetensors"))
+        assert sorted(weights) == sorted(model.state_dict())
+        model.load_state_dict(weights)
+        assert int(weights["1.num_batches_tracked"]) == 100  # buffers came back too
+        assert not torch.equal(weights["1.running_mean"], torch.zeros(32))
+    finally:
+        sys.path.remove(str(JOBS / "bn_rmsprop"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nosuch.py"], "job file nosuch.py does not exist"),
+        ([str(JOBS / "digits_sgd.py"), "--global-batch", "3"], "--global-batch 3 is smaller"),
+        ([str(JOBS / "digits_sgd.py"), "--inject", "evict@"], "--inject: 'evict@' is not"),
+    ],
+)
+def test_train_cli_refuses_bad_input_with_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    run = _cli(*args, cwd=tmp_path)
+    assert run.returncode == 2
+    assert message in run.stderr and "Traceback" not in run.stderr
+    assert os.listdir(tmp_path) == []  # nothing written
