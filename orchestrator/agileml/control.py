@@ -72,6 +72,14 @@ class TrainingSpec(BaseModel):
     horizon_clocks: Annotated[int, Field(ge=2, le=10_000)] = 8
     # FlexRR (RapidReassignment between workers); `{"flexrr": false}` turns it off
     straggler: StragglerSpec = StragglerSpec()
+    # checkpoints (see `checkpoints`): written under `checkpoint_dir` (a directory the reliable
+    # nodes and the elasticity controller share) every `checkpoint_every` iterations and every
+    # `checkpoint_every_s` seconds (0: not by that measure); `resume_from` a checkpoint to start
+    # from instead of the initial model
+    checkpoint_dir: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    checkpoint_every: Annotated[int, Field(ge=0)] = 0
+    checkpoint_every_s: Annotated[float, Field(ge=0)] = 0.0
+    resume_from: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
 
     @model_validator(mode="after")
     def _timeouts(self) -> TrainingSpec:

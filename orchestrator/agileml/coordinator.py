@@ -41,7 +41,7 @@ import torch
 import zmq
 from pydantic import ValidationError
 
-from orchestrator.agileml import wire
+from orchestrator.agileml import checkpoints, wire
 from orchestrator.agileml.control import (
     ControlClient,
     ControlError,
@@ -71,11 +71,14 @@ from orchestrator.agileml.errors import AgileMLError, NoReliableNodeError, WireE
 from orchestrator.agileml.partitions import PartitionTable
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.server_calls import (
+    NodeCall,
+    advance_backups,
     configure_all,
     pull_partitions,
     rebalance,
     roll_back,
     start_nodes,
+    take_checkpoint,
     unfinished_clocks,
 )
 from orchestrator.agileml.wire import MessageKind
@@ -147,7 +150,15 @@ class Coordinator:
         self._stage_transitions = 0
         self._error: str | None = None
         self._table = PartitionTable(spec.num_partitions)
-        self._horizon = spec.horizon_clocks
+        # a resumed job starts past its checkpoint's clock
+        resumed = checkpoints.read_manifest(spec.resume_from) if spec.resume_from else None
+        self._start_clock = int(str(resumed["clock"])) + 1 if resumed is not None else 0
+        self._horizon = self._start_clock + spec.horizon_clocks
+        # BackupPSs apply no clock past it (see advance_backups)
+        self._backup_ceiling = self._start_clock - 1
+        self._checkpoints = checkpoints.CheckpointSchedule(
+            spec.checkpoint_every, spec.checkpoint_every_s, self._backup_ceiling, now()
+        )
         self._events: list[CoordinatorEvent] = []
         self._queue: queue.Queue[tuple[str, str]] = queue.Queue()
         self._stop = threading.Event()
@@ -392,12 +403,21 @@ class Coordinator:
             table=self._table,
             backups=backups,
             endpoints=endpoints,
-            common={"horizon": self._horizon, "slack": self.spec.slack, "roster": dump(roster)},
+            common={
+                "horizon": self._horizon,
+                "slack": self.spec.slack,
+                "roster": dump(roster),
+                "backup_ceiling": self._backup_ceiling,
+            },  # fmt: skip
         )
         for n in nodes:
             self._move(n.node_id, NodeState.ACTIVE)
         self._publish(
-            epoch=1, restart_clock=0, stage=int(plan.stage), roster=roster, backups=backups
+            epoch=1,
+            restart_clock=self._start_clock,
+            stage=int(plan.stage),
+            roster=roster,
+            backups=backups,
         )
         self._record("started", [n.node_id for n in nodes], f"stage {int(plan.stage)}")
 
@@ -431,7 +451,32 @@ class Coordinator:
         with self._lock:
             live = [n for n in serving if self._nodes[n].last_seen_s >= fresh]
         body = {"op": "configure", "horizon": ahead, "slack": self.spec.slack}
-        configure_all(functools.partial(self._call, client), live, body)
+        call = functools.partial(self._call, client)
+        configure_all(call, live, body)
+        endpoints = self._endpoints()
+        backups = sorted({n for n, e in endpoints.items() if e in self.view().backups.values()})
+        if backups and set(backups) <= set(live):
+            self._backup_ceiling = advance_backups(call, backups, self._backup_ceiling)
+            self._checkpoint(call, backups)
+
+    def _checkpoint(self, call: NodeCall, backups: list[str]) -> None:
+        """Write a checkpoint at the BackupPSs' ceiling when one is due (and every partition
+        has a BackupPS: in stage 1 there is none)."""
+        spec, clock = self.spec, self._backup_ceiling
+        if spec.checkpoint_dir is None or not self._checkpoints.due(clock, self._now()):
+            return
+        if len(self.view().backups) < spec.num_partitions:
+            return
+        try:
+            take_checkpoint(
+                call, backups, root=spec.checkpoint_dir, clock=clock, job_id=spec.job_id,
+                num_partitions=spec.num_partitions,
+            )  # fmt: skip
+        except AgileMLError as exc:
+            log.warning("checkpoint failed", extra={"clock": clock, "error": str(exc)})
+            return
+        self._checkpoints.taken(clock, self._now())
+        self._record("checkpointed", [], f"clock {clock}")
 
     def _schedule(
         self, client: ControlClient, plan: RolePlan, change: Callable[[Roster, int], Roster]

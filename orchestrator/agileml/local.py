@@ -54,6 +54,7 @@ class LocalJob:
         self.coordinator = Coordinator(spec, token=self._token)
         self._procs: dict[str, subprocess.Popen[str]] = {}
         self._killed: set[str] = set()
+        self._held: set[str] = set()  # started, not released yet
         self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="agileml-"))
 
     def __enter__(self) -> LocalJob:
@@ -63,8 +64,12 @@ class LocalJob:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def add_node(self, node_id: str, tier: NodeTier) -> None:
-        """Start a node process; it joins, loads its data and says ready on its own."""
+    def add_node(self, node_id: str, tier: NodeTier, *, held: bool = False) -> None:
+        """Start a node process; it joins, loads its data and says ready on its own.
+
+        `held`: the process starts (imports, the job's module) but joins only on `release`,
+        so that a join happens when it is asked for, not a process start-up later.
+        """
         env = {**os.environ, AGILEML_TOKEN_ENV: self._token.hex()}
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [
@@ -72,10 +77,26 @@ class LocalJob:
             "--node-id", node_id, "--job-id", self.spec.job_id, "--tier", tier.value,
             "--controller", self.coordinator.endpoint,
         ]  # fmt: skip
-        stderr = (self._log_dir / f"{node_id}.log").open("w")
-        self._procs[node_id] = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
-        )
+        if held:
+            self._held.add(node_id)
+            cmd += ["--hold"] + (["--preload", self.spec.code] if self.spec.code else [])
+        with (self._log_dir / f"{node_id}.log").open("w") as stderr:
+            self._procs[node_id] = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE if held else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=env,
+            )
+
+    def release(self, node_id: str) -> None:
+        """Let a held node join."""
+        self._held.discard(node_id)
+        stdin = self._procs[node_id].stdin
+        if stdin is not None:
+            stdin.write("join\n")
+            stdin.flush()
 
     def evict(self, node_id: str) -> None:
         """The eviction notice: the node finishes its clocks, hands off, and leaves."""
@@ -147,8 +168,9 @@ class LocalJob:
                 proc.kill()
                 stdout, _ = proc.communicate()
             lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("{")]
-            if node_id in self._killed or not lines:
+            if node_id in self._killed or node_id in self._held or not lines:
                 ended = "killed" if node_id in self._killed else "crashed"
+                ended = "never released" if node_id in self._held else ended
                 out[node_id] = NodeOutcome(node_id, ended, [], [], {}, {})
                 continue
             data = json.loads(lines[-1])

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.agileml import checkpoints
 from orchestrator.agileml.control import (
     ControlClient,
     ControlError,
@@ -42,6 +43,7 @@ from orchestrator.agileml.control import (
 )
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, WorkerError
+from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.peers import PeerLink
@@ -99,6 +101,8 @@ class AgileMLNode:
         self._spec: TrainingSpec | None = None
         self._layout: PartitionLayout | None = None
         self._initial: list[Any] = []
+        self._rule_states: list[bytes] = []  # resuming a checkpoint: each partition's
+        self._resumed_clock: int | None = None  # optimizer state, and the clock it is at
         self._server: ParamServer | None = None
         self._leaving = threading.Event()
         self._stop = threading.Event()
@@ -143,9 +147,7 @@ class AgileMLNode:
         try:
             spec = self._join(client, server)
             spec_worker = self._load(spec)
-            reply = self._send(client, Ready())
-            if reply is None:
-                raise ControlError(self._controller, "no answer to `ready`")
+            self._ready(client)
             beat = threading.Thread(
                 target=self._heartbeats, args=(spec,), name=f"hb-{self.node_id}", daemon=True
             )
@@ -183,11 +185,27 @@ class AgileMLNode:
             self._view = reply.view
         return reply.spec
 
+    def _ready(self, client: ControlClient) -> None:
+        """Say `ready` until the controller answers (a busy controller may miss one call; a
+        repeated `ready` is ignored).
+
+        Raises:
+            ControlError: no answer within JOIN_TIMEOUT_SECONDS.
+        """
+        deadline = time.monotonic() + JOIN_TIMEOUT_SECONDS
+        while self._send(client, Ready()) is None:
+            if time.monotonic() > deadline or self._stop.is_set():
+                raise ControlError(self._controller, "no answer to `ready`")
+
     def _load(self, spec: TrainingSpec) -> Worker:
         parts = training_parts(spec)
         if self._server is not None:
             self._server.set_update_rules(parts.rules)
         self._initial = parts.layout.gather(parts.initial_model)
+        if spec.resume_from is not None:
+            resumed = checkpoints.read(spec.resume_from, spec.num_partitions)
+            self._initial, self._rule_states = resumed.values, resumed.rule_states
+            self._resumed_clock = resumed.clock
         self._layout = parts.layout
         self._worker = Worker(
             WorkerSpec(self.node_id, spec.job_id, spec.global_batch, spec.slack, seed=spec.seed),
@@ -366,11 +384,15 @@ class AgileMLNode:
             if "backups" in body:
                 server.set_backups({int(p): e for p, e in body["backups"].items()})
             for p, version in body.get("init_own", {}).items():
-                server.add_partition(int(p), self._initial[int(p)], version=int(version))
+                server.add_partition(
+                    int(p), self._initial[int(p)], version=int(version), **self._resumed(int(p))
+                )
             for p in body.get("init_backup", []):
-                server.add_backup(int(p), self._initial[int(p)])
+                server.add_backup(int(p), self._initial[int(p)], **self._resumed(int(p)))
             if "roster" in body:
                 server.set_roster(Roster.model_validate(body["roster"]))
+            if "backup_ceiling" in body:
+                server.set_backup_ceiling(int(body["backup_ceiling"]))
             return {}
         if op == "handoff":
             versions = {}
@@ -380,13 +402,29 @@ class AgileMLNode:
         if op == "restore":
             owners = {int(p): e for p, e in body["owners"].items()}
             versions = {int(p): int(v) for p, v in body["versions"].items()}
-            restored = server.restore_owners(int(body["epoch"]), owners, versions)
+            clock = body.get("clock")
+            restored = server.restore_owners(
+                int(body["epoch"]), owners, versions, clock=None if clock is None else int(clock)
+            )
             return {"restored": {p: list(cv) for p, cv in restored.items()}}
         if op == "status":
             return {"owned": server.owned(), "backed": server.backed()}
+        if op == "checkpoint":
+            clock = int(body["clock"])
+            for p, (values, state) in server.backup_states(clock).items():
+                checkpoints.write_part(body["dir"], p, clock=clock, values=values, rule_state=state)
+            return {"written": server.backed()}
+        if op == "backup_progress":
+            return {"backups": {p: list(ac) for p, ac in server.backup_progress().items()}}
         if op == "progress":
             return {"progress": server.worker_progress(str(body["worker"]))}
         raise AgileMLError(f"unknown control op {op!r}")
+
+    def _resumed(self, p: int) -> dict[str, Any]:
+        """Partition p's optimizer state and clock when the job resumes a checkpoint."""
+        if self._resumed_clock is None:
+            return {}
+        return {"rule_state": self._rule_states[p], "clock": self._resumed_clock}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tier", choices=[t.value for t in NodeTier], required=True)
     parser.add_argument("--controller", required=True, help="tcp://host:port of the controller")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve partitions on")
+    parser.add_argument("--hold", action="store_true", help="join once a line is on stdin")
+    parser.add_argument("--preload", help="the job's code, imported while held")
     args = parser.parse_args(argv)
     try:
         token = token_from_env()
@@ -412,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
         token=token,
         host=args.host,
     )
+    if args.hold:
+        if args.preload:
+            load_job_code(args.preload)  # a module's imports are the slow part of a join
+        if not sys.stdin.readline():
+            return 0  # released by nobody: the job ended first
     signal.signal(signal.SIGUSR1, lambda *_: node.leave())  # the eviction notice
     signal.signal(signal.SIGTERM, lambda *_: node.stop())
     result = node.run()

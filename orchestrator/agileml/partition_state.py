@@ -8,6 +8,10 @@ see `updates`), once, in clock order. `consistent_clock` is the highest clock up
 are. A partition travels whole between servers as a `PartitionSnapshot` (values, the sums of
 incomplete clocks, applied set, the rule's state, ownership version, updates not yet streamed
 to its BackupPS).
+
+A BackupPS's store may hold clocks back (`set_ceiling`): it sums them but applies none past
+the ceiling, so that a roll-back can restore every partition at one common clock
+(`rewind_to`): the state of a single-process run at that clock, whatever each partition's lag.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class PartitionStore:
         self._parts: dict[int, _Partition] = {}
         self._given_away: dict[int, int] = {}  # partition -> the version its new owner holds
         self.roster: Roster | None = None
+        self.ceiling: int | None = None  # no clock past it is applied (None: no limit)
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -102,12 +107,43 @@ class PartitionStore:
         """Use `rules` for the partitions added or imported from now on."""
         self._rules = rules
 
-    def add(self, p: int, values: torch.Tensor, *, version: int = 0) -> None:
-        """Take ownership of partition p with these values (copied to a float32 vector) and a
-        fresh update rule."""
+    def add(
+        self,
+        p: int,
+        values: torch.Tensor,
+        *,
+        version: int = 0,
+        rule_state: bytes = b"",
+        clock: int = -1,
+    ) -> None:
+        """Take ownership of partition p with these values (copied to a float32 vector) and an
+        update rule, fresh or in `rule_state`; every clock up to `clock` counts as applied (a
+        resumed checkpoint's).
+
+        Raises:
+            PartitionError: `rule_state` does not fit the partition's rule.
+        """
         copy = values.detach().reshape(-1).to(torch.float32).clone()
-        self._parts[p] = _Partition(copy, self._rules(p, copy), version=version)
+        rule = self._rules(p, copy)
+        try:
+            rule.load_state(rule_state)
+        except AgileMLError as exc:
+            raise PartitionError(str(exc), partition=p) from exc
+        self._parts[p] = _Partition(copy, rule, version=version, consistent=clock)
         self._given_away.pop(p, None)
+
+    def state_at(self, p: int, clock: int) -> tuple[torch.Tensor, bytes]:
+        """Partition p's values (a copy) and its rule's state, as of `clock`.
+
+        Raises:
+            PartitionError: p is not held here or is not at `clock` (see `set_ceiling`).
+        """
+        part = self._get(p)
+        if part.consistent != clock:
+            raise PartitionError(
+                f"partition {p} is at clock {part.consistent}, not {clock}", partition=p
+            )
+        return part.values.clone(), part.rule.state()
 
     def set_roster(self, roster: Roster) -> None:
         """Adopt `roster`; partitions whose next clocks are now complete advance.
@@ -360,6 +396,47 @@ class PartitionStore:
         """Forget partition p's unstreamed updates (its BackupPS already has its whole state)."""
         self._get(p).pending.clear()
 
+    def set_ceiling(self, clock: int) -> None:
+        """Apply no clock past `clock` from now on (raised, never lowered); the clocks up to
+        it that are complete are applied now."""
+        self.ceiling = clock if self.ceiling is None else max(self.ceiling, clock)
+        for part in self._parts.values():
+            self._advance(part)
+
+    def complete_through(self, p: int) -> int:
+        """The highest clock c such that every clock up to c is complete at partition p,
+        applied or held back. Raises PartitionError."""
+        part = self._get(p)
+        clock = part.consistent
+        roster = self.roster
+        if roster is None:
+            return clock
+        while True:
+            members = roster.members(clock + 1)
+            if not members or any((w, clock + 1) not in part.applied for w in members):
+                return clock
+            clock += 1
+
+    def rewind_to(self, p: int, clock: int) -> None:
+        """Make partition p hold exactly the clocks up to `clock`: apply the held-back ones up
+        to it and forget every push past it (they will be pushed again).
+
+        Raises:
+            PartitionError: p is not held here, already has a clock past `clock` applied, or
+                lacks a push of a clock up to it; nothing changed.
+        """
+        part = self._get(p)
+        if part.consistent > clock or self.complete_through(p) < clock:
+            raise PartitionError(
+                f"cannot rewind to clock {clock}: applied through {part.consistent}, complete "
+                f"through {self.complete_through(p)}",
+                partition=p,
+            )
+        self._advance(part, limit=clock)
+        part.applied = {(w, c) for w, c in part.applied if c <= clock}
+        part.accum = {c: a for c, a in part.accum.items() if c <= clock}
+        part.pending.clear()
+
     def consistent_clock(self, p: int) -> int | None:
         """The highest c such that every roster member's pushes 0..c to p are applied.
 
@@ -390,12 +467,14 @@ class PartitionStore:
         else:
             total += delta
 
-    def _advance(self, part: _Partition) -> None:
-        """Apply every clock that is now complete, in order."""
+    def _advance(self, part: _Partition, limit: int | None = None) -> None:
+        """Apply every clock that is now complete, in order, up to `limit` (default: the
+        ceiling)."""
         roster = self.roster
         if roster is None:
             return
-        while True:
+        limit = self.ceiling if limit is None else limit
+        while limit is None or part.consistent < limit:
             members = roster.members(part.consistent + 1)
             if not members or any((w, part.consistent + 1) not in part.applied for w in members):
                 break

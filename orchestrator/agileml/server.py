@@ -145,16 +145,36 @@ class ParamServer(ServerLoop):
             self._store.set_rules(rules)
             self._backup.set_rules(rules)
 
-    def add_partition(self, p: int, values: torch.Tensor, *, version: int = 0) -> None:
-        """Take ownership of partition p with the given initial values and ownership version."""
+    def add_partition(
+        self,
+        p: int,
+        values: torch.Tensor,
+        *,
+        version: int = 0,
+        rule_state: bytes = b"",
+        clock: int = -1,
+    ) -> None:
+        """Take ownership of partition p with the given initial values and ownership version
+        (and, resuming a checkpoint, its optimizer state and clock)."""
         with self._lock:
-            self._store.add(p, values, version=version)
+            self._store.add(p, values, version=version, rule_state=rule_state, clock=clock)
             self._moved.pop(p, None)
 
-    def add_backup(self, p: int, values: torch.Tensor) -> None:
+    def add_backup(
+        self, p: int, values: torch.Tensor, *, rule_state: bytes = b"", clock: int = -1
+    ) -> None:
         """Back up partition p, starting from these values (the owner's initial values)."""
         with self._lock:
-            self._backup.add(p, values)
+            self._backup.add(p, values, rule_state=rule_state, clock=clock)
+
+    def backup_states(self, clock: int) -> dict[int, tuple[torch.Tensor, bytes]]:
+        """Each backed-up partition's values and optimizer state at `clock` (for a checkpoint).
+
+        Raises:
+            PartitionError: a partition is not at `clock` (its ceiling is elsewhere).
+        """
+        with self._lock:
+            return {p: self._backup.state_at(p, clock) for p in self._backup.owned()}
 
     def set_backups(self, backups: Mapping[int, str]) -> None:
         """Name the BackupPS endpoint of each partition (a partition's own server: none).
@@ -233,6 +253,24 @@ class ParamServer(ServerLoop):
             store = self._backup if backup else self._store
             clocks = {p: store.consistent_clock(p) for p in store.owned()}
             return {p: -1 if c is None else c for p, c in clocks.items()}
+
+    def set_backup_ceiling(self, clock: int) -> None:
+        """Keep backed-up partitions at no clock past `clock` (raised, never lowered): clocks
+        past it are summed and held back, so a roll-back can restore every partition at one
+        common clock (see `backup_progress`, `restore_owners`)."""
+        with self._lock:
+            self._backup.set_ceiling(clock)
+
+    def backup_progress(self) -> dict[int, tuple[int, int]]:
+        """(applied through, complete through) of each backed-up partition: it can be
+        restored at any clock between the two."""
+        with self._lock:
+            store = self._backup
+            out = {}
+            for p in store.owned():
+                applied = store.consistent_clock(p)
+                out[p] = (-1 if applied is None else applied, store.complete_through(p))
+            return out
 
     def worker_progress(self, worker: str) -> dict[int, tuple[int, int, int]]:
         """(frontier, latest) of `worker` at each owned partition (see PartitionStore)."""
@@ -331,9 +369,11 @@ class ParamServer(ServerLoop):
         owners: Mapping[int, str],
         versions: Mapping[int, int],
         *,
+        clock: int | None = None,
         timeout_s: float = HANDOFF_TIMEOUT_SECONDS,
     ) -> dict[int, tuple[int, int]]:
-        """Roll back: send this server's backup of each partition in `owners` to its owner.
+        """Roll back: send this server's backup of each partition in `owners` to its owner,
+        each as of `clock` (see `backup_progress`; None: as far as it is applied).
 
         The owner (this server too, when its endpoint is named) replaces its copy, enters
         `epoch`, and refuses requests of older epochs. Updates streamed from an older epoch
@@ -347,6 +387,9 @@ class ParamServer(ServerLoop):
         """
         with self._lock:
             self.epoch = max(self.epoch, epoch)
+            if clock is not None:
+                for p in owners:
+                    self._backup.rewind_to(p, clock)
             snapshots = {
                 p: replace(self._backup.export_partition(p), pending=(), version=versions[p])
                 for p in owners

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
 
-from orchestrator.agileml import wire
+from orchestrator.agileml import checkpoints, wire
 from orchestrator.agileml.control import TrainingSpec, View
 from orchestrator.agileml.elasticity import RolePlan, assign_partitions
 from orchestrator.agileml.errors import AgileMLError
@@ -110,10 +111,14 @@ def roll_back(
     """Restore every partition from its BackupPS to its new owner under a new epoch; `table`
     records the new owners and versions.
 
-    Returns (epoch, restart clock, end): every partition is restored at a consistent clock in
-    [restart - 1, end - 1], so workers redo from `restart`, and the failed workers' shares of
-    clocks [restart, end) are computed by survivors (the pushes already in a partition are
-    deduplicated).
+    Returns (epoch, restart clock, end). Normally every partition is restored at one common
+    clock, `restart - 1` (`end == restart`): the BackupPSs hold clocks back for that (see
+    `advance_backups`), so the model workers redo from is exactly the one they computed it on.
+    Should a BackupPS have applied past the common clock (a backup taken over late), each
+    partition is restored as far as its backup applied, in [restart - 1, end - 1], and the
+    failed workers' shares of clocks [restart, end) are computed by survivors (the pushes
+    already in a partition are deduplicated: exactly once, though not bit for bit the run
+    without the failure).
 
     Raises:
         AgileMLError: no BackupPS holds the partitions (stage 1), or a restore failed.
@@ -129,16 +134,78 @@ def roll_back(
     by_backup: dict[str, dict[int, str]] = {}
     for p, backup in view.backups.items():
         by_backup.setdefault(backup, {})[p] = endpoints[owners[p]]
+    node_of = {backup: next(n for n, e in endpoints.items() if e == backup) for backup in by_backup}
+    cut = _common_clock(call, list(node_of.values()))
     consistent: dict[int, int] = {}
     for backup, targets in by_backup.items():
-        node = next(n for n, e in endpoints.items() if e == backup)
+        node = node_of[backup]
         versions = {p: table.get(p).version for p in targets}
-        body = {"op": "restore", "epoch": epoch, "owners": targets, "versions": versions}
+        body = {
+            "op": "restore", "epoch": epoch, "owners": targets, "versions": versions,
+            "clock": cut,
+        }  # fmt: skip
         out = call(node, body)
         for p, (clock, version) in out["restored"].items():
             consistent[int(p)] = clock
             table.set(int(p), owners[int(p)], version)
     return epoch, min(consistent.values()) + 1, max(consistent.values()) + 1
+
+
+def _common_clock(call: NodeCall, backups: list[str]) -> int | None:
+    """The latest clock every backed-up partition can be restored at (None: there is none,
+    a backup applied past another's last complete clock)."""
+    applied, complete = [], []
+    for node in backups:
+        for done, through in call(node, {"op": "backup_progress"})["backups"].values():
+            applied.append(done)
+            complete.append(through)
+    if not complete:
+        return None
+    cut = min(complete)
+    if max(applied) > cut:
+        log.warning("no common clock to roll back to", extra={"applied": max(applied), "cut": cut})
+        return None
+    return cut
+
+
+def advance_backups(call: NodeCall, backups: list[str], ceiling: int) -> int:
+    """Let the BackupPSs on `backups` apply every clock that all of them hold complete; returns
+    the new ceiling (`ceiling` if some node did not answer). Until then they hold clocks back,
+    which is what lets `roll_back` restore every partition at one common clock."""
+    complete: list[int] = []
+    try:
+        for node in backups:
+            progress = call(node, {"op": "backup_progress"})["backups"]
+            complete.extend(through for _, through in progress.values())
+    except AgileMLError as exc:
+        log.warning("backup progress unknown", extra={"error": str(exc)})
+        return ceiling
+    if not complete or min(complete) <= ceiling:
+        return ceiling
+    new = min(complete)
+    for node in backups:
+        try:
+            call(node, {"op": "configure", "backup_ceiling": new})
+        except AgileMLError as exc:
+            log.warning("backup ceiling not set", extra={"node": node, "error": str(exc)})
+    return new
+
+
+def take_checkpoint(
+    call: NodeCall, backups: list[str], *, root: str, clock: int, job_id: str, num_partitions: int
+) -> Path:
+    """Have the BackupPSs on `backups` write every partition at `clock` (their common ceiling)
+    under `root`, then complete the checkpoint and prune old ones; returns its directory.
+
+    Raises:
+        AgileMLError: a node could not write its partitions, or some are missing.
+    """
+    directory = checkpoints.checkpoint_dir(root, clock)
+    for node in backups:
+        call(node, {"op": "checkpoint", "clock": clock, "dir": str(directory)})
+    checkpoints.complete(directory, job_id=job_id, clock=clock, num_partitions=num_partitions)
+    checkpoints.prune(root)
+    return directory
 
 
 def unfinished_clocks(call: NodeCall, worker: str, table: PartitionTable) -> tuple[int, int]:

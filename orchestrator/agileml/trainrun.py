@@ -6,9 +6,11 @@ parameter servers, elasticity controller), with faults injected at given iterati
     save_outputs(result, Path("out"))   # out/model.safetensors, out/summary.json
 
 An injection `evict@100` gives one transient node its spot interruption notice (it finishes its
-clocks, hands off and leaves), `join@150` starts a new transient node, `kill@200` SIGKILLs one
-transient node without notice. The job's result does not depend on them: the global batches are
-fixed, and every clock's gradient is applied exactly once.
+clocks, hands off and leaves), `join@150` has a new transient node join (its process is started
+with the others and held until then, so that the join is not a process start-up late),
+`kill@200` SIGKILLs one transient node without notice. The job's result does not depend on
+them: the global batches are fixed, and every clock's gradient is applied exactly once.
+Checkpoints (`checkpoint_every`) let a later run `resume` where this one was.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from orchestrator.agileml import checkpoints
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError
@@ -91,6 +94,9 @@ class TrainPlan(BaseModel):
     seed: int = 0
     injections: tuple[Injection, ...] = ()
     slack: Annotated[int, Field(ge=0, le=100)] = 0
+    checkpoint_dir: str | None = None  # checkpoints written here (see `checkpoints`)
+    checkpoint_every: Annotated[int, Field(ge=0)] = 0  # iterations; 0: none
+    resume: str | None = None  # a checkpoint, or a folder of them (the newest is taken)
 
 
 @dataclass
@@ -105,6 +111,7 @@ class TrainResult:
     losses: list[tuple[int, float]]  # (iteration, mean loss of the nodes that computed it)
     evaluation: dict[str, float] = field(default_factory=dict)
     wall_seconds: float = 0.0
+    resumed_from: str | None = None  # the checkpoint the run started from
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,33 @@ def check_plan(plan: TrainPlan) -> None:
             f"one must stay. To fix: start more with --nodes."
         )
     check_job_code(load_job_code(plan.code), global_batch=plan.global_batch, seed=plan.seed)
+    if plan.checkpoint_every and plan.checkpoint_dir is None:
+        raise UserError("--checkpoint-every needs --out: checkpoints go to OUT/checkpoints")
+    if plan.resume is not None:
+        clock = int(str(checkpoints.read_manifest(resume_point(plan.resume))["clock"]))
+        if clock + 1 >= plan.iterations:
+            raise UserError(
+                f"--resume: the checkpoint has {clock + 1} iterations done, the job "
+                f"{plan.iterations}. To fix: ask for more --iterations."
+            )
+
+
+def resume_point(path: str | Path) -> Path:
+    """The checkpoint to resume from: `path` itself, or the newest complete one in it.
+
+    Raises:
+        UserError: neither.
+    """
+    folder = Path(path)
+    if (folder / checkpoints.MANIFEST).is_file():
+        return folder
+    newest = checkpoints.latest(folder)
+    if newest is None:
+        raise UserError(
+            f"--resume {path}: no complete checkpoint there. To fix: name a ckpt-* directory "
+            f"or the checkpoints folder of an earlier run (OUT/checkpoints)."
+        )
+    return newest
 
 
 def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
@@ -146,6 +180,9 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
     model = seeded_model(load_job_code(plan.code), plan.seed)
     total = PartitionLayout(model, 1).total
     partitions = max(1, min(MAX_PARTITIONS, 2 * (plan.nodes + plan.reliable), total))
+    resume = str(resume_point(plan.resume)) if plan.resume is not None else None
+    if resume is not None:  # the partitioning the checkpoint was written with
+        partitions = int(str(checkpoints.read_manifest(resume)["num_partitions"]))
     return TrainingSpec(
         job_id=job_id,
         code=str(Path(plan.code).resolve()),
@@ -160,6 +197,9 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         # FlexRR computes a share in chunks: exact for a sum of per-row gradients, not with
         # BatchNorm's per-batch statistics
         straggler=StragglerSpec(flexrr=not uses_batch_statistics(model)),
+        checkpoint_dir=plan.checkpoint_dir,
+        checkpoint_every=plan.checkpoint_every,
+        resume_from=resume,
     )
 
 
@@ -187,6 +227,9 @@ def train_locally(
         transient = [f"t{i}" for i in range(plan.nodes)]
         for node_id in transient:
             job.add_node(node_id, NodeTier.TRANSIENT)
+        joins = sum(1 for i in plan.injections if i.kind == "join")
+        for k in range(1, joins + 1):  # started now, joining when asked (see LocalJob)
+            job.add_node(f"j{k}", NodeTier.TRANSIENT, held=True)
         events = _drive(job, plan, transient, on_progress)
         params, outcomes = job.finish(_finish_timeout(plan))
     parts = training_parts(spec)
@@ -200,6 +243,7 @@ def train_locally(
         events=events + [_event(e) for e in job.events()],
         losses=losses,
         wall_seconds=time.monotonic() - started,
+        resumed_from=spec.resume_from,
     )
     if parts.code is not None and parts.code.evaluate is not None:
         model.eval()
@@ -238,7 +282,7 @@ def _drive(
             if injection.kind == "join":
                 joined += 1
                 node_id = f"j{joined}"
-                job.add_node(node_id, NodeTier.TRANSIENT)
+                job.release(node_id)
                 alive.append(node_id)
                 waiting.append(node_id)
             else:
@@ -265,11 +309,13 @@ def _drive(
 
 
 def _victim(job: LocalJob, alive: list[str], clock: int) -> str:
-    """The newest transient node that computes at `clock` (else the newest one alive)."""
+    """The oldest transient node that computes at `clock` (else the oldest one alive): the
+    longest-running ones hold partitions (ActivePSs), so taking one away is the hard case, a
+    hand-off on notice or a roll-back without."""
     roster = job.coordinator.view().roster
     members = set(roster.members(clock)) if roster is not None else set()
     computing = [n for n in alive if n in members]
-    return (computing or alive)[-1]
+    return (computing or alive)[0]
 
 
 def _progress(job: LocalJob, plan: TrainPlan, recent: list[tuple[int, float]]) -> Progress:
@@ -334,6 +380,7 @@ def save_outputs(result: TrainResult, out: Path) -> None:
         "final_loss": result.final_loss,
         "seconds_per_iteration": result.seconds_per_iteration,
         "wall_seconds": round(result.wall_seconds, 2),
+        "resumed_from": result.resumed_from,
         "evaluation": result.evaluation,
         "events": result.events,
         "losses": [[c, round(v, 6)] for c, v in result.losses],

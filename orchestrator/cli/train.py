@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
@@ -18,6 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from orchestrator.cli.app import app as cli_app
 from orchestrator.cli.app import err, out, validation_to_user_error
 from orchestrator.errors import UserError
+
+if TYPE_CHECKING:  # the runtime (and torch) load only when the command runs
+    from orchestrator.agileml.trainrun import Progress as TrainProgress
+    from orchestrator.agileml.trainrun import TrainPlan, TrainResult
 
 
 @cli_app.command("train")
@@ -44,16 +48,26 @@ def train_command(
             "(SIGKILL), comma-separated, e.g. evict@100,join@150,kill@200.",
         ),
     ] = "",
+    checkpoint_every: Annotated[
+        int,
+        typer.Option(
+            "--checkpoint-every",
+            help="Write a checkpoint to OUT/checkpoints every N iterations (needs --out).",
+            min=0,
+        ),
+    ] = 0,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            help="Start from a checkpoint (a ckpt-* directory, or OUT/checkpoints of an "
+            "earlier run: its newest).",
+        ),
+    ] = None,
 ) -> None:
     """Train JOB.py on local processes, like torchrun --standalone for a spot job."""
     from orchestrator.agileml.errors import AgileMLError
-    from orchestrator.agileml.trainrun import (
-        TrainPlan,
-        check_plan,
-        parse_injections,
-        save_outputs,
-        train_locally,
-    )
+    from orchestrator.agileml.trainrun import TrainPlan, check_plan, parse_injections, save_outputs
 
     if not job.exists():
         raise UserError(f"job file {job} does not exist", field="JOB")
@@ -66,6 +80,9 @@ def train_command(
             global_batch=global_batch,
             seed=seed,
             injections=tuple(parse_injections(inject)),
+            checkpoint_dir=str(out_dir / "checkpoints") if out_dir and checkpoint_every else None,
+            checkpoint_every=checkpoint_every,
+            resume=str(resume) if resume is not None else None,
         )
     except ValidationError as exc:
         raise validation_to_user_error(exc) from None
@@ -74,6 +91,21 @@ def train_command(
     log_dir = out_dir / "logs" if out_dir is not None else None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = _train_with_progress(plan, log_dir)
+    except AgileMLError as exc:
+        err.print(f"[bold red]error:[/bold red] training failed: {exc}", highlight=False)
+        raise typer.Exit(1) from exc
+    _print_result(result)
+    if out_dir is not None:
+        save_outputs(result, out_dir)
+        out.print(f"wrote {out_dir / 'model.safetensors'} and {out_dir / 'summary.json'}")
+
+
+def _train_with_progress(plan: TrainPlan, log_dir: Path | None) -> TrainResult:
+    """`train_locally` under a progress bar (iteration, loss, seconds per iteration)."""
+    from orchestrator.agileml.trainrun import train_locally
+
     columns = (
         TextColumn("[bold]training"),
         BarColumn(),
@@ -82,24 +114,22 @@ def train_command(
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=err, transient=False) as bar:
-        task = bar.add_task("train", total=iterations, loss="-", rate="")
+        task = bar.add_task("train", total=plan.iterations, loss="-", rate="")
 
-        def show(p: object) -> None:
-            loss = getattr(p, "loss", None)
-            rate = getattr(p, "seconds_per_iteration", None)
+        def show(p: TrainProgress) -> None:
             bar.update(
                 task,
-                completed=getattr(p, "iteration", 0),
-                loss=f"{loss:.4f}" if loss is not None else "-",
-                rate=f"{rate:.3f} s/it" if rate else "",
+                completed=p.iteration,
+                loss=f"{p.loss:.4f}" if p.loss is not None else "-",
+                rate=f"{p.seconds_per_iteration:.3f} s/it" if p.seconds_per_iteration else "",
             )
 
-        try:
-            result = train_locally(plan, on_progress=show, log_dir=log_dir)
-        except AgileMLError as exc:
-            err.print(f"[bold red]error:[/bold red] training failed: {exc}", highlight=False)
-            raise typer.Exit(1) from exc
-        bar.update(task, completed=iterations)
+        result = train_locally(plan, on_progress=show, log_dir=log_dir)
+        bar.update(task, completed=plan.iterations)
+    return result
+
+
+def _print_result(result: TrainResult) -> None:
     per_it = result.seconds_per_iteration
     out.print(
         f"trained {result.iterations} iterations in {result.wall_seconds:.1f} s; final loss "
@@ -107,6 +137,8 @@ def train_command(
         if result.final_loss is not None and per_it is not None
         else f"trained {result.iterations} iterations in {result.wall_seconds:.1f} s"
     )
+    if result.resumed_from is not None:
+        out.print(f"resumed from {result.resumed_from}")
     for name, value in result.evaluation.items():
         out.print(f"evaluate: {name} = {value:.4f}")
     for e in result.events:
@@ -117,6 +149,3 @@ def train_command(
         elif kind.startswith("skipped_"):
             what = kind.removeprefix("skipped_")
             err.print(f"[yellow]warning:[/yellow] {what}@{e['iteration']} not done: {e['reason']}")
-    if out_dir is not None:
-        save_outputs(result, out_dir)
-        out.print(f"wrote {out_dir / 'model.safetensors'} and {out_dir / 'summary.json'}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.errors import AgileMLError, PartitionError
 from orchestrator.agileml.partition_state import PartitionStore
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.updates import OptimizerPlan, OptimizerRule
@@ -179,3 +179,32 @@ def test_a_state_that_does_not_fit_is_refused() -> None:
     rule = OptimizerRule(plan, layout.bounds(0), layout.gather(model)[0])
     with pytest.raises(AgileMLError, match="does not fit"):
         rule.load_state(b"not a torch archive")
+
+
+def test_a_backup_holds_clocks_back_and_rewinds_to_a_common_clock_with_its_optimizer() -> None:
+    """A BackupPS under a ceiling sums the clocks past it without applying them, so a
+    roll-back can restore it at any complete clock: the state of a run stopped there."""
+    optimizer, scheduler = OPTIMIZERS["adamw-cosine"]
+    model = _model()
+    layout = PartitionLayout(model, 1)
+    rules = OptimizerPlan.from_model(model, optimizer, scheduler).rules(layout.bounds)
+    initial = layout.gather(model)[0]
+    backup, plain = PartitionStore(rules), PartitionStore(rules)
+    for store in (backup, plain):
+        store.add(0, initial)
+        store.register_workers(["w0"])
+    backup.set_ceiling(1)
+    for clock in range(5):
+        backup.apply_chunk(0, clock, ["w0"], _grads(layout, clock))
+    assert (backup.consistent_clock(0), backup.complete_through(0)) == (1, 4)
+    backup.rewind_to(0, 3)
+    for clock in range(4):
+        plain.apply_push(0, "w0", clock, _grads(layout, clock))
+    assert backup.consistent_clock(0) == 3
+    assert torch.equal(backup.values(0), plain.values(0))
+    assert backup.export_partition(0).rule_state == plain.export_partition(0).rule_state
+    assert not backup.is_applied(0, "w0", 4)  # clock 4 will be pushed again after the roll-back
+    with pytest.raises(PartitionError, match="cannot rewind to clock 2"):
+        backup.rewind_to(0, 2)  # clock 3 is applied already
+    with pytest.raises(PartitionError, match="cannot rewind to clock 5"):
+        backup.rewind_to(0, 5)  # clock 4 and 5 are missing
