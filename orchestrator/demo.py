@@ -19,17 +19,18 @@ import contextlib
 import json
 import math
 import secrets
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
 from rich.console import Console
 
-from orchestrator.agileml.hosting import HostedTraining
+from orchestrator.agileml.hosting import HostedTraining, evaluate_weights
 from orchestrator.api.app import create_app
 from orchestrator.api.operations import submit_job
 from orchestrator.api.serve import BackgroundServer
@@ -42,6 +43,7 @@ from orchestrator.cloud.local.redis_process import LocalRedis, free_port
 from orchestrator.controller.core import Controller
 from orchestrator.controller.training import TrainingHost
 from orchestrator.controller.wiring import build_controller, replay_clock
+from orchestrator.jobs import DIGITS_CNN
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_datetime
@@ -65,18 +67,18 @@ PLAIN_LINE_EVERY_SIM_S = 900.0
 TRAINING_EVERY_WALL_S = 2.0
 #: Where the demo serves the API and dashboard (the API's default port, so the CLI finds it).
 DEFAULT_PORT = 8750
-#: The demo job's model: multinomial logistic regression on a generated mixture, sized to train
-#: at a visible pace on a few CPU processes (`TrainingSpec` fields).
+#: The demo job: a user job file shipped with the package (a small CNN on scikit-learn's
+#: bundled digits, `orchestrator/jobs/digits_cnn.py`), as `TrainingSpec` fields.
 TRAINING: dict[str, Any] = {
-    "model": {"kind": "mlr", "features": 64, "classes": 8},
-    "samples": 4096,
+    "code": str(DIGITS_CNN),
     "global_batch": 128,
-    "lr": 0.5,
     "iterations": 10_000_000,  # runs until the controller's job ends
     "num_partitions": 4,
     "min_nodes": 2,
     "failure_timeout_s": 3.0,  # many processes on few cores: be patient before "failed"
 }
+#: Real seconds between two checkpoints of the demo job.
+CHECKPOINT_EVERY_WALL_S = 10.0
 
 
 @dataclass
@@ -97,6 +99,11 @@ class DemoSummary:
     final_loss: float  # its loss at the last measurement before the job ended (NaN: none)
     training_iterations: int  # clocks completed by the AgileML workers
     training_events: list[str]  # what the elasticity controller did (started, evicted, ...)
+    # the returned weights (the job's final model.safetensors) on the held-out digits
+    held_out_accuracy: float = math.nan
+    held_out_loss: float = math.nan
+    weights_source: str = ""  # "the model at the end", or the checkpoint they came from
+    weights_path: str = ""  # where they were copied (`weights_out`), "" if not
 
 
 def sample_job(budget_usd: float) -> JobSubmission:
@@ -166,11 +173,17 @@ def _offline_world(settings: Settings, *, seed: int, port: int | None) -> Iterat
                 bind_host="127.0.0.1",
                 base_port=free_port(),
                 work_from_iterations=False,
+                artifacts_root=tmp / "artifacts",
+                checkpoint_every_s=CHECKPOINT_EVERY_WALL_S,
             )  # fmt: skip
         )  # the offline world counts the instances' simulated work instead (the fleet)
         client = aws.client()
         controller = build_controller(
-            settings, store=store, client=client, launch_tags=training.tags_for
+            settings,
+            store=store,
+            client=client,
+            launch_tags=training.tags_for,
+            on_job_stop=training.save_final,
         )
         replayer = EvictionReplayer(
             client, CONTROLLER_ID, AvailabilityTrace.bundled(), clock,
@@ -207,6 +220,7 @@ def run_demo(
     console: Console | None = None,
     port: int | None = DEFAULT_PORT,
     linger_s: float = 0.0,
+    weights_out: Path | None = None,
 ) -> DemoSummary:
     """Run the demo until the job ends or `timeout_s` real seconds pass.
 
@@ -228,6 +242,8 @@ def run_demo(
         submit_job(world.store, job, now_s=world.clock.now(), new_id=lambda: JOB_ID)
         _announce(console, world, job, speed)
         _run(world, job, console, deadline=wall0 + timeout_s)
+        world.training.step(world.clock.now())  # the final weights, while the nodes serve
+        world.fleet.step()  # stops the agents of the instances the controller released
         if console.is_terminal:
             console.print()
         if world.server is not None and linger_s > 0:
@@ -236,6 +252,7 @@ def run_demo(
             )
             time.sleep(linger_s)
         summary = _summary(world, job, wall0)
+        summary = _with_returned_weights(world, summary, weights_out)
     _print_summary(console, summary)
     return summary
 
@@ -271,7 +288,6 @@ def _run(world: _World, job: JobSubmission, console: Console, *, deadline: float
             _progress(console, world, record, job, now)
             last_line_s = now
         time.sleep(LOOP_WALL_S)
-    world.fleet.step()  # stops the agents of the instances the controller released
 
 
 def _training_step(world: _World, now_s: float) -> None:
@@ -339,6 +355,30 @@ def _summary(world: _World, job: JobSubmission, wall0: float) -> DemoSummary:
     )
 
 
+def _with_returned_weights(
+    world: _World, summary: DemoSummary, weights_out: Path | None
+) -> DemoSummary:
+    """The summary with the held-out figures of the weights the job handed back (and where
+    they were copied)."""
+    artifacts = world.training.artifacts(JOB_ID)
+    if artifacts is None or not artifacts.final_weights.is_file():
+        return summary
+    figures = evaluate_weights(DIGITS_CNN, artifacts.final_weights)
+    info = json.loads(artifacts.final_info.read_text()) if artifacts.final_info.is_file() else {}
+    copied = ""
+    if weights_out is not None:
+        weights_out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(artifacts.final_weights, weights_out)
+        copied = str(weights_out)
+    return replace(
+        summary,
+        held_out_accuracy=round(figures.get("held_out_accuracy", math.nan), 4),
+        held_out_loss=round(figures.get("held_out_loss", math.nan), 4),
+        weights_source=str(info.get("source", "")),
+        weights_path=copied,
+    )
+
+
 def _print_summary(console: Console, s: DemoSummary) -> None:
     console.print(
         f"[bold]Summary[/bold]: job {s.job_state}; spent ${s.spent_usd:.2f} of ${s.budget_usd:g}; "
@@ -350,6 +390,14 @@ def _print_summary(console: Console, s: DemoSummary) -> None:
         f"{s.final_loss:.3f} in {s.training_iterations} AgileML iterations.",
         highlight=False,
     )
+    if not math.isnan(s.held_out_accuracy):
+        where = f", copied to {s.weights_path}" if s.weights_path else ""
+        console.print(
+            f"Returned weights ({s.weights_source}{where}): held-out accuracy "
+            f"{s.held_out_accuracy:.1%}, loss {s.held_out_loss:.3f} on the 297 digits it never "
+            "trained on.",
+            highlight=False,
+        )
 
 
 def write_summary(summary: DemoSummary, path: Path) -> None:

@@ -104,6 +104,23 @@ class WorkerSettings(BaseModel):
         return tuple(s.strip() for s in self.subnets.split(",") if s.strip())
 
 
+class TrainingSettings(BaseModel):
+    """Where the hosted training jobs keep their checkpoints and final weights, and how often
+    they checkpoint (see `orchestrator.artifacts`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    artifacts_dir: Path = Field(
+        Path.home() / ".local" / "share" / "orchestrator" / "artifacts",
+        description="the jobs' checkpoints and final weights, a folder per job",
+    )
+    checkpoint_every_s: Annotated[float, Field(ge=0)] = Field(
+        600.0,
+        description="seconds between two checkpoints of a job whose spec sets no "
+        "checkpoint_every / checkpoint_every_s (0: none)",
+    )
+
+
 class ControllerSettings(BaseModel):
     """How the controller runs: where EC2 and prices come from, billing, job concurrency."""
 
@@ -159,6 +176,7 @@ class Settings(BaseSettings):
     worker: WorkerSettings = WorkerSettings()
     controller: ControllerSettings = ControllerSettings()
     bidbrain: BidBrainSettings = BidBrainSettings()
+    training: TrainingSettings = TrainingSettings()
 
     @classmethod
     def settings_customise_sources(

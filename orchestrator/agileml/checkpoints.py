@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.artifacts import MANIFEST, latest_checkpoint
 
-MANIFEST = "checkpoint.json"
 KEEP = 2  # complete checkpoints kept; older ones are removed
 
 
@@ -110,13 +111,18 @@ def complete(directory: str | Path, *, job_id: str, clock: int, num_partitions: 
     return folder
 
 
-def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root` (None: none yet)."""
-    base = Path(root)
-    if not base.is_dir():
-        return None
-    done = sorted(d for d in base.glob("ckpt-*") if (d / MANIFEST).is_file())
-    return done[-1] if done else None
+latest = latest_checkpoint  # the newest complete checkpoint under a folder (None: none yet)
+
+
+def save_weights(model: nn.Module, path: str | Path) -> None:
+    """Write the model's whole `state_dict` (parameters and buffers) as safetensors,
+    atomically: `model.load_state_dict(safetensors.torch.load_file(path))` reads it back."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    tmp = target.with_suffix(".tmp")
+    save_file(state, str(tmp))
+    os.replace(tmp, target)
 
 
 def read_manifest(directory: str | Path) -> dict[str, object]:

@@ -42,6 +42,7 @@ import zmq
 from pydantic import ValidationError
 
 from orchestrator.agileml import checkpoints, wire
+from orchestrator.agileml.checkpointing import Checkpointer
 from orchestrator.agileml.control import (
     ControlClient,
     ControlError,
@@ -71,14 +72,12 @@ from orchestrator.agileml.errors import AgileMLError, NoReliableNodeError, WireE
 from orchestrator.agileml.partitions import PartitionTable
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.server_calls import (
-    NodeCall,
     advance_backups,
     configure_all,
     pull_partitions,
     rebalance,
     roll_back,
     start_nodes,
-    take_checkpoint,
     unfinished_clocks,
 )
 from orchestrator.agileml.wire import MessageKind
@@ -156,8 +155,11 @@ class Coordinator:
         self._horizon = self._start_clock + spec.horizon_clocks
         # BackupPSs apply no clock past it (see advance_backups)
         self._backup_ceiling = self._start_clock - 1
-        self._checkpoints = checkpoints.CheckpointSchedule(
-            spec.checkpoint_every, spec.checkpoint_every_s, self._backup_ceiling, now()
+        self._checkpointer = Checkpointer(
+            spec,
+            start_clock=self._start_clock,
+            now_s=now(),
+            record=lambda clock: self._record("checkpointed", [], f"clock {clock}"),
         )
         self._events: list[CoordinatorEvent] = []
         self._queue: queue.Queue[tuple[str, str]] = queue.Queue()
@@ -445,38 +447,28 @@ class Coordinator:
         ahead = self._max_clock() + self.spec.horizon_clocks
         if ahead - self._horizon < self.spec.horizon_clocks // 2:
             return
+        call = functools.partial(self._call, client)
+        backed_up = len(self.view().backups) == self.spec.num_partitions
+        if not backed_up:  # stage 1: a checkpoint holds the horizon (see checkpointing)
+            owners = sorted({self._table.owner(p) for p in range(self.spec.num_partitions)})
+            hold = functools.partial(self._checkpointer.hold_horizon, call, horizon=self._horizon)
+            if hold(owners=owners, now_s=self._now()):
+                return
         self._horizon = ahead
         fresh = self._now() - 2 * self.spec.heartbeat_s
         serving = self._serving_nodes()
         with self._lock:
             live = [n for n in serving if self._nodes[n].last_seen_s >= fresh]
         body = {"op": "configure", "horizon": ahead, "slack": self.spec.slack}
-        call = functools.partial(self._call, client)
         configure_all(call, live, body)
         endpoints = self._endpoints()
         backups = sorted({n for n, e in endpoints.items() if e in self.view().backups.values()})
         if backups and set(backups) <= set(live):
             self._backup_ceiling = advance_backups(call, backups, self._backup_ceiling)
-            self._checkpoint(call, backups)
-
-    def _checkpoint(self, call: NodeCall, backups: list[str]) -> None:
-        """Write a checkpoint at the BackupPSs' ceiling when one is due (and every partition
-        has a BackupPS: in stage 1 there is none)."""
-        spec, clock = self.spec, self._backup_ceiling
-        if spec.checkpoint_dir is None or not self._checkpoints.due(clock, self._now()):
-            return
-        if len(self.view().backups) < spec.num_partitions:
-            return
-        try:
-            take_checkpoint(
-                call, backups, root=spec.checkpoint_dir, clock=clock, job_id=spec.job_id,
-                num_partitions=spec.num_partitions,
-            )  # fmt: skip
-        except AgileMLError as exc:
-            log.warning("checkpoint failed", extra={"clock": clock, "error": str(exc)})
-            return
-        self._checkpoints.taken(clock, self._now())
-        self._record("checkpointed", [], f"clock {clock}")
+            if backed_up:
+                self._checkpointer.at_ceiling(
+                    call, backups=backups, ceiling=self._backup_ceiling, now_s=self._now()
+                )
 
     def _schedule(
         self, client: ControlClient, plan: RolePlan, change: Callable[[Roster, int], Roster]

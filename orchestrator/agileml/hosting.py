@@ -15,14 +15,26 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from orchestrator.agileml import checkpoints
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.parts import TrainingParts, training_parts
 
-__all__ = ["HostedTraining", "TrainingSpec", "TrainingStatus", "validate_training_section"]
+__all__ = [
+    "AgileMLError",
+    "HostedTraining",
+    "TrainingSpec",
+    "TrainingStatus",
+    "evaluate_weights",
+    "validate_training_section",
+]
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,48 @@ class HostedTraining:
         parts = self._parts()
         return parts.loss_of(parts.model_with(params))
 
+    @property
+    def done(self) -> bool:
+        """Every worker finished the job's iterations."""
+        return self._coordinator.view().done
+
+    def save_weights(self, path: Path, timeout_s: float = 10.0) -> int:
+        """Write the model as it is now (every iteration in it once the job is `done`) to
+        `path` as safetensors; returns the iterations in it.
+
+        Raises:
+            AgileMLError: the parameters could not be read (no server answered in time).
+        """
+        done = self.done
+        params = self._coordinator.fetch_parameters(timeout_s=timeout_s, final=done)
+        checkpoints.save_weights(self._parts().model_with(params), path)
+        return self.spec.iterations if done else self._coordinator.progress().iteration
+
+    def save_checkpoint_weights(self, checkpoint: Path, path: Path) -> int:
+        """Write the model of a complete checkpoint to `path`; returns the iterations in it.
+
+        Raises:
+            AgileMLError: not a complete checkpoint of this job's partitioning.
+        """
+        ckpt = checkpoints.read(checkpoint, self.spec.num_partitions)
+        checkpoints.save_weights(self._parts().model_with(ckpt.values), path)
+        return ckpt.clock + 1
+
+    def evaluate(self, timeout_s: float = 1.0) -> dict[str, float] | None:
+        """The job's `evaluate(model)` on the parameters as they are now (None: the job has
+        no evaluate hook, or the parameters cannot be read yet)."""
+        parts = self._parts()
+        if parts.code is None or parts.code.evaluate is None:
+            return None
+        try:
+            params = self._coordinator.fetch_parameters(timeout_s=timeout_s, final=False)
+        except AgileMLError:
+            return None
+        model = parts.model_with(params)
+        model.eval()
+        with torch.no_grad():
+            return {k: float(v) for k, v in parts.code.evaluate(model).items()}
+
     def initial_loss(self) -> float:
         """The model's loss on the training set before any update."""
         parts = self._parts()
@@ -111,13 +165,41 @@ class HostedTraining:
         self._coordinator.stop()
 
 
+def evaluate_weights(code: str | Path, weights: Path) -> dict[str, float]:
+    """A job's `evaluate(model)` on the weights it handed back (empty: no evaluate hook).
+
+    Raises:
+        JobCodeError: the job's code cannot be loaded.
+        RuntimeError: the weights do not fit its model.
+    """
+    from safetensors.torch import load_file
+
+    job = load_job_code(code)
+    if job.evaluate is None:
+        return {}
+    model = job.model()
+    model.load_state_dict(load_file(str(weights)))
+    model.eval()
+    with torch.no_grad():
+        return {k: float(v) for k, v in job.evaluate(model).items()}
+
+
+HOST_SET_FIELDS = ("checkpoint_dir", "resume_from")
+
+
 def validate_training_section(section: Mapping[str, Any]) -> TrainingSpec:
-    """A job submission's `training` section as the spec it describes (its job id is filled
-    in by the host).
+    """A job submission's `training` section as the spec it describes (its job id, its
+    checkpoint folder and what it resumes from are filled in by the host).
 
     Raises:
         pydantic.ValidationError: a field is invalid (named).
+        ValueError: the section sets a field the host sets.
     """
+    for name in HOST_SET_FIELDS:
+        if name in section:
+            raise ValueError(
+                f"{name} is set by the controller (the job's artifacts folder); remove it"
+            )
     return TrainingSpec.model_validate({**dict(section), "job_id": "validate"})
 
 

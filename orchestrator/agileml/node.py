@@ -410,10 +410,13 @@ class AgileMLNode:
         if op == "status":
             return {"owned": server.owned(), "backed": server.backed()}
         if op == "checkpoint":
-            clock = int(body["clock"])
-            for p, (values, state) in server.backup_states(clock).items():
+            clock, owned = int(body["clock"]), body.get("source") == "owned"
+            states = server.owned_states(clock) if owned else server.backup_states(clock)
+            for p, (values, state) in states.items():
                 checkpoints.write_part(body["dir"], p, clock=clock, values=values, rule_state=state)
-            return {"written": server.backed()}
+            return {"written": sorted(states)}
+        if op == "consistent":
+            return {"clocks": server.consistent_clocks()}
         if op == "backup_progress":
             return {"backups": {p: list(ac) for p, ac in server.backup_progress().items()}}
         if op == "progress":

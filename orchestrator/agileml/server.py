@@ -167,6 +167,16 @@ class ParamServer(ServerLoop):
         with self._lock:
             self._backup.add(p, values, rule_state=rule_state, clock=clock)
 
+    def owned_states(self, clock: int) -> dict[int, tuple[torch.Tensor, bytes]]:
+        """Each owned partition's values and optimizer state at `clock` (a stage-1
+        checkpoint, taken while the horizon holds the workers there).
+
+        Raises:
+            PartitionError: a partition is not at `clock`.
+        """
+        with self._lock:
+            return {p: self._store.state_at(p, clock) for p in self._store.owned()}
+
     def backup_states(self, clock: int) -> dict[int, tuple[torch.Tensor, bytes]]:
         """Each backed-up partition's values and optimizer state at `clock` (for a checkpoint).
 

@@ -192,20 +192,41 @@ def advance_backups(call: NodeCall, backups: list[str], ceiling: int) -> int:
 
 
 def take_checkpoint(
-    call: NodeCall, backups: list[str], *, root: str, clock: int, job_id: str, num_partitions: int
+    call: NodeCall,
+    nodes: list[str],
+    *,
+    root: str,
+    clock: int,
+    job_id: str,
+    num_partitions: int,
+    source: str = "backup",
 ) -> Path:
-    """Have the BackupPSs on `backups` write every partition at `clock` (their common ceiling)
-    under `root`, then complete the checkpoint and prune old ones; returns its directory.
+    """Have `nodes` write every partition they back up (`source="backup"`) or own ("owned")
+    at `clock` under `root`, then complete the checkpoint and prune old ones; returns its
+    directory.
 
     Raises:
         AgileMLError: a node could not write its partitions, or some are missing.
     """
     directory = checkpoints.checkpoint_dir(root, clock)
-    for node in backups:
-        call(node, {"op": "checkpoint", "clock": clock, "dir": str(directory)})
+    for node in nodes:
+        call(node, {"op": "checkpoint", "clock": clock, "dir": str(directory), "source": source})
     checkpoints.complete(directory, job_id=job_id, clock=clock, num_partitions=num_partitions)
     checkpoints.prune(root)
     return directory
+
+
+def owners_at(call: NodeCall, owners: list[str], clock: int) -> bool:
+    """Whether every partition the `owners` hold has reached `clock` exactly.
+
+    Raises:
+        AgileMLError: an owner did not answer.
+    """
+    for node in owners:
+        clocks = call(node, {"op": "consistent"})["clocks"].values()
+        if any(c != clock for c in clocks):
+            return False
+    return True
 
 
 def unfinished_clocks(call: NodeCall, worker: str, table: PartitionTable) -> tuple[int, int]:

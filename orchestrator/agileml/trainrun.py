@@ -43,6 +43,7 @@ from orchestrator.agileml.jobcode import (
 from orchestrator.agileml.local import LocalJob, NodeOutcome
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.parts import training_parts
+from orchestrator.artifacts import WEIGHTS
 from orchestrator.errors import UserError
 from orchestrator.straggler.spec import StragglerSpec
 
@@ -370,11 +371,8 @@ def _event(e: Any) -> dict[str, Any]:
 
 def save_outputs(result: TrainResult, out: Path) -> None:
     """Write `out/model.safetensors` (the model's full state_dict) and `out/summary.json`."""
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous().clone() for k, v in result.model.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"))
+    checkpoints.save_weights(result.model, out / WEIGHTS)
     summary = {
         "iterations": result.iterations,
         "final_loss": result.final_loss,

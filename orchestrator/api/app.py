@@ -7,6 +7,8 @@
                                       (202: the controller releases its instances, then ends it)
     GET  /v1/jobs/{id}/cost           spent, budget, projected cost, evictions, ledger entries
     GET  /v1/jobs/{id}/events[?since=ID&limit=N]
+    GET  /v1/jobs/{id}/weights        (token) model.safetensors: final, else the newest checkpoint's
+    GET  /v1/jobs/{id}/checkpoint     (token) the newest checkpoint, a tar of its folder
     POST /v1/jobs/{id}/training       (token) the runtime's progress: iteration, loss, counters
     GET  /v1/dashboard                every job's summary (static/CONTRACT.md)
     GET  /v1/jobs/{id}/dashboard      one job's summary and series (static/CONTRACT.md)
@@ -27,16 +29,19 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Response
 from fastapi.params import Depends as DependsParam
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.background import BackgroundTask
 
 from orchestrator import __version__
 from orchestrator.api import error_body
+from orchestrator.api.downloads import checkpoint_tar, weights_file
 from orchestrator.api.errors import as_user, bearer_auth, install_error_handlers
 from orchestrator.api.metrics import StoreCollector
 from orchestrator.api.operations import cancel_job, job_cost, new_job_id, submit_job
@@ -49,6 +54,7 @@ from orchestrator.store import JobRecord, JobState, Store, StoreError, TrainingR
 
 Clock = Callable[[], float]
 
+WEIGHTS_HEADER = "X-Orchestrator-Weights"  # final, or the checkpoint the weights come from
 DEFAULT_EVENTS_LIMIT = 1000
 MAX_EVENTS_LIMIT = 10_000
 _STREAM_ID_RE = re.compile(r"^(-|\d+(-\d+)?)$")
@@ -75,7 +81,9 @@ def create_app(
         summary="Elastic spot-instance training orchestrator: jobs, budgets, metrics",
     )
     install_error_handlers(app)
-    app.include_router(_job_routes(store, clock, new_id, authorized))
+    app.include_router(
+        _job_routes(store, clock, new_id, authorized, settings.training.artifacts_dir)
+    )
     app.include_router(_runtime_routes(store, clock, on_notice, authorized))
     app.include_router(_dashboard_routes(store, clock))
     app.include_router(_health_routes(store, settings))
@@ -88,9 +96,13 @@ def _job_json(job: JobRecord) -> dict[str, Any]:
 
 
 def _job_routes(
-    store: Store, clock: Clock, new_id: Callable[[], str], authorized: list[DependsParam]
+    store: Store,
+    clock: Clock,
+    new_id: Callable[[], str],
+    authorized: list[DependsParam],
+    artifacts_root: Path,
 ) -> APIRouter:
-    """Submit, list, read, cancel; cost and events."""
+    """Submit, list, read, cancel; cost, events; weights and checkpoints."""
     router = APIRouter()
 
     @router.post("/v1/jobs", status_code=201, dependencies=authorized)
@@ -120,6 +132,28 @@ def _job_routes(
     def cost(job_id: str) -> dict[str, Any]:
         """Spent, budget, remaining, projected cost, evictions and ledger entries."""
         return job_cost(store, job_id)
+
+    @router.get("/v1/jobs/{job_id}/weights", dependencies=authorized, response_model=None)
+    def weights(job_id: str) -> FileResponse:
+        """The job's weights as safetensors: the final ones, else the newest checkpoint's
+        (the `X-Orchestrator-Weights` header says which)."""
+        store.get_job(job_id)
+        path, label = weights_file(artifacts_root, job_id)
+        headers = {WEIGHTS_HEADER: label}
+        return FileResponse(path, media_type="application/octet-stream", headers=headers)
+
+    @router.get("/v1/jobs/{job_id}/checkpoint", dependencies=authorized, response_model=None)
+    def checkpoint(job_id: str) -> FileResponse:
+        """The job's newest checkpoint (a tar of its ckpt-<clock> folder), to resume from
+        (`orchestrator train JOB --resume DIR`) or to keep."""
+        store.get_job(job_id)
+        path, label = checkpoint_tar(artifacts_root, job_id)
+        return FileResponse(
+            path,
+            media_type="application/x-tar",
+            headers={WEIGHTS_HEADER: label},
+            background=BackgroundTask(path.unlink, missing_ok=True),
+        )
 
     @router.get("/v1/jobs/{job_id}/events")
     def events(

@@ -9,6 +9,7 @@ submit may or may not have been applied, and the message says to check.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote
@@ -18,6 +19,7 @@ from pydantic import SecretStr
 
 from orchestrator.errors import UserError
 
+DOWNLOAD_TIMEOUT_S = 300.0  # weights and checkpoints are large
 DEFAULT_TIMEOUT_S = 5.0  # the API answers from Redis in milliseconds; 5 s means it is stuck
 _MAX_QUOTED_BODY_CHARS = 200
 _START_FIX = (
@@ -134,6 +136,22 @@ class ApiClient:
 
     # --- internals
 
+    def download(self, job_id: str, what: str, dest: Path) -> str:
+        """Write the job's `weights` (safetensors) or newest `checkpoint` (a tar) to `dest`;
+        returns where they came from (`final`, or a checkpoint's name).
+
+        Raises:
+            ApiResponseError: 404 when the job has none yet (with when there will be).
+        """
+        response = self._send("GET", _job_path(job_id, what), timeout_s=DOWNLOAD_TIMEOUT_S)
+        if not response.is_success:
+            raise _response_error(response)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".part")
+        tmp.write_bytes(response.content)
+        tmp.replace(dest)
+        return response.headers.get("X-Orchestrator-Weights", "")
+
     def _call(
         self,
         method: str,
@@ -143,15 +161,34 @@ class ApiClient:
         params: Mapping[str, str | int] | None = None,
         accept: tuple[int, ...] = (),
     ) -> Any:
+        response = self._send(method, path, json=json, params=params)
+        if response.is_success or response.status_code in accept:
+            try:
+                return response.json()
+            except ValueError:
+                raise _not_ours(response) from None
+        raise _response_error(response)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, str | int] | None = None,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
+        """The response, whatever its status; a network failure as a `UserError`."""
         url = f"{self.base_url}{path}"
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            response = self._http.request(method, path, json=json, params=params)
+            return self._http.request(method, path, json=json, params=params, timeout=timeout)
         except httpx.TimeoutException as exc:
             if isinstance(exc, httpx.ConnectTimeout):
                 raise _unreachable(self.base_url, "connection timed out") from None
             maybe = " (it may or may not have been applied)" if method != "GET" else ""
             raise UserError(
-                f"the controller API at {url} did not answer within {self.timeout_s:g} s{maybe}",
+                f"the controller API at {url} did not answer within {timeout:g} s{maybe}",
                 fix="check the API server's log, and list jobs (`orchestrator jobs`) before "
                 "submitting again",
             ) from None
@@ -164,12 +201,6 @@ class ApiClient:
                 f"request to the controller API at {url} failed: {exc}",
                 fix="check that --api / ORCHESTRATOR_API__URL points at the orchestrator API",
             ) from None
-        if response.is_success or response.status_code in accept:
-            try:
-                return response.json()
-            except ValueError:
-                raise _not_ours(response) from None
-        raise _response_error(response)
 
 
 def _job_path(job_id: str, action: str | None = None) -> str:

@@ -42,6 +42,13 @@ def demo(
             help="Keep serving the dashboard this many seconds after the job ends.",
         ),  # fmt: skip
     ] = 0.0,
+    weights_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--weights-out",
+            help="Copy the weights the job hands back (model.safetensors) to this path.",
+        ),
+    ] = None,
 ) -> None:
     """The offline demo: Redis, a moto EC2 server, replayed 2020 prices and p3 evictions, the
     controller and local instance agents, running one job with a budget to the end, watched on a
@@ -67,6 +74,7 @@ def demo(
         console=out,
         port=None if no_dashboard else port,
         linger_s=linger,
+        weights_out=weights_out,
     )
     if json_summary is not None:
         write_summary(summary, json_summary)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import sys
+import tarfile
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
+from orchestrator.artifacts import WEIGHTS
 from orchestrator.cli.app import app, err, out
 from orchestrator.errors import UserError
 
@@ -210,6 +213,14 @@ def show_job(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object (the job, with `cost`).")
     ] = False,
+    download: Annotated[
+        Path | None,
+        typer.Option(
+            "--download",
+            help="Write the job's weights to DIR/model.safetensors (final, else the newest "
+            "checkpoint's) and its newest checkpoint to DIR/checkpoint/.",
+        ),
+    ] = None,
     api: ApiOption = None,
     token: TokenOption = None,
 ) -> None:
@@ -217,6 +228,8 @@ def show_job(
     with _client(api, token) as client:
         job = client.get_job(job_id)
         cost = client.cost(job_id)
+        if download is not None:
+            _download(client, job_id, download)
     if as_json:
         sys.stdout.write(json.dumps({**job, "cost": cost}) + "\n")
         return
@@ -240,6 +253,31 @@ def show_job(
     for name, value in rows.items():
         table.add_row(name, value)
     out.print(table)
+
+
+def _download(client: ApiClient, job_id: str, folder: Path) -> None:
+    """The job's weights and newest checkpoint into `folder` (see `show_job`)."""
+    from orchestrator.api.client import ApiResponseError
+
+    source = client.download(job_id, "weights", folder / WEIGHTS)
+    err.print(f"wrote {folder / WEIGHTS} ({source} weights)", highlight=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        tar_path = Path(tmp) / "checkpoint.tar"
+        try:
+            name = client.download(job_id, "checkpoint", tar_path)
+        except ApiResponseError as exc:
+            if exc.status_code != 404:
+                raise
+            err.print(f"no checkpoint to download: {exc}", highlight=False)
+            return
+        target = folder / "checkpoint"
+        target.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(target, filter="data")  # no absolute paths, links or devices
+    err.print(
+        f"wrote {target / name} (resume with `orchestrator train JOB --resume {target}`)",
+        highlight=False,
+    )
 
 
 # -- report -------------------------------------------------------------------------------

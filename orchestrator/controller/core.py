@@ -109,6 +109,9 @@ class Controller:
         image_id: the AMI worker nodes boot.
         user_data: builds a node's user data from (job id, allocation id).
         launch_tags: more tags for a job's instances (e.g. where its AgileML controller is).
+        on_job_stop: called with a job's id just before its instances are terminated at its
+            end (the training host saves the final weights while the nodes still serve); an
+            error there is logged and the instances go all the same.
         max_running_jobs: jobs run side by side, each on its own budget; with a limit, queued
             jobs wait (oldest first) until fewer than this many run — 1 runs them in sequence.
     """
@@ -126,6 +129,7 @@ class Controller:
         image_id: str = "ami-orchestrator",
         user_data: Callable[[str, str], str] | None = None,
         launch_tags: Callable[[str], Mapping[str, str]] | None = None,
+        on_job_stop: Callable[[str], None] | None = None,
         max_running_jobs: int | None = None,
     ) -> None:
         if max_running_jobs is not None and max_running_jobs < 1:
@@ -142,6 +146,7 @@ class Controller:
         self.image_id = image_id
         self.user_data = user_data
         self.launch_tags = launch_tags
+        self.on_job_stop = on_job_stop
         self._notices: list[InterruptionNotice] = []
         self._doomed: set[str] = set()
         self._prices_seen: dict[str, dict[str, float]] = {}  # job -> the last prices recorded
@@ -377,7 +382,13 @@ class Controller:
         reason: EndReason,
         report: TickReport,
     ) -> None:
-        for rec in self.store.list_instances(job.job_id, alive_only=True):
+        alive = self.store.list_instances(job.job_id, alive_only=True)
+        if alive and self.on_job_stop is not None:
+            try:
+                self.on_job_stop(job.job_id)
+            except Exception:  # noqa: BLE001 - the instances must go whatever the hook did
+                log.exception("on_job_stop failed", extra={"job_id": job.job_id})
+        for rec in alive:
             self._terminate(rec, history, now_s, reason, report)
 
     def _finish(

@@ -68,6 +68,7 @@ def running_controller(
             store=store,
             client=ec2_client(settings),
             launch_tags=training.tags_for if training is not None else None,
+            on_job_stop=training.save_final if training is not None else None,
         )
 
         def ticked(report: TickReport) -> None:
@@ -162,4 +163,6 @@ def training_host(settings: Settings, store: Store) -> TrainingHost | None:
         token=token_from_hex(secret, source=f"the secret {secret_id}"),
         advertise_host=advertise,
         base_port=settings.worker.agileml_port,
+        artifacts_root=settings.training.artifacts_dir,
+        checkpoint_every_s=settings.training.checkpoint_every_s,
     )

@@ -17,19 +17,28 @@ Failure semantics: an elasticity controller that cannot bind tries the next port
 `max_jobs`); a store write that fails is logged and the next step writes the (cumulative)
 numbers again. Each job's port is kept in the store: a restarted controller's first `step`
 hosts every job it hosted before on the same port, so the workers (whose tags name it)
-reconnect when systemd restarts them. The elasticity controller's own state is not kept: such
-a job's training starts again from the initial model.
+reconnect when systemd restarts them.
+
+Artifacts (with `artifacts_root`, see `orchestrator.artifacts`): each job checkpoints into its
+folder (every `checkpoint_every_s` unless its spec says otherwise); `step` assembles the newest
+checkpoint's weights, and writes the final weights once the training is done or the job ends
+(from the live model, else from the newest checkpoint). A job hosted again after a restart
+resumes from its newest checkpoint: at most one checkpoint interval is trained again, and the
+work counted stays as recorded (the report never lowers it).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 
 from pydantic import ValidationError
 
-from orchestrator.agileml.hosting import HostedTraining, TrainingSpec
+from orchestrator.agileml.hosting import AgileMLError, HostedTraining, TrainingSpec
+from orchestrator.artifacts import WEIGHTS, JobArtifacts
 from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER
 from orchestrator.errors import UserError
 from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
@@ -74,9 +83,13 @@ class TrainingHost:
         base_port: int = DEFAULT_BASE_PORT,
         max_jobs: int = MAX_HOSTED_TRAINING_JOBS,
         work_from_iterations: bool = True,
+        artifacts_root: Path | None = None,
+        checkpoint_every_s: float = 600.0,
     ) -> None:
         self.store = store
         self.work_from_iterations = work_from_iterations
+        self.artifacts_root = artifacts_root
+        self.checkpoint_every_s = checkpoint_every_s
         self._token = token
         self.advertise_host = advertise_host
         self.bind_host = bind_host
@@ -135,8 +148,13 @@ class TrainingHost:
             except Exception as exc:  # noqa: BLE001 - a store hiccup: report at the next step
                 log.warning("training report of %s failed: %r", job_id, exc)
                 continue
+            self._keep_artifacts(job, training)
             if job.state.is_terminal:
                 self._stop(job_id)
+
+    def artifacts(self, job_id: str) -> JobArtifacts | None:
+        """The job's artifacts folder, None without an artifacts root."""
+        return None if self.artifacts_root is None else JobArtifacts(self.artifacts_root, job_id)
 
     def close(self) -> None:
         """Stop every elasticity controller (their nodes are told to shut down); the ports stay
@@ -150,7 +168,58 @@ class TrainingHost:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _with_artifacts(self, spec: TrainingSpec) -> TrainingSpec:
+        """The spec with the job's checkpoint folder and, if it has one, the newest checkpoint
+        to resume from."""
+        artifacts = self.artifacts(spec.job_id)
+        if artifacts is None:
+            return spec
+        update: dict[str, object] = {"checkpoint_dir": str(artifacts.checkpoints)}
+        if not spec.checkpoint_every and not spec.checkpoint_every_s:
+            update["checkpoint_every_s"] = self.checkpoint_every_s
+        latest = artifacts.latest_checkpoint()
+        if latest is not None:
+            update["resume_from"] = str(latest)
+            log.info("resuming training", extra={"job_id": spec.job_id, "from": str(latest)})
+        return TrainingSpec.model_validate({**spec.model_dump(), **update})
+
+    def save_final(self, job_id: str) -> None:
+        """Write the job's final weights now, once (the controller calls this just before it
+        releases a finished job's instances, while its nodes still serve the model)."""
+        artifacts, hosted = self.artifacts(job_id), self.hosted(job_id)
+        if artifacts is None or hosted is None or artifacts.final_info.is_file():
+            return
+        try:
+            iterations = hosted.save_weights(artifacts.final_weights)
+            source = "the model at the end"
+        except AgileMLError:  # its servers are gone (the job ended with its instances)
+            latest = artifacts.latest_checkpoint()
+            if latest is None:
+                log.warning("no final weights for %s: no server, no checkpoint", job_id)
+                return
+            iterations = hosted.save_checkpoint_weights(latest, artifacts.final_weights)
+            source = f"checkpoint {latest.name}"
+        info = {"source": source, "iterations_done": iterations}
+        artifacts.final_info.write_text(json.dumps(info, indent=2) + "\n")
+        log.info("final weights written", extra={"job_id": job_id, **info})
+
+    def _keep_artifacts(self, job: JobRecord, training: HostedTraining) -> None:
+        """Assemble the newest checkpoint's weights; write the final weights once the
+        training is done or the job has ended."""
+        artifacts = self.artifacts(job.job_id)
+        if artifacts is None:
+            return
+        try:
+            latest = artifacts.latest_checkpoint()
+            if latest is not None and not (latest / WEIGHTS).is_file():
+                training.save_checkpoint_weights(latest, latest / WEIGHTS)
+            if training.done or job.state.is_terminal:
+                self.save_final(job.job_id)
+        except Exception as exc:  # noqa: BLE001 - a full disk, a torn file: log, try again
+            log.warning("artifacts of %s not written: %r", job.job_id, exc)
+
     def _start(self, spec: TrainingSpec, preferred: int | None) -> tuple[HostedTraining, int]:
+        spec = self._with_artifacts(spec)
         used = {port for _, port in self._hosted.values()}
         used |= {p for j, p in self.store.training_ports().items() if j != spec.job_id}
         ports = range(self.base_port, self.base_port + self.max_jobs)

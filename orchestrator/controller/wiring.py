@@ -97,6 +97,7 @@ def build_controller(
     client: Any = None,
     catalog: Catalog | None = None,
     launch_tags: Callable[[str], Mapping[str, str]] | None = None,
+    on_job_stop: Callable[[str], None] | None = None,
 ) -> Controller:
     """A controller over `store` configured by `settings` (see the module docstring).
 
@@ -107,6 +108,8 @@ def build_controller(
         client: the boto3 EC2 client for the defaults (default: `ec2_client(settings)`).
         catalog: instance types and work rates (default: the bundled catalog).
         launch_tags: more tags for a job's launches (the training host's address).
+        on_job_stop: called before a job's instances go at its end (the training host's
+            final weights).
 
     Raises:
         UserError: a setting cannot be used (e.g. an unknown billing model).
@@ -130,5 +133,6 @@ def build_controller(
         settings=settings.bidbrain,
         image_id=settings.controller.image_id,
         launch_tags=launch_tags,
+        on_job_stop=on_job_stop,
         max_running_jobs=settings.controller.max_running_jobs,
     )

@@ -94,13 +94,17 @@ class _MockHandler(BaseHTTPRequestHandler):
         return self.path.split("?", 1)[0]
 
     def _send(self, reply: _Reply) -> None:
-        self.send_response(reply.status)
-        self.send_header("Content-Type", reply.content_type)
-        self.send_header("Content-Length", str(len(reply.body)))
-        for name, value in reply.headers:
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(reply.body)
+        try:
+            self.send_response(reply.status)
+            self.send_header("Content-Type", reply.content_type)
+            self.send_header("Content-Length", str(len(reply.body)))
+            for name, value in reply.headers:
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(reply.body)
+        except (BrokenPipeError, ConnectionResetError):
+            # the client gave up (an agent stopping mid-poll): nothing to answer
+            logger.debug("imds mock: client went away before the answer")
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("imds mock: " + format, *args)

@@ -1,0 +1,202 @@
+"""A training job's artifacts through the controller: checkpoints in the job's folder, the job
+resumed from the newest one when the controller restarts (real node processes, the user's job
+file), the final weights written while the nodes still serve, and both handed back by the API
+(`orchestrator job ID --download`)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+from safetensors.torch import load_file
+from support.redis_server import free_port
+
+from orchestrator.agileml.jobcode import load_job_code
+from orchestrator.agileml.reference import relative_error, train_reference
+from orchestrator.agileml.token import AGILEML_TOKEN_ENV
+from orchestrator.api.app import WEIGHTS_HEADER, create_app
+from orchestrator.artifacts import JobArtifacts
+from orchestrator.controller.training import TrainingHost
+from orchestrator.jobspec import JobSubmission
+from orchestrator.settings import ApiSettings, Settings, TrainingSettings
+from orchestrator.store import JobRecord, MemoryStore
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*httpx2", category=UserWarning)
+    from fastapi.testclient import TestClient
+
+JOB_FILE = Path(__file__).parents[2] / "support" / "jobs" / "digits_adamw.py"
+JOB_ID = "job-resume"
+ITERATIONS = 100
+GLOBAL_BATCH = 64
+TOKEN = bytes(range(32))
+TRAINING = {
+    "code": str(JOB_FILE), "global_batch": GLOBAL_BATCH, "iterations": ITERATIONS,
+    "num_partitions": 4, "min_nodes": 2, "heartbeat_s": 0.1, "failure_timeout_s": 2.0,
+    "checkpoint_every": 10,
+}  # fmt: skip
+
+
+def _host(store: MemoryStore, root: Path, port: int) -> TrainingHost:
+    return TrainingHost(
+        store, token=TOKEN, advertise_host="127.0.0.1", bind_host="127.0.0.1", base_port=port,
+        artifacts_root=root,
+    )  # fmt: skip
+
+
+def _nodes(endpoint: str, logs: Path) -> list[subprocess.Popen[bytes]]:
+    """A reliable and a transient node, as the instance agents start them."""
+    env = {**os.environ, AGILEML_TOKEN_ENV: TOKEN.hex(), "ORCHESTRATOR_TEST_JOB_PAUSE_S": "0.05"}
+    procs = []
+    for node_id, tier in (("r0", "reliable"), ("t0", "transient")):
+        cmd = [sys.executable, "-m", "orchestrator.agileml.node", "--node-id", node_id,
+               "--job-id", JOB_ID, "--tier", tier, "--controller", endpoint]  # fmt: skip
+        with (logs / f"{node_id}.log").open("ab") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log))
+    return procs
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait(10)
+
+
+def _step_until(host: TrainingHost, done: object, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "no progress"
+        host.step(time.time())
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_restarted_controller_resumes_the_job_from_its_checkpoint(tmp_path: Path) -> None:
+    store = MemoryStore()
+    job = JobSubmission(name="resume", budget_usd=10.0, work_gpu_hours=2.0, training=TRAINING)
+    store.create_job(JobRecord.submit(JOB_ID, job.model_dump(mode="json"), 10.0, 0.0))
+    root, port = tmp_path / "artifacts", free_port()
+    artifacts = JobArtifacts(root, JOB_ID)
+    first = _host(store, root, port)
+    first.tags_for(JOB_ID)  # hosted at the job's first launch
+    procs = _nodes(str(first.endpoint(JOB_ID)), tmp_path)
+    try:
+        _step_until(
+            first,
+            lambda: store.training(JOB_ID)[-1:] and store.training(JOB_ID)[-1].iteration >= 35,
+        )
+        work_before = store.get_job(JOB_ID).work_done_gpu_hours
+        assert work_before > 0
+    finally:  # the controller goes, and with it the job's nodes (their agents restart them)
+        first.close()
+        _stop(procs)
+    latest = artifacts.latest_checkpoint()
+    assert latest is not None
+    resumed = int(latest.name.removeprefix("ckpt-"))
+    reports_before = len(store.training(JOB_ID))
+
+    second = _host(store, root, port)
+    second.step(time.time())  # hosts the job again where its workers' tags point
+    assert second.endpoint(JOB_ID) == f"tcp://127.0.0.1:{port}"
+    procs = _nodes(str(second.endpoint(JOB_ID)), tmp_path)
+    try:
+        _step_until(second, artifacts.final_info.is_file)
+    finally:
+        second.close()
+        _stop(procs)
+    assert resumed < ITERATIONS - 20  # the controller went mid-training
+    after = [r.iteration for r in store.training(JOB_ID)[reports_before:] if r.iteration > 0]
+    assert after and min(after) >= resumed  # nothing before the checkpoint trained again
+    assert store.get_job(JOB_ID).work_done_gpu_hours >= work_before  # kept as recorded
+    # the job ends with the weights of a run that never stopped
+    code = load_job_code(JOB_FILE)
+    model = code.model()
+    model.load_state_dict(load_file(str(artifacts.final_weights)))
+    expected, _ = train_reference(code, iterations=ITERATIONS, global_batch=GLOBAL_BATCH)
+    assert relative_error(model, expected) <= 1e-5
+
+
+def test_the_api_hands_back_the_weights_and_the_newest_checkpoint(tmp_path: Path) -> None:
+    store = MemoryStore()
+    job = JobSubmission(name="w", budget_usd=10.0, work_gpu_hours=2.0)
+    store.create_job(JobRecord.submit(JOB_ID, job.model_dump(mode="json"), 10.0, 0.0))
+    settings = Settings(
+        api=ApiSettings(token=SecretStr("t0ken")), training=TrainingSettings(artifacts_dir=tmp_path)
+    )
+    client = TestClient(create_app(store, settings))
+    auth = {"Authorization": "Bearer t0ken"}
+    assert client.get(f"/v1/jobs/{JOB_ID}/weights").status_code == 401
+    missing = client.get(f"/v1/jobs/{JOB_ID}/weights", headers=auth)
+    assert missing.status_code == 404 and "no weights yet" in missing.json()["error"]["message"]
+    assert client.get("/v1/jobs/job-nope/weights", headers=auth).status_code == 404
+
+    artifacts = JobArtifacts(tmp_path, JOB_ID)
+    ckpt = artifacts.checkpoints / "ckpt-00000009"
+    ckpt.mkdir(parents=True)
+    (ckpt / "part-0000.safetensors").write_bytes(b"part")
+    (ckpt / "model.safetensors").write_bytes(b"checkpoint weights")
+    assert client.get(f"/v1/jobs/{JOB_ID}/weights", headers=auth).status_code == 404  # torn
+    (ckpt / "checkpoint.json").write_text('{"clock": 9}')
+    got = client.get(f"/v1/jobs/{JOB_ID}/weights", headers=auth)
+    assert got.content == b"checkpoint weights" and got.headers[WEIGHTS_HEADER] == ckpt.name
+    artifacts.final_weights.parent.mkdir(parents=True)
+    artifacts.final_weights.write_bytes(b"final weights")
+    got = client.get(f"/v1/jobs/{JOB_ID}/weights", headers=auth)
+    assert got.content == b"final weights" and got.headers[WEIGHTS_HEADER] == "final"
+
+    tar = client.get(f"/v1/jobs/{JOB_ID}/checkpoint", headers=auth)
+    assert tar.status_code == 200
+    with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
+        assert sorted(archive.getnames()) == [
+            "ckpt-00000009", "ckpt-00000009/checkpoint.json", "ckpt-00000009/model.safetensors",
+            "ckpt-00000009/part-0000.safetensors",
+        ]  # fmt: skip
+
+
+def test_job_download_writes_the_weights_and_unpacks_the_checkpoint(tmp_path: Path) -> None:
+    """`orchestrator job ID --download DIR` as a user runs it, against a served API."""
+    from orchestrator.api.serve import BackgroundServer
+
+    store = MemoryStore()
+    job = JobSubmission(name="w", budget_usd=10.0, work_gpu_hours=2.0)
+    store.create_job(JobRecord.submit(JOB_ID, job.model_dump(mode="json"), 10.0, 0.0))
+    root = tmp_path / "artifacts"
+    settings = Settings(
+        api=ApiSettings(token=SecretStr("t0ken")), training=TrainingSettings(artifacts_dir=root)
+    )
+    artifacts = JobArtifacts(root, JOB_ID)
+    ckpt = artifacts.checkpoints / "ckpt-00000019"
+    ckpt.mkdir(parents=True)
+    for name, data in (("part-0000.safetensors", b"p"), ("model.safetensors", b"w19")):
+        (ckpt / name).write_bytes(data)
+    (ckpt / "checkpoint.json").write_text('{"clock": 19}')
+    out = tmp_path / "got"
+
+    def download() -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "orchestrator", "job", JOB_ID, "--download", str(out),
+               "--api", server.url, "--token", "t0ken"]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    with BackgroundServer(create_app(store, settings)) as server:
+        run = download()
+        assert run.returncode == 0, run.stderr
+        assert (out / "model.safetensors").read_bytes() == b"w19"
+        assert (out / "checkpoint" / "ckpt-00000019" / "checkpoint.json").is_file()
+        assert "ckpt-00000019 weights" in run.stderr and "--resume" in run.stderr
+        artifacts.final_weights.parent.mkdir(parents=True)
+        artifacts.final_weights.write_bytes(b"final")
+        run = download()
+        assert run.returncode == 0 and (out / "model.safetensors").read_bytes() == b"final"
+        (ckpt / "checkpoint.json").unlink()
+        artifacts.final_weights.unlink()
+        run = download()
+        assert run.returncode == 2 and "no weights yet" in run.stderr
+        assert "Traceback" not in run.stderr
