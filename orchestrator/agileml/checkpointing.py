@@ -13,6 +13,7 @@ files). Every checkpoint holds all partitions at one clock, so that resuming is 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from orchestrator.agileml.checkpoints import CheckpointSchedule
@@ -26,8 +27,8 @@ HOLD_LIMIT_S = 60.0
 
 
 class Checkpointer:
-    """Takes the checkpoints of one job (see the module docstring). `record(clock)` is told of
-    each one taken."""
+    """Takes the checkpoints of one job (see the module docstring). `record(clock, seconds)`
+    is told of each one taken and how long writing it took."""
 
     def __init__(
         self,
@@ -35,7 +36,7 @@ class Checkpointer:
         *,
         start_clock: int,
         now_s: float,
-        record: Callable[[int], None],
+        record: Callable[[int, float], None],
     ) -> None:
         self.spec = spec
         self._schedule = CheckpointSchedule(
@@ -86,6 +87,7 @@ class Checkpointer:
         self, call: NodeCall, nodes: list[str], clock: int, now_s: float, source: str
     ) -> None:
         assert self.spec.checkpoint_dir is not None
+        started = time.monotonic()
         take_checkpoint(
             call,
             nodes,
@@ -96,4 +98,4 @@ class Checkpointer:
             source=source,
         )
         self._schedule.taken(clock, now_s)
-        self._record(clock)
+        self._record(clock, time.monotonic() - started)

@@ -159,7 +159,7 @@ class Coordinator:
             spec,
             start_clock=self._start_clock,
             now_s=now(),
-            record=lambda clock: self._record("checkpointed", [], f"clock {clock}"),
+            record=lambda clock, s: self._record("checkpointed", [], f"clock {clock} in {s:.3f} s"),
         )
         self._events: list[CoordinatorEvent] = []
         self._queue: queue.Queue[tuple[str, str]] = queue.Queue()

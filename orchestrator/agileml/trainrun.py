@@ -116,7 +116,7 @@ class TrainResult:
 
 
 @dataclass(frozen=True)
-class Progress:
+class TrainProgress:
     """How far a run is: the furthest iteration done, its loss, the recent time per iteration."""
 
     iteration: int
@@ -207,7 +207,7 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
 def train_locally(
     plan: TrainPlan,
     *,
-    on_progress: Callable[[Progress], None] | None = None,
+    on_progress: Callable[[TrainProgress], None] | None = None,
     log_dir: Path | None = None,
 ) -> TrainResult:
     """Run the plan (see the module docstring); every process is gone on return.
@@ -257,7 +257,7 @@ def _drive(
     job: LocalJob,
     plan: TrainPlan,
     transient: list[str],
-    on_progress: Callable[[Progress], None] | None,
+    on_progress: Callable[[TrainProgress], None] | None,
 ) -> list[dict[str, Any]]:
     """Wait for the job to finish its iterations, injecting faults on the way."""
     pending = list(plan.injections)
@@ -319,7 +319,7 @@ def _victim(job: LocalJob, alive: list[str], clock: int) -> str:
     return (computing or alive)[0]
 
 
-def _progress(job: LocalJob, plan: TrainPlan, recent: list[tuple[int, float]]) -> Progress:
+def _progress(job: LocalJob, plan: TrainPlan, recent: list[tuple[int, float]]) -> TrainProgress:
     clock = max(job.max_clock(), -1)
     losses = job.coordinator.node_losses()
     latest = [ls[-1] for ls in losses.values() if ls]
@@ -331,7 +331,7 @@ def _progress(job: LocalJob, plan: TrainPlan, recent: list[tuple[int, float]]) -
     rate = None
     if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
         rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
-    return Progress(clock + 1, plan.iterations, loss, rate)
+    return TrainProgress(clock + 1, plan.iterations, loss, rate)
 
 
 def _finish_timeout(plan: TrainPlan) -> float:

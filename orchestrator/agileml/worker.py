@@ -42,7 +42,7 @@ from orchestrator.agileml.wire import MessageKind
 if TYPE_CHECKING:
     from orchestrator.agileml.reassign import Reassigner
 
-DEFAULT_REQUEST_TIMEOUT_SECONDS = 30.0  # a pull may legitimately wait for the slowest worker
+PULL_TIMEOUT_SECONDS = 30.0  # a pull may legitimately wait for the slowest worker
 RETRY_DELAY_SECONDS = 0.002  # before asking again about a partition in flight
 WAIT_SLICE_MS = 20  # how often a waiting worker checks its abort callback
 
@@ -64,7 +64,7 @@ class WorkerSpec:
     batch_size: int
     slack: int = 0
     seed: int = 0
-    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
+    request_timeout_s: float = PULL_TIMEOUT_SECONDS
 
 
 class StaleViewError(AgileMLError):

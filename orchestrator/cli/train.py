@@ -20,8 +20,7 @@ from orchestrator.cli.app import err, out, validation_to_user_error
 from orchestrator.errors import UserError
 
 if TYPE_CHECKING:  # the runtime (and torch) load only when the command runs
-    from orchestrator.agileml.trainrun import Progress as TrainProgress
-    from orchestrator.agileml.trainrun import TrainPlan, TrainResult
+    from orchestrator.agileml.trainrun import TrainPlan, TrainProgress, TrainResult
 
 
 @cli_app.command("train")

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 TOKEN_REFRESH_MARGIN_SECONDS = 60.0
 #: With a 5 s poll a notice is seen within ~5 s of appearing, well inside the 120 s warning.
 DEFAULT_POLL_INTERVAL_SECONDS = 5.0
-DEFAULT_REQUEST_TIMEOUT_SECONDS = 1.0
+IMDS_REQUEST_TIMEOUT_SECONDS = 1.0
 
 _NOTICE_PATHS: tuple[tuple[NoticeKind, str], ...] = (
     ("interruption", SPOT_ACTION_PATH),
@@ -120,7 +120,7 @@ class NoticeWatcher:
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_SECONDS,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_SECONDS,
+        request_timeout_s: float = IMDS_REQUEST_TIMEOUT_SECONDS,
         token_ttl_s: int = MAX_TOKEN_TTL_SECONDS,
         instance_id: str | None = None,
     ) -> None:

@@ -165,4 +165,5 @@ def training_host(settings: Settings, store: Store) -> TrainingHost | None:
         base_port=settings.worker.agileml_port,
         artifacts_root=settings.training.artifacts_dir,
         checkpoint_every_s=settings.training.checkpoint_every_s,
+        checkpoints=False,  # the workers cannot write to this node's disk (S3: next step)
     )

@@ -85,11 +85,15 @@ class TrainingHost:
         work_from_iterations: bool = True,
         artifacts_root: Path | None = None,
         checkpoint_every_s: float = 600.0,
+        checkpoints: bool = True,
     ) -> None:
         self.store = store
         self.work_from_iterations = work_from_iterations
         self.artifacts_root = artifacts_root
         self.checkpoint_every_s = checkpoint_every_s
+        # checkpoints need a folder the job's reliable nodes write to and this host reads:
+        # offline they share the disk; on AWS not yet (the final weights come over the wire)
+        self.checkpoints = checkpoints
         self._token = token
         self.advertise_host = advertise_host
         self.bind_host = bind_host
@@ -172,7 +176,7 @@ class TrainingHost:
         """The spec with the job's checkpoint folder and, if it has one, the newest checkpoint
         to resume from."""
         artifacts = self.artifacts(spec.job_id)
-        if artifacts is None:
+        if artifacts is None or not self.checkpoints:
             return spec
         update: dict[str, object] = {"checkpoint_dir": str(artifacts.checkpoints)}
         if not spec.checkpoint_every and not spec.checkpoint_every_s:

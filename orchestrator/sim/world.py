@@ -19,9 +19,8 @@ from orchestrator.market.eviction import (
     RemovalStream,
 )
 from orchestrator.market.prices import Market, PriceHistory
-from orchestrator.units import SECONDS_PER_HOUR
+from orchestrator.units import SECONDS_PER_DAY, SECONDS_PER_HOUR
 
-SECONDS_PER_DAY = 86400.0
 #: Price-crossing models are refitted at this period, each on the history before it.
 REFIT_PERIOD_S = 7 * SECONDS_PER_DAY
 #: A start needs at least this much history before it for the price model to learn from.

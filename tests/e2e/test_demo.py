@@ -57,6 +57,10 @@ def test_the_offline_demo_finishes_within_budget_and_its_dashboard_follows_it_li
     # the agents trained a real model with AgileML through the evictions
     assert summary["training_iterations"] > 0
     assert summary["final_loss"] < summary["loss_at_start"]
+    # the job handed its weights back: a CNN that reads digits it never trained on
+    assert summary["weights_source"] == "the model at the end"
+    assert summary["held_out_accuracy"] >= 0.8
+    assert "Returned weights" in text
     assert any(event.startswith("evicted") for event in summary["training_events"])
     assert "Summary: job succeeded" in text
     if not browser:

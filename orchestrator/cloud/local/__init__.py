@@ -18,8 +18,7 @@ A demo loop (see `tests/integration/offline/test_local_world.py` for a complete 
     with LocalRedis() as r, MotoEC2Server() as aws:
         clock = ReplayClock(T0, speed=600)
         store = RedisStore.connect(r.url, namespace=NS)
-        controller = Controller(store=store,
-                                cloud=EC2Cloud("us-east-1", CID, client=aws.client()), ...)
+        controller = build_controller(settings, store=store, client=aws.client())
         replayer = EvictionReplayer(aws.client(), CID, AvailabilityTrace.bundled(), clock,
                                     seed=0, on_notice=controller.notify)
         with LocalFleet(r.url, NS, clock, cloud_client=aws.client(), controller_id=CID,

@@ -1,0 +1,82 @@
+"""What a checkpoint costs: a job trained by `orchestrator train`'s runtime with a checkpoint
+every few iterations, then resumed from its newest one. Prints one JSON object: the seconds each
+checkpoint took to write (every partition's values and optimizer state, from the event the
+elasticity controller records), its size on disk, the seconds to read it back, and the wall time
+of the resumed run against a fresh run of the same iterations.
+
+    python -m benchmarks.checkpoint_times [JOB.py] [--nodes 2] [--iterations 30] [--every 10]
+
+The default job is the 5,001,000-parameter MLR with Adam (benchmarks/jobs/wide_linear.py), so
+a checkpoint holds ~60 MB. On a small shared machine the figures are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from orchestrator.agileml import checkpoints
+from orchestrator.agileml.trainrun import TrainPlan, train_locally, train_spec
+
+DEFAULT_JOB = Path(__file__).resolve().parent / "jobs" / "wide_linear.py"
+_SECONDS = re.compile(r"clock (\d+) in ([0-9.]+) s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("job", nargs="?", type=Path, default=DEFAULT_JOB)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--global-batch", type=int, default=256)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="orchestrator-ckpt-bench-") as tmp:
+        base = TrainPlan(
+            code=str(args.job),
+            nodes=args.nodes,
+            iterations=args.iterations,
+            global_batch=args.global_batch,
+        )
+        first = train_locally(
+            base.model_copy(update={"checkpoint_dir": tmp, "checkpoint_every": args.every})
+        )
+        writes = [
+            float(m.group(2))
+            for e in first.events
+            if e["kind"] == "checkpointed" and (m := _SECONDS.search(str(e["detail"])))
+        ]
+        newest = checkpoints.latest(tmp)
+        assert newest is not None, "no checkpoint was written"
+        size = sum(f.stat().st_size for f in newest.iterdir())
+        spec = train_spec(base)
+        started = time.monotonic()
+        checkpoints.read(newest, spec.num_partitions)
+        read_s = time.monotonic() - started
+        done = int(str(checkpoints.read_manifest(newest)["clock"])) + 1
+        resumed = train_locally(base.model_copy(update={"resume": str(newest)}))
+        fresh = train_locally(base.model_copy(update={"iterations": args.iterations - done}))
+    print(
+        json.dumps(
+            {
+                "job": str(args.job),
+                "parameters_and_state_bytes": size,
+                "checkpoints_written": len(writes),
+                "write_s_median": round(statistics.median(writes), 3) if writes else None,
+                "write_s_max": round(max(writes), 3) if writes else None,
+                "read_s": round(read_s, 3),
+                "resumed_at_iteration": done,
+                "resumed_run_wall_s": round(resumed.wall_seconds, 2),
+                "fresh_run_same_iterations_wall_s": round(fresh.wall_seconds, 2),
+                "seconds_per_iteration": first.seconds_per_iteration,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
