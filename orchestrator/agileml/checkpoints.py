@@ -122,6 +122,7 @@ def save_weights(model: nn.Module, path: str | Path) -> None:
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     tmp = target.with_suffix(".tmp")
     save_file(state, str(tmp))
+    os.chmod(tmp, 0o644)  # an output file, readable like the summary beside it
     os.replace(tmp, target)
 
 

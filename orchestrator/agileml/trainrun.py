@@ -231,7 +231,7 @@ def train_locally(
         joins = sum(1 for i in plan.injections if i.kind == "join")
         for k in range(1, joins + 1):  # started now, joining when asked (see LocalJob)
             job.add_node(f"j{k}", NodeTier.TRANSIENT, held=True)
-        events = _drive(job, plan, transient, on_progress)
+        events = _drive(job, plan, transient, on_progress, started)
         params, outcomes = job.finish(_finish_timeout(plan))
     parts = training_parts(spec)
     model = parts.model_with(params)
@@ -241,7 +241,7 @@ def train_locally(
         iterations=plan.iterations,
         final_loss=losses[-1][1] if losses else None,
         seconds_per_iteration=_steady_seconds(outcomes, plan, events),
-        events=events + [_event(e) for e in job.events()],
+        events=events + [_event(e, started) for e in job.events()],
         losses=losses,
         wall_seconds=time.monotonic() - started,
         resumed_from=spec.resume_from,
@@ -258,8 +258,10 @@ def _drive(
     plan: TrainPlan,
     transient: list[str],
     on_progress: Callable[[TrainProgress], None] | None,
+    started: float,
 ) -> list[dict[str, Any]]:
-    """Wait for the job to finish its iterations, injecting faults on the way."""
+    """Wait for the job to finish its iterations, injecting faults on the way (`started`:
+    the run's start, on `time.monotonic`)."""
     pending = list(plan.injections)
     alive = list(transient)
     joined = 0
@@ -294,7 +296,12 @@ def _drive(
                 else:
                     job.kill(node_id)
             injected.append(
-                {"iteration": clock, "kind": f"injected_{injection.kind}", "node": node_id}
+                {
+                    "at_s": round(time.monotonic() - started, 3),
+                    "iteration": clock,
+                    "kind": f"injected_{injection.kind}",
+                    "node": node_id,
+                }
             )
         if on_progress is not None:
             recent = (recent + [(clock, time.monotonic())])[-50:]
@@ -365,8 +372,10 @@ def _steady_seconds(
     return statistics.median(gaps) if gaps else None
 
 
-def _event(e: Any) -> dict[str, Any]:
-    return {"at_s": round(e.at_s, 3), "kind": e.kind, "nodes": list(e.nodes), "detail": e.detail}
+def _event(e: Any, started: float) -> dict[str, Any]:
+    """A runtime event, `at_s` seconds after the run started."""
+    at_s = round(e.at_s - started, 3)
+    return {"at_s": at_s, "kind": e.kind, "nodes": list(e.nodes), "detail": e.detail}
 
 
 def save_outputs(result: TrainResult, out: Path) -> None:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the runtime (and torch) load only when the command runs
 
 @cli_app.command("train")
 def train_command(
-    job: Annotated[Path, typer.Argument(help="JOB.py, or a directory with job.py.")],
+    job: Annotated[Path, typer.Argument(metavar="JOB", help="JOB.py, or a directory with job.py.")],
     nodes: Annotated[int, typer.Option("--nodes", help="Transient (spot) nodes.", min=1)] = 4,
     reliable: Annotated[
         int, typer.Option("--reliable", help="Reliable (on-demand) nodes.", min=1)
@@ -99,6 +99,8 @@ def train_command(
     if out_dir is not None:
         save_outputs(result, out_dir)
         out.print(f"wrote {out_dir / 'model.safetensors'} and {out_dir / 'summary.json'}")
+    else:
+        err.print("[yellow]note:[/yellow] no --out DIR: the trained weights were not saved")
 
 
 def _train_with_progress(plan: TrainPlan, log_dir: Path | None) -> TrainResult:
