@@ -132,9 +132,18 @@ def _train(rank: int, plan: _Plan) -> tuple[list[float], list[float]]:
     return ends, losses
 
 
-def _rank_main(rank: int, plan: _Plan, results: Any) -> None:
-    """Process entry point: train, then put ("ok", rank, payload) or ("error", rank, text)."""
-    torch.set_num_threads(1)
+def _rank_payload(rank: int, plan: _Plan) -> Any:
+    """One rank's run: rank 0 reports its iteration times and losses."""
+    ends, losses = _train(rank, plan)
+    seconds = [b - a for a, b in pairwise(ends)]
+    return {"iteration_seconds": seconds, "losses": losses} if rank == 0 else None
+
+
+def _rank_entry(rank: int, plan: Any, results: Any, train: Callable[[int, Any], Any]) -> None:
+    """Process entry point: join the gloo group (`plan.init_method`, `plan.workers`,
+    `plan.timeout_s`), run `train(rank, plan)`, then put ("ok", rank, its result) or
+    ("error", rank, the traceback) on `results`."""
+    torch.set_num_threads(1)  # as AgileML's nodes (OMP_NUM_THREADS=1)
     try:
         dist.init_process_group(
             "gloo",
@@ -143,15 +152,45 @@ def _rank_main(rank: int, plan: _Plan, results: Any) -> None:
             world_size=plan.workers,
             timeout=timedelta(seconds=plan.timeout_s),
         )
-        ends, losses = _train(rank, plan)
-        seconds = [b - a for a, b in pairwise(ends)]
-        payload = {"iteration_seconds": seconds, "losses": losses} if rank == 0 else None
-        results.put(("ok", rank, payload))
+        results.put(("ok", rank, train(rank, plan)))
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_ranks(
+    train: Callable[[int, Any], Any], plan: Any, *, workers: int, timeout_s: float
+) -> dict[int, Any]:
+    """Run `train(rank, plan)` in `workers` spawned processes joined in a gloo group (`plan`
+    names `init_method`, `workers` and `timeout_s`; `train` must be a module-level function);
+    returns rank -> its result. Every process is gone on return.
+
+    Raises:
+        RuntimeError: a rank failed (its traceback in the message) or the run timed out.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    deadline = time.monotonic() + timeout_s
+    procs = [
+        ctx.Process(target=_rank_entry, args=(r, plan, results, train)) for r in range(workers)
+    ]
+    ok: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for p in procs:
+            p.start()
+        ok, errors = _collect(procs, results, deadline)
+    finally:
+        # after a failure the other ranks may be stuck in a collective: stop them right away
+        _stop(procs, deadline if len(ok) == workers and not errors else time.monotonic())
+    if errors:
+        raise RuntimeError("DDP run failed: " + "\n".join(errors))
+    if len(ok) < workers:
+        missing = sorted(set(range(workers)) - set(ok))
+        raise RuntimeError(f"DDP run timed out after {timeout_s} s; no result from {missing}")
+    return ok
 
 
 def _collect(procs: list[Any], results: Any, deadline: float) -> tuple[dict[int, Any], list[str]]:
@@ -233,24 +272,7 @@ def ddp_seconds_per_iteration(
         timeout_s=timeout_s,
         emulated_ms=emulated_ms,
     )
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    deadline = time.monotonic() + timeout_s
-    procs = [ctx.Process(target=_rank_main, args=(r, plan, results)) for r in range(workers)]
-    ok: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        for p in procs:
-            p.start()
-        ok, errors = _collect(procs, results, deadline)
-    finally:
-        # after a failure the other ranks may be stuck in a collective: stop them right away
-        _stop(procs, deadline if len(ok) == workers else time.monotonic())
-    if errors:
-        raise RuntimeError("DDP baseline failed: " + "\n".join(errors))
-    if len(ok) < workers:
-        missing = sorted(set(range(workers)) - set(ok))
-        raise RuntimeError(f"DDP baseline timed out after {timeout_s} s; no result from {missing}")
+    ok = run_ranks(_rank_payload, plan, workers=workers, timeout_s=timeout_s)
     measured = ok[0]["iteration_seconds"][warmup:]
     return DdpResult(
         seconds_per_iteration=statistics.median(measured),

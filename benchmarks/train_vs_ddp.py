@@ -26,19 +26,14 @@ import signal
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.ddp_baseline import _collect, _stop
+from benchmarks.ddp_baseline import run_ranks
 from orchestrator.agileml.jobcode import dataset_rows, load_job_code, seeded_model
 from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.trainrun import TrainPlan, train_locally
@@ -112,24 +107,10 @@ def _ddp_train(rank: int, plan: _DdpPlan) -> list[float]:
     return ends
 
 
-def _ddp_rank(rank: int, plan: _DdpPlan, results: Any) -> None:
-    """Process entry point: put ("ok", rank, ends or None) or ("error", rank, traceback)."""
-    torch.set_num_threads(1)  # as AgileML's nodes (OMP_NUM_THREADS=1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=plan.init_method,
-            rank=rank,
-            world_size=plan.workers,
-            timeout=timedelta(seconds=plan.timeout_s),
-        )
-        ends = _ddp_train(rank, plan)
-        results.put(("ok", rank, ends if rank == 0 else None))
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _ddp_rank(rank: int, plan: _DdpPlan) -> list[float] | None:
+    """One rank's run: rank 0 reports its iteration end times."""
+    ends = _ddp_train(rank, plan)
+    return ends if rank == 0 else None
 
 
 def ddp_seconds_per_iteration(
@@ -149,23 +130,7 @@ def ddp_seconds_per_iteration(
         init_method=f"tcp://127.0.0.1:{free_port()}",
         timeout_s=timeout_s,
     )
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    deadline = time.monotonic() + timeout_s
-    procs = [ctx.Process(target=_ddp_rank, args=(r, plan, results)) for r in range(workers)]
-    ok: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        for p in procs:
-            p.start()
-        ok, errors = _collect(procs, results, deadline)
-    finally:
-        # after a failure the other ranks may wait in a collective: stop them at once
-        _stop(procs, deadline if len(ok) == workers and not errors else time.monotonic())
-    if errors:
-        raise RuntimeError("DDP run failed: " + "\n".join(errors))
-    if len(ok) < workers:
-        raise RuntimeError(f"DDP run timed out after {timeout_s:.0f} s")
+    ok = run_ranks(_ddp_rank, plan, workers=workers, timeout_s=timeout_s)
     ends: list[float] = ok[0]
     return statistics.median([ends[c] - ends[c - 1] for c in range(WARMUP, len(ends))])
 
