@@ -242,7 +242,6 @@ def run_demo(
         submit_job(world.store, job, now_s=world.clock.now(), new_id=lambda: JOB_ID)
         _announce(console, world, job, speed)
         _run(world, job, console, deadline=wall0 + timeout_s)
-        world.training.step(world.clock.now())  # the final weights, while the nodes serve
         world.fleet.step()  # stops the agents of the instances the controller released
         if console.is_terminal:
             console.print()

@@ -148,7 +148,8 @@ class TrainingHost:
         for job_id, (training, _) in hosted.items():
             try:
                 job = self.store.get_job(job_id)
-                self._report(job, training, now_s)
+                if not job.state.is_terminal:  # an ended job's numbers stay as they ended
+                    self._report(job, training, now_s)
             except Exception as exc:  # noqa: BLE001 - a store hiccup: report at the next step
                 log.warning("training report of %s failed: %r", job_id, exc)
                 continue
