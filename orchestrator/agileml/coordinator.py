@@ -15,15 +15,19 @@ It tracks the job's nodes by tier and lifecycle, and drives every change of the 
   when no transient server is left, back to the BackupPSs, which become ParamServs);
 * failure without warning (no heartbeat for `failure_timeout_s`): a worker-only node leaves the
   roster from the clock it had not finished; a node that owned partitions triggers a roll-back:
-  the BackupPSs restore every partition at its last consistent clock to its (new) owner under
-  a new epoch, and every worker redoes from the oldest of those clocks + 1. Updates already in
-  a restored partition are deduplicated, so each one is applied exactly once.
+  the BackupPSs restore every partition at the one clock all of them hold (they hold later
+  clocks back under a ceiling this controller raises as the horizon moves) to its (new) owner
+  under a new epoch, and every worker redoes from that clock + 1, as if the failed worker had
+  never computed past it; updates already in a restored partition are deduplicated, so each
+  one is applied exactly once;
+* checkpoints and resuming from one: see `checkpointing` and `checkpoints`.
 
 Node messages arrive on a ROUTER thread that only records and answers; changes run one at a
 time on a reconfiguration thread that calls the nodes' parameter servers (`control` ops, carried
-out by `server_calls`). The module stays a little over 600 lines on purpose: `Coordinator` is
-the one owner of the job's membership, view and partition table, which both threads share under
-one lock; splitting that state across classes would spread the lock discipline with it.
+out by `server_calls`; checkpoints by `checkpointing`). The module is near 700 lines on
+purpose: `Coordinator` is the one owner of the job's membership, view and partition table,
+which both threads share under one lock; splitting that state across classes would spread the
+lock discipline with it.
 """
 
 from __future__ import annotations

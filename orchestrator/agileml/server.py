@@ -11,8 +11,15 @@ are applied; until then it is held, and re-checked after each push to the partit
 polling). Pushes are additive deltas identified by (worker, clock, partition): a repeat is
 acknowledged and not applied again, so workers may resend after a timeout.
 
-Failure semantics of this slice: state lives in memory only; a stopped server loses it and the
-requests it was holding (workers see a timeout). Replication to BackupPSs comes later.
+Failure semantics: state lives in memory only; a stopped server loses it and the requests it
+was holding (workers see a timeout). Every update an ActivePS applies is streamed to the
+partition's BackupPS, which holds clocks back under the ceiling the elasticity controller
+raises, so a roll-back (`restore_owners`) or a checkpoint (`backup_states`) sees every
+partition at one common clock.
+
+The module is a little over 600 lines on purpose: `ParamServer`'s public methods are short,
+thread-safe wrappers that take its one lock and call the two `PartitionStore`s (owned and
+backed up); splitting them across classes would spread that lock discipline with them.
 
 Hand-off (`ParamServer.handoff_to`): a partition's values, its applied (worker, clock) set and
 its ownership version travel to another server in one authenticated `handoff` message. While
