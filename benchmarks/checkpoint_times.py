@@ -57,7 +57,7 @@ def main() -> None:
         started = time.monotonic()
         checkpoints.read(newest, spec.num_partitions)
         read_s = time.monotonic() - started
-        done = int(str(checkpoints.read_manifest(newest)["clock"])) + 1
+        done = checkpoints.read_manifest(newest).iterations_done
         resumed = train_locally(base.model_copy(update={"resume": str(newest)}))
         fresh = train_locally(base.model_copy(update={"iterations": args.iterations - done}))
     print(

@@ -19,7 +19,12 @@ from collections.abc import Callable
 from orchestrator.agileml.checkpoints import CheckpointSchedule
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.server_calls import NodeCall, owners_at, take_checkpoint
+from orchestrator.agileml.server_calls import (
+    CheckpointSource,
+    NodeCall,
+    owners_at,
+    take_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,10 @@ class Checkpointer:
         self._held = None
         return False
 
+    def drop_hold(self) -> None:
+        """Forget a stage-1 hold (the job has BackupPSs again)."""
+        self._held = None
+
     def at_ceiling(self, call: NodeCall, *, backups: list[str], ceiling: int, now_s: float) -> None:
         """Stages 2 and 3: a checkpoint at the BackupPSs' common ceiling, if one is due."""
         if not self.enabled or not self._schedule.due(ceiling, now_s):
@@ -84,7 +93,7 @@ class Checkpointer:
             log.warning("checkpoint failed", extra={"clock": ceiling, "error": str(exc)})
 
     def _write(
-        self, call: NodeCall, nodes: list[str], clock: int, now_s: float, source: str
+        self, call: NodeCall, nodes: list[str], clock: int, now_s: float, source: CheckpointSource
     ) -> None:
         assert self.spec.checkpoint_dir is not None
         started = time.monotonic()
@@ -96,6 +105,7 @@ class Checkpointer:
             job_id=self.spec.job_id,
             num_partitions=self.spec.num_partitions,
             source=source,
+            spare=self.spec.resume_from,
         )
         self._schedule.taken(clock, now_s)
         self._record(clock, time.monotonic() - started)

@@ -24,8 +24,10 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -33,7 +35,7 @@ from torch import nn
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.artifacts import MANIFEST, latest_checkpoint
 
-KEEP = 2  # complete checkpoints kept; older ones are removed
+KEEP_CHECKPOINTS = 2  # complete checkpoints kept; older ones are removed
 
 
 @dataclass(frozen=True)
@@ -98,15 +100,12 @@ def complete(directory: str | Path, *, job_id: str, clock: int, num_partitions: 
     missing = [p for p in range(num_partitions) if not (folder / _part_name(p)).is_file()]
     if missing:
         raise AgileMLError(f"checkpoint {folder}: partitions {missing} were not written")
-    manifest = {
-        "job_id": job_id,
-        "clock": clock,
-        "iterations_done": clock + 1,
-        "num_partitions": num_partitions,
-        "created_unix": round(time.time(), 3),
-    }
+    manifest = CheckpointManifest(
+        job_id=job_id, clock=clock, num_partitions=num_partitions, created_unix=time.time()
+    )
+    data = {**manifest.model_dump(), "iterations_done": manifest.iterations_done}
     tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, folder / MANIFEST)
     return folder
 
@@ -126,23 +125,39 @@ def save_weights(model: nn.Module, path: str | Path) -> None:
     os.replace(tmp, target)
 
 
-def read_manifest(directory: str | Path) -> dict[str, object]:
+class CheckpointManifest(BaseModel):
+    """What `checkpoint.json` says: the checkpoint is complete at `clock`."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    job_id: str = ""
+    clock: Annotated[int, Field(ge=-1)]  # the last clock applied
+    num_partitions: Annotated[int, Field(ge=1)]
+    created_unix: float = 0.0
+
+    @property
+    def iterations_done(self) -> int:
+        return self.clock + 1
+
+
+def read_manifest(directory: str | Path) -> CheckpointManifest:
     """The manifest of a complete checkpoint.
 
     Raises:
-        AgileMLError: not a complete checkpoint.
+        AgileMLError: not a complete checkpoint, or a manifest that does not parse (named).
     """
     path = Path(directory) / MANIFEST
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        return CheckpointManifest.model_validate_json(path.read_text())
+    except OSError as exc:
         raise AgileMLError(
-            f"{directory} is not a complete checkpoint ({exc}). To fix: name a ckpt-* "
+            f"{directory} is not a complete checkpoint ({exc.strerror}). To fix: name a ckpt-* "
             f"directory that has a {MANIFEST}."
         ) from exc
-    if not isinstance(data, dict) or not isinstance(data.get("clock"), int):
-        raise AgileMLError(f"{path}: no clock in the manifest")
-    return data
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise AgileMLError(f"{path}: {where}: {first['msg']}") from exc
 
 
 def read(directory: str | Path, num_partitions: int) -> Checkpoint:
@@ -153,9 +168,9 @@ def read(directory: str | Path, num_partitions: int) -> Checkpoint:
     """
     folder = Path(directory)
     manifest = read_manifest(folder)
-    if manifest.get("num_partitions") != num_partitions:
+    if manifest.num_partitions != num_partitions:
         raise AgileMLError(
-            f"checkpoint {folder} has {manifest.get('num_partitions')} partitions, the job "
+            f"checkpoint {folder} has {manifest.num_partitions} partitions, the job "
             f"{num_partitions}. To fix: resume with the num_partitions it was written with."
         )
     values, states = [], []
@@ -167,14 +182,12 @@ def read(directory: str | Path, num_partitions: int) -> Checkpoint:
         values.append(tensors["values"])
         state = tensors.get("rule_state")
         states.append(bytes(state.numpy().tobytes()) if state is not None else b"")
-    clock = manifest["clock"]
-    assert isinstance(clock, int)
-    return Checkpoint(folder, str(manifest.get("job_id", "")), clock, values, states)
+    return Checkpoint(folder, manifest.job_id, manifest.clock, values, states)
 
 
-def prune(root: str | Path, keep: int = KEEP) -> None:
+def prune(root: str | Path, keep: int = KEEP_CHECKPOINTS, spare: str | Path | None = None) -> None:
     """Remove all but the newest `keep` complete checkpoints, and incomplete ones older than
-    the newest complete one."""
+    the newest complete one; never `spare` (the checkpoint the run resumed from)."""
     base = Path(root)
     newest = latest(base)
     if newest is None:
@@ -182,8 +195,10 @@ def prune(root: str | Path, keep: int = KEEP) -> None:
     done = sorted(d for d in base.glob("ckpt-*") if (d / MANIFEST).is_file())
     stale = done[:-keep] if keep > 0 else done
     stale += [d for d in base.glob("ckpt-*") if not (d / MANIFEST).is_file() and d < newest]
+    kept = Path(spare).resolve() if spare is not None else None
     for d in stale:
-        shutil.rmtree(d, ignore_errors=True)
+        if d.resolve() != kept:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _part_name(p: int) -> str:

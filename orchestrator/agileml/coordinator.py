@@ -155,7 +155,7 @@ class Coordinator:
         self._table = PartitionTable(spec.num_partitions)
         # a resumed job starts past its checkpoint's clock
         resumed = checkpoints.read_manifest(spec.resume_from) if spec.resume_from else None
-        self._start_clock = int(str(resumed["clock"])) + 1 if resumed is not None else 0
+        self._start_clock = resumed.iterations_done if resumed is not None else 0
         self._horizon = self._start_clock + spec.horizon_clocks
         # BackupPSs apply no clock past it (see advance_backups)
         self._backup_ceiling = self._start_clock - 1
@@ -453,7 +453,9 @@ class Coordinator:
             return
         call = functools.partial(self._call, client)
         backed_up = len(self.view().backups) == self.spec.num_partitions
-        if not backed_up:  # stage 1: a checkpoint holds the horizon (see checkpointing)
+        if backed_up:
+            self._checkpointer.drop_hold()  # a stage-1 hold does not outlive stage 1
+        else:  # stage 1: a checkpoint holds the horizon (see checkpointing)
             owners = sorted({self._table.owner(p) for p in range(self.spec.num_partitions)})
             hold = functools.partial(self._checkpointer.hold_horizon, call, horizon=self._horizon)
             if hold(owners=owners, now_s=self._now()):
@@ -514,7 +516,8 @@ class Coordinator:
             ranges = {f: unfinished_clocks(call, f, self._table) for f in failed}
         roster, adoptions = without_failed(view.roster, view.adoptions, ranges)
         backups = self._backups(plan, endpoints)
-        self._configure_all(client, roster, backups, epoch)
+        if not self._configure_all(client, roster, backups, epoch):
+            log.error("a server refused the roster after the failure of %s", failed)
         self._publish(
             epoch=epoch,
             restart_clock=restart,
@@ -551,6 +554,7 @@ class Coordinator:
             "backups": backups,
             "horizon": self._horizon,
             "slack": self.spec.slack,
+            "backup_ceiling": self._backup_ceiling,  # a reliable node that joined late, too
         }
         return configure_all(functools.partial(self._call, client), self._serving_nodes(), body)
 

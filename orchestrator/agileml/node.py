@@ -101,8 +101,9 @@ class AgileMLNode:
         self._spec: TrainingSpec | None = None
         self._layout: PartitionLayout | None = None
         self._initial: list[Any] = []
-        self._rule_states: list[bytes] = []  # resuming a checkpoint: each partition's
-        self._resumed_clock: int | None = None  # optimizer state, and the clock it is at
+        # a resumed job's checkpoint, read when this node is first given partitions (a node
+        # that joins later gets them by hand-off, and the checkpoint may be pruned by then)
+        self._checkpoint: checkpoints.Checkpoint | None = None
         self._server: ParamServer | None = None
         self._leaving = threading.Event()
         self._stop = threading.Event()
@@ -202,10 +203,6 @@ class AgileMLNode:
         if self._server is not None:
             self._server.set_update_rules(parts.rules)
         self._initial = parts.layout.gather(parts.initial_model)
-        if spec.resume_from is not None:
-            resumed = checkpoints.read(spec.resume_from, spec.num_partitions)
-            self._initial, self._rule_states = resumed.values, resumed.rule_states
-            self._resumed_clock = resumed.clock
         self._layout = parts.layout
         self._worker = Worker(
             WorkerSpec(self.node_id, spec.job_id, spec.global_batch, spec.slack, seed=spec.seed),
@@ -384,11 +381,9 @@ class AgileMLNode:
             if "backups" in body:
                 server.set_backups({int(p): e for p, e in body["backups"].items()})
             for p, version in body.get("init_own", {}).items():
-                server.add_partition(
-                    int(p), self._initial[int(p)], version=int(version), **self._resumed(int(p))
-                )
+                server.add_partition(int(p), version=int(version), **self._start_of(int(p)))
             for p in body.get("init_backup", []):
-                server.add_backup(int(p), self._initial[int(p)], **self._resumed(int(p)))
+                server.add_backup(int(p), **self._start_of(int(p)))
             if "roster" in body:
                 server.set_roster(Roster.model_validate(body["roster"]))
             if "backup_ceiling" in body:
@@ -423,11 +418,16 @@ class AgileMLNode:
             return {"progress": server.worker_progress(str(body["worker"]))}
         raise AgileMLError(f"unknown control op {op!r}")
 
-    def _resumed(self, p: int) -> dict[str, Any]:
-        """Partition p's optimizer state and clock when the job resumes a checkpoint."""
-        if self._resumed_clock is None:
-            return {}
-        return {"rule_state": self._rule_states[p], "clock": self._resumed_clock}
+    def _start_of(self, p: int) -> dict[str, Any]:
+        """Partition p as the job starts: the initial model's values, or, resuming, the
+        checkpoint's values, optimizer state and clock."""
+        spec = self._spec
+        if spec is None or spec.resume_from is None:
+            return {"values": self._initial[p]}
+        if self._checkpoint is None:
+            self._checkpoint = checkpoints.read(spec.resume_from, spec.num_partitions)
+        ckpt = self._checkpoint
+        return {"values": ckpt.values[p], "rule_state": ckpt.rule_states[p], "clock": ckpt.clock}
 
 
 def main(argv: list[str] | None = None) -> int:

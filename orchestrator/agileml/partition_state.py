@@ -417,6 +417,16 @@ class PartitionStore:
                 return clock
             clock += 1
 
+    def check_rewind(self, p: int, clock: int) -> None:
+        """Raise the PartitionError `rewind_to(p, clock)` would; change nothing."""
+        part = self._get(p)
+        if part.consistent > clock or self.complete_through(p) < clock:
+            raise PartitionError(
+                f"cannot rewind to clock {clock}: applied through {part.consistent}, complete "
+                f"through {self.complete_through(p)}",
+                partition=p,
+            )
+
     def rewind_to(self, p: int, clock: int) -> None:
         """Make partition p hold exactly the clocks up to `clock`: apply the held-back ones up
         to it and forget every push past it (they will be pushed again).
@@ -425,13 +435,8 @@ class PartitionStore:
             PartitionError: p is not held here, already has a clock past `clock` applied, or
                 lacks a push of a clock up to it; nothing changed.
         """
+        self.check_rewind(p, clock)
         part = self._get(p)
-        if part.consistent > clock or self.complete_through(p) < clock:
-            raise PartitionError(
-                f"cannot rewind to clock {clock}: applied through {part.consistent}, complete "
-                f"through {self.complete_through(p)}",
-                partition=p,
-            )
         self._advance(part, limit=clock)
         part.applied = {(w, c) for w, c in part.applied if c <= clock}
         part.accum = {c: a for c, a in part.accum.items() if c <= clock}

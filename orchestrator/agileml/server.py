@@ -191,7 +191,7 @@ class ParamServer(ServerLoop):
             PartitionError: a partition is not at `clock` (its ceiling is elsewhere).
         """
         with self._lock:
-            return {p: self._backup.state_at(p, clock) for p in self._backup.owned()}
+            return {p: self._backup.state_at(p, clock) for p in self._backed_here()}
 
     def set_backups(self, backups: Mapping[int, str]) -> None:
         """Name the BackupPS endpoint of each partition (a partition's own server: none).
@@ -201,6 +201,9 @@ class ParamServer(ServerLoop):
         """
         with self._lock:
             self._backups = dict(backups)
+            for p in self._backup.owned():
+                if self._backups.get(p) != self.endpoint:
+                    self._backup.drop_partition(p, 0)  # backed up elsewhere now: stale here
 
     def set_roster(self, roster: Roster) -> None:
         """Adopt `roster` for owned and backed-up partitions; held pulls that are now
@@ -284,10 +287,17 @@ class ParamServer(ServerLoop):
         with self._lock:
             store = self._backup
             out = {}
-            for p in store.owned():
+            for p in self._backed_here():
                 applied = store.consistent_clock(p)
                 out[p] = (-1 if applied is None else applied, store.complete_through(p))
             return out
+
+    def _backed_here(self) -> list[int]:
+        """The backed-up partitions whose BackupPS this server is (a copy it keeps as a
+        ParamServ's, with no BackupPS named, counts too)."""
+        return [
+            p for p in self._backup.owned() if self._backups.get(p, self.endpoint) == self.endpoint
+        ]
 
     def worker_progress(self, worker: str) -> dict[int, tuple[int, int, int]]:
         """(frontier, latest) of `worker` at each owned partition (see PartitionStore)."""
@@ -403,10 +413,15 @@ class ParamServer(ServerLoop):
             HandoffError: an owner refused or did not answer within `timeout_s`.
         """
         with self._lock:
+            store = self._backup
+            # each partition exactly at `clock`, or (no common clock) at its own last complete
+            # one: the clock reported is then the one the owner will hold
+            targets = {p: store.complete_through(p) if clock is None else clock for p in owners}
+            for p, target in targets.items():
+                store.check_rewind(p, target)  # all, before any changes
+            for p, target in targets.items():
+                store.rewind_to(p, target)
             self.epoch = max(self.epoch, epoch)
-            if clock is not None:
-                for p in owners:
-                    self._backup.rewind_to(p, clock)
             snapshots = {
                 p: replace(self._backup.export_partition(p), pending=(), version=versions[p])
                 for p in owners

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import zmq
@@ -28,6 +28,9 @@ from orchestrator.agileml.partitions import PartitionTable
 from orchestrator.agileml.wire import MessageKind
 
 log = logging.getLogger("orchestrator.agileml.coordinator")
+
+#: Where a checkpoint's partitions come from: the BackupPSs' copies, or the owners' own.
+CheckpointSource = Literal["backup", "owned"]
 
 #: A control op on a node: (node id, body) -> the node's answer. Raises AgileMLError.
 NodeCall = Callable[[str, dict[str, Any]], dict[str, Any]]
@@ -199,11 +202,12 @@ def take_checkpoint(
     clock: int,
     job_id: str,
     num_partitions: int,
-    source: str = "backup",
+    source: CheckpointSource = "backup",
+    spare: str | None = None,
 ) -> Path:
     """Have `nodes` write every partition they back up (`source="backup"`) or own ("owned")
-    at `clock` under `root`, then complete the checkpoint and prune old ones; returns its
-    directory.
+    at `clock` under `root`, then complete the checkpoint and prune old ones (but `spare`, the
+    one the job resumed from); returns its directory.
 
     Raises:
         AgileMLError: a node could not write its partitions, or some are missing.
@@ -212,7 +216,7 @@ def take_checkpoint(
     for node in nodes:
         call(node, {"op": "checkpoint", "clock": clock, "dir": str(directory), "source": source})
     checkpoints.complete(directory, job_id=job_id, clock=clock, num_partitions=num_partitions)
-    checkpoints.prune(root)
+    checkpoints.prune(root, spare=spare)
     return directory
 
 

@@ -150,7 +150,7 @@ def check_plan(plan: TrainPlan) -> None:
     if plan.checkpoint_every and plan.checkpoint_dir is None:
         raise UserError("--checkpoint-every needs --out: checkpoints go to OUT/checkpoints")
     if plan.resume is not None:
-        clock = int(str(checkpoints.read_manifest(resume_point(plan.resume))["clock"]))
+        clock = _resume_manifest(plan.resume).clock
         if clock + 1 >= plan.iterations:
             raise UserError(
                 f"--resume: the checkpoint has {clock + 1} iterations done, the job "
@@ -176,6 +176,14 @@ def resume_point(path: str | Path) -> Path:
     return newest
 
 
+def _resume_manifest(path: str) -> checkpoints.CheckpointManifest:
+    """The manifest of the checkpoint `--resume` names (UserError when it is not one)."""
+    try:
+        return checkpoints.read_manifest(resume_point(path))
+    except AgileMLError as exc:
+        raise UserError(f"--resume {path}: {exc}") from None
+
+
 def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
     """The runtime's spec for a plan."""
     model = seeded_model(load_job_code(plan.code), plan.seed)
@@ -183,7 +191,7 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
     partitions = max(1, min(MAX_PARTITIONS, 2 * (plan.nodes + plan.reliable), total))
     resume = str(resume_point(plan.resume)) if plan.resume is not None else None
     if resume is not None:  # the partitioning the checkpoint was written with
-        partitions = int(str(checkpoints.read_manifest(resume)["num_partitions"]))
+        partitions = _resume_manifest(resume).num_partitions
     return TrainingSpec(
         job_id=job_id,
         code=str(Path(plan.code).resolve()),

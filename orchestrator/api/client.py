@@ -148,8 +148,11 @@ class ApiClient:
             raise _response_error(response)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(dest.name + ".part")
-        tmp.write_bytes(response.content)
-        tmp.replace(dest)
+        try:
+            tmp.write_bytes(response.content)
+            tmp.replace(dest)
+        finally:
+            tmp.unlink(missing_ok=True)
         return response.headers.get("X-Orchestrator-Weights", "")
 
     def _call(

@@ -43,6 +43,12 @@ def checkpoint_tar(root: Path, job_id: str) -> tuple[Path, str]:
         raise ApiError(404, f"job {job_id} has no checkpoint yet", fix=NO_WEIGHTS_FIX)
     fd, name = tempfile.mkstemp(prefix="orchestrator-ckpt-", suffix=".tar")
     os.close(fd)
-    with tarfile.open(name, "w") as tar:
-        tar.add(latest, arcname=latest.name)
+    try:
+        with tarfile.open(name, "w") as tar:
+            tar.add(latest, arcname=latest.name)
+    except OSError as exc:  # pruned while being read: a newer one exists, ask again
+        os.unlink(name)
+        raise ApiError(
+            409, f"checkpoint {latest.name} went away while it was read", fix="ask again"
+        ) from exc
     return Path(name), latest.name

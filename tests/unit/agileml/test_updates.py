@@ -208,3 +208,23 @@ def test_a_backup_holds_clocks_back_and_rewinds_to_a_common_clock_with_its_optim
         backup.rewind_to(0, 2)  # clock 3 is applied already
     with pytest.raises(PartitionError, match="cannot rewind to clock 5"):
         backup.rewind_to(0, 5)  # clock 4 and 5 are missing
+
+
+def test_without_a_common_clock_a_backup_restores_at_its_own_complete_clock() -> None:
+    """The roll-back's fallback: the snapshot holds exactly the clocks it says it holds, so
+    the clock the owner reports is the one it is at (no held-back clock applied on import)."""
+    model = _model()
+    layout = PartitionLayout(model, 1)
+    backup = PartitionStore()
+    backup.add(0, layout.gather(model)[0])
+    backup.register_workers(["w0", "w1"])
+    backup.set_ceiling(1)
+    for clock in range(4):
+        backup.apply_chunk(0, clock, ["w0", "w1"], torch.ones(layout.total))
+    backup.apply_chunk(0, 4, ["w0"], torch.ones(layout.total))  # clock 4: w1 missing
+    backup.rewind_to(0, backup.complete_through(0))
+    snapshot = backup.export_partition(0)
+    owner = PartitionStore()
+    owner.import_partition(snapshot, restore=True)
+    assert snapshot.consistent == owner.consistent_clock(0) == 3
+    assert not owner.is_applied(0, "w0", 4)  # pushed again after the roll-back
