@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,14 +56,18 @@ class LocalJob:
         self._procs: dict[str, subprocess.Popen[str]] = {}
         self._killed: set[str] = set()
         self._held: set[str] = set()  # started, not released yet
+        # a log folder made here is removed on a clean exit and kept when the block raised
+        self._own_log_dir = log_dir is None
         self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="agileml-"))
 
     def __enter__(self) -> LocalJob:
         self.coordinator.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close()
+        if self._own_log_dir and exc_type is None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def add_node(self, node_id: str, tier: NodeTier, *, held: bool = False) -> None:
         """Start a node process; it joins, loads its data and says ready on its own.
