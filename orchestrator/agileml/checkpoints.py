@@ -188,13 +188,12 @@ def read(directory: str | Path, num_partitions: int) -> Checkpoint:
 def prune(root: str | Path, keep: int = KEEP_CHECKPOINTS, spare: str | Path | None = None) -> None:
     """Remove all but the newest `keep` complete checkpoints, and incomplete ones older than
     the newest complete one; never `spare` (the checkpoint the run resumed from)."""
-    base = Path(root)
-    newest = latest(base)
-    if newest is None:
+    folders = sorted(Path(root).glob("ckpt-*"))
+    done = [d for d in folders if (d / MANIFEST).is_file()]
+    if not done:
         return
-    done = sorted(d for d in base.glob("ckpt-*") if (d / MANIFEST).is_file())
     stale = done[:-keep] if keep > 0 else done
-    stale += [d for d in base.glob("ckpt-*") if not (d / MANIFEST).is_file() and d < newest]
+    stale += [d for d in folders if d not in done and d < done[-1]]
     kept = Path(spare).resolve() if spare is not None else None
     for d in stale:
         if d.resolve() != kept:

@@ -406,7 +406,7 @@ class AgileMLNode:
             return {"owned": server.owned(), "backed": server.backed()}
         if op == "checkpoint":
             clock, owned = int(body["clock"]), body.get("source") == "owned"
-            states = server.owned_states(clock) if owned else server.backup_states(clock)
+            states = server.partition_states(clock, backup=not owned)
             for p, (values, state) in states.items():
                 checkpoints.write_part(body["dir"], p, clock=clock, values=values, rule_state=state)
             return {"written": sorted(states)}

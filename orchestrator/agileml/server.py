@@ -14,7 +14,7 @@ acknowledged and not applied again, so workers may resend after a timeout.
 Failure semantics: state lives in memory only; a stopped server loses it and the requests it
 was holding (workers see a timeout). Every update an ActivePS applies is streamed to the
 partition's BackupPS, which holds clocks back under the ceiling the elasticity controller
-raises, so a roll-back (`restore_owners`) or a checkpoint (`backup_states`) sees every
+raises, so a roll-back (`restore_owners`) or a checkpoint (`partition_states`) sees every
 partition at one common clock.
 
 The module is a little over 600 lines on purpose: `ParamServer`'s public methods are short,
@@ -174,24 +174,20 @@ class ParamServer(ServerLoop):
         with self._lock:
             self._backup.add(p, values, rule_state=rule_state, clock=clock)
 
-    def owned_states(self, clock: int) -> dict[int, tuple[torch.Tensor, bytes]]:
-        """Each owned partition's values and optimizer state at `clock` (a stage-1
-        checkpoint, taken while the horizon holds the workers there).
+    def partition_states(
+        self, clock: int, *, backup: bool
+    ) -> dict[int, tuple[torch.Tensor, bytes]]:
+        """Each backed-up (`backup`) or owned partition's values and optimizer state at
+        `clock`, for a checkpoint: the BackupPSs' ceiling, or in stage 1 the clock the horizon
+        holds the workers at.
 
         Raises:
             PartitionError: a partition is not at `clock`.
         """
         with self._lock:
+            if backup:
+                return {p: self._backup.state_at(p, clock) for p in self._backed_here()}
             return {p: self._store.state_at(p, clock) for p in self._store.owned()}
-
-    def backup_states(self, clock: int) -> dict[int, tuple[torch.Tensor, bytes]]:
-        """Each backed-up partition's values and optimizer state at `clock` (for a checkpoint).
-
-        Raises:
-            PartitionError: a partition is not at `clock` (its ceiling is elsewhere).
-        """
-        with self._lock:
-            return {p: self._backup.state_at(p, clock) for p in self._backed_here()}
 
     def set_backups(self, backups: Mapping[int, str]) -> None:
         """Name the BackupPS endpoint of each partition (a partition's own server: none).
