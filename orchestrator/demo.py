@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import secrets
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -34,6 +34,9 @@ from orchestrator.agileml.hosting import HostedTraining, evaluate_weights
 from orchestrator.api.app import create_app
 from orchestrator.api.operations import submit_job
 from orchestrator.api.serve import BackgroundServer
+from orchestrator.artifacts import FINAL_INFO, WEIGHTS, Folder, S3Folder
+from orchestrator.artifacts.code import CACHE_ENV, pack_code, store_code
+from orchestrator.artifacts.folders import s3_client
 from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer
@@ -77,6 +80,8 @@ TRAINING: dict[str, Any] = {
     "min_nodes": 2,
     "failure_timeout_s": 3.0,  # many processes on few cores: be patient before "failed"
 }
+#: The moto bucket that holds the demo's artifacts (uploaded code, checkpoints, weights).
+ARTIFACT_BUCKET = "orchestrator-demo"
 #: Real seconds between two checkpoints of the demo job.
 CHECKPOINT_EVERY_WALL_S = 10.0
 
@@ -142,6 +147,7 @@ class _World:
     replayer: EvictionReplayer
     fleet: LocalFleet
     training: TrainingHost
+    artifacts: Folder  # the artifact store: a bucket on the moto server
     server: BackgroundServer | None
     where: str  # the Redis and moto URLs, for the first line
     launched: set[str] = field(default_factory=set)
@@ -163,6 +169,10 @@ def _offline_world(settings: Settings, *, seed: int, port: int | None) -> Iterat
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="orchestrator-demo-")))
         redis = stack.enter_context(LocalRedis())
         aws = stack.enter_context(MotoEC2Server())
+        artifacts = _artifact_store(stack, aws, tmp)
+        settings = settings.model_copy(
+            update={"training": settings.training.model_copy(update={"store": artifacts.location})}
+        )
         store = RedisStore.connect(redis.url, namespace=NAMESPACE)
         stack.callback(store.close)
         training = stack.enter_context(
@@ -173,7 +183,7 @@ def _offline_world(settings: Settings, *, seed: int, port: int | None) -> Iterat
                 bind_host="127.0.0.1",
                 base_port=free_port(),
                 work_from_iterations=False,
-                artifacts_root=tmp / "artifacts",
+                artifacts_root=artifacts,
                 checkpoint_every_s=CHECKPOINT_EVERY_WALL_S,
             )  # fmt: skip
         )  # the offline world counts the instances' simulated work instead (the fleet)
@@ -206,8 +216,10 @@ def _offline_world(settings: Settings, *, seed: int, port: int | None) -> Iterat
                 record_progress=store.update_progress,
             )  # fmt: skip
         )
-        where = f"Redis {redis.url}, EC2 (moto) {aws.endpoint_url}"
-        yield _World(store, clock, client, controller, replayer, fleet, training, server, where)
+        where = f"Redis {redis.url}, EC2 and S3 (moto) {aws.endpoint_url}"
+        yield _World(
+            store, clock, client, controller, replayer, fleet, training, artifacts, server, where
+        )
 
 
 def run_demo(
@@ -239,6 +251,7 @@ def run_demo(
     job = sample_job(budget_usd)
     settings = demo_settings(speed=speed, start=start)
     with _offline_world(settings, seed=seed, port=port) as world:
+        job = _with_uploaded_code(job, world.artifacts)
         submit_job(world.store, job, now_s=world.clock.now(), new_id=lambda: JOB_ID)
         _announce(console, world, job, speed)
         _run(world, job, console, deadline=wall0 + timeout_s)
@@ -354,27 +367,51 @@ def _summary(world: _World, job: JobSubmission, wall0: float) -> DemoSummary:
     )
 
 
+def _artifact_store(stack: contextlib.ExitStack, aws: MotoEC2Server, tmp: Path) -> Folder:
+    """The offline world's artifact store: a bucket on the moto server (S3, as on AWS), and a
+    code cache for the agents in the demo's temporary folder (they inherit the variable)."""
+    s3_client(aws.endpoint_url).create_bucket(Bucket=ARTIFACT_BUCKET)
+    saved = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp / "code-cache")
+    stack.callback(_restore_env, CACHE_ENV, saved)
+    return S3Folder(ARTIFACT_BUCKET, "artifacts", endpoint=aws.endpoint_url)
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _with_uploaded_code(job: JobSubmission, artifacts: Folder) -> JobSubmission:
+    """The job with its code uploaded to the artifact store and named by its digest, as
+    `orchestrator submit` does."""
+    training = dict(job.training or {})
+    training["code"] = store_code(artifacts, pack_code(training["code"]))
+    return job.model_copy(update={"training": training})
+
+
 def _with_returned_weights(
     world: _World, summary: DemoSummary, weights_out: Path | None
 ) -> DemoSummary:
     """The summary with the held-out figures of the weights the job handed back (and where
     they were copied)."""
     artifacts = world.training.artifacts(JOB_ID)
-    if artifacts is None or not artifacts.final_weights.is_file():
+    if artifacts is None or not artifacts.final.exists(WEIGHTS):
         return summary
-    figures = evaluate_weights(DIGITS_CNN, artifacts.final_weights)
-    info = json.loads(artifacts.final_info.read_text()) if artifacts.final_info.is_file() else {}
-    copied = ""
-    if weights_out is not None:
-        weights_out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(artifacts.final_weights, weights_out)
-        copied = str(weights_out)
+    info = json.loads(artifacts.final.read_bytes(FINAL_INFO)) if artifacts.has_final() else {}
+    with tempfile.TemporaryDirectory(prefix="orchestrator-demo-weights-") as tmp:
+        target = weights_out or Path(tmp) / WEIGHTS
+        target.parent.mkdir(parents=True, exist_ok=True)
+        artifacts.final.copy_to(WEIGHTS, target)
+        figures = evaluate_weights(DIGITS_CNN, target)
     return replace(
         summary,
         held_out_accuracy=round(figures.get("held_out_accuracy", math.nan), 4),
         held_out_loss=round(figures.get("held_out_loss", math.nan), 4),
         weights_source=str(info.get("source", "")),
-        weights_path=copied,
+        weights_path=str(weights_out) if weights_out is not None else "",
     )
 
 

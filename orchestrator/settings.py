@@ -105,8 +105,8 @@ class WorkerSettings(BaseModel):
 
 
 class TrainingSettings(BaseModel):
-    """Where the hosted training jobs keep their checkpoints and final weights, and how often
-    they checkpoint (see `orchestrator.artifacts`)."""
+    """Where the hosted training jobs keep their code, checkpoints and final weights, and how
+    often they checkpoint (see `orchestrator.artifacts`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -114,11 +114,23 @@ class TrainingSettings(BaseModel):
         Path.home() / ".local" / "share" / "orchestrator" / "artifacts",
         description="the jobs' checkpoints and final weights, a folder per job",
     )
+    store: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
+        None,
+        description="the artifact store the jobs' nodes share with the controller (uploaded "
+        "code, checkpoints, weights): s3://BUCKET/PREFIX (on AWS: the deploy stack's bucket) "
+        "or a folder every node mounts; None: artifacts_dir, which only nodes on this machine "
+        "reach (offline and local runs; on AWS the final weights then come over the wire)",
+    )
     checkpoint_every_s: Annotated[float, Field(ge=0)] = Field(
         600.0,
         description="seconds between two checkpoints of a job whose spec sets no "
         "checkpoint_every / checkpoint_every_s (0: none)",
     )
+
+    @property
+    def store_location(self) -> str:
+        """The artifact store's location: `store`, else `artifacts_dir`."""
+        return self.store or str(self.artifacts_dir)
 
 
 class ControllerSettings(BaseModel):

@@ -1,4 +1,5 @@
-"""A job's checkpoints on disk: its whole training state at one clock, to resume from and to
+"""A job's checkpoints in the artifact store (a local directory or an S3 prefix, see
+`orchestrator.artifacts.folders`): its whole training state at one clock, to resume from and to
 hand the weights back.
 
 The BackupPSs hold every partition at one common clock (the ceiling the elasticity controller
@@ -12,15 +13,14 @@ writes the manifest that makes the checkpoint complete. A directory per checkpoi
 The data position is the clock: the global batches are a function of (seed, clock). Resuming
 from a checkpoint at clock c (`TrainingSpec.resume_from`) starts every partition there, with
 its optimizer state, and the workers at clock c + 1: the run goes on exactly as if it had not
-stopped. Files are written to a temporary name and renamed, so a crash leaves no torn file;
-an incomplete checkpoint (no manifest) is never read and is removed by `prune`.
+stopped. Every file is written whole (a temporary name renamed locally; one PUT on S3), so a
+crash leaves no torn file; an incomplete checkpoint (no manifest) is never read and is removed
+by `prune`. Folders are named by location strings (`folder_at`), which travel in the spec.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +29,18 @@ from typing import Annotated
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 from torch import nn
 
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.artifacts import MANIFEST, latest_checkpoint
+from orchestrator.artifacts import (
+    MANIFEST,
+    WEIGHTS,
+    Folder,
+    folder_at,
+    folder_name,
+    latest_checkpoint,
+)
 
 KEEP_CHECKPOINTS = 2  # complete checkpoints kept; older ones are removed
 
@@ -42,7 +49,7 @@ KEEP_CHECKPOINTS = 2  # complete checkpoints kept; older ones are removed
 class Checkpoint:
     """A complete checkpoint read back: every partition's values and optimizer state."""
 
-    path: Path
+    location: str
     job_id: str
     clock: int  # the last clock applied: iterations done = clock + 1
     values: list[torch.Tensor]
@@ -70,59 +77,59 @@ class CheckpointSchedule:
         self.last_clock, self.last_s = clock, now_s
 
 
-def checkpoint_dir(root: str | Path, clock: int) -> Path:
-    return Path(root) / f"ckpt-{clock:08d}"
+Location = str | Path | Folder  # a folder, or a location string that names one
+
+
+def opened(where: Location) -> Folder:
+    return folder_at(where) if isinstance(where, (str, Path)) else where
+
+
+def checkpoint_dir(root: Location, clock: int) -> Folder:
+    return opened(root).sub(f"ckpt-{clock:08d}")
 
 
 def write_part(
-    directory: str | Path, p: int, *, clock: int, values: torch.Tensor, rule_state: bytes
+    directory: Location, p: int, *, clock: int, values: torch.Tensor, rule_state: bytes
 ) -> None:
     """Write partition p's values and optimizer state at `clock` (atomically)."""
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
     state = torch.frombuffer(bytearray(rule_state), dtype=torch.uint8) if rule_state else None
     tensors = {"values": values.detach().to(torch.float32).contiguous().clone()}
     if state is not None:
         tensors["rule_state"] = state
-    target = folder / f"part-{p:04d}.safetensors"
-    tmp = target.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"partition": str(p), "clock": str(clock)})
-    os.replace(tmp, target)
+    data = save(tensors, metadata={"partition": str(p), "clock": str(clock)})
+    opened(directory).write_bytes(_part_name(p), data)
 
 
-def complete(directory: str | Path, *, job_id: str, clock: int, num_partitions: int) -> Path:
+def complete(directory: Location, *, job_id: str, clock: int, num_partitions: int) -> Folder:
     """Check that every partition is written at `clock`, then write the manifest.
 
     Raises:
         AgileMLError: a partition file is missing.
     """
-    folder = Path(directory)
-    missing = [p for p in range(num_partitions) if not (folder / _part_name(p)).is_file()]
+    folder = opened(directory)
+    written = set(folder.names())
+    missing = [p for p in range(num_partitions) if _part_name(p) not in written]
     if missing:
-        raise AgileMLError(f"checkpoint {folder}: partitions {missing} were not written")
+        raise AgileMLError(f"checkpoint {folder.location}: partitions {missing} were not written")
     manifest = CheckpointManifest(
         job_id=job_id, clock=clock, num_partitions=num_partitions, created_unix=time.time()
     )
     data = {**manifest.model_dump(), "iterations_done": manifest.iterations_done}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, folder / MANIFEST)
+    folder.write_bytes(MANIFEST, (json.dumps(data, indent=2) + "\n").encode())
     return folder
 
 
-latest = latest_checkpoint  # the newest complete checkpoint under a folder (None: none yet)
+def latest(root: Location) -> Folder | None:
+    """The newest complete checkpoint under `root` (None: none yet)."""
+    return latest_checkpoint(opened(root))
 
 
-def save_weights(model: nn.Module, path: str | Path) -> None:
-    """Write the model's whole `state_dict` (parameters and buffers) as safetensors,
-    atomically: `model.load_state_dict(safetensors.torch.load_file(path))` reads it back."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+def save_weights(model: nn.Module, folder: Location, name: str = WEIGHTS) -> None:
+    """Write the model's whole `state_dict` (parameters and buffers) as safetensors into
+    `folder`, atomically: `model.load_state_dict(safetensors.torch.load_file(path))` reads it
+    back."""
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    tmp = target.with_suffix(".tmp")
-    save_file(state, str(tmp))
-    os.chmod(tmp, 0o644)  # an output file, readable like the summary beside it
-    os.replace(tmp, target)
+    opened(folder).write_bytes(name, save(state))
 
 
 class CheckpointManifest(BaseModel):
@@ -140,64 +147,67 @@ class CheckpointManifest(BaseModel):
         return self.clock + 1
 
 
-def read_manifest(directory: str | Path) -> CheckpointManifest:
+def read_manifest(directory: Location) -> CheckpointManifest:
     """The manifest of a complete checkpoint.
 
     Raises:
         AgileMLError: not a complete checkpoint, or a manifest that does not parse (named).
     """
-    path = Path(directory) / MANIFEST
+    folder = opened(directory)
     try:
-        return CheckpointManifest.model_validate_json(path.read_text())
+        text = folder.read_bytes(MANIFEST)
     except OSError as exc:
         raise AgileMLError(
-            f"{directory} is not a complete checkpoint ({exc.strerror}). To fix: name a ckpt-* "
-            f"directory that has a {MANIFEST}."
+            f"{folder.location} is not a complete checkpoint ({exc.strerror or exc}). To fix: "
+            f"name a ckpt-* directory that has a {MANIFEST}."
         ) from exc
+    try:
+        return CheckpointManifest.model_validate_json(text)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
-        raise AgileMLError(f"{path}: {where}: {first['msg']}") from exc
+        raise AgileMLError(f"{folder.location}/{MANIFEST}: {where}: {first['msg']}") from exc
 
 
-def read(directory: str | Path, num_partitions: int) -> Checkpoint:
+def read(directory: Location, num_partitions: int) -> Checkpoint:
     """Read a complete checkpoint of `num_partitions` partitions.
 
     Raises:
         AgileMLError: incomplete, another partitioning, or a file that does not load.
     """
-    folder = Path(directory)
+    folder = opened(directory)
     manifest = read_manifest(folder)
     if manifest.num_partitions != num_partitions:
         raise AgileMLError(
-            f"checkpoint {folder} has {manifest.num_partitions} partitions, the job "
+            f"checkpoint {folder.location} has {manifest.num_partitions} partitions, the job "
             f"{num_partitions}. To fix: resume with the num_partitions it was written with."
         )
     values, states = [], []
     for p in range(num_partitions):
         try:
-            tensors = load_file(str(folder / _part_name(p)))
+            tensors = load(folder.read_bytes(_part_name(p)))
         except (OSError, SafetensorError) as exc:
-            raise AgileMLError(f"checkpoint {folder}: partition {p}: {exc}") from exc
+            raise AgileMLError(f"checkpoint {folder.location}: partition {p}: {exc}") from exc
         values.append(tensors["values"])
         state = tensors.get("rule_state")
         states.append(bytes(state.numpy().tobytes()) if state is not None else b"")
-    return Checkpoint(folder, manifest.job_id, manifest.clock, values, states)
+    return Checkpoint(folder.location, manifest.job_id, manifest.clock, values, states)
 
 
-def prune(root: str | Path, keep: int = KEEP_CHECKPOINTS, spare: str | Path | None = None) -> None:
+def prune(root: Location, keep: int = KEEP_CHECKPOINTS, spare: Location | None = None) -> None:
     """Remove all but the newest `keep` complete checkpoints, and incomplete ones older than
     the newest complete one; never `spare` (the checkpoint the run resumed from)."""
-    folders = sorted(Path(root).glob("ckpt-*"))
-    done = [d for d in folders if (d / MANIFEST).is_file()]
+    base = opened(root)
+    names = [n for n in base.names() if n.startswith("ckpt-")]
+    done = [n for n in names if base.sub(n).exists(MANIFEST)]
     if not done:
         return
     stale = done[:-keep] if keep > 0 else done
-    stale += [d for d in folders if d not in done and d < done[-1]]
-    kept = Path(spare).resolve() if spare is not None else None
-    for d in stale:
-        if d.resolve() != kept:
-            shutil.rmtree(d, ignore_errors=True)
+    stale += [n for n in names if n not in done and n < done[-1]]
+    kept = None if spare is None else folder_name(opened(spare))
+    for name in stale:
+        if name != kept:
+            base.sub(name).remove()
 
 
 def _part_name(p: int) -> str:

@@ -80,6 +80,9 @@ class TrainingSpec(BaseModel):
     checkpoint_every: Annotated[int, Field(ge=0)] = 0
     checkpoint_every_s: Annotated[float, Field(ge=0)] = 0.0
     resume_from: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    # the artifact store (location string) that uploaded code (`code` = "sha256:<hex>") is
+    # fetched from (see `orchestrator.artifacts.code`)
+    code_store: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
 
     @model_validator(mode="after")
     def _timeouts(self) -> TrainingSpec:

@@ -113,26 +113,29 @@ class HostedTraining:
         """Every worker finished the job's iterations."""
         return self._coordinator.view().done
 
-    def save_weights(self, path: Path, timeout_s: float = 10.0) -> int:
-        """Write the model as it is now (every iteration in it once the job is `done`) to
-        `path` as safetensors; returns the iterations in it.
+    def save_weights(self, folder: checkpoints.Location, timeout_s: float = 10.0) -> int:
+        """Write the model as it is now (every iteration in it once the job is `done`) into
+        `folder` as `model.safetensors`; returns the iterations in it.
 
         Raises:
             AgileMLError: the parameters could not be read (no server answered in time).
         """
         done = self.done
         params = self._coordinator.fetch_parameters(timeout_s=timeout_s, final=done)
-        checkpoints.save_weights(self._parts().model_with(params), path)
+        checkpoints.save_weights(self._parts().model_with(params), folder)
         return self.spec.iterations if done else self._coordinator.progress().iteration
 
-    def save_checkpoint_weights(self, checkpoint: Path, path: Path) -> int:
-        """Write the model of a complete checkpoint to `path`; returns the iterations in it.
+    def save_checkpoint_weights(
+        self, checkpoint: checkpoints.Location, folder: checkpoints.Location
+    ) -> int:
+        """Write the model of a complete checkpoint into `folder` as `model.safetensors`;
+        returns the iterations in it.
 
         Raises:
             AgileMLError: not a complete checkpoint of this job's partitioning.
         """
         ckpt = checkpoints.read(checkpoint, self.spec.num_partitions)
-        checkpoints.save_weights(self._parts().model_with(ckpt.values), path)
+        checkpoints.save_weights(self._parts().model_with(ckpt.values), folder)
         return ckpt.clock + 1
 
     def evaluate(self, timeout_s: float = 1.0) -> dict[str, float] | None:
@@ -184,7 +187,7 @@ def evaluate_weights(code: str | Path, weights: Path) -> dict[str, float]:
         return {k: float(v) for k, v in job.evaluate(model).items()}
 
 
-HOST_SET_FIELDS = ("checkpoint_dir", "resume_from")
+HOST_SET_FIELDS = ("checkpoint_dir", "resume_from", "code_store")
 
 
 def validate_training_section(section: Mapping[str, Any]) -> TrainingSpec:

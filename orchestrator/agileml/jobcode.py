@@ -31,8 +31,11 @@ import torch
 from torch import nn
 
 from orchestrator.agileml.batches import DatasetRows
+from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.updates import OptimizerPlan
+from orchestrator.artifacts import folder_at
+from orchestrator.artifacts.code import fetch_code, is_code_ref
 from orchestrator.errors import UserError
 
 REQUIRED = ("model", "dataset", "loss", "optimizer")
@@ -79,6 +82,26 @@ def job_file(path: str | Path) -> Path:
     if p.suffix != ".py":
         raise JobCodeError(f"job file {path} is not a Python file (.py)")
     return p
+
+
+def code_path(spec: TrainingSpec) -> str:
+    """Where the spec's job code is on this machine: its `code` path, or, for uploaded code
+    (`sha256:<hex>`), the folder it is fetched into from the spec's `code_store`.
+
+    Raises:
+        JobCodeError: no code, or uploaded code without a store.
+        CodeError: the uploaded code cannot be fetched (see `artifacts.code.fetch_code`).
+    """
+    if spec.code is None:
+        raise JobCodeError("the job names no code", fix="set the training section's code")
+    if not is_code_ref(spec.code):
+        return spec.code
+    if spec.code_store is None:
+        raise JobCodeError(
+            f"the job's code is {spec.code} but no artifact store was given to fetch it from",
+            fix="run the job through the controller (it sets code_store), or name a file",
+        )
+    return str(fetch_code(folder_at(spec.code_store), spec.code))
 
 
 def load_job_code(path: str | Path) -> JobCode:

@@ -19,6 +19,7 @@ from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.examples import build_data, build_loss, build_model, initial_model
 from orchestrator.agileml.jobcode import (
     JobCode,
+    code_path,
     dataset_rows,
     load_job_code,
     optimizer_plan,
@@ -87,7 +88,7 @@ def training_parts(spec: TrainingSpec) -> TrainingParts:
             loss_fn=build_loss(spec),
             rules=sgd_rules(spec.lr),
         )
-    code = load_job_code(spec.code)
+    code = load_job_code(code_path(spec))
     model = seeded_model(code, spec.seed)
     layout = PartitionLayout(model, spec.num_partitions)
     plan = optimizer_plan(code, model, layout.buffer_sizes)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -204,7 +203,7 @@ def take_checkpoint(
     num_partitions: int,
     source: CheckpointSource = "backup",
     spare: str | None = None,
-) -> Path:
+) -> checkpoints.Folder:
     """Have `nodes` write every partition they back up (`source="backup"`) or own ("owned")
     at `clock` under `root`, then complete the checkpoint and prune old ones (but `spare`, the
     one the job resumed from); returns its directory.
@@ -214,7 +213,9 @@ def take_checkpoint(
     """
     directory = checkpoints.checkpoint_dir(root, clock)
     for node in nodes:
-        call(node, {"op": "checkpoint", "clock": clock, "dir": str(directory), "source": source})
+        call(
+            node, {"op": "checkpoint", "clock": clock, "dir": directory.location, "source": source}
+        )
     checkpoints.complete(directory, job_id=job_id, clock=clock, num_partitions=num_partitions)
     checkpoints.prune(root, spare=spare)
     return directory

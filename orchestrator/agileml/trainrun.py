@@ -158,22 +158,22 @@ def check_plan(plan: TrainPlan) -> None:
             )
 
 
-def resume_point(path: str | Path) -> Path:
+def resume_point(path: str | Path) -> str:
     """The checkpoint to resume from: `path` itself, or the newest complete one in it.
 
     Raises:
         UserError: neither.
     """
-    folder = Path(path)
-    if (folder / checkpoints.MANIFEST).is_file():
-        return folder
+    folder = checkpoints.opened(path)
+    if folder.exists(checkpoints.MANIFEST):
+        return folder.location
     newest = checkpoints.latest(folder)
     if newest is None:
         raise UserError(
             f"--resume {path}: no complete checkpoint there. To fix: name a ckpt-* directory "
             f"or the checkpoints folder of an earlier run (OUT/checkpoints)."
         )
-    return newest
+    return newest.location
 
 
 def _resume_manifest(path: str) -> checkpoints.CheckpointManifest:
@@ -389,7 +389,7 @@ def _event(e: Any, started: float) -> dict[str, Any]:
 def save_outputs(result: TrainResult, out: Path) -> None:
     """Write `out/model.safetensors` (the model's full state_dict) and `out/summary.json`."""
     out.mkdir(parents=True, exist_ok=True)
-    checkpoints.save_weights(result.model, out / WEIGHTS)
+    checkpoints.save_weights(result.model, out, WEIGHTS)
     summary = {
         "iterations": result.iterations,
         "final_loss": result.final_loss,

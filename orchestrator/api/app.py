@@ -29,10 +29,9 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.params import Depends as DependsParam
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
@@ -41,11 +40,20 @@ from starlette.background import BackgroundTask
 
 from orchestrator import __version__
 from orchestrator.api import error_body
-from orchestrator.api.downloads import checkpoint_tar, weights_file
 from orchestrator.api.errors import as_user, bearer_auth, install_error_handlers
+from orchestrator.api.files import (
+    check_code_uploaded,
+    checkpoint_tar,
+    file_response,
+    read_limited,
+    save_code,
+    weights_folder,
+)
 from orchestrator.api.metrics import StoreCollector
 from orchestrator.api.operations import cancel_job, job_cost, new_job_id, submit_job
 from orchestrator.api.views import TrainingBody, fleet, job_dashboard
+from orchestrator.artifacts import WEIGHTS, Folder, folder_at
+from orchestrator.artifacts.code import MAX_CODE_BYTES
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.dashboard.page import STATIC_DIR, dashboard_html
 from orchestrator.jobspec import JobSubmission
@@ -82,7 +90,7 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(
-        _job_routes(store, clock, new_id, authorized, settings.training.artifacts_dir)
+        _job_routes(store, clock, new_id, authorized, folder_at(settings.training.store_location))
     )
     app.include_router(_runtime_routes(store, clock, on_notice, authorized))
     app.include_router(_dashboard_routes(store, clock))
@@ -100,7 +108,7 @@ def _job_routes(
     clock: Clock,
     new_id: Callable[[], str],
     authorized: list[DependsParam],
-    artifacts_root: Path,
+    artifacts_root: Folder,
 ) -> APIRouter:
     """Submit, list, read, cancel; cost, events; weights and checkpoints."""
     router = APIRouter()
@@ -108,6 +116,7 @@ def _job_routes(
     @router.post("/v1/jobs", status_code=201, dependencies=authorized)
     def submit(submission: JobSubmission) -> dict[str, Any]:
         """Queue a job. 422 names the first invalid field."""
+        check_code_uploaded(artifacts_root, (submission.training or {}).get("code"))
         return _job_json(submit_job(store, submission, now_s=clock(), new_id=new_id))
 
     @router.get("/v1/jobs")
@@ -134,13 +143,12 @@ def _job_routes(
         return job_cost(store, job_id)
 
     @router.get("/v1/jobs/{job_id}/weights", dependencies=authorized, response_model=None)
-    def weights(job_id: str) -> FileResponse:
+    def weights(job_id: str) -> Response:
         """The job's weights as safetensors: the final ones, else the newest checkpoint's
         (the `X-Orchestrator-Weights` header says which)."""
         store.get_job(job_id)
-        path, label = weights_file(artifacts_root, job_id)
-        headers = {WEIGHTS_HEADER: label}
-        return FileResponse(path, media_type="application/octet-stream", headers=headers)
+        folder, label = weights_folder(artifacts_root, job_id)
+        return file_response(folder, WEIGHTS, "application/octet-stream", {WEIGHTS_HEADER: label})
 
     @router.get("/v1/jobs/{job_id}/checkpoint", dependencies=authorized, response_model=None)
     def checkpoint(job_id: str) -> FileResponse:
@@ -154,6 +162,13 @@ def _job_routes(
             headers={WEIGHTS_HEADER: label},
             background=BackgroundTask(path.unlink, missing_ok=True),
         )
+
+    @router.put("/v1/code/{ref}", status_code=201, dependencies=authorized)
+    async def upload_code(ref: str, request: Request) -> dict[str, Any]:
+        """Store a job's packed code (`orchestrator submit` uploads it) under its digest
+        `sha256:<hex>`; a job's training section then names it as its `code`."""
+        body = await read_limited(request, MAX_CODE_BYTES)
+        return {"code": save_code(artifacts_root, ref, body), "bytes": len(body)}
 
     @router.get("/v1/jobs/{job_id}/events")
     def events(

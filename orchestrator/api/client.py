@@ -155,6 +155,16 @@ class ApiClient:
             tmp.unlink(missing_ok=True)
         return response.headers.get("X-Orchestrator-Weights", "")
 
+    def upload_code(self, ref: str, packed: bytes) -> dict[str, Any]:
+        """Store a job's packed code (`artifacts.code.pack_code`) under its digest `ref`."""
+        response = self._send(
+            "PUT", f"/v1/code/{quote(ref, safe=':')}", content=packed,
+            timeout_s=DOWNLOAD_TIMEOUT_S,
+        )  # fmt: skip
+        if not response.is_success:
+            raise _response_error(response)
+        return dict(response.json())
+
     def _call(
         self,
         method: str,
@@ -180,12 +190,15 @@ class ApiClient:
         json: Any = None,
         params: Mapping[str, str | int] | None = None,
         timeout_s: float | None = None,
+        content: bytes | None = None,
     ) -> httpx.Response:
         """The response, whatever its status; a network failure as a `UserError`."""
         url = f"{self.base_url}{path}"
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            return self._http.request(method, path, json=json, params=params, timeout=timeout)
+            return self._http.request(
+                method, path, json=json, params=params, content=content, timeout=timeout
+            )
         except httpx.TimeoutException as exc:
             if isinstance(exc, httpx.ConnectTimeout):
                 raise _unreachable(self.base_url, "connection timed out") from None

@@ -88,11 +88,20 @@ def submit(
         typer.Option("--wait", help="Show progress until the job ends (exit 0 if it succeeds)."),
     ] = False,
     timeout: WaitTimeoutOption = DEFAULT_WAIT_TIMEOUT_S,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check/--no-check",
+            help="Run the job's functions once on a few rows before uploading its code.",
+        ),
+    ] = True,
 ) -> None:
     """Submit a training job with a budget; prints its id.
 
     The spec is validated here first (a bad field fails at once, named, exit 2), then again by
-    the API.
+    the API. A training job's code (`training.code`: a job file or a directory with job.py,
+    relative to JOB.yaml) is checked, packed and uploaded to the controller's artifact store;
+    the job's nodes fetch it (and install its requirements.txt) before they join.
     """
     from pydantic import ValidationError
 
@@ -115,7 +124,10 @@ def submit(
             path=None if from_option else str(job_file),
         ) from None
     with _client(api, token) as client:
-        job = client.submit(submission.model_dump(mode="json"))
+        body = submission.model_dump(mode="json")
+        if submission.training and submission.training.get("code"):
+            body["training"]["code"] = _upload_code(client, submission.training, job_file, check)
+        job = client.submit(body)
         job_id = str(job["job_id"])
         typer.echo(job_id)
         sys.stdout.flush()  # a script reading the id must not wait for --wait to finish
@@ -127,6 +139,43 @@ def submit(
         if wait:
             final = _wait_until_ended(client, job_id, timeout_s=timeout)
             _finish(final, hoped="succeeded")
+
+
+def _upload_code(client: Any, training: dict[str, Any], job_file: Path, check: bool) -> str:
+    """Check, pack and upload the training section's code; returns its reference
+    (`sha256:<hex>`), which the submitted spec names instead of the local path.
+
+    Raises:
+        UserError: no such file or directory, the job's functions fail the check, or the
+            upload is refused.
+    """
+    from orchestrator.artifacts.code import code_ref, is_code_ref, pack_code
+
+    code = str(training["code"])
+    if is_code_ref(code):
+        return code  # uploaded before: the API checks that it is there
+    path = (job_file.parent / code).expanduser()
+    if not path.exists():
+        raise UserError(
+            f"{job_file}: training.code: {code} does not exist (relative to {job_file.parent})",
+            field="training.code",
+            path=str(job_file),
+            fix="name the job file, or a directory holding job.py, relative to the job file",
+        )
+    if check:
+        from orchestrator.agileml.jobcode import check_job_code, load_job_code
+
+        err.print(f"checking {path} ...", highlight=False)
+        found = check_job_code(
+            load_job_code(path),
+            global_batch=int(training.get("global_batch", 256)),
+            seed=int(training.get("seed", 0)),
+        )
+        err.print(f"checked: {found.rows} rows, {found.parameters:,} parameters", highlight=False)
+    packed = pack_code(path)
+    ref = str(client.upload_code(code_ref(packed), packed)["code"])
+    err.print(f"uploaded {path} ({len(packed) / 1024:.0f} KiB) as {ref[:19]}...", highlight=False)
+    return ref
 
 
 def _read_job_file(path: Path) -> dict[str, Any]:

@@ -163,7 +163,8 @@ def training_host(settings: Settings, store: Store) -> TrainingHost | None:
         token=token_from_hex(secret, source=f"the secret {secret_id}"),
         advertise_host=advertise,
         base_port=settings.worker.agileml_port,
-        artifacts_root=settings.training.artifacts_dir,
+        artifacts_root=settings.training.store_location,
         checkpoint_every_s=settings.training.checkpoint_every_s,
-        checkpoints=False,  # the workers cannot write to this node's disk (S3: next step)
+        # the workers reach a configured store (S3), not this node's disk
+        checkpoints=settings.training.store is not None,
     )

@@ -19,12 +19,14 @@ numbers again. Each job's port is kept in the store: a restarted controller's fi
 hosts every job it hosted before on the same port, so the workers (whose tags name it)
 reconnect when systemd restarts them.
 
-Artifacts (with `artifacts_root`, see `orchestrator.artifacts`): each job checkpoints into its
-folder (every `checkpoint_every_s` unless its spec says otherwise); `step` assembles the newest
-checkpoint's weights, and writes the final weights once the training is done or the job ends
-(from the live model, else from the newest checkpoint). A job hosted again after a restart
-resumes from its newest checkpoint: at most one checkpoint interval is trained again, and the
-work counted stays as recorded (the report never lowers it).
+Artifacts (with `artifacts_root`, the artifact store: a local directory or an S3 prefix, see
+`orchestrator.artifacts`): each job's nodes fetch its uploaded code from it and its reliable
+nodes checkpoint into its folder there (every `checkpoint_every_s` unless its spec says
+otherwise); `step` assembles the newest checkpoint's weights, and writes the final weights once
+the training is done or the job ends (from the live model, else from the newest checkpoint).
+A job hosted again after a restart resumes from its newest checkpoint: at most one checkpoint
+interval is trained again, and the work counted stays as recorded (the report never lowers
+it).
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from orchestrator.agileml.hosting import AgileMLError, HostedTraining, TrainingSpec
-from orchestrator.artifacts import WEIGHTS, JobArtifacts
+from orchestrator.artifacts import (
+    FINAL_INFO,
+    WEIGHTS,
+    Folder,
+    JobArtifacts,
+    folder_at,
+    folder_name,
+)
 from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER
 from orchestrator.errors import UserError
 from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
@@ -83,16 +92,18 @@ class TrainingHost:
         base_port: int = DEFAULT_BASE_PORT,
         max_jobs: int = MAX_HOSTED_TRAINING_JOBS,
         work_from_iterations: bool = True,
-        artifacts_root: Path | None = None,
+        artifacts_root: Folder | str | Path | None = None,
         checkpoint_every_s: float = 600.0,
         checkpoints: bool = True,
     ) -> None:
         self.store = store
         self.work_from_iterations = work_from_iterations
-        self.artifacts_root = artifacts_root
+        self.artifacts_root = (
+            folder_at(artifacts_root) if isinstance(artifacts_root, (str, Path)) else artifacts_root
+        )
         self.checkpoint_every_s = checkpoint_every_s
-        # checkpoints need a folder the job's reliable nodes write to and this host reads:
-        # offline they share the disk; on AWS not yet (the final weights come over the wire)
+        # checkpoints (and uploaded code) need a store the job's nodes and this host share:
+        # a local directory offline, S3 on AWS; without one the final weights come over the wire
         self.checkpoints = checkpoints
         self._token = token
         self.advertise_host = advertise_host
@@ -179,33 +190,36 @@ class TrainingHost:
         artifacts = self.artifacts(spec.job_id)
         if artifacts is None or not self.checkpoints:
             return spec
-        update: dict[str, object] = {"checkpoint_dir": str(artifacts.checkpoints)}
+        update: dict[str, object] = {
+            "checkpoint_dir": artifacts.checkpoints.location,
+            "code_store": artifacts.root.location,
+        }
         if not spec.checkpoint_every and not spec.checkpoint_every_s:
             update["checkpoint_every_s"] = self.checkpoint_every_s
         latest = artifacts.latest_checkpoint()
         if latest is not None:
-            update["resume_from"] = str(latest)
-            log.info("resuming training", extra={"job_id": spec.job_id, "from": str(latest)})
+            update["resume_from"] = latest.location
+            log.info("resuming training", extra={"job_id": spec.job_id, "from": latest.location})
         return TrainingSpec.model_validate({**spec.model_dump(), **update})
 
     def save_final(self, job_id: str) -> None:
         """Write the job's final weights now, once (the controller calls this just before it
         releases a finished job's instances, while its nodes still serve the model)."""
         artifacts, hosted = self.artifacts(job_id), self.hosted(job_id)
-        if artifacts is None or hosted is None or artifacts.final_info.is_file():
+        if artifacts is None or hosted is None or artifacts.has_final():
             return
         try:
-            iterations = hosted.save_weights(artifacts.final_weights)
+            iterations = hosted.save_weights(artifacts.final)
             source = "the model at the end"
         except AgileMLError:  # its servers are gone (the job ended with its instances)
             latest = artifacts.latest_checkpoint()
             if latest is None:
                 log.warning("no final weights for %s: no server, no checkpoint", job_id)
                 return
-            iterations = hosted.save_checkpoint_weights(latest, artifacts.final_weights)
-            source = f"checkpoint {latest.name}"
+            iterations = hosted.save_checkpoint_weights(latest, artifacts.final)
+            source = f"checkpoint {folder_name(latest)}"
         info = {"source": source, "iterations_done": iterations}
-        artifacts.final_info.write_text(json.dumps(info, indent=2) + "\n")
+        artifacts.final.write_bytes(FINAL_INFO, (json.dumps(info, indent=2) + "\n").encode())
         log.info("final weights written", extra={"job_id": job_id, **info})
 
     def _keep_artifacts(self, job: JobRecord, training: HostedTraining) -> None:
@@ -216,8 +230,8 @@ class TrainingHost:
             return
         try:
             latest = artifacts.latest_checkpoint()
-            if latest is not None and not (latest / WEIGHTS).is_file():
-                training.save_checkpoint_weights(latest, latest / WEIGHTS)
+            if latest is not None and not latest.exists(WEIGHTS):
+                training.save_checkpoint_weights(latest, latest)
             if training.done or job.state.is_terminal:
                 self.save_final(job.job_id)
         except Exception as exc:  # noqa: BLE001 - a full disk, a torn file: log, try again

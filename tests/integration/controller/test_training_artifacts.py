@@ -12,18 +12,22 @@ import sys
 import tarfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
-from safetensors.torch import load_file
+from safetensors.torch import load
 from support.redis_server import free_port
 
 from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.reference import relative_error, train_reference
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.api.app import WEIGHTS_HEADER, create_app
-from orchestrator.artifacts import JobArtifacts
+from orchestrator.artifacts import Folder, JobArtifacts, LocalFolder, S3Folder, folder_name
+from orchestrator.artifacts.code import CACHE_ENV, pack_code, store_code
+from orchestrator.artifacts.folders import s3_client
+from orchestrator.cloud.local.moto_server import MotoEC2Server
 from orchestrator.controller.training import TrainingHost
 from orchestrator.jobspec import JobSubmission
 from orchestrator.settings import ApiSettings, Settings, TrainingSettings
@@ -45,7 +49,7 @@ TRAINING = {
 }  # fmt: skip
 
 
-def _host(store: MemoryStore, root: Path, port: int) -> TrainingHost:
+def _host(store: MemoryStore, root: Folder, port: int) -> TrainingHost:
     return TrainingHost(
         store, token=TOKEN, advertise_host="127.0.0.1", bind_host="127.0.0.1", base_port=port,
         artifacts_root=root,
@@ -54,7 +58,8 @@ def _host(store: MemoryStore, root: Path, port: int) -> TrainingHost:
 
 def _nodes(endpoint: str, logs: Path) -> list[subprocess.Popen[bytes]]:
     """A reliable and a transient node, as the instance agents start them."""
-    env = {**os.environ, AGILEML_TOKEN_ENV: TOKEN.hex(), "ORCHESTRATOR_TEST_JOB_PAUSE_S": "0.05"}
+    env = {**os.environ, AGILEML_TOKEN_ENV: TOKEN.hex(), "ORCHESTRATOR_TEST_JOB_PAUSE_S": "0.05",
+           CACHE_ENV: str(logs / "code-cache")}  # fmt: skip
     procs = []
     for node_id, tier in (("r0", "reliable"), ("t0", "transient")):
         cmd = [sys.executable, "-m", "orchestrator.agileml.node", "--node-id", node_id,
@@ -78,12 +83,28 @@ def _step_until(host: TrainingHost, done: object, timeout_s: float = 120.0) -> N
         time.sleep(0.1)
 
 
+@pytest.fixture(params=["local", "s3"])
+def artifact_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Folder]:
+    """A local folder, or a bucket on a moto server (S3 as on AWS; the nodes reach it too)."""
+    if request.param == "local":
+        yield LocalFolder(tmp_path / "artifacts")
+        return
+    with MotoEC2Server() as server:
+        s3_client(server.endpoint_url).create_bucket(Bucket="artifacts")
+        yield S3Folder("artifacts", "orchestrator", endpoint=server.endpoint_url)
+
+
 @pytest.mark.slow
-def test_a_restarted_controller_resumes_the_job_from_its_checkpoint(tmp_path: Path) -> None:
+def test_a_restarted_controller_resumes_the_job_from_its_checkpoint(
+    tmp_path: Path, artifact_store: Folder
+) -> None:
+    """The job's code uploaded to the store, fetched by its nodes; its checkpoints there."""
     store = MemoryStore()
-    job = JobSubmission(name="resume", budget_usd=10.0, work_gpu_hours=2.0, training=TRAINING)
+    code = store_code(artifact_store, pack_code(JOB_FILE))
+    training = {**TRAINING, "code": code}
+    job = JobSubmission(name="resume", budget_usd=10.0, work_gpu_hours=2.0, training=training)
     store.create_job(JobRecord.submit(JOB_ID, job.model_dump(mode="json"), 10.0, 0.0))
-    root, port = tmp_path / "artifacts", free_port()
+    root, port = artifact_store, free_port()
     artifacts = JobArtifacts(root, JOB_ID)
     first = _host(store, root, port)
     first.tags_for(JOB_ID)  # hosted at the job's first launch
@@ -100,7 +121,7 @@ def test_a_restarted_controller_resumes_the_job_from_its_checkpoint(tmp_path: Pa
         _stop(procs)
     latest = artifacts.latest_checkpoint()
     assert latest is not None
-    resumed = int(latest.name.removeprefix("ckpt-"))
+    resumed = int(folder_name(latest).removeprefix("ckpt-"))
     reports_before = len(store.training(JOB_ID))
 
     second = _host(store, root, port)
@@ -108,7 +129,7 @@ def test_a_restarted_controller_resumes_the_job_from_its_checkpoint(tmp_path: Pa
     assert second.endpoint(JOB_ID) == f"tcp://127.0.0.1:{port}"
     procs = _nodes(str(second.endpoint(JOB_ID)), tmp_path)
     try:
-        _step_until(second, artifacts.final_info.is_file)
+        _step_until(second, artifacts.has_final)
     finally:
         second.close()
         _stop(procs)
@@ -119,7 +140,7 @@ def test_a_restarted_controller_resumes_the_job_from_its_checkpoint(tmp_path: Pa
     # the job ends with the weights of a run that never stopped
     code = load_job_code(JOB_FILE)
     model = code.model()
-    model.load_state_dict(load_file(str(artifacts.final_weights)))
+    model.load_state_dict(load(artifacts.final.read_bytes("model.safetensors")))
     expected, _ = train_reference(code, iterations=ITERATIONS, global_batch=GLOBAL_BATCH)
     assert relative_error(model, expected) <= 1e-5
 
@@ -139,7 +160,7 @@ def test_the_api_hands_back_the_weights_and_the_newest_checkpoint(tmp_path: Path
     assert client.get("/v1/jobs/job-nope/weights", headers=auth).status_code == 404
 
     artifacts = JobArtifacts(tmp_path, JOB_ID)
-    ckpt = artifacts.checkpoints / "ckpt-00000009"
+    ckpt = artifacts.checkpoints.path / "ckpt-00000009"
     ckpt.mkdir(parents=True)
     (ckpt / "part-0000.safetensors").write_bytes(b"part")
     (ckpt / "model.safetensors").write_bytes(b"checkpoint weights")
@@ -147,8 +168,8 @@ def test_the_api_hands_back_the_weights_and_the_newest_checkpoint(tmp_path: Path
     (ckpt / "checkpoint.json").write_text('{"clock": 9}')
     got = client.get(f"/v1/jobs/{JOB_ID}/weights", headers=auth)
     assert got.content == b"checkpoint weights" and got.headers[WEIGHTS_HEADER] == ckpt.name
-    artifacts.final_weights.parent.mkdir(parents=True)
-    artifacts.final_weights.write_bytes(b"final weights")
+    artifacts.final.path.mkdir(parents=True)
+    (artifacts.final.path / "model.safetensors").write_bytes(b"final weights")
     got = client.get(f"/v1/jobs/{JOB_ID}/weights", headers=auth)
     assert got.content == b"final weights" and got.headers[WEIGHTS_HEADER] == "final"
 
@@ -173,7 +194,7 @@ def test_job_download_writes_the_weights_and_unpacks_the_checkpoint(tmp_path: Pa
         api=ApiSettings(token=SecretStr("t0ken")), training=TrainingSettings(artifacts_dir=root)
     )
     artifacts = JobArtifacts(root, JOB_ID)
-    ckpt = artifacts.checkpoints / "ckpt-00000019"
+    ckpt = artifacts.checkpoints.path / "ckpt-00000019"
     ckpt.mkdir(parents=True)
     for name, data in (("part-0000.safetensors", b"p"), ("model.safetensors", b"w19")):
         (ckpt / name).write_bytes(data)
@@ -191,12 +212,12 @@ def test_job_download_writes_the_weights_and_unpacks_the_checkpoint(tmp_path: Pa
         assert (out / "model.safetensors").read_bytes() == b"w19"
         assert (out / "checkpoint" / "ckpt-00000019" / "checkpoint.json").is_file()
         assert "ckpt-00000019 weights" in run.stderr and "--resume" in run.stderr
-        artifacts.final_weights.parent.mkdir(parents=True)
-        artifacts.final_weights.write_bytes(b"final")
+        artifacts.final.path.mkdir(parents=True)
+        (artifacts.final.path / "model.safetensors").write_bytes(b"final")
         run = download()
         assert run.returncode == 0 and (out / "model.safetensors").read_bytes() == b"final"
         (ckpt / "checkpoint.json").unlink()
-        artifacts.final_weights.unlink()
+        (artifacts.final.path / "model.safetensors").unlink()
         run = download()
         assert run.returncode == 2 and "no weights yet" in run.stderr
         assert "Traceback" not in run.stderr

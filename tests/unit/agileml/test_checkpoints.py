@@ -1,20 +1,35 @@
-"""Checkpoints on disk: complete only with every partition and the manifest, read back as
-written, the newest found, old and torn ones pruned, and a schedule by clocks and by time."""
+"""Checkpoints in a local folder and in S3 (moto): complete only with every partition and the
+manifest, read back as written, the newest found, old and torn ones pruned, and a schedule by
+clocks and by time."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from moto import mock_aws
 
 from orchestrator.agileml import checkpoints
 from orchestrator.agileml.checkpoints import CheckpointSchedule
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.artifacts import Folder, LocalFolder, S3Folder, folder_at
+from orchestrator.artifacts.folders import s3_client
 
 
-def _write(root: Path, clock: int, parts: int = 3, *, finish: bool = True) -> Path:
+@pytest.fixture(params=["local", "s3"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Folder]:
+    if request.param == "local":
+        yield LocalFolder(tmp_path)
+        return
+    with mock_aws():
+        s3_client().create_bucket(Bucket="ckpts")
+        yield S3Folder("ckpts", "job-1/checkpoints")
+
+
+def _write(root: Folder, clock: int, parts: int = 3, *, finish: bool = True) -> Folder:
     directory = checkpoints.checkpoint_dir(root, clock)
     for p in range(parts):
         values = torch.full((4,), float(clock * 10 + p))
@@ -24,42 +39,47 @@ def _write(root: Path, clock: int, parts: int = 3, *, finish: bool = True) -> Pa
     return directory
 
 
-def test_a_checkpoint_reads_back_values_and_optimizer_states(tmp_path: Path) -> None:
-    directory = _write(tmp_path, 9)
+def test_a_checkpoint_reads_back_values_and_optimizer_states(root: Folder) -> None:
+    directory = _write(root, 9)
     ckpt = checkpoints.read(directory, 3)
     assert (ckpt.clock, ckpt.job_id) == (9, "j")
     assert [float(v[0]) for v in ckpt.values] == [90.0, 91.0, 92.0]
     assert ckpt.rule_states == [bytes([0, 7]), bytes([1, 7]), bytes([2, 7])]
-    manifest = json.loads((directory / checkpoints.MANIFEST).read_text())
+    manifest = json.loads(directory.read_bytes(checkpoints.MANIFEST))
     assert manifest["iterations_done"] == 10
-    assert not list(directory.glob("*.tmp"))  # written under a temporary name, then renamed
+    # written whole (locally under a temporary name, then renamed): nothing else is left
+    assert directory.names() == [checkpoints.MANIFEST] + [
+        f"part-{p:04d}.safetensors" for p in range(3)
+    ]
+    assert folder_at(directory.location) == directory  # the location string opens it again
 
 
-def test_a_checkpoint_missing_a_partition_is_not_completed(tmp_path: Path) -> None:
-    directory = _write(tmp_path, 5, parts=2, finish=False)
+def test_a_checkpoint_missing_a_partition_is_not_completed(root: Folder) -> None:
+    directory = _write(root, 5, parts=2, finish=False)
     with pytest.raises(AgileMLError, match=r"partitions \[2\] were not written"):
         checkpoints.complete(directory, job_id="j", clock=5, num_partitions=3)
-    assert checkpoints.latest(tmp_path) is None
+    assert checkpoints.latest(root) is None
     with pytest.raises(AgileMLError, match="is not a complete checkpoint"):
         checkpoints.read(directory, 3)
 
 
-def test_reading_with_another_partitioning_is_refused(tmp_path: Path) -> None:
-    directory = _write(tmp_path, 5)
+def test_reading_with_another_partitioning_is_refused(root: Folder) -> None:
+    directory = _write(root, 5)
     with pytest.raises(AgileMLError, match="has 3 partitions, the job 4"):
         checkpoints.read(directory, 4)
 
 
-def test_latest_is_the_newest_complete_one_and_prune_keeps_two(tmp_path: Path) -> None:
+def test_latest_is_the_newest_complete_one_and_prune_keeps_two(root: Folder) -> None:
     for clock in (9, 19, 29):
-        _write(tmp_path, clock)
-    torn = _write(tmp_path, 15, finish=False)  # a writer died before the manifest
-    in_flight = _write(tmp_path, 39, finish=False)  # being written now
-    assert checkpoints.latest(tmp_path) == checkpoints.checkpoint_dir(tmp_path, 29)
-    checkpoints.prune(tmp_path)
-    left = sorted(d.name for d in tmp_path.iterdir())
-    assert left == ["ckpt-00000019", "ckpt-00000029", in_flight.name]
-    assert not torn.exists()
+        _write(root, clock)
+    torn = _write(root, 15, finish=False)  # a writer died before the manifest
+    _write(root, 39, finish=False)  # being written now
+    assert checkpoints.latest(root) == checkpoints.checkpoint_dir(root, 29)
+    checkpoints.prune(root, spare=checkpoints.checkpoint_dir(root, 9).location)
+    assert root.names() == ["ckpt-00000009", "ckpt-00000019", "ckpt-00000029", "ckpt-00000039"]
+    assert torn.names() == []
+    checkpoints.prune(root)
+    assert root.names() == ["ckpt-00000019", "ckpt-00000029", "ckpt-00000039"]
 
 
 def test_the_schedule_counts_clocks_and_seconds_from_the_last_checkpoint() -> None:

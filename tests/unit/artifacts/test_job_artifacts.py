@@ -23,19 +23,15 @@ def test_the_weights_handed_back_are_the_final_else_the_newest_complete_checkpoi
     art = JobArtifacts(tmp_path, "job-1")
     assert art.best_weights() is None and art.latest_checkpoint() is None
     for clock, complete in ((9, True), (19, True), (29, False)):
-        folder = art.checkpoints / f"ckpt-{clock:08d}"
+        folder = art.checkpoints.path / f"ckpt-{clock:08d}"
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"w")
         if complete:
             (folder / "checkpoint.json").write_text("{}")
-    assert latest_checkpoint(art.checkpoints) == art.checkpoints / "ckpt-00000019"
-    assert art.best_weights() == (
-        art.checkpoints / "ckpt-00000019/model.safetensors",
-        "ckpt-00000019",
-    )
-    art.final_weights.parent.mkdir(parents=True)
-    art.final_weights.write_bytes(b"f")
-    assert art.best_weights() == (art.final_weights, "final")
+    assert latest_checkpoint(art.checkpoints) == art.checkpoints.sub("ckpt-00000019")
+    assert art.best_weights() == (art.checkpoints.sub("ckpt-00000019"), "ckpt-00000019")
+    art.final.write_bytes("model.safetensors", b"f")
+    assert art.best_weights() == (art.final, "final")
 
 
 @pytest.mark.parametrize("field", ["checkpoint_dir", "resume_from"])

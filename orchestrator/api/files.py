@@ -1,0 +1,126 @@
+"""The files the API moves in and out of the artifact store (`orchestrator.artifacts`): a job's
+weights (the final ones, else the newest checkpoint's) and its newest checkpoint as a tar, out;
+a job's packed code, in (`orchestrator submit` uploads it before it submits the job)."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import tempfile
+from pathlib import Path
+
+from fastapi import Request, Response
+from fastapi.responses import FileResponse
+
+from orchestrator.api.errors import ApiError
+from orchestrator.artifacts import Folder, JobArtifacts, LocalFolder, folder_name
+from orchestrator.artifacts.code import CodeError, has_code, is_code_ref, store_code
+
+NO_WEIGHTS_FIX = (
+    "wait for the job's first checkpoint (the training section's checkpoint_every / "
+    "checkpoint_every_s, or the controller's training.checkpoint_every_s) or its end"
+)
+
+
+def weights_folder(root: Folder, job_id: str) -> tuple[Folder, str]:
+    """The folder holding the job's weights and where they come from (`final`, or a
+    checkpoint's name).
+
+    Raises:
+        ApiError: 404, none yet.
+    """
+    best = JobArtifacts(root, job_id).best_weights()
+    if best is None:
+        raise ApiError(404, f"job {job_id} has no weights yet", fix=NO_WEIGHTS_FIX)
+    return best
+
+
+def file_response(folder: Folder, name: str, media_type: str, headers: dict[str, str]) -> Response:
+    """The file `name` of `folder` as the response body (streamed from disk when local)."""
+    if isinstance(folder, LocalFolder):
+        return FileResponse(folder.path / name, media_type=media_type, headers=headers)
+    try:
+        data = folder.read_bytes(name)
+    except FileNotFoundError as exc:  # pruned while being read: a newer one exists
+        raise ApiError(409, f"{name} went away while it was read", fix="ask again") from exc
+    return Response(data, media_type=media_type, headers=headers)
+
+
+def checkpoint_tar(root: Folder, job_id: str) -> tuple[Path, str]:
+    """The job's newest checkpoint as an uncompressed tar in a temporary file (the caller
+    removes it), and the checkpoint's name.
+
+    Raises:
+        ApiError: 404, none yet; 409, it was pruned while being read.
+    """
+    latest = JobArtifacts(root, job_id).latest_checkpoint()
+    if latest is None:
+        raise ApiError(404, f"job {job_id} has no checkpoint yet", fix=NO_WEIGHTS_FIX)
+    name = folder_name(latest)
+    fd, tar_path = tempfile.mkstemp(prefix="orchestrator-ckpt-", suffix=".tar")
+    os.close(fd)
+    try:
+        with tarfile.open(tar_path, "w") as tar:
+            folder = tarfile.TarInfo(name)
+            folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(folder)
+            for member in latest.names():
+                data = latest.read_bytes(member)
+                info = tarfile.TarInfo(f"{name}/{member}")
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
+    except OSError as exc:  # pruned while being read: a newer one exists, ask again
+        os.unlink(tar_path)
+        raise ApiError(
+            409, f"checkpoint {name} went away while it was read", fix="ask again"
+        ) from exc
+    return Path(tar_path), name
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past `limit` bytes without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"body of {declared} bytes is over {limit}", fix="send less")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"body over {limit} bytes", fix="send less")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def save_code(root: Folder, ref: str, body: bytes) -> str:
+    """Store uploaded code under `ref`, which must be its digest.
+
+    Raises:
+        ApiError: 400, not a code reference or not the body's digest.
+    """
+    if not is_code_ref(ref):
+        raise ApiError(400, f"{ref!r} is not a code reference", fix="PUT /v1/code/sha256:<hex>")
+    try:
+        return store_code(root, body, ref)
+    except CodeError as exc:
+        raise ApiError(400, exc.message, fix=exc.fix or "upload it again") from None
+
+
+def check_code_uploaded(root: Folder, code: str | None) -> None:
+    """A submission that names uploaded code must find it in the store.
+
+    Raises:
+        ApiError: 422, the code is not there.
+    """
+    if code is None or not is_code_ref(code):
+        return
+    try:
+        present = has_code(root, code)
+    except CodeError as exc:
+        raise ApiError(422, f"training.code: {exc.message}", fix=exc.fix) from None
+    if not present:
+        raise ApiError(
+            422,
+            f"training.code: {code} was not uploaded to this controller",
+            fix="submit with `orchestrator submit JOB.yaml`, which uploads the code it names",
+        )

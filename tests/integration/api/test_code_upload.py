@@ -1,0 +1,81 @@
+"""A job's code goes in through the API: `orchestrator submit` (the installed console script, as a
+user runs it) checks, packs and uploads the training section's code, and the submitted spec names
+it by digest; the API stores only code whose digest matches, and refuses a job naming code it
+does not have."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import yaml
+from pydantic import SecretStr
+
+from orchestrator.api.app import create_app
+from orchestrator.artifacts import LocalFolder
+from orchestrator.artifacts.code import code_ref, fetch_code, pack_code
+from orchestrator.settings import ApiSettings, Settings, TrainingSettings
+from orchestrator.store import MemoryStore
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*httpx2", category=UserWarning)
+    from fastapi.testclient import TestClient
+
+JOBS = Path(__file__).parents[2] / "support" / "jobs"
+AUTH = {"Authorization": "Bearer t0ken"}
+
+
+def _settings(root: Path) -> Settings:
+    return Settings(
+        api=ApiSettings(token=SecretStr("t0ken")), training=TrainingSettings(artifacts_dir=root)
+    )
+
+
+def test_the_api_stores_code_under_its_digest_and_checks_submissions(tmp_path: Path) -> None:
+    client = TestClient(create_app(MemoryStore(), _settings(tmp_path / "store")))
+    packed = pack_code(JOBS / "digits_sgd.py")
+    ref = code_ref(packed)
+    assert client.put(f"/v1/code/{ref}", content=packed).status_code == 401
+    wrong = client.put("/v1/code/sha256:" + "0" * 64, content=packed, headers=AUTH)
+    assert wrong.status_code == 400 and "not sha256:" in wrong.json()["error"]["message"]
+    assert client.put("/v1/code/latest", content=packed, headers=AUTH).status_code == 400
+    job = {"name": "c", "budget_usd": 5, "work_gpu_hours": 1, "training": {"code": ref}}
+    refused = client.post("/v1/jobs", json=job, headers=AUTH)
+    assert refused.status_code == 422 and "was not uploaded" in refused.json()["error"]["message"]
+
+    stored = client.put(f"/v1/code/{ref}", content=packed, headers=AUTH)
+    assert stored.status_code == 201 and stored.json() == {"code": ref, "bytes": len(packed)}
+    assert client.post("/v1/jobs", json=job, headers=AUTH).status_code == 201
+    home = fetch_code(LocalFolder(tmp_path / "store"), ref, tmp_path / "cache")
+    assert (home / "job.py").read_bytes() == (JOBS / "digits_sgd.py").read_bytes()
+
+
+def test_submit_uploads_the_code_its_job_file_names(tmp_path: Path) -> None:
+    from orchestrator.api.serve import BackgroundServer
+
+    store = MemoryStore()
+    project = tmp_path / "project"
+    shutil.copytree(JOBS / "bn_rmsprop", project / "model")
+    spec = {
+        "name": "bn", "budget_usd": 5, "work_gpu_hours": 1,
+        "training": {"code": "model", "global_batch": 32, "iterations": 10},
+    }  # fmt: skip
+    (project / "job.yaml").write_text(yaml.safe_dump(spec))
+    script = shutil.which("orchestrator")
+    assert script is not None, "the console script is installed with the package"
+
+    with BackgroundServer(create_app(store, _settings(tmp_path / "store"))) as server:
+        cmd = [script, "submit", str(project / "job.yaml"), "--api", server.url, "--token",
+               "t0ken"]  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        assert "checked:" in run.stderr and "uploaded" in run.stderr
+        job = store.get_job(run.stdout.strip())
+        assert job.spec["training"]["code"] == code_ref(pack_code(project / "model"))
+
+        (project / "job.yaml").write_text(yaml.safe_dump({**spec, "training": {"code": "nope"}}))
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert run.returncode == 2 and "training.code: nope does not exist" in run.stderr
+        assert "Traceback" not in run.stderr
