@@ -21,6 +21,8 @@ from orchestrator.errors import UserError
 READ_ONLY_PREFIXES = ("Describe", "Get", "List")
 #: Resource types whose ARNs must be reached only through our tag.
 TAGGED_RESOURCE_TYPES = (":instance/", ":volume/")
+#: Every S3 statement names the stack's artifact bucket (its Arn, or objects under it).
+ARTIFACT_BUCKET_ARN = "${ArtifactBucket.Arn}"
 WORLD = ("0.0.0.0/0", "::/0")
 
 
@@ -75,7 +77,11 @@ def _listed(value: Any) -> list[Any]:
 
 
 def _arn_text(resource: Any) -> str:
-    """An ARN as written: a string, or the template text of a `Fn::Sub`."""
+    """An ARN as written: a string, the template text of a `Fn::Sub`, or `${X.Arn}` for a
+    `Fn::GetAtt` of X's Arn."""
+    if isinstance(resource, dict) and "Fn::GetAtt" in resource:
+        target = resource["Fn::GetAtt"]
+        return "${" + (target if isinstance(target, str) else ".".join(target)) + "}"
     if isinstance(resource, dict) and "Fn::Sub" in resource:
         sub = resource["Fn::Sub"]
         return sub if isinstance(sub, str) else str(sub[0])
@@ -93,10 +99,16 @@ def _statement_problems(name: str, statement: dict[str, Any]) -> list[str]:
     actions = [str(a) for a in _listed(statement.get("Action", []))]
     problems += [f"{name}: wildcard action {a!r}" for a in actions if "*" in a.split(":", 1)[-1]
                  and not a.split(":", 1)[-1].startswith(READ_ONLY_PREFIXES)]  # fmt: skip
+    resources = [_arn_text(r) for r in _listed(statement.get("Resource", []))]
+    if any(a.startswith("s3:") for a in actions):
+        problems += [
+            f"{name}: S3 access beyond the artifact bucket ({r or '?'})"
+            for r in resources
+            if not r.startswith(ARTIFACT_BUCKET_ARN)
+        ]
     mutating = [a for a in actions if not a.split(":", 1)[-1].startswith(READ_ONLY_PREFIXES)]
     if not mutating:
         return problems
-    resources = [_arn_text(r) for r in _listed(statement.get("Resource", []))]
     conditions = statement.get("Condition", {}).get("StringEquals", {})
     tag_keys = {f"aws:RequestTag/{TAG_CONTROLLER}", f"aws:ResourceTag/{TAG_CONTROLLER}",
                 f"ec2:ResourceTag/{TAG_CONTROLLER}"}  # fmt: skip

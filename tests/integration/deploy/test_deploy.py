@@ -111,6 +111,19 @@ def test_the_policy_is_least_privilege_and_the_checks_catch_each_breach():
     assert breach(lambda r: policy(r)["TerminateOnlyOurInstances"].update(Resource="*"))
     assert breach(lambda r: policy(r)["ReadOurTokens"].update(Action="secretsmanager:*"))
     assert breach(lambda r: policy(r)["GiveWorkersTheirRole"].update(Resource="*"))
+    assert breach(lambda r: policy(r)["KeepOurArtifacts"].update(Resource="arn:aws:s3:::*"))
+
+    def worker(resources):
+        return {
+            s["Sid"]: s
+            for s in resources["WorkerPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+        }
+
+    # workers fetch code and checkpoints, write checkpoint parts, and nothing else in S3
+    s3 = {sid: s["Action"] for sid, s in worker(template["Resources"]).items() if "s3:" in str(s)}
+    assert s3 == {"FetchJobCodeAndCheckpoints": "s3:GetObject",
+                  "WriteCheckpointPartsOnly": "s3:PutObject"}  # fmt: skip
+    assert breach(lambda r: worker(r)["WriteCheckpointPartsOnly"].update(Action="s3:*"))
     assert breach(lambda r: policy(r)["TerminateOnlyOurInstances"].update(
         NotAction="ec2:RunInstances"))  # fmt: skip
     world = {"IpProtocol": "tcp", "FromPort": 29500, "ToPort": 29999, "CidrIp": "0.0.0.0/0"}
@@ -276,6 +289,10 @@ def test_the_stack_deploys_in_moto_and_yields_instance_roles_groups_and_launch_t
         SecretId=params.api_token_secret_arn
     )["SecretString"]
     assert token not in user_data  # secrets never in user data
+    bucket = outputs["ArtifactBucketName"]
+    assert f"ORCHESTRATOR_TRAINING__STORE=s3://{bucket}/artifacts" in user_data
+    tags = boto3.client("s3", region_name=REGION).get_bucket_tagging(Bucket=bucket)["TagSet"]
+    assert {"Key": TAG_CONTROLLER, "Value": "prod"} in tags
 
     iam = boto3.client("iam", region_name=REGION)
     roles = {r["RoleName"]: r for r in iam.list_roles()["Roles"]}
