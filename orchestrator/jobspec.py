@@ -6,6 +6,7 @@ controller turns it into the `JobSpec` BidBrain plans with.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any
 
@@ -13,18 +14,59 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.market.catalog import Catalog, InstanceType
+from orchestrator.units import SECONDS_PER_HOUR
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+#: One V100: a reference-GPU-hour is an hour of it (work rate 1).
+REFERENCE_INSTANCE_TYPE = "p3.2xlarge"
+
+
+class IterationTime(BaseModel):
+    """How long one iteration (one global batch) of a training job takes on one instance of a
+    GPU type: with the training section's iterations it gives the job's work."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seconds_per_iteration: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    measured_on: str = Field(
+        REFERENCE_INSTANCE_TYPE,
+        description="the GPU instance type it was measured on (its GPUs' catalog work rates "
+        "convert it to reference-GPU-hours)",
+    )
+
+    @field_validator("measured_on")
+    @classmethod
+    def _gpu_type(cls, value: str) -> str:
+        if not _catalog_type(value).is_gpu:
+            raise ValueError(f"{value} has no GPU; name the GPU type the time was measured on")
+        return value
+
+    def work_gpu_hours(self, iterations: int) -> float:
+        """`iterations` of this time, in reference-GPU-hours (the catalog's rates)."""
+        catalog = Catalog.load()
+        it = catalog.get(self.measured_on)
+        assert it.gpu_model is not None  # checked above
+        rate = it.gpu_count * catalog.gpu_work_rates[it.gpu_model]
+        return iterations * self.seconds_per_iteration / SECONDS_PER_HOUR * rate
 
 
 class JobSubmission(BaseModel):
-    """A job as submitted. Work is in reference-GPU-hours (one V100 for an hour = 1)."""
+    """A job as submitted. Work is in reference-GPU-hours (one V100 for an hour = 1), given as
+    `work_gpu_hours` or, for a training job, as its iterations times `iteration_time`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(description="letters, digits, '.', '_' and '-', up to 64")
     budget_usd: Annotated[float, Field(gt=0, allow_inf_nan=False)]
-    work_gpu_hours: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    iteration_time: IterationTime | None = Field(
+        None,
+        description="a training job's seconds per iteration on one instance of a GPU type: "
+        "its work is training.iterations of it (catalog rates until measured rates exist)",
+    )
+    work_gpu_hours: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        description="the work in reference-GPU-hours; a training job may give iteration_time "
+        "instead (filled in from it at submission)"
+    )
     max_gpus: Annotated[float, Field(gt=0, le=4096, allow_inf_nan=False)] = 16.0
     regions: tuple[str, ...] = ("us-east-1",)
     instance_types: tuple[str, ...] | None = Field(
@@ -40,6 +82,34 @@ class JobSubmission(BaseModel):
         description="train a model with AgileML (TrainingSpec fields but job_id): on AWS the "
         "controller hosts the job's elasticity controller and counts iterations as its work",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _work_from_iterations(cls, data: Any) -> Any:
+        """Fill in `work_gpu_hours` from the training's iterations and `iteration_time`."""
+        if not isinstance(data, dict) or data.get("iteration_time") is None:
+            return data
+        training = data.get("training")
+        if not isinstance(training, dict):
+            raise ValueError("iteration_time needs a training section (its iterations)")
+        from orchestrator.agileml.hosting import validate_training_section
+
+        try:
+            iterations = validate_training_section(training).iterations
+            timing = IterationTime.model_validate(data["iteration_time"])
+        except ValueError:  # (ValidationError too) the fields' own checks name it
+            return data
+        work = timing.work_gpu_hours(iterations)
+        given = data.get("work_gpu_hours")
+        # a stored job carries both (the work was filled in at submission): they must agree
+        if given is not None and not (
+            isinstance(given, (int, float)) and math.isclose(given, work, rel_tol=1e-9)
+        ):
+            raise ValueError(
+                f"work_gpu_hours ({given}) disagrees with iteration_time ({work:g} "
+                "reference-GPU-hours): give one of them"
+            )
+        return {**data, "work_gpu_hours": work}
 
     @field_validator("training")
     @classmethod
