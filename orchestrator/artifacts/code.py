@@ -1,0 +1,310 @@
+"""A job's code in the artifact store: packed by the CLI, stored by content, fetched by the nodes.
+
+`orchestrator submit` packs the training section's `code` (a job file, or a directory with
+`job.py`, as SkyPilot's `workdir`) into a reproducible `.tar.gz`, uploads it through the API and
+names it in the spec by its digest (`sha256:<hex>`). A node fetches it from the store before it
+joins (`fetch_code`): the archive is checked against its digest, unpacked into a cache folder
+(no member may leave it: no absolute paths, `..` or links), and the requirements of its
+`requirements.txt` that the node's environment does not meet are installed into that
+environment with pip (as a setup step would; on AWS the environment is the instance's own).
+
+    ref = store_code(store, pack_code(Path("my_job/")))   # "sha256:3f2a..."
+    path = fetch_code(store, ref, cache_dir)               # .../3f2a.../src, holding job.py
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from orchestrator.artifacts.folders import Folder, LocalFolder, folder_at
+from orchestrator.artifacts.jobs import CODE_FOLDER
+from orchestrator.errors import UserError
+
+log = logging.getLogger(__name__)
+
+CODE_REF_PREFIX = "sha256:"
+ENTRY_FILE = "job.py"
+REQUIREMENTS = "requirements.txt"
+MAX_CODE_BYTES = 64 * 1024 * 1024  # packed; data belongs in the dataset's download or S3
+SKIPPED = {"__pycache__", ".git", ".hg", ".venv", "venv", ".mypy_cache", ".pytest_cache"}
+PIP_TIMEOUT_S = 900.0
+CACHE_ENV = "ORCHESTRATOR_CODE_CACHE"
+DATA_ENV = "ORCHESTRATOR_DATA_DIR"  # where a job's `training.data` is on the node
+_READY = ".ready"
+
+
+class CodeError(UserError):
+    """The job's code cannot be packed, stored or fetched (named, with the fix)."""
+
+
+def is_code_ref(code: str | None) -> bool:
+    """Whether a training section's `code` names uploaded code (`sha256:<hex>`)."""
+    return code is not None and code.startswith(CODE_REF_PREFIX)
+
+
+def code_ref(packed: bytes) -> str:
+    return CODE_REF_PREFIX + hashlib.sha256(packed).hexdigest()
+
+
+def pack_code(path: str | Path) -> bytes:
+    """The job's code as a reproducible `.tar.gz` (the same bytes for the same files): a
+    directory's files (without caches and VCS folders; it must hold `job.py`), or a job file
+    as `job.py` with the `requirements.txt` beside it, if any.
+
+    Raises:
+        CodeError: no such file or directory, no `job.py` in the directory, or too large.
+    """
+    source = Path(path).expanduser()
+    if source.is_dir():
+        if not (source / ENTRY_FILE).is_file():
+            raise CodeError(
+                f"code directory {source} has no {ENTRY_FILE}",
+                fix=f"put the job's functions in {source / ENTRY_FILE}",
+            )
+        files = {str(f.relative_to(source)): f for f in _walk(source)}
+    elif source.is_file():
+        files = {ENTRY_FILE: source}
+        if (source.parent / REQUIREMENTS).is_file():
+            files[REQUIREMENTS] = source.parent / REQUIREMENTS
+    else:
+        raise CodeError(f"code {path} does not exist", fix="name the job file or its directory")
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(files):
+            data = files[name].read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    packed = gzip.compress(raw.getvalue(), mtime=0)
+    if len(packed) > MAX_CODE_BYTES:
+        raise CodeError(
+            f"code {path} packs to {len(packed) / 2**20:.0f} MiB, over "
+            f"{MAX_CODE_BYTES // 2**20} MiB",
+            fix="leave data and checkpoints out of the code folder (download them in dataset())",
+        )
+    return packed
+
+
+def store_code(store: Folder, packed: bytes, ref: str | None = None) -> str:
+    """Store packed code under its digest; returns the reference (`sha256:<hex>`).
+
+    Raises:
+        CodeError: `ref` given and not the digest of `packed` (a corrupted upload).
+    """
+    actual = code_ref(packed)
+    if ref is not None and ref != actual:
+        raise CodeError(f"uploaded code is {actual}, not {ref}", fix="upload it again")
+    if len(packed) > MAX_CODE_BYTES:
+        raise CodeError(f"code archive over {MAX_CODE_BYTES // 2**20} MiB", fix="make it smaller")
+    name = _archive_name(actual)
+    folder = store.sub(CODE_FOLDER)
+    if not folder.exists(name):
+        folder.write_bytes(name, packed)
+    return actual
+
+
+def has_code(store: Folder, ref: str) -> bool:
+    """Whether the store holds the code `ref` names."""
+    return store.sub(CODE_FOLDER).exists(_archive_name(ref))
+
+
+def default_cache() -> Path:
+    """Where nodes unpack fetched code: `$ORCHESTRATOR_CODE_CACHE`, else ~/.cache."""
+    configured = os.environ.get(CACHE_ENV)
+    return Path(configured) if configured else Path.home() / ".cache" / "orchestrator" / "code"
+
+
+def fetch_code(store: Folder, ref: str, cache: Path | None = None) -> Path:
+    """The local folder of the code `ref` names (holding `job.py`): fetched, checked,
+    unpacked and its unmet requirements installed the first time.
+
+    Raises:
+        CodeError: not in the store, not matching its digest, an unsafe member, or its
+            requirements cannot be installed.
+    """
+    cache = cache or default_cache()
+    digest = _digest_of(ref)
+    home = cache / digest
+    if not (home / _READY).is_file():
+        try:
+            packed = store.sub(CODE_FOLDER).read_bytes(_archive_name(ref))
+        except FileNotFoundError:
+            raise CodeError(
+                f"code {ref} is not in the artifact store {store.location}",
+                fix="submit the job with `orchestrator submit`, which uploads its code",
+            ) from None
+        if code_ref(packed) != ref:
+            raise CodeError(f"code {ref} in the store is corrupted", fix="submit the job again")
+        _install(packed, home)
+    return home / "src"
+
+
+def fetch_data(location: str, cache: Path | None = None) -> Path:
+    """The local folder of a job's data (`training.data`): a local location as it is; an S3
+    prefix copied (with its sub-folders) into the cache the first time.
+
+    Raises:
+        CodeError: the location holds nothing.
+    """
+    source = folder_at(location)
+    if isinstance(source, LocalFolder):
+        if not source.path.is_dir():
+            raise CodeError(f"training.data: {location} is not a folder on this machine")
+        return source.path
+    cache = cache or default_cache()
+    home = cache / "data" / hashlib.sha256(location.encode()).hexdigest()[:24]
+    if (home / _READY).is_file():
+        return home / "files"
+    home.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=home.name + ".", dir=home.parent))
+    try:
+        if _copy_tree(source, work / "files") == 0:
+            raise CodeError(
+                f"training.data: {location} holds no files", fix="name the prefix of the data"
+            )
+        (work / _READY).write_text("")
+        try:
+            os.replace(work, home)
+        except OSError:  # another node on this machine got there first
+            if not (home / _READY).is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return home / "files"
+
+
+def use_data(location: str | None) -> None:
+    """Fetch the job's data (if it names any) and tell the job's functions where it is:
+    `$ORCHESTRATOR_DATA_DIR` (read it in `dataset()`)."""
+    if location is not None:
+        os.environ[DATA_ENV] = str(fetch_data(location))
+
+
+def _copy_tree(source: Folder, target: Path) -> int:
+    target.mkdir(parents=True, exist_ok=True)
+    copied = 0
+    for name in source.names():
+        if source.exists(name):
+            source.copy_to(name, target / name)
+            copied += 1
+        else:
+            copied += _copy_tree(source.sub(name), target / name)
+    return copied
+
+
+def unmet_requirements(lines: list[str]) -> list[str]:
+    """The requirement lines this environment does not satisfy (a line that is not a plain
+    requirement, such as a URL or an option, counts as unmet: pip decides)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    unmet = []
+    for line in lines:
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            unmet.append(text)
+            continue
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        try:
+            installed = version(req.name)
+        except PackageNotFoundError:
+            unmet.append(text)
+            continue
+        if req.specifier and not req.specifier.contains(installed, prereleases=True):
+            unmet.append(text)
+    return unmet
+
+
+def _install(packed: bytes, home: Path) -> None:
+    """Unpack into a temporary folder beside `home`, install the unmet requirements, then
+    rename it into place (a crash leaves no half-made `home`)."""
+    home.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=home.name + ".", dir=home.parent))
+    try:
+        _unpack(packed, work / "src")
+        requirements = work / "src" / REQUIREMENTS
+        if requirements.is_file():
+            unmet = unmet_requirements(requirements.read_text().splitlines())
+            if unmet:
+                _pip_install(unmet)
+        (work / _READY).write_text("")
+        try:
+            os.replace(work, home)
+        except OSError:  # another node on this machine got there first
+            if not (home / _READY).is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _unpack(packed: bytes, target: Path) -> None:
+    target.mkdir(parents=True)
+    root = target.resolve()
+    with tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            dest = (target / member.name).resolve()
+            unsafe = not member.isfile() and not member.isdir()
+            if unsafe or member.name.startswith("/") or not dest.is_relative_to(root):
+                raise CodeError(
+                    f"code archive member {member.name!r} is not a plain file inside the job",
+                    fix="pack the code with `orchestrator submit` (no links, no absolute paths)",
+                )
+        tar.extractall(target, filter="data")
+
+
+def _pip_install(requirements: list[str]) -> None:
+    log.info("installing job requirements", extra={"requirements": requirements})
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    cmd += requirements
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except subprocess.CalledProcessError as exc:
+        last = (exc.stderr or exc.stdout or "").strip().splitlines()[-1:] or ["(no output)"]
+        raise CodeError(
+            f"installing the job's requirements {requirements} failed: {last[0]}",
+            fix=f"check {REQUIREMENTS} (pip install -r {REQUIREMENTS} must work on a node)",
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise CodeError(
+            f"installing the job's requirements took over {PIP_TIMEOUT_S:.0f} s",
+            fix=f"trim {REQUIREMENTS}",
+        ) from None
+
+
+def _walk(folder: Path) -> list[Path]:
+    out = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name in SKIPPED or entry.suffix == ".pyc" or entry.is_symlink():
+            continue
+        if entry.is_dir():
+            out.extend(_walk(entry))
+        elif entry.is_file():
+            out.append(entry)
+    return out
+
+
+def _digest_of(ref: str) -> str:
+    hexpart = ref[len(CODE_REF_PREFIX) :] if is_code_ref(ref) else ""
+    if len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
+        raise CodeError(f"{ref!r} is not a code reference", fix="write it as sha256:<64 hex>")
+    return hexpart
+
+
+def _archive_name(ref: str) -> str:
+    return _digest_of(ref) + ".tar.gz"
