@@ -5,6 +5,10 @@ elasticity controller records), its size on disk, the seconds to read it back, a
 of the resumed run against a fresh run of the same iterations.
 
     python -m benchmarks.checkpoint_times [JOB.py] [--nodes 2] [--iterations 30] [--every 10]
+                                          [--s3]
+
+`--s3` writes the checkpoints to a bucket on a local moto server (the S3 path the controller
+uses on AWS, over loopback HTTP) instead of a local folder.
 
 The default job is the 5,001,000-parameter MLR with Adam (benchmarks/jobs/wide_linear.py), so
 a checkpoint holds ~60 MB. On a small shared machine the figures are noisy.
@@ -13,6 +17,7 @@ a checkpoint holds ~60 MB. On a small shared machine the figures are noisy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -22,6 +27,9 @@ from pathlib import Path
 
 from orchestrator.agileml import checkpoints
 from orchestrator.agileml.trainrun import TrainPlan, train_locally, train_spec
+from orchestrator.artifacts import S3Folder
+from orchestrator.artifacts.folders import s3_client
+from orchestrator.cloud.local.moto_server import MotoEC2Server
 
 DEFAULT_JOB = Path(__file__).resolve().parent / "jobs" / "wide_linear.py"
 _SECONDS = re.compile(r"clock (\d+) in ([0-9.]+) s")
@@ -34,8 +42,14 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--global-batch", type=int, default=256)
+    parser.add_argument("--s3", action="store_true", help="checkpoint to moto's S3")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="orchestrator-ckpt-bench-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="orchestrator-ckpt-bench-"))
+        if args.s3:
+            server = stack.enter_context(MotoEC2Server())
+            s3_client(server.endpoint_url).create_bucket(Bucket="bench")
+            tmp = S3Folder("bench", "checkpoints", endpoint=server.endpoint_url).location
         base = TrainPlan(
             code=str(args.job),
             nodes=args.nodes,
@@ -52,18 +66,19 @@ def main() -> None:
         ]
         newest = checkpoints.latest(tmp)
         assert newest is not None, "no checkpoint was written"
-        size = sum(f.stat().st_size for f in newest.iterdir())
+        size = sum(len(newest.read_bytes(name)) for name in newest.names())
         spec = train_spec(base)
         started = time.monotonic()
         checkpoints.read(newest, spec.num_partitions)
         read_s = time.monotonic() - started
         done = checkpoints.read_manifest(newest).iterations_done
-        resumed = train_locally(base.model_copy(update={"resume": str(newest)}))
+        resumed = train_locally(base.model_copy(update={"resume": newest.location}))
         fresh = train_locally(base.model_copy(update={"iterations": args.iterations - done}))
     print(
         json.dumps(
             {
                 "job": str(args.job),
+                "store": "s3 (moto, loopback)" if args.s3 else "local folder",
                 "parameters_and_state_bytes": size,
                 "checkpoints_written": len(writes),
                 "write_s_median": round(statistics.median(writes), 3) if writes else None,
