@@ -35,7 +35,7 @@ from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.updates import OptimizerPlan
 from orchestrator.artifacts import folder_at
-from orchestrator.artifacts.code import fetch_code, is_code_ref, use_data
+from orchestrator.artifacts.code import fetch_code, is_code_ref
 from orchestrator.errors import UserError
 
 REQUIRED = ("model", "dataset", "loss", "optimizer")
@@ -86,8 +86,7 @@ def job_file(path: str | Path) -> Path:
 
 def code_path(spec: TrainingSpec) -> str:
     """Where the spec's job code is on this machine: its `code` path, or, for uploaded code
-    (`sha256:<hex>`), the folder it is fetched into from the spec's `code_store`. The job's
-    `data`, if it names any, is fetched first (its functions may read it when imported).
+    (`sha256:<hex>`), the folder it is fetched into from the spec's `code_store`.
 
     Raises:
         JobCodeError: no code, or uploaded code without a store.
@@ -95,7 +94,6 @@ def code_path(spec: TrainingSpec) -> str:
     """
     if spec.code is None:
         raise JobCodeError("the job names no code", fix="set the training section's code")
-    use_data(spec.data)
     if not is_code_ref(spec.code):
         return spec.code
     if spec.code_store is None:

@@ -164,9 +164,6 @@ def _upload_code(client: Any, training: dict[str, Any], job_file: Path, check: b
         )
     if check:
         from orchestrator.agileml.jobcode import check_job_code, load_job_code
-        from orchestrator.artifacts.code import use_data
-
-        use_data(training.get("data"))  # the job's dataset() reads it as on the nodes
 
         err.print(f"checking {path} ...", highlight=False)
         found = check_job_code(
