@@ -6,8 +6,8 @@ controller turns it into the `JobSpec` BidBrain plans with.
 
 from __future__ import annotations
 
-import math
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -41,12 +41,14 @@ class IterationTime(BaseModel):
             raise ValueError(f"{value} has no GPU; name the GPU type the time was measured on")
         return value
 
-    def work_gpu_hours(self, iterations: int) -> float:
-        """`iterations` of this time, in reference-GPU-hours (the catalog's rates)."""
+    def work_gpu_hours(self, iterations: int, rates: Mapping[str, Any]) -> float:
+        """`iterations` of this time, in reference-GPU-hours (the catalog's rates, with the
+        job's own `gpu_work_rates` over them)."""
         catalog = Catalog.load()
         it = catalog.get(self.measured_on)
         assert it.gpu_model is not None  # checked above
-        rate = it.gpu_count * catalog.gpu_work_rates[it.gpu_model]
+        merged = {**catalog.gpu_work_rates, **rates}
+        rate = it.gpu_count * float(merged[it.gpu_model])
         return iterations * self.seconds_per_iteration / SECONDS_PER_HOUR * rate
 
 
@@ -65,7 +67,7 @@ class JobSubmission(BaseModel):
     )
     work_gpu_hours: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
         description="the work in reference-GPU-hours; a training job may give iteration_time "
-        "instead (filled in from it at submission)"
+        "instead (filled in from it at submission; when both are given this one counts)"
     )
     max_gpus: Annotated[float, Field(gt=0, le=4096, allow_inf_nan=False)] = 16.0
     regions: tuple[str, ...] = ("us-east-1",)
@@ -89,6 +91,8 @@ class JobSubmission(BaseModel):
         """Fill in `work_gpu_hours` from the training's iterations and `iteration_time`."""
         if not isinstance(data, dict) or data.get("iteration_time") is None:
             return data
+        if data.get("work_gpu_hours") is not None:  # given, or filled in at submission
+            return data
         training = data.get("training")
         if not isinstance(training, dict):
             raise ValueError("iteration_time needs a training section (its iterations)")
@@ -99,16 +103,7 @@ class JobSubmission(BaseModel):
             timing = IterationTime.model_validate(data["iteration_time"])
         except ValueError:  # (ValidationError too) the fields' own checks name it
             return data
-        work = timing.work_gpu_hours(iterations)
-        given = data.get("work_gpu_hours")
-        # a stored job carries both (the work was filled in at submission): they must agree
-        if given is not None and not (
-            isinstance(given, (int, float)) and math.isclose(given, work, rel_tol=1e-9)
-        ):
-            raise ValueError(
-                f"work_gpu_hours ({given}) disagrees with iteration_time ({work:g} "
-                "reference-GPU-hours): give one of them"
-            )
+        work = timing.work_gpu_hours(iterations, data.get("gpu_work_rates") or {})
         return {**data, "work_gpu_hours": work}
 
     @field_validator("training")

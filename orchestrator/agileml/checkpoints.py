@@ -97,7 +97,11 @@ def write_part(
     if state is not None:
         tensors["rule_state"] = state
     data = save(tensors, metadata={"partition": str(p), "clock": str(clock)})
-    opened(directory).write_bytes(_part_name(p), data)
+    folder = opened(directory)
+    try:
+        folder.write_bytes(_part_name(p), data)
+    except OSError as exc:
+        raise AgileMLError(f"checkpoint {folder.location}: partition {p}: {exc}") from exc
 
 
 def complete(directory: Location, *, job_id: str, clock: int, num_partitions: int) -> Folder:
@@ -107,15 +111,20 @@ def complete(directory: Location, *, job_id: str, clock: int, num_partitions: in
         AgileMLError: a partition file is missing.
     """
     folder = opened(directory)
-    written = set(folder.names())
-    missing = [p for p in range(num_partitions) if _part_name(p) not in written]
-    if missing:
-        raise AgileMLError(f"checkpoint {folder.location}: partitions {missing} were not written")
-    manifest = CheckpointManifest(
-        job_id=job_id, clock=clock, num_partitions=num_partitions, created_unix=time.time()
-    )
-    data = {**manifest.model_dump(), "iterations_done": manifest.iterations_done}
-    folder.write_bytes(MANIFEST, (json.dumps(data, indent=2) + "\n").encode())
+    try:
+        written = set(folder.names())
+        missing = [p for p in range(num_partitions) if _part_name(p) not in written]
+        if missing:
+            raise AgileMLError(
+                f"checkpoint {folder.location}: partitions {missing} were not written"
+            )
+        manifest = CheckpointManifest(
+            job_id=job_id, clock=clock, num_partitions=num_partitions, created_unix=time.time()
+        )
+        data = {**manifest.model_dump(), "iterations_done": manifest.iterations_done}
+        folder.write_bytes(MANIFEST, (json.dumps(data, indent=2) + "\n").encode())
+    except OSError as exc:
+        raise AgileMLError(f"checkpoint {folder.location}: {exc}") from exc
     return folder
 
 
@@ -198,16 +207,19 @@ def prune(root: Location, keep: int = KEEP_CHECKPOINTS, spare: Location | None =
     """Remove all but the newest `keep` complete checkpoints, and incomplete ones older than
     the newest complete one; never `spare` (the checkpoint the run resumed from)."""
     base = opened(root)
-    names = [n for n in base.names() if n.startswith("ckpt-")]
-    done = [n for n in names if base.sub(n).exists(MANIFEST)]
-    if not done:
-        return
-    stale = done[:-keep] if keep > 0 else done
-    stale += [n for n in names if n not in done and n < done[-1]]
-    kept = None if spare is None else folder_name(opened(spare))
-    for name in stale:
-        if name != kept:
-            base.sub(name).remove()
+    try:
+        names = [n for n in base.names() if n.startswith("ckpt-")]
+        done = [n for n in names if base.sub(n).exists(MANIFEST)]
+        if not done:
+            return
+        stale = done[:-keep] if keep > 0 else done
+        stale += [n for n in names if n not in done and n < done[-1]]
+        kept = None if spare is None else folder_name(opened(spare))
+        for name in stale:
+            if name != kept:
+                base.sub(name).remove()
+    except OSError as exc:  # the next checkpoint prunes again
+        raise AgileMLError(f"pruning checkpoints in {base.location}: {exc}") from exc
 
 
 def _part_name(p: int) -> str:

@@ -26,6 +26,7 @@ from orchestrator.agileml.coordinator import Coordinator, CoordinatorEvent
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
+from orchestrator.artifacts.code import is_code_ref
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -84,7 +85,8 @@ class LocalJob:
         ]  # fmt: skip
         if held:
             self._held.add(node_id)
-            cmd += ["--hold"] + (["--preload", self.spec.code] if self.spec.code else [])
+            preload = self.spec.code and not is_code_ref(self.spec.code)  # a path: warm it up
+            cmd += ["--hold"] + (["--preload", str(self.spec.code)] if preload else [])
         with (self._log_dir / f"{node_id}.log").open("w") as stderr:
             self._procs[node_id] = subprocess.Popen(
                 cmd,

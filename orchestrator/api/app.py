@@ -37,6 +37,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Redirect
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 
 from orchestrator import __version__
 from orchestrator.api import error_body
@@ -168,7 +169,8 @@ def _job_routes(
         """Store a job's packed code (`orchestrator submit` uploads it) under its digest
         `sha256:<hex>`; a job's training section then names it as its `code`."""
         body = await read_limited(request, MAX_CODE_BYTES)
-        return {"code": save_code(artifacts_root, ref, body), "bytes": len(body)}
+        stored = await run_in_threadpool(save_code, artifacts_root, ref, body)  # S3: a PUT
+        return {"code": stored, "bytes": len(body)}
 
     @router.get("/v1/jobs/{job_id}/events")
     def events(

@@ -4,9 +4,11 @@
 `job.py`, as SkyPilot's `workdir`) into a reproducible `.tar.gz`, uploads it through the API and
 names it in the spec by its digest (`sha256:<hex>`). A node fetches it from the store before it
 joins (`fetch_code`): the archive is checked against its digest, unpacked into a cache folder
-(no member may leave it: no absolute paths, `..` or links), and the requirements of its
-`requirements.txt` that the node's environment does not meet are installed into that
-environment with pip (as a setup step would; on AWS the environment is the instance's own).
+(no member may leave it: no absolute paths, `..` or links), and the lines of its
+`requirements.txt` that the node's environment does not meet are pip-installed into a folder
+beside the code (`--target`, `--no-deps`: list every package the job needs beyond the
+orchestrator's environment; the runtime's own torch and numpy are never replaced), which is put
+first on `sys.path`.
 
     ref = store_code(store, pack_code(Path("my_job/")))   # "sha256:3f2a..."
     path = fetch_code(store, ref, cache_dir)               # .../3f2a.../src, holding job.py
@@ -26,7 +28,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from orchestrator.artifacts.folders import Folder, LocalFolder, folder_at
+from orchestrator.artifacts.folders import Folder
 from orchestrator.artifacts.jobs import CODE_FOLDER
 from orchestrator.errors import UserError
 
@@ -39,8 +41,8 @@ MAX_CODE_BYTES = 64 * 1024 * 1024  # packed; data belongs in the dataset's downl
 SKIPPED = {"__pycache__", ".git", ".hg", ".venv", "venv", ".mypy_cache", ".pytest_cache"}
 PIP_TIMEOUT_S = 900.0
 CACHE_ENV = "ORCHESTRATOR_CODE_CACHE"
-DATA_ENV = "ORCHESTRATOR_DATA_DIR"  # where a job's `training.data` is on the node
 _READY = ".ready"
+_SITE = "site-packages"
 
 
 class CodeError(UserError):
@@ -126,7 +128,8 @@ def default_cache() -> Path:
 
 def fetch_code(store: Folder, ref: str, cache: Path | None = None) -> Path:
     """The local folder of the code `ref` names (holding `job.py`): fetched, checked,
-    unpacked and its unmet requirements installed the first time.
+    unpacked and its unmet requirements installed the first time; those are put first on
+    `sys.path`.
 
     Raises:
         CodeError: not in the store, not matching its digest, an unsafe member, or its
@@ -146,60 +149,10 @@ def fetch_code(store: Folder, ref: str, cache: Path | None = None) -> Path:
         if code_ref(packed) != ref:
             raise CodeError(f"code {ref} in the store is corrupted", fix="submit the job again")
         _install(packed, home)
+    site = home / _SITE
+    if site.is_dir() and str(site) not in sys.path:
+        sys.path.insert(0, str(site))
     return home / "src"
-
-
-def fetch_data(location: str, cache: Path | None = None) -> Path:
-    """The local folder of a job's data (`training.data`): a local location as it is; an S3
-    prefix copied (with its sub-folders) into the cache the first time.
-
-    Raises:
-        CodeError: the location holds nothing.
-    """
-    source = folder_at(location)
-    if isinstance(source, LocalFolder):
-        if not source.path.is_dir():
-            raise CodeError(f"training.data: {location} is not a folder on this machine")
-        return source.path
-    cache = cache or default_cache()
-    home = cache / "data" / hashlib.sha256(location.encode()).hexdigest()[:24]
-    if (home / _READY).is_file():
-        return home / "files"
-    home.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=home.name + ".", dir=home.parent))
-    try:
-        if _copy_tree(source, work / "files") == 0:
-            raise CodeError(
-                f"training.data: {location} holds no files", fix="name the prefix of the data"
-            )
-        (work / _READY).write_text("")
-        try:
-            os.replace(work, home)
-        except OSError:  # another node on this machine got there first
-            if not (home / _READY).is_file():
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return home / "files"
-
-
-def use_data(location: str | None) -> None:
-    """Fetch the job's data (if it names any) and tell the job's functions where it is:
-    `$ORCHESTRATOR_DATA_DIR` (read it in `dataset()`)."""
-    if location is not None:
-        os.environ[DATA_ENV] = str(fetch_data(location))
-
-
-def _copy_tree(source: Folder, target: Path) -> int:
-    target.mkdir(parents=True, exist_ok=True)
-    copied = 0
-    for name in source.names():
-        if source.exists(name):
-            source.copy_to(name, target / name)
-            copied += 1
-        else:
-            copied += _copy_tree(source.sub(name), target / name)
-    return copied
 
 
 def unmet_requirements(lines: list[str]) -> list[str]:
@@ -242,7 +195,7 @@ def _install(packed: bytes, home: Path) -> None:
         if requirements.is_file():
             unmet = unmet_requirements(requirements.read_text().splitlines())
             if unmet:
-                _pip_install(unmet)
+                _pip_install(unmet, work / _SITE)
         (work / _READY).write_text("")
         try:
             os.replace(work, home)
@@ -268,10 +221,12 @@ def _unpack(packed: bytes, target: Path) -> None:
         tar.extractall(target, filter="data")
 
 
-def _pip_install(requirements: list[str]) -> None:
+def _pip_install(requirements: list[str], site: Path) -> None:
     log.info("installing job requirements", extra={"requirements": requirements})
+    listed = site.parent / "unmet-requirements.txt"
+    listed.write_text("\n".join(requirements) + "\n")
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    cmd += requirements
+    cmd += ["--no-deps", "--target", str(site), "-r", str(listed)]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
     except subprocess.CalledProcessError as exc:

@@ -16,10 +16,12 @@ soon as one object is under it; `names` lists its direct children (files and sub
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -152,7 +154,8 @@ class LocalFolder(_Named):
 
 class S3Folder(_Named):
     """A folder under an S3 prefix; `client` is a boto3 S3 client (made from the location's
-    endpoint when not given)."""
+    endpoint when not given). S3 errors (throttling, timeouts, access) come out as `OSError`,
+    a missing file as `FileNotFoundError`, like a local folder's."""
 
     def __init__(
         self, bucket: str, prefix: str, *, endpoint: str | None = None, client: Any = None
@@ -176,11 +179,13 @@ class S3Folder(_Named):
         return self._client
 
     def sub(self, name: str) -> S3Folder:
-        return S3Folder(
-            self.bucket, self._key(name), endpoint=self.endpoint, client=self._client
-        )
+        return S3Folder(self.bucket, self._key(name), endpoint=self.endpoint, client=self.client)
 
     def names(self) -> list[str]:
+        with _as_os_error(self.location):
+            return self._names()
+
+    def _names(self) -> list[str]:
         base = self.prefix + "/" if self.prefix else ""
         found: set[str] = set()
         pages = self.client.get_paginator("list_objects_v2").paginate(
@@ -188,39 +193,42 @@ class S3Folder(_Named):
         )
         for page in pages:
             found.update(o["Key"][len(base) :] for o in page.get("Contents", []))
-            found.update(p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", []))
+            found.update(
+                p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", [])
+            )
         return sorted(n for n in found if n)
 
     def exists(self, name: str) -> bool:
         try:
-            self.client.head_object(Bucket=self.bucket, Key=self._key(name))
-        except self.client.exceptions.ClientError as exc:
-            if _not_found(exc):
-                return False
-            raise
+            with _as_os_error(f"{self.location}/{name}"):
+                self.client.head_object(Bucket=self.bucket, Key=self._key(name))
+        except FileNotFoundError:
+            return False
         return True
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+        with _as_os_error(f"{self.location}/{name}"):
+            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
 
     def move_in(self, name: str, source: Path) -> None:
-        self.client.upload_file(str(source), self.bucket, self._key(name))
+        with _as_os_error(f"{self.location}/{name}"):
+            self.client.upload_file(str(source), self.bucket, self._key(name))
         source.unlink()
 
     def read_bytes(self, name: str) -> bytes:
-        try:
+        with _as_os_error(f"{self.location}/{name}"):
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
-        except self.client.exceptions.ClientError as exc:
-            if _not_found(exc):
-                raise FileNotFoundError(f"{self.location}/{name}") from None
-            raise
-        return bytes(response["Body"].read())
+            return bytes(response["Body"].read())
 
     def copy_to(self, name: str, target: Path) -> None:
         data = self.read_bytes(name)
         target.write_bytes(data)
 
     def remove(self) -> None:
+        with _as_os_error(self.location):
+            self._remove()
+
+    def _remove(self) -> None:
         base = self.prefix + "/" if self.prefix else ""
         pages = self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=base
@@ -286,6 +294,17 @@ def _checked_name(name: str) -> str:
     return name
 
 
-def _not_found(exc: Any) -> bool:
-    code = str(exc.response.get("Error", {}).get("Code", ""))
-    return code in ("404", "NoSuchKey", "NotFound")
+@contextlib.contextmanager
+def _as_os_error(where: str) -> Iterator[None]:
+    """botocore's errors as `OSError` (`FileNotFoundError` for a missing key)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchKey", "NotFound"):
+            raise FileNotFoundError(where) from None
+        raise OSError(f"S3 {where}: {exc}") from exc
+    except BotoCoreError as exc:
+        raise OSError(f"S3 {where}: {exc}") from exc

@@ -188,8 +188,12 @@ class TrainingHost:
         """The spec with the job's checkpoint folder and, if it has one, the newest checkpoint
         to resume from."""
         artifacts = self.artifacts(spec.job_id)
-        if artifacts is None or not self.checkpoints:
+        if artifacts is None:
             return spec
+        if not self.checkpoints:  # uploaded code is still fetched from the store
+            return TrainingSpec.model_validate(
+                {**spec.model_dump(), "code_store": artifacts.root.location}
+            )
         update: dict[str, object] = {
             "checkpoint_dir": artifacts.checkpoints.location,
             "code_store": artifacts.root.location,

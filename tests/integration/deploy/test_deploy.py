@@ -121,8 +121,8 @@ def test_the_policy_is_least_privilege_and_the_checks_catch_each_breach():
 
     # workers fetch code and checkpoints, write checkpoint parts, and nothing else in S3
     s3 = {sid: s["Action"] for sid, s in worker(template["Resources"]).items() if "s3:" in str(s)}
-    assert s3 == {"FetchJobCodeAndCheckpoints": "s3:GetObject",
-                  "WriteCheckpointPartsOnly": "s3:PutObject"}  # fmt: skip
+    assert s3 == {"ListTheArtifacts": "s3:ListBucket", "FetchJobCodeAndCheckpoints":
+                  "s3:GetObject", "WriteCheckpointPartsOnly": "s3:PutObject"}  # fmt: skip
     assert breach(lambda r: worker(r)["WriteCheckpointPartsOnly"].update(Action="s3:*"))
     assert breach(lambda r: policy(r)["TerminateOnlyOurInstances"].update(
         NotAction="ec2:RunInstances"))  # fmt: skip

@@ -36,8 +36,6 @@ def test_iterations_times_their_time_become_reference_gpu_hours() -> None:
     ("fields", "where", "says"),
     [
         ({"iteration_time": {"seconds_per_iteration": 1}}, "", "needs a training section"),
-        ({"work_gpu_hours": 2, "training": {}, "iteration_time": {"seconds_per_iteration": 1}},
-         "", "disagrees with iteration_time"),
         ({"training": {}, "iteration_time": {"seconds_per_iteration": 1,
                                               "measured_on": "m5.xlarge"}},
          "iteration_time.measured_on", "has no GPU"),
