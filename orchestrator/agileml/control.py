@@ -54,6 +54,9 @@ class TrainingSpec(BaseModel):
     # the user's job file (or directory with job.py) on the nodes' machines (see `jobcode`);
     # None: the built-in example `model` on generated data, trained by SGD with `lr`
     code: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    # the job's data: an S3 prefix (copied to each node once) or a folder on the nodes; the
+    # job's dataset() finds it at $ORCHESTRATOR_DATA_DIR (see `orchestrator.artifacts.data`)
+    data: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     model: ModelSpec = ModelSpec()
     samples: Annotated[int, Field(ge=1, le=10_000_000)] = 4096
     data_seed: int = 0

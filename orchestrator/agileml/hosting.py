@@ -25,7 +25,7 @@ from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import load_job_code
-from orchestrator.agileml.parts import TrainingParts, training_parts
+from orchestrator.agileml.parts import ModelParts, TrainingParts, model_parts, training_parts
 
 __all__ = [
     "AgileMLError",
@@ -55,6 +55,7 @@ class HostedTraining:
     def __init__(self, coordinator: Coordinator) -> None:
         self._coordinator = coordinator
         self._built: TrainingParts | None = None
+        self._model_built: ModelParts | None = None
 
     @classmethod
     def start(cls, spec: TrainingSpec, *, token: bytes, host: str, port: int) -> HostedTraining:
@@ -122,7 +123,7 @@ class HostedTraining:
         """
         done = self.done
         params = self._coordinator.fetch_parameters(timeout_s=timeout_s, final=done)
-        checkpoints.save_weights(self._parts().model_with(params), folder)
+        checkpoints.save_weights(self._model().model_with(params), folder)
         return self.spec.iterations if done else self._coordinator.progress().iteration
 
     def save_checkpoint_weights(
@@ -135,7 +136,7 @@ class HostedTraining:
             AgileMLError: not a complete checkpoint of this job's partitioning.
         """
         ckpt = checkpoints.read(checkpoint, self.spec.num_partitions)
-        checkpoints.save_weights(self._parts().model_with(ckpt.values), folder)
+        checkpoints.save_weights(self._model().model_with(ckpt.values), folder)
         return ckpt.clock + 1
 
     def evaluate(self, timeout_s: float = 1.0) -> dict[str, float] | None:
@@ -159,9 +160,18 @@ class HostedTraining:
         return parts.loss_of(parts.initial_model)
 
     def _parts(self) -> TrainingParts:
+        """Everything a node builds (the job's data included: for the offline demo's loss)."""
         if self._built is None:
             self._built = training_parts(self.spec)
         return self._built
+
+    def _model(self) -> ModelParts:
+        """The model only: what assembling weights needs (the data is never fetched here)."""
+        if self._built is not None:
+            return ModelParts(self._built.model_factory, self._built.layout)
+        if self._model_built is None:
+            self._model_built = model_parts(self.spec)
+        return self._model_built
 
     def stop(self) -> None:
         """Stop the elasticity controller; its nodes are told to shut down."""

@@ -36,6 +36,7 @@ from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.updates import OptimizerPlan
 from orchestrator.artifacts import folder_at
 from orchestrator.artifacts.code import fetch_code, is_code_ref
+from orchestrator.artifacts.data import use_data
 from orchestrator.errors import UserError
 
 REQUIRED = ("model", "dataset", "loss", "optimizer")
@@ -84,9 +85,10 @@ def job_file(path: str | Path) -> Path:
     return p
 
 
-def code_path(spec: TrainingSpec) -> str:
+def code_path(spec: TrainingSpec, *, with_data: bool = True) -> str:
     """Where the spec's job code is on this machine: its `code` path, or, for uploaded code
-    (`sha256:<hex>`), the folder it is fetched into from the spec's `code_store`.
+    (`sha256:<hex>`), the folder it is fetched into from the spec's `code_store`. With
+    `with_data`, the job's `data` (if it names any) is fetched first (see `artifacts.data`).
 
     Raises:
         JobCodeError: no code, or uploaded code without a store.
@@ -94,6 +96,8 @@ def code_path(spec: TrainingSpec) -> str:
     """
     if spec.code is None:
         raise JobCodeError("the job names no code", fix="set the training section's code")
+    if with_data:
+        use_data(spec.data)
     if not is_code_ref(spec.code):
         return spec.code
     if spec.code_store is None:

@@ -69,6 +69,38 @@ class TrainingParts:
         return total / max(count, 1)
 
 
+@dataclass(frozen=True)
+class ModelParts:
+    """What assembling a job's weights needs: the model and how partitions map onto it (no
+    data, no optimizer: what the controller builds)."""
+
+    model_factory: Callable[[], nn.Module]
+    layout: PartitionLayout
+
+    def model_with(self, parts: list[torch.Tensor]) -> nn.Module:
+        """A fresh model holding the given partitions (parameters and buffers)."""
+        model = self.model_factory()
+        self.layout.scatter(model, parts)
+        return model
+
+
+def model_parts(spec: TrainingSpec) -> ModelParts:
+    """The job's model and partition layout (its data is not fetched).
+
+    Raises:
+        JobCodeError: the job's code cannot be loaded.
+    """
+    if spec.code is None:
+        factory = build_model(spec)
+        return ModelParts(
+            factory, PartitionLayout(initial_model(factory, spec.seed), spec.num_partitions)
+        )
+    code = load_job_code(code_path(spec, with_data=False))
+    return ModelParts(
+        code.model, PartitionLayout(seeded_model(code, spec.seed), spec.num_partitions)
+    )
+
+
 def training_parts(spec: TrainingSpec) -> TrainingParts:
     """Build the job's pieces.
 

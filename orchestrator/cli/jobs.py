@@ -162,8 +162,19 @@ def _upload_code(client: Any, training: dict[str, Any], job_file: Path, check: b
             path=str(job_file),
             fix="name the job file, or a directory holding job.py, relative to the job file",
         )
+    data = training.get("data")
+    if check and data is not None and not Path(str(data)).is_dir():
+        err.print(
+            f"not checking the job's functions here: its data ({data}) is fetched on the nodes "
+            "(check it with `orchestrator train` on a copy)",
+            highlight=False,
+        )
+        check = False
     if check:
         from orchestrator.agileml.jobcode import check_job_code, load_job_code
+        from orchestrator.artifacts.data import use_data
+
+        use_data(data)  # a local folder: the job's dataset() reads it as on the nodes
 
         err.print(f"checking {path} ...", highlight=False)
         found = check_job_code(

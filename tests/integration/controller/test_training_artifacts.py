@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pydantic import SecretStr
 from safetensors.torch import load
@@ -37,7 +38,8 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*httpx2", category=UserWarning)
     from fastapi.testclient import TestClient
 
-JOB_FILE = Path(__file__).parents[2] / "support" / "jobs" / "digits_adamw.py"
+JOBS = Path(__file__).parents[2] / "support" / "jobs"
+JOB_FILE = JOBS / "digits_adamw.py"
 JOB_ID = "job-resume"
 ITERATIONS = 100
 GLOBAL_BATCH = 64
@@ -143,6 +145,46 @@ def test_a_restarted_controller_resumes_the_job_from_its_checkpoint(
     model.load_state_dict(load(artifacts.final.read_bytes("model.safetensors")))
     expected, _ = train_reference(code, iterations=ITERATIONS, global_batch=GLOBAL_BATCH)
     assert relative_error(model, expected) <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_job_reads_its_data_from_an_s3_prefix_the_controller_never_fetches(
+    tmp_path: Path,
+) -> None:
+    """`training.data` on S3: each node copies it and its dataset() reads it; the controller
+    assembles the final weights from the model alone."""
+    from sklearn.datasets import load_digits
+
+    from orchestrator.artifacts.data import DATA_ENV
+
+    x, y = load_digits(return_X_y=True)
+    blob = io.BytesIO()
+    np.savez(blob, x=x[:1000], y=y[:1000])
+    with MotoEC2Server() as server:
+        s3_client(server.endpoint_url).create_bucket(Bucket="artifacts")
+        root = S3Folder("artifacts", "orchestrator", endpoint=server.endpoint_url)
+        root.sub("data").sub("sets").write_bytes("digits.npz", blob.getvalue())
+        store = MemoryStore()
+        training = {
+            **TRAINING, "code": store_code(root, pack_code(JOBS / "digits_from_data")),
+            "data": root.sub("data").location, "iterations": 30,
+        }  # fmt: skip
+        job = JobSubmission(name="data", budget_usd=10.0, work_gpu_hours=2.0, training=training)
+        store.create_job(JobRecord.submit(JOB_ID, job.model_dump(mode="json"), 10.0, 0.0))
+        host = _host(store, root, free_port())
+        host.tags_for(JOB_ID)
+        procs = _nodes(str(host.endpoint(JOB_ID)), tmp_path)
+        artifacts = JobArtifacts(root, JOB_ID)
+        try:
+            _step_until(host, lambda: host.hosted(JOB_ID).done)  # type: ignore[union-attr]
+            host.save_final(JOB_ID)
+        finally:
+            host.close()
+            _stop(procs)
+        assert artifacts.has_final() and DATA_ENV not in os.environ
+        weights = load(artifacts.final.read_bytes("model.safetensors"))
+    assert sorted(weights) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert list((tmp_path / "code-cache" / "data").iterdir())  # the nodes' copy
 
 
 def test_the_api_hands_back_the_weights_and_the_newest_checkpoint(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,3 +132,30 @@ def test_requirements_that_cannot_install_fail_with_pips_reason(tmp_path: Path) 
     with pytest.raises(CodeError, match="installing the job's requirements"):
         fetch_code(store, ref, tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_data_under_an_s3_prefix_is_copied_once_and_named_to_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.artifacts.data import DATA_ENV, fetch_data, use_data
+
+    monkeypatch.setenv("ORCHESTRATOR_CODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(DATA_ENV, raising=False)
+    with mock_aws():
+        s3_client().create_bucket(Bucket="data")
+        prefix = S3Folder("data", "sets/digits")
+        prefix.write_bytes("train.csv", b"1,2\n")
+        prefix.sub("images").write_bytes("0.png", b"png")
+        with pytest.raises(CodeError, match="holds no files"):
+            fetch_data("s3://data/sets/none")
+        with pytest.raises(CodeError, match="copying s3://nobucket/x failed"):
+            fetch_data("s3://nobucket/x")
+        use_data("s3://data/sets/digits")
+        local = Path(os.environ[DATA_ENV])
+        assert (local / "train.csv").read_bytes() == b"1,2\n"
+        assert (local / "images" / "0.png").read_bytes() == b"png"
+        prefix.remove()  # copied once: the cache answers from now on
+        assert fetch_data("s3://data/sets/digits") == local
+    assert fetch_data(str(tmp_path)) == tmp_path  # a folder on the node is used as it is
+    with pytest.raises(CodeError, match="not a folder"):
+        fetch_data(str(tmp_path / "missing"))
