@@ -12,9 +12,10 @@ from pathlib import Path
 
 from fastapi import Request, Response
 from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
 
 from orchestrator.api.errors import ApiError
-from orchestrator.artifacts import Folder, JobArtifacts, LocalFolder, folder_name
+from orchestrator.artifacts import MANIFEST, Folder, JobArtifacts, LocalFolder, folder_name
 from orchestrator.artifacts.code import CodeError, has_code, is_code_ref, store_code
 
 NO_WEIGHTS_FIX = (
@@ -40,11 +41,20 @@ def file_response(folder: Folder, name: str, media_type: str, headers: dict[str,
     """The file `name` of `folder` as the response body (streamed from disk when local)."""
     if isinstance(folder, LocalFolder):
         return FileResponse(folder.path / name, media_type=media_type, headers=headers)
-    try:
-        data = folder.read_bytes(name)
+    fd, path = tempfile.mkstemp(prefix="orchestrator-download-")
+    os.close(fd)
+    try:  # through a temporary file: a large object is never held in memory whole
+        folder.copy_to(name, Path(path))
     except FileNotFoundError as exc:  # pruned while being read: a newer one exists
+        os.unlink(path)
         raise ApiError(409, f"{name} went away while it was read", fix="ask again") from exc
-    return Response(data, media_type=media_type, headers=headers)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return FileResponse(
+        path, media_type=media_type, headers=headers,
+        background=BackgroundTask(os.unlink, path),
+    )  # fmt: skip
 
 
 def checkpoint_tar(root: Folder, job_id: str) -> tuple[Path, str]:
@@ -65,7 +75,10 @@ def checkpoint_tar(root: Folder, job_id: str) -> tuple[Path, str]:
             folder = tarfile.TarInfo(name)
             folder.type, folder.mode = tarfile.DIRTYPE, 0o755
             tar.addfile(folder)
-            for member in latest.names():
+            members = latest.names()
+            if MANIFEST not in members:  # pruned since it was found
+                raise FileNotFoundError(latest.location)
+            for member in members:
                 data = latest.read_bytes(member)
                 info = tarfile.TarInfo(f"{name}/{member}")
                 info.size, info.mode = len(data), 0o644

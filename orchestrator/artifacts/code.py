@@ -38,6 +38,7 @@ CODE_REF_PREFIX = "sha256:"
 ENTRY_FILE = "job.py"
 REQUIREMENTS = "requirements.txt"
 MAX_CODE_BYTES = 64 * 1024 * 1024  # packed; data belongs in the dataset's download or S3
+MAX_UNPACKED_BYTES = 4 * MAX_CODE_BYTES  # what an archive may unpack to on a node
 SKIPPED = {"__pycache__", ".git", ".hg", ".venv", "venv", ".mypy_cache", ".pytest_cache"}
 PIP_TIMEOUT_S = 900.0
 CACHE_ENV = "ORCHESTRATOR_CODE_CACHE"
@@ -74,6 +75,14 @@ def pack_code(path: str | Path) -> bytes:
                 fix=f"put the job's functions in {source / ENTRY_FILE}",
             )
         files = {str(f.relative_to(source)): f for f in _walk(source)}
+        raw_size = sum(f.stat().st_size for f in files.values())
+        if raw_size > MAX_UNPACKED_BYTES:
+            raise CodeError(
+                f"code {path} holds {raw_size / 2**20:.0f} MiB of files, over "
+                f"{MAX_UNPACKED_BYTES // 2**20} MiB",
+                fix="leave data and checkpoints out of the code folder (training.data, or "
+                "download them in dataset())",
+            )
     elif source.is_file():
         files = {ENTRY_FILE: source}
         if (source.parent / REQUIREMENTS).is_file():
@@ -210,6 +219,11 @@ def _unpack(packed: bytes, target: Path) -> None:
     target.mkdir(parents=True)
     root = target.resolve()
     with tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz") as tar:
+        if sum(m.size for m in tar.getmembers()) > MAX_UNPACKED_BYTES:
+            raise CodeError(
+                f"code archive unpacks to over {MAX_UNPACKED_BYTES // 2**20} MiB",
+                fix="pack the code with `orchestrator submit`",
+            )
         for member in tar.getmembers():
             dest = (target / member.name).resolve()
             unsafe = not member.isfile() and not member.isdir()

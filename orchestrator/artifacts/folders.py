@@ -126,10 +126,18 @@ class LocalFolder(_Named):
     def write_bytes(self, name: str, data: bytes) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         target = self.path / _checked_name(name)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_bytes(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
+        # a temporary name of its own: two writers of one name never share it
+        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())  # a checkpoint's manifest must not point at lost data
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def move_in(self, name: str, source: Path) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -221,8 +229,8 @@ class S3Folder(_Named):
             return bytes(response["Body"].read())
 
     def copy_to(self, name: str, target: Path) -> None:
-        data = self.read_bytes(name)
-        target.write_bytes(data)
+        with _as_os_error(f"{self.location}/{name}"):  # streamed to disk, not held in memory
+            self.client.download_file(self.bucket, self._key(name), str(target))
 
     def remove(self) -> None:
         with _as_os_error(self.location):
@@ -236,7 +244,13 @@ class S3Folder(_Named):
         for page in pages:
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if keys:
-                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+                done = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+                if done.get("Errors"):
+                    first = done["Errors"][0]
+                    raise OSError(
+                        f"{len(done['Errors'])} objects not removed, e.g. {first.get('Key')}: "
+                        f"{first.get('Code')} {first.get('Message', '')}".strip()
+                    )
 
     def _key(self, name: str) -> str:
         name = _checked_name(name)

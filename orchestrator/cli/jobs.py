@@ -154,7 +154,7 @@ def _upload_code(client: Any, training: dict[str, Any], job_file: Path, check: b
     code = str(training["code"])
     if is_code_ref(code):
         return code  # uploaded before: the API checks that it is there
-    path = (job_file.parent / code).expanduser()
+    path = job_file.parent / Path(code).expanduser()
     if not path.exists():
         raise UserError(
             f"{job_file}: training.code: {code} does not exist (relative to {job_file.parent})",
@@ -183,6 +183,12 @@ def _upload_code(client: Any, training: dict[str, Any], job_file: Path, check: b
             seed=int(training.get("seed", 0)),
         )
         err.print(f"checked: {found.rows} rows, {found.parameters:,} parameters", highlight=False)
+    if path.is_file() and [p for p in path.parent.glob("*.py") if p != path]:
+        err.print(
+            f"note: only {path.name} (and a requirements.txt beside it) is uploaded; if it "
+            f"imports modules beside it, name its directory as training.code (with job.py)",
+            highlight=False,
+        )
     packed = pack_code(path)
     ref = str(client.upload_code(code_ref(packed), packed)["code"])
     err.print(f"uploaded {path} ({len(packed) / 1024:.0f} KiB) as {ref[:19]}...", highlight=False)

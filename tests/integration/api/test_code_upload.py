@@ -79,3 +79,38 @@ def test_submit_uploads_the_code_its_job_file_names(tmp_path: Path) -> None:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert run.returncode == 2 and "training.code: nope does not exist" in run.stderr
         assert "Traceback" not in run.stderr
+
+
+def test_with_an_s3_store_the_api_takes_code_and_hands_back_weights(tmp_path: Path) -> None:
+    from moto import mock_aws
+
+    from orchestrator.artifacts import JobArtifacts, S3Folder
+    from orchestrator.artifacts.folders import s3_client
+    from orchestrator.store import JobRecord
+
+    with mock_aws():
+        s3_client().create_bucket(Bucket="store")
+        root = S3Folder("store", "artifacts")
+        settings = Settings(
+            api=ApiSettings(token=SecretStr("t0ken")),
+            training=TrainingSettings(store=root.location),
+        )
+        store = MemoryStore()
+        store.create_job(JobRecord.submit("job-s3", {"name": "s", "budget_usd": 1,
+                                                     "work_gpu_hours": 1}, 1.0, 0.0))  # fmt: skip
+        client = TestClient(create_app(store, settings))
+        packed = pack_code(JOBS / "digits_sgd.py")
+        ref = code_ref(packed)
+        assert client.put(f"/v1/code/{ref}", content=packed, headers=AUTH).status_code == 201
+        assert fetch_code(root, ref, tmp_path / "cache").is_dir()
+        assert client.get("/v1/jobs/job-s3/weights", headers=AUTH).status_code == 404
+        artifacts = JobArtifacts(root, "job-s3")
+        artifacts.final.write_bytes("model.safetensors", b"weights from s3")
+        got = client.get("/v1/jobs/job-s3/weights", headers=AUTH)
+        assert got.status_code == 200 and got.content == b"weights from s3"
+        ckpt = artifacts.checkpoints.sub("ckpt-00000004")
+        ckpt.write_bytes("part-0000.safetensors", b"p")
+        assert client.get("/v1/jobs/job-s3/checkpoint", headers=AUTH).status_code == 404
+        ckpt.write_bytes("checkpoint.json", b"{}")
+        tar = client.get("/v1/jobs/job-s3/checkpoint", headers=AUTH)
+        assert tar.status_code == 200 and b"part-0000.safetensors" in tar.content
