@@ -65,8 +65,9 @@ def progress(message: str) -> None:
 
 def agileml_seconds_per_iteration(
     job: Path, *, nodes: int, global_batch: int, iterations: int, seed: int
-) -> float:
-    """`train_locally`'s median seconds per steady iteration (every process gone on return).
+) -> tuple[float, dict[str, float]]:
+    """`train_locally`'s median seconds per steady iteration (every process gone on return),
+    and the workers' own timers: mean seconds per iteration pulling, computing, pushing.
 
     Raises:
         RuntimeError: the run measured no steady iteration (too few iterations).
@@ -82,7 +83,7 @@ def agileml_seconds_per_iteration(
     result = train_locally(plan)
     if result.seconds_per_iteration is None:
         raise RuntimeError(f"AgileML measured no steady iteration in {iterations} iterations")
-    return result.seconds_per_iteration
+    return result.seconds_per_iteration, result.phase_seconds
 
 
 def _ddp_train(rank: int, plan: _DdpPlan) -> list[float]:
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     common = {"global_batch": args.global_batch, "iterations": args.iterations, "seed": args.seed}
     progress(f"AgileML: {args.nodes} transient + {RELIABLE} reliable nodes, {args.job.name}")
-    agileml = agileml_seconds_per_iteration(args.job, nodes=args.nodes, **common)
+    agileml, phases = agileml_seconds_per_iteration(args.job, nodes=args.nodes, **common)
     progress(f"AgileML: {agileml:.4f} s/it; DDP: {args.nodes} gloo ranks")
     ddp = ddp_seconds_per_iteration(args.job, workers=args.nodes, timeout_s=args.timeout, **common)
     progress(f"DDP: {ddp:.4f} s/it")
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         "global_batch": args.global_batch,
         "iterations": args.iterations,
         "agileml_s_per_it": round(agileml, 5),
+        "agileml_phase_s_per_it": phases,
         "ddp_s_per_it": round(ddp, 5),
         "ratio": round(agileml / ddp, 3),
     }

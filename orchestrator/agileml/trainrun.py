@@ -50,6 +50,9 @@ from orchestrator.straggler.spec import StragglerSpec
 WARMUP_ITERATIONS = 5  # not counted in the time per iteration
 NEAR_EVENT = 2  # iterations on either side of an injection not counted either
 MAX_PARTITIONS = 16
+#: Bytes of model per partition (BytePS's default partition size is ~4 MB): the digits CNN
+#: (9,930 values) is one partition, the 5,001,000-value MLR five.
+PARTITION_TARGET_BYTES = 4 * 1024 * 1024
 _INJECTION = re.compile(r"^(evict|join|kill)@(\d+)$")
 
 
@@ -95,6 +98,8 @@ class TrainPlan(BaseModel):
     seed: int = 0
     injections: tuple[Injection, ...] = ()
     slack: Annotated[int, Field(ge=0, le=100)] = 0
+    # partitions of the model; None: by its size (`auto_partitions`)
+    partitions: Annotated[int, Field(ge=1, le=4096)] | None = None
     checkpoint_dir: str | None = None  # checkpoints written here (see `checkpoints`)
     checkpoint_every: Annotated[int, Field(ge=0)] = 0  # iterations; 0: none
     resume: str | None = None  # a checkpoint, or a folder of them (the newest is taken)
@@ -113,6 +118,8 @@ class TrainResult:
     evaluation: dict[str, float] = field(default_factory=dict)
     wall_seconds: float = 0.0
     resumed_from: str | None = None  # the checkpoint the run started from
+    # the workers' own timers: mean seconds per iteration in each phase (pull, compute, push)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -184,11 +191,23 @@ def _resume_manifest(path: str) -> checkpoints.CheckpointManifest:
         raise UserError(f"--resume {path}: {exc}") from None
 
 
+def auto_partitions(elements: int, nodes: int) -> int:
+    """How many partitions a model of `elements` float32 values gets: one per
+    `PARTITION_TARGET_BYTES` (each partition costs every worker a push and a pull per
+    iteration, so a small model is latency-bound and best kept whole), at most two per node
+    (they spread over the servers) and `MAX_PARTITIONS`."""
+    by_size = math.ceil(elements * 4 / PARTITION_TARGET_BYTES)
+    return max(1, min(by_size, 2 * nodes, MAX_PARTITIONS, elements))
+
+
 def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
     """The runtime's spec for a plan."""
     model = seeded_model(load_job_code(plan.code), plan.seed)
     total = PartitionLayout(model, 1).total
-    partitions = max(1, min(MAX_PARTITIONS, 2 * (plan.nodes + plan.reliable), total))
+    if plan.partitions is not None:
+        partitions = min(plan.partitions, total)
+    else:
+        partitions = auto_partitions(total, plan.nodes + plan.reliable)
     resume = str(resume_point(plan.resume)) if plan.resume is not None else None
     if resume is not None:  # the partitioning the checkpoint was written with
         partitions = _resume_manifest(resume).num_partitions
@@ -253,6 +272,7 @@ def train_locally(
         losses=losses,
         wall_seconds=time.monotonic() - started,
         resumed_from=spec.resume_from,
+        phase_seconds=_phase_seconds(outcomes),
     )
     if parts.code is not None and parts.code.evaluate is not None:
         model.eval()
@@ -378,6 +398,17 @@ def _steady_seconds(
         if c in done and c - 1 in done and c not in near
     ]
     return statistics.median(gaps) if gaps else None
+
+
+def _phase_seconds(outcomes: dict[str, NodeOutcome]) -> dict[str, float]:
+    """Mean seconds per iteration in each phase over the workers that trained."""
+    sums: dict[str, list[float]] = {}
+    for outcome in outcomes.values():
+        if not outcome.ends:
+            continue
+        for phase, seconds in outcome.timings.items():
+            sums.setdefault(phase, []).append(seconds / len(outcome.ends))
+    return {k: round(statistics.mean(v), 5) for k, v in sums.items()}
 
 
 def _event(e: Any, started: float) -> dict[str, Any]:

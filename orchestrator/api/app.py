@@ -90,9 +90,9 @@ def create_app(
         summary="Elastic spot-instance training orchestrator: jobs, budgets, metrics",
     )
     install_error_handlers(app)
-    app.include_router(
-        _job_routes(store, clock, new_id, authorized, folder_at(settings.training.store_location))
-    )
+    artifacts = folder_at(settings.training.store_location)
+    app.include_router(_job_routes(store, clock, new_id, authorized, artifacts))
+    app.include_router(_code_routes(authorized, artifacts))
     app.include_router(_runtime_routes(store, clock, on_notice, authorized))
     app.include_router(_dashboard_routes(store, clock))
     app.include_router(_health_routes(store, settings))
@@ -164,14 +164,6 @@ def _job_routes(
             background=BackgroundTask(path.unlink, missing_ok=True),
         )
 
-    @router.put("/v1/code/{ref}", status_code=201, dependencies=authorized)
-    async def upload_code(ref: str, request: Request) -> dict[str, Any]:
-        """Store a job's packed code (`orchestrator submit` uploads it) under its digest
-        `sha256:<hex>`; a job's training section then names it as its `code`."""
-        body = await read_limited(request, MAX_CODE_BYTES)
-        stored = await run_in_threadpool(save_code, artifacts_root, ref, body)  # S3: a PUT
-        return {"code": stored, "bytes": len(body)}
-
     @router.get("/v1/jobs/{job_id}/events")
     def events(
         job_id: str,
@@ -185,6 +177,21 @@ def _job_routes(
             "events": [{"id": eid, **e.model_dump(mode="json")} for eid, e in entries],
             "next_since": entries[-1][0] if entries else since,
         }
+
+    return router
+
+
+def _code_routes(authorized: list[DependsParam], artifacts_root: Folder) -> APIRouter:
+    """Uploads of job code into the artifact store."""
+    router = APIRouter()
+
+    @router.put("/v1/code/{ref}", status_code=201, dependencies=authorized)
+    async def upload_code(ref: str, request: Request) -> dict[str, Any]:
+        """Store a job's packed code (`orchestrator submit` uploads it) under its digest
+        `sha256:<hex>`; a job's training section then names it as its `code`."""
+        body = await read_limited(request, MAX_CODE_BYTES)
+        stored = await run_in_threadpool(save_code, artifacts_root, ref, body)  # S3: a PUT
+        return {"code": stored, "bytes": len(body)}
 
     return router
 

@@ -23,6 +23,40 @@ if TYPE_CHECKING:  # the runtime (and torch) load only when the command runs
     from orchestrator.agileml.trainrun import TrainPlan, TrainProgress, TrainResult
 
 
+PartitionsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--partitions",
+        help="Split the model into N partitions (default: one per 4 MiB, at most two per node).",
+        min=1,
+    ),
+]
+InjectOption = Annotated[
+    str,
+    typer.Option(
+        "--inject",
+        help="Faults at iterations: evict@N (spot notice), join@N (a new node), kill@N "
+        "(SIGKILL), comma-separated, e.g. evict@100,join@150,kill@200.",
+    ),
+]
+CheckpointEveryOption = Annotated[
+    int,
+    typer.Option(
+        "--checkpoint-every",
+        help="Write a checkpoint to OUT/checkpoints every N iterations (needs --out).",
+        min=0,
+    ),
+]
+ResumeOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--resume",
+        help="Start from a checkpoint (a ckpt-* directory, or OUT/checkpoints of an "
+        "earlier run: its newest).",
+    ),
+]
+
+
 @cli_app.command("train")
 def train_command(
     job: Annotated[Path, typer.Argument(metavar="JOB", help="JOB.py, or a directory with job.py.")],
@@ -35,34 +69,14 @@ def train_command(
         int, typer.Option("--global-batch", help="Rows per iteration, over all nodes.", min=1)
     ] = 256,
     seed: Annotated[int, typer.Option("--seed", help="Initial model and batch order.")] = 0,
+    partitions: PartitionsOption = None,
     out_dir: Annotated[
         Path | None,
         typer.Option("--out", help="Write DIR/model.safetensors and DIR/summary.json."),
     ] = None,
-    inject: Annotated[
-        str,
-        typer.Option(
-            "--inject",
-            help="Faults at iterations: evict@N (spot notice), join@N (a new node), kill@N "
-            "(SIGKILL), comma-separated, e.g. evict@100,join@150,kill@200.",
-        ),
-    ] = "",
-    checkpoint_every: Annotated[
-        int,
-        typer.Option(
-            "--checkpoint-every",
-            help="Write a checkpoint to OUT/checkpoints every N iterations (needs --out).",
-            min=0,
-        ),
-    ] = 0,
-    resume: Annotated[
-        Path | None,
-        typer.Option(
-            "--resume",
-            help="Start from a checkpoint (a ckpt-* directory, or OUT/checkpoints of an "
-            "earlier run: its newest).",
-        ),
-    ] = None,
+    inject: InjectOption = "",
+    checkpoint_every: CheckpointEveryOption = 0,
+    resume: ResumeOption = None,
 ) -> None:
     """Train JOB.py on local processes, like torchrun --standalone for a spot job."""
     from orchestrator.agileml.errors import AgileMLError
@@ -78,6 +92,7 @@ def train_command(
             iterations=iterations,
             global_batch=global_batch,
             seed=seed,
+            partitions=partitions,
             injections=tuple(parse_injections(inject)),
             checkpoint_dir=str(out_dir / "checkpoints") if out_dir and checkpoint_every else None,
             checkpoint_every=checkpoint_every,

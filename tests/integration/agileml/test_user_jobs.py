@@ -41,6 +41,7 @@ def test_weights_through_evict_join_and_kill_equal_a_single_process_loop(
         reliable=1,
         iterations=ITERATIONS,
         global_batch=GLOBAL_BATCH,
+        partitions=8,  # spread over the ActivePSs: the kill of one is a roll-back
         injections=tuple(parse_injections(FAULTS)),
     )
     result = train_locally(plan)
