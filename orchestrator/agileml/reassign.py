@@ -94,6 +94,7 @@ class ReassignStats:
     preload_hits: int = 0
     preload_misses: int = 0
     iterations: int = 0
+    progress_skipped: int = 0  # progress reports not sent: the helpee was ahead
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
@@ -145,6 +146,8 @@ class Reassigner:
         self._clock = 0  # the worker's clock, for Algorithm 2
         self._min_chunk_rows: int | None = None  # from `_calibrate`
         self._last_clock = -2  # of the last `compute_own`
+        # (clock, peers that reported reaching their progress checkpoint of that clock)
+        self._ahead: tuple[int, set[str]] = (-1, set())
 
     @property
     def socket(self) -> zmq.Socket[Any] | None:
@@ -246,9 +249,9 @@ class Reassigner:
                 fraction = (span[0] / rows, span[1] / rows) if from_front else None
                 loss += self._work(w, self.worker_id, clock, span, fraction)
                 own.record_done(span[1] - span[0])
+                self.check(w)  # first: the helpees' own reports decide whom ours goes to
                 if own.progress_due():
                     self._report_progress(clock)
-                self.check(w)
                 continue
             if own.finished():
                 return loss, own_end_at
@@ -310,6 +313,7 @@ class Reassigner:
         own = self._own
         helpers, helpees = self._groups_at(message.clock)
         if isinstance(message, Progress):
+            self._note_ahead(sender, message.clock)
             if own is not None and sender in helpers.get(self.worker_id, ()):
                 offer = own.on_progress(sender, message, self._now())
                 if offer is not None:
@@ -502,10 +506,26 @@ class Reassigner:
             w.preload(helpee, clock, keep)
 
     def _report_progress(self, clock: int) -> None:
+        """Tell the helpees how far this worker is, but not those that reported reaching their
+        own progress checkpoint of `clock` first: they are ahead, so no offer could follow,
+        and on a busy machine each message wakes a waiting process (the steady-state cost of
+        FlexRR when nobody straggles). A helpee that slows down after its checkpoint still
+        hears from every helper that reaches the checkpoint before it does."""
         _, helpees = self._groups_at(clock)
         report = Progress(clock=clock, timer=self._now())
+        ahead = self._ahead[1] if self._ahead[0] == clock else set()
         for helpee in helpees.get(self.worker_id, ()):
+            if helpee in ahead:
+                self.stats.progress_skipped += 1
+                continue
             self._send(helpee, report)
+
+    def _note_ahead(self, peer: str, clock: int) -> None:
+        """`peer` reached its progress checkpoint of `clock` (only the newest clock is kept)."""
+        if clock > self._ahead[0]:
+            self._ahead = (clock, set())
+        if clock == self._ahead[0]:
+            self._ahead[1].add(peer)
 
     def _groups_at(self, clock: int) -> tuple[_Groups, _Groups]:
         """(helpers, helpees) of every member at `clock`, by the roster and peer hosts."""
