@@ -16,6 +16,7 @@ first on `sys.path`.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from orchestrator.artifacts.folders import Folder
@@ -147,7 +149,7 @@ def fetch_code(store: Folder, ref: str, cache: Path | None = None) -> Path:
     cache = cache or default_cache()
     digest = _digest_of(ref)
     home = cache / digest
-    if not (home / _READY).is_file():
+    if not is_ready(home):
         try:
             packed = store.sub(CODE_FOLDER).read_bytes(_archive_name(ref))
         except FileNotFoundError:
@@ -196,23 +198,37 @@ def unmet_requirements(lines: list[str]) -> list[str]:
 def _install(packed: bytes, home: Path) -> None:
     """Unpack into a temporary folder beside `home`, install the unmet requirements, then
     rename it into place (a crash leaves no half-made `home`)."""
-    home.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=home.name + ".", dir=home.parent))
-    try:
+    with cache_entry(home) as work:
         _unpack(packed, work / "src")
         requirements = work / "src" / REQUIREMENTS
         if requirements.is_file():
             unmet = unmet_requirements(requirements.read_text().splitlines())
             if unmet:
                 _pip_install(unmet, work / _SITE)
+
+
+@contextlib.contextmanager
+def cache_entry(home: Path) -> Iterator[Path]:
+    """A temporary folder beside `home` to fill; when the block ends cleanly it becomes `home`,
+    marked ready (unless another process on this machine got there first); it is removed in
+    any case, so a crash leaves no half-made `home`."""
+    home.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=home.name + ".", dir=home.parent))
+    try:
+        yield work
         (work / _READY).write_text("")
         try:
             os.replace(work, home)
         except OSError:  # another node on this machine got there first
-            if not (home / _READY).is_file():
+            if not is_ready(home):
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def is_ready(home: Path) -> bool:
+    """Whether a cache entry made by `cache_entry` is complete."""
+    return (home / _READY).is_file()
 
 
 def _unpack(packed: bytes, target: Path) -> None:

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from orchestrator.artifacts.code import CodeError, default_cache
+from orchestrator.artifacts.code import CodeError, cache_entry, default_cache, is_ready
 from orchestrator.artifacts.folders import Folder, LocalFolder, folder_at
 
 DATA_ENV = "ORCHESTRATOR_DATA_DIR"
-_READY = ".ready"
 
 
 def fetch_data(location: str, cache: Path | None = None) -> Path:
@@ -39,11 +36,9 @@ def fetch_data(location: str, cache: Path | None = None) -> Path:
         return source.path
     cache = cache or default_cache()
     home = cache / "data" / hashlib.sha256(location.encode()).hexdigest()[:24]
-    if (home / _READY).is_file():
+    if is_ready(home):
         return home / "files"
-    home.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=home.name + ".", dir=home.parent))
-    try:
+    with cache_entry(home) as work:
         try:
             copied = _copy_tree(source, work / "files")
         except OSError as exc:
@@ -52,14 +47,6 @@ def fetch_data(location: str, cache: Path | None = None) -> Path:
             raise CodeError(
                 f"training.data: {location} holds no files", fix="name the prefix of the data"
             )
-        (work / _READY).write_text("")
-        try:
-            os.replace(work, home)
-        except OSError:  # another node on this machine got there first
-            if not (home / _READY).is_file():
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return home / "files"
 
 
