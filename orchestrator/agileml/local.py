@@ -79,7 +79,7 @@ class LocalJob:
         env = {**os.environ, AGILEML_TOKEN_ENV: self._token.hex()}
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [
-            sys.executable, "-m", "orchestrator.agileml.node",
+            sys.executable, "-m", "orchestrator.agileml.node_process",
             "--node-id", node_id, "--job-id", self.spec.job_id, "--tier", tier.value,
             "--controller", self.coordinator.endpoint,
         ]  # fmt: skip

@@ -44,6 +44,7 @@ from orchestrator.agileml.control import (
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.jobcode import load_job_code
+from orchestrator.agileml.lowprio import at_low_priority
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.peers import PeerLink
@@ -199,7 +200,7 @@ class AgileMLNode:
                 raise ControlError(self._controller, "no answer to `ready`")
 
     def _load(self, spec: TrainingSpec) -> Worker:
-        parts = training_parts(spec)
+        parts = at_low_priority(lambda: training_parts(spec))  # before this node computes
         if self._server is not None:
             self._server.set_update_rules(parts.rules)
         self._initial = parts.layout.gather(parts.initial_model)
@@ -456,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
     )
     if args.hold:
-        if args.preload:
-            load_job_code(args.preload)  # a module's imports are the slow part of a join
+        if args.preload:  # a module's imports are the slow part of a join
+            at_low_priority(lambda: load_job_code(args.preload))
         if not sys.stdin.readline():
             return 0  # released by nobody: the job ended first
     signal.signal(signal.SIGUSR1, lambda *_: node.leave())  # the eviction notice

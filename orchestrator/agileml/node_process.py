@@ -1,0 +1,22 @@
+"""The entry point of a node process started on a machine that runs other nodes of the job
+(`LocalJob`): the runtime's imports (torch first) happen at the lowest CPU priority, then the
+node runs as `python -m orchestrator.agileml.node` would (see `lowprio`).
+
+    python -m orchestrator.agileml.node_process --node-id t4 --job-id j --tier transient ...
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from orchestrator.agileml.lowprio import at_low_priority
+
+
+def main() -> int:
+    node = at_low_priority(lambda: importlib.import_module("orchestrator.agileml.node"))
+    return int(node.main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
