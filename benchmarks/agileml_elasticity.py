@@ -40,7 +40,7 @@ from orchestrator.agileml.examples import (
     full_loss,
     initial_model,
 )
-from orchestrator.agileml.local import LocalJob, NodeOutcome
+from orchestrator.agileml.local import LocalJob, NodeOutcome, mean_phase_seconds
 from orchestrator.agileml.partitions import PartitionLayout
 
 TARGETS = {
@@ -118,6 +118,7 @@ def run_static(spec: TrainingSpec) -> dict[str, Any]:
     d = durations(completion_times(outcomes))
     return {
         "seconds_per_iteration": median_over(d, WARMUP_CLOCKS, spec.iterations),
+        "phase_seconds": mean_phase_seconds(outcomes),
         "stage": stage,
         "loss": final_loss(spec, params),
     }
@@ -261,6 +262,7 @@ def main() -> None:
         "global_batch": args.global_batch,
         "ddp_seconds_per_iteration": ddp.seconds_per_iteration,
         "agileml_seconds_per_iteration": static["seconds_per_iteration"],
+        "agileml_phase_s_per_it": static["phase_seconds"],
         "agileml_stage": static["stage"],
         "overhead_vs_ddp": static["seconds_per_iteration"] / ddp.seconds_per_iteration,
         "add_blip": elastic["add_blip"],

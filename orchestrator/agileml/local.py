@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,17 @@ class NodeOutcome:
     ends: list[tuple[int, float]]  # (clock, wall-clock time the iteration ended)
     timings: dict[str, float]  # seconds spent pulling, computing, pushing (all iterations)
     straggler: dict[str, float]  # FlexRR counters (`reassign.ReassignStats`)
+
+
+def mean_phase_seconds(outcomes: dict[str, NodeOutcome]) -> dict[str, float]:
+    """The workers' own timers: mean seconds per iteration in each phase (pull, which includes
+    the wait for the slowest peer; compute; push), over the nodes that computed."""
+    per_node: dict[str, list[float]] = {}
+    for outcome in outcomes.values():
+        if outcome.ends:
+            for phase, seconds in outcome.timings.items():
+                per_node.setdefault(phase, []).append(seconds / len(outcome.ends))
+    return {k: round(statistics.mean(v), 5) for k, v in per_node.items()}
 
 
 class LocalJob:

@@ -40,7 +40,7 @@ from orchestrator.agileml.jobcode import (
     seeded_model,
     uses_batch_statistics,
 )
-from orchestrator.agileml.local import LocalJob, NodeOutcome
+from orchestrator.agileml.local import LocalJob, NodeOutcome, mean_phase_seconds
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.parts import training_parts
 from orchestrator.artifacts import WEIGHTS
@@ -272,7 +272,7 @@ def train_locally(
         losses=losses,
         wall_seconds=time.monotonic() - started,
         resumed_from=spec.resume_from,
-        phase_seconds=_phase_seconds(outcomes),
+        phase_seconds=mean_phase_seconds(outcomes),
     )
     if parts.code is not None and parts.code.evaluate is not None:
         model.eval()
@@ -398,17 +398,6 @@ def _steady_seconds(
         if c in done and c - 1 in done and c not in near
     ]
     return statistics.median(gaps) if gaps else None
-
-
-def _phase_seconds(outcomes: dict[str, NodeOutcome]) -> dict[str, float]:
-    """Mean seconds per iteration in each phase over the workers that trained."""
-    sums: dict[str, list[float]] = {}
-    for outcome in outcomes.values():
-        if not outcome.ends:
-            continue
-        for phase, seconds in outcome.timings.items():
-            sums.setdefault(phase, []).append(seconds / len(outcome.ends))
-    return {k: round(statistics.mean(v), 5) for k, v in sums.items()}
 
 
 def _event(e: Any, started: float) -> dict[str, Any]:
