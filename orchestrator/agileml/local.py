@@ -90,8 +90,12 @@ class LocalJob:
         """
         env = {**os.environ, AGILEML_TOKEN_ENV: self._token.hex()}
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+        # a node started while others compute imports the runtime at low priority; a held
+        # joiner starts with the job and must be ready when released: normal priority
+        entry = "orchestrator.agileml.node" if held else "orchestrator.agileml.node_process"
         cmd = [
-            sys.executable, "-m", "orchestrator.agileml.node_process",
+            sys.executable, "-m", entry,
             "--node-id", node_id, "--job-id", self.spec.job_id, "--tier", tier.value,
             "--controller", self.coordinator.endpoint,
         ]  # fmt: skip

@@ -1,18 +1,20 @@
-"""Work that a node does at the lowest CPU priority: what a joining node does before it can
-compute (importing torch and the runtime, building its model and rows). On a cluster a joining
-node is another machine and this costs nothing; on one machine (`orchestrator train`, the
-benchmarks, the offline world) the joiner shares the cores of the running job's workers, and
-at normal priority its start-up slows their iterations (the join "blip").
+"""Work that a node process does at the lowest CPU priority: importing torch and the runtime,
+the CPU-heavy part of a join. On a cluster a joining node is another machine and this costs
+nothing; on one machine (the benchmarks, `LocalJob`) the joiner shares the cores of the running
+job's workers, and at normal priority its start-up slows their iterations (the join "blip").
 
 Linux keeps a nice value per thread, so the work runs on a thread of its own at nice 19 while
 the calling thread keeps its priority (lowering it back would need a privilege the node does
-not have). Threads the work starts inherit nice 19: run only work that starts none.
+not have). Threads the work starts inherit nice 19, so the user's job code (which may start
+threads, install signal handlers or set torch's thread-local defaults) runs on the node's
+main thread, not here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -28,10 +30,10 @@ def at_low_priority(work: Callable[[], T]) -> T:
     failure: list[BaseException] = []
 
     def run() -> None:
-        # not Linux, or not allowed: at normal priority
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADING_NICENESS)
         try:
+            if sys.platform.startswith("linux"):  # per-thread nice; elsewhere: normal priority
+                with contextlib.suppress(OSError):  # not allowed: normal priority
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADING_NICENESS)
             result.append(work())
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             failure.append(exc)

@@ -44,7 +44,6 @@ from orchestrator.agileml.control import (
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.jobcode import load_job_code
-from orchestrator.agileml.lowprio import at_low_priority
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.peers import PeerLink
@@ -200,7 +199,7 @@ class AgileMLNode:
                 raise ControlError(self._controller, "no answer to `ready`")
 
     def _load(self, spec: TrainingSpec) -> Worker:
-        parts = at_low_priority(lambda: training_parts(spec))  # before this node computes
+        parts = training_parts(spec)
         if self._server is not None:
             self._server.set_update_rules(parts.rules)
         self._initial = parts.layout.gather(parts.initial_model)
@@ -457,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
     )
     if args.hold:
-        if args.preload:  # a module's imports are the slow part of a join
-            at_low_priority(lambda: load_job_code(args.preload))
+        if args.preload:
+            load_job_code(args.preload)  # a module's imports are the slow part of a join
         if not sys.stdin.readline():
             return 0  # released by nobody: the job ended first
     signal.signal(signal.SIGUSR1, lambda *_: node.leave())  # the eviction notice

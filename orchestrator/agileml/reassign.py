@@ -163,6 +163,7 @@ class Reassigner:
             self._pending.clear()
             self._help_results.clear()
             self._last_start = None
+            self._ahead = (-1, set())  # reports of the voided run say nothing now
         self._roster = roster
         self.peers = dict(peers)
         if self.link is not None:
@@ -202,6 +203,7 @@ class Reassigner:
         start the bookkeeping of this worker's own rows of `clock`."""
         if clock != self._last_clock + 1:
             self._last_start = None  # a redo or a gap: not an iteration's length
+            self._ahead = (-1, set())  # and who was ahead before the redo may not be now
         self._last_clock = clock
         if self._last_start is not None:
             took = now - self._last_start
@@ -507,10 +509,12 @@ class Reassigner:
 
     def _report_progress(self, clock: int) -> None:
         """Tell the helpees how far this worker is, but not those that reported reaching their
-        own progress checkpoint of `clock` first: they are ahead, so no offer could follow,
-        and on a busy machine each message wakes a waiting process (the steady-state cost of
-        FlexRR when nobody straggles). A helpee that slows down after its checkpoint still
-        hears from every helper that reaches the checkpoint before it does."""
+        own progress checkpoint of `clock` first. On a busy machine each message wakes a
+        waiting process, and these are most of FlexRR's cost when nobody straggles. The
+        trade-off: such a helpee was ahead of this worker at its checkpoint; if it stalls in
+        its last quarter, only the helpers that reached the checkpoint before it report to it
+        (and may be offered its tail), not the slower ones. Reset on a redo or a roll-back.
+        """
         _, helpees = self._groups_at(clock)
         report = Progress(clock=clock, timer=self._now())
         ahead = self._ahead[1] if self._ahead[0] == clock else set()

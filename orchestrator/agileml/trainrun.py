@@ -210,7 +210,13 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         partitions = auto_partitions(total, plan.nodes + plan.reliable)
     resume = str(resume_point(plan.resume)) if plan.resume is not None else None
     if resume is not None:  # the partitioning the checkpoint was written with
-        partitions = _resume_manifest(resume).num_partitions
+        written = _resume_manifest(resume).num_partitions
+        if plan.partitions is not None and plan.partitions != written:
+            raise UserError(
+                f"--partitions {plan.partitions}: the checkpoint has {written} partitions. "
+                "To fix: leave --partitions out when resuming."
+            )
+        partitions = written
     return TrainingSpec(
         job_id=job_id,
         code=str(Path(plan.code).resolve()),

@@ -85,7 +85,7 @@ def test_a_job_stopped_whole_resumes_from_its_checkpoint_with_the_same_weights(
     newest = checkpoints.latest(tmp_path)
     assert newest is not None
     done = checkpoints.read_manifest(newest).iterations_done
-    assert 10 <= done <= 36
+    assert 10 <= done <= 50  # mid-run (the nodes may pass clock 35 before they stop)
     result = train_locally(base.model_copy(update={"resume": str(tmp_path)}))
     monkeypatch.delenv("ORCHESTRATOR_TEST_JOB_PAUSE_S")
     assert result.losses[0][0] == done  # nothing before the checkpoint was trained again
