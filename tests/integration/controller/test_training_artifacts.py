@@ -51,6 +51,12 @@ TRAINING = {
 }  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _code_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training host fetches uploaded code too: into the test's folder, not ~/.cache."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "code-cache"))
+
+
 def _host(store: MemoryStore, root: Folder, port: int) -> TrainingHost:
     return TrainingHost(
         store, token=TOKEN, advertise_host="127.0.0.1", bind_host="127.0.0.1", base_port=port,
