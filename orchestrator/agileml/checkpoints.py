@@ -34,6 +34,7 @@ from torch import nn
 
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.artifacts import (
+    CHECKPOINT_PREFIX,
     MANIFEST,
     WEIGHTS,
     Folder,
@@ -77,15 +78,11 @@ class CheckpointSchedule:
         self.last_clock, self.last_s = clock, now_s
 
 
-Location = str | Path | Folder  # a folder, or a location string that names one
-
-
-def opened(where: Location) -> Folder:
-    return folder_at(where) if isinstance(where, (str, Path)) else where
+Location = str | Path | Folder  # a folder, or a location string that names one (`folder_at`)
 
 
 def checkpoint_dir(root: Location, clock: int) -> Folder:
-    return opened(root).sub(f"ckpt-{clock:08d}")
+    return folder_at(root).sub(f"{CHECKPOINT_PREFIX}{clock:08d}")
 
 
 def write_part(
@@ -97,7 +94,7 @@ def write_part(
     if state is not None:
         tensors["rule_state"] = state
     data = save(tensors, metadata={"partition": str(p), "clock": str(clock)})
-    folder = opened(directory)
+    folder = folder_at(directory)
     try:
         folder.write_bytes(_part_name(p), data)
     except OSError as exc:
@@ -110,7 +107,7 @@ def complete(directory: Location, *, job_id: str, clock: int, num_partitions: in
     Raises:
         AgileMLError: a partition file is missing.
     """
-    folder = opened(directory)
+    folder = folder_at(directory)
     try:
         written = set(folder.names())
         missing = [p for p in range(num_partitions) if _part_name(p) not in written]
@@ -130,7 +127,7 @@ def complete(directory: Location, *, job_id: str, clock: int, num_partitions: in
 
 def latest(root: Location) -> Folder | None:
     """The newest complete checkpoint under `root` (None: none yet)."""
-    return latest_checkpoint(opened(root))
+    return latest_checkpoint(folder_at(root))
 
 
 def save_weights(model: nn.Module, folder: Location, name: str = WEIGHTS) -> None:
@@ -138,7 +135,7 @@ def save_weights(model: nn.Module, folder: Location, name: str = WEIGHTS) -> Non
     `folder`, atomically: `model.load_state_dict(safetensors.torch.load_file(path))` reads it
     back."""
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    opened(folder).write_bytes(name, save(state))
+    folder_at(folder).write_bytes(name, save(state))
 
 
 class CheckpointManifest(BaseModel):
@@ -162,7 +159,7 @@ def read_manifest(directory: Location) -> CheckpointManifest:
     Raises:
         AgileMLError: not a complete checkpoint, or a manifest that does not parse (named).
     """
-    folder = opened(directory)
+    folder = folder_at(directory)
     try:
         text = folder.read_bytes(MANIFEST)
     except OSError as exc:
@@ -184,7 +181,7 @@ def read(directory: Location, num_partitions: int) -> Checkpoint:
     Raises:
         AgileMLError: incomplete, another partitioning, or a file that does not load.
     """
-    folder = opened(directory)
+    folder = folder_at(directory)
     manifest = read_manifest(folder)
     if manifest.num_partitions != num_partitions:
         raise AgileMLError(
@@ -206,15 +203,15 @@ def read(directory: Location, num_partitions: int) -> Checkpoint:
 def prune(root: Location, keep: int = KEEP_CHECKPOINTS, spare: Location | None = None) -> None:
     """Remove all but the newest `keep` complete checkpoints, and incomplete ones older than
     the newest complete one; never `spare` (the checkpoint the run resumed from)."""
-    base = opened(root)
+    base = folder_at(root)
     try:
-        names = [n for n in base.names() if n.startswith("ckpt-")]
+        names = [n for n in base.names() if n.startswith(CHECKPOINT_PREFIX)]
         done = [n for n in names if base.sub(n).exists(MANIFEST)]
         if not done:
             return
         stale = done[:-keep] if keep > 0 else done
         stale += [n for n in names if n not in done and n < done[-1]]
-        kept = None if spare is None else folder_name(opened(spare))
+        kept = None if spare is None else folder_name(folder_at(spare))
         for name in stale:
             if name != kept:
                 base.sub(name).remove()

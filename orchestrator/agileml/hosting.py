@@ -168,7 +168,7 @@ class HostedTraining:
     def _model(self) -> ModelParts:
         """The model only: what assembling weights needs (the data is never fetched here)."""
         if self._built is not None:
-            return ModelParts(self._built.model_factory, self._built.layout)
+            return self._built
         if self._model_built is None:
             self._model_built = model_parts(self.spec)
         return self._model_built

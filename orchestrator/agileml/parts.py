@@ -34,22 +34,29 @@ EVAL_BATCH = 256
 
 
 @dataclass(frozen=True)
-class TrainingParts:
-    """A job's pieces as a node builds them (see the module docstring)."""
+class ModelParts:
+    """A job's model and how partitions map onto it: what assembling its weights needs (no
+    data, no optimizer: what the controller builds)."""
 
     model_factory: Callable[[], nn.Module]  # a scratch model (values are pulled into it)
     initial_model: nn.Module  # the job's model at its initial values (the seed's)
     layout: PartitionLayout
-    rows: RowSource
-    loss_fn: LossFn  # summed over a batch's rows, as roster workers need it
-    rules: RuleFactory
-    code: JobCode | None = None
+    code: JobCode | None  # the user's job; None for a built-in example
 
     def model_with(self, parts: list[torch.Tensor]) -> nn.Module:
         """A fresh model holding the given partitions (parameters and buffers)."""
         model = self.model_factory()
         self.layout.scatter(model, parts)
         return model
+
+
+@dataclass(frozen=True)
+class TrainingParts(ModelParts):
+    """A job's pieces as a node builds them (see the module docstring)."""
+
+    rows: RowSource
+    loss_fn: LossFn  # summed over a batch's rows, as roster workers need it
+    rules: RuleFactory
 
     def loss_of(self, model: nn.Module) -> float:
         """The mean loss of `model` over the training set (its first rows for a user's job)."""
@@ -69,36 +76,21 @@ class TrainingParts:
         return total / max(count, 1)
 
 
-@dataclass(frozen=True)
-class ModelParts:
-    """What assembling a job's weights needs: the model and how partitions map onto it (no
-    data, no optimizer: what the controller builds)."""
-
-    model_factory: Callable[[], nn.Module]
-    layout: PartitionLayout
-
-    def model_with(self, parts: list[torch.Tensor]) -> nn.Module:
-        """A fresh model holding the given partitions (parameters and buffers)."""
-        model = self.model_factory()
-        self.layout.scatter(model, parts)
-        return model
-
-
-def model_parts(spec: TrainingSpec) -> ModelParts:
-    """The job's model and partition layout (its data is not fetched).
+def model_parts(spec: TrainingSpec, *, with_data: bool = False) -> ModelParts:
+    """The job's model and partition layout; its `training.data` is fetched only
+    `with_data` (see `jobcode.code_path`).
 
     Raises:
         JobCodeError: the job's code cannot be loaded.
+        PartitionError: more partitions than the model has elements.
     """
     if spec.code is None:
         factory = build_model(spec)
-        return ModelParts(
-            factory, PartitionLayout(initial_model(factory, spec.seed), spec.num_partitions)
-        )
-    code = load_job_code(code_path(spec, with_data=False))
-    return ModelParts(
-        code.model, PartitionLayout(seeded_model(code, spec.seed), spec.num_partitions)
-    )
+        model = initial_model(factory, spec.seed)
+        return ModelParts(factory, model, PartitionLayout(model, spec.num_partitions), None)
+    code = load_job_code(code_path(spec, with_data=with_data))
+    model = seeded_model(code, spec.seed)
+    return ModelParts(code.model, model, PartitionLayout(model, spec.num_partitions), code)
 
 
 def training_parts(spec: TrainingSpec) -> TrainingParts:
@@ -108,30 +100,23 @@ def training_parts(spec: TrainingSpec) -> TrainingParts:
         JobCodeError: the job's code cannot be loaded or its optimizer cannot be run.
         PartitionError: more partitions than the model has elements.
     """
-    if spec.code is None:
-        factory = build_model(spec)
-        model = initial_model(factory, spec.seed)
+    m = model_parts(spec, with_data=True)
+    if m.code is None:
         x, y = build_data(spec)
-        return TrainingParts(
-            model_factory=factory,
-            initial_model=model,
-            layout=PartitionLayout(model, spec.num_partitions),
-            rows=TensorRows(x, y),
-            loss_fn=build_loss(spec),
-            rules=sgd_rules(spec.lr),
-        )
-    code = load_job_code(code_path(spec))
-    model = seeded_model(code, spec.seed)
-    layout = PartitionLayout(model, spec.num_partitions)
-    plan = optimizer_plan(code, model, layout.buffer_sizes)
+        rows: RowSource = TensorRows(x, y)
+        loss_fn, rules = build_loss(spec), sgd_rules(spec.lr)
+    else:
+        plan = optimizer_plan(m.code, m.initial_model, m.layout.buffer_sizes)
+        rows, loss_fn = dataset_rows(m.code), _summed(m.code.loss)
+        rules = plan.rules(m.layout.bounds)
     return TrainingParts(
-        model_factory=code.model,
-        initial_model=model,
-        layout=layout,
-        rows=dataset_rows(code),
-        loss_fn=_summed(code.loss),
-        rules=plan.rules(layout.bounds),
-        code=code,
+        model_factory=m.model_factory,
+        initial_model=m.initial_model,
+        layout=m.layout,
+        code=m.code,
+        rows=rows,
+        loss_fn=loss_fn,
+        rules=rules,
     )
 
 

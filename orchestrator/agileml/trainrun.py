@@ -43,7 +43,7 @@ from orchestrator.agileml.jobcode import (
 from orchestrator.agileml.local import LocalJob, NodeOutcome, mean_phase_seconds
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.parts import training_parts
-from orchestrator.artifacts import WEIGHTS
+from orchestrator.artifacts import WEIGHTS, folder_at
 from orchestrator.errors import UserError
 from orchestrator.straggler.spec import StragglerSpec
 
@@ -171,7 +171,7 @@ def resume_point(path: str | Path) -> str:
     Raises:
         UserError: neither.
     """
-    folder = checkpoints.opened(path)
+    folder = folder_at(path)
     if folder.exists(checkpoints.MANIFEST):
         return folder.location
     newest = checkpoints.latest(folder)

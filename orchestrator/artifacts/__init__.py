@@ -4,6 +4,7 @@ the store, `jobs` for a job's layout in it, `code` for uploaded job code."""
 
 from orchestrator.artifacts.folders import Folder, LocalFolder, S3Folder, folder_at
 from orchestrator.artifacts.jobs import (
+    CHECKPOINT_PREFIX,
     CODE_FOLDER,
     FINAL_INFO,
     MANIFEST,
@@ -14,6 +15,7 @@ from orchestrator.artifacts.jobs import (
 )
 
 __all__ = [
+    "CHECKPOINT_PREFIX",
     "CODE_FOLDER",
     "FINAL_INFO",
     "MANIFEST",

@@ -16,6 +16,7 @@ soon as one object is under it; `names` lists its direct children (files and sub
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import shutil
@@ -60,10 +61,6 @@ class Folder(Protocol):
         """Write the file `name` atomically."""
         ...
 
-    def move_in(self, name: str, source: Path) -> None:
-        """Move the local file `source` in as `name` (atomically; `source` is gone after)."""
-        ...
-
     def read_bytes(self, name: str) -> bytes:
         """The file `name`'s bytes.
 
@@ -85,12 +82,12 @@ class Folder(Protocol):
         ...
 
 
-class _Named:
+class _Named(abc.ABC):
     """Folders are equal when their locations are."""
 
     @property
-    def location(self) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def location(self) -> str: ...
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Named) and other.location == self.location
@@ -138,17 +135,6 @@ class LocalFolder(_Named):
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-
-    def move_in(self, name: str, source: Path) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        target = self.path / _checked_name(name)
-        try:
-            os.replace(source, target)
-        except OSError:  # another filesystem: copy to a temporary name beside it, then rename
-            tmp = target.with_name(target.name + ".tmp")
-            shutil.copyfile(source, tmp)
-            os.replace(tmp, target)
-            source.unlink()
 
     def read_bytes(self, name: str) -> bytes:
         return (self.path / _checked_name(name)).read_bytes()
@@ -218,11 +204,6 @@ class S3Folder(_Named):
         with _as_os_error(f"{self.location}/{name}"):
             self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
 
-    def move_in(self, name: str, source: Path) -> None:
-        with _as_os_error(f"{self.location}/{name}"):
-            self.client.upload_file(str(source), self.bucket, self._key(name))
-        source.unlink()
-
     def read_bytes(self, name: str) -> bytes:
         with _as_os_error(f"{self.location}/{name}"):
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
@@ -257,12 +238,15 @@ class S3Folder(_Named):
         return f"{self.prefix}/{name}" if self.prefix else name
 
 
-def folder_at(location: str | Path) -> LocalFolder | S3Folder:
-    """Open the folder a location string names (see the module docstring).
+def folder_at(location: str | Path | Folder) -> Folder:
+    """Open the folder a location string names (see the module docstring); a folder is
+    returned as it is.
 
     Raises:
         UserError: an `s3://` location without a bucket.
     """
+    if not isinstance(location, (str, Path)):
+        return location
     text = str(location)
     if not text.startswith(S3_SCHEME):
         return LocalFolder(text)
@@ -292,13 +276,6 @@ def s3_client(endpoint: str | None = None) -> Any:
     if host in _LOOPBACK_HOSTS and session.get_credentials() is None:
         session = boto3.Session(**LOOPBACK_CREDENTIALS)
     return aws_client("s3", region, endpoint_url=endpoint, session=session)
-
-
-def scratch_file(prefix: str) -> Path:
-    """A new empty local temporary file (the caller moves it in or removes it)."""
-    fd, name = tempfile.mkstemp(prefix=prefix)
-    os.close(fd)
-    return Path(name)
 
 
 def _checked_name(name: str) -> str:

@@ -16,10 +16,11 @@ its newest checkpoint. Job ids start with a letter or digit, so no job folder is
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.artifacts.folders import Folder, LocalFolder, folder_at
+from orchestrator.artifacts.folders import Folder, folder_at
 from orchestrator.errors import UserError
 
 MANIFEST = "checkpoint.json"  # written last: the checkpoint is complete
@@ -30,11 +31,16 @@ CHECKPOINT_PREFIX = "ckpt-"
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def checkpoints_newest_first(folder: Folder | str | Path) -> Iterator[tuple[str, Folder]]:
+    """The `ckpt-*` folders in `folder` (complete or not), newest first, with their names."""
+    base = folder_at(folder)
+    for name in reversed([n for n in base.names() if n.startswith(CHECKPOINT_PREFIX)]):
+        yield name, base.sub(name)
+
+
 def latest_checkpoint(folder: Folder | str | Path) -> Folder | None:
     """The newest complete checkpoint (`ckpt-*` with a manifest) in `folder`, None if none."""
-    base = folder if not isinstance(folder, (str, Path)) else folder_at(folder)
-    for name in reversed([n for n in base.names() if n.startswith(CHECKPOINT_PREFIX)]):
-        checkpoint = base.sub(name)
+    for _, checkpoint in checkpoints_newest_first(folder):
         if checkpoint.exists(MANIFEST):
             return checkpoint
     return None
@@ -55,8 +61,7 @@ class JobArtifacts:
     def __init__(self, root: Folder | str | Path, job_id: str) -> None:
         if not _SAFE_ID.match(job_id) or ".." in job_id:
             raise UserError(f"job id {job_id!r} cannot name an artifacts folder")
-        opened = root if not isinstance(root, (str, Path)) else folder_at(root)
-        object.__setattr__(self, "root", opened)
+        object.__setattr__(self, "root", folder_at(root))
         object.__setattr__(self, "job_id", job_id)
 
     @property
@@ -71,10 +76,6 @@ class JobArtifacts:
     def final(self) -> Folder:
         return self.folder.sub("final")
 
-    @property
-    def is_local(self) -> bool:
-        return isinstance(self.root, LocalFolder)
-
     def latest_checkpoint(self) -> Folder | None:
         return latest_checkpoint(self.checkpoints)
 
@@ -87,9 +88,7 @@ class JobArtifacts:
         checkpoint's folder name)."""
         if self.final.exists(WEIGHTS):
             return self.final, "final"
-        checkpoints = self.checkpoints
-        for name in reversed([n for n in checkpoints.names() if n.startswith(CHECKPOINT_PREFIX)]):
-            checkpoint = checkpoints.sub(name)
+        for name, checkpoint in checkpoints_newest_first(self.checkpoints):
             if checkpoint.exists(WEIGHTS) and checkpoint.exists(MANIFEST):
                 return checkpoint, name
         return None

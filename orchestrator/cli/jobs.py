@@ -171,17 +171,15 @@ def _upload_code(client: Any, training: dict[str, Any], job_file: Path, check: b
         )
         check = False
     if check:
+        from orchestrator.agileml.hosting import validate_training_section
         from orchestrator.agileml.jobcode import check_job_code, load_job_code
         from orchestrator.artifacts.data import use_data
 
         use_data(data)  # a local folder: the job's dataset() reads it as on the nodes
 
         err.print(f"checking {path} ...", highlight=False)
-        found = check_job_code(
-            load_job_code(path),
-            global_batch=int(training.get("global_batch", 256)),
-            seed=int(training.get("seed", 0)),
-        )
+        spec = validate_training_section(training)  # its defaults, as the nodes will see them
+        found = check_job_code(load_job_code(path), global_batch=spec.global_batch, seed=spec.seed)
         err.print(f"checked: {found.rows} rows, {found.parameters:,} parameters", highlight=False)
     if path.is_file() and [p for p in path.parent.glob("*.py") if p != path]:
         err.print(

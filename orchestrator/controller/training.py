@@ -98,9 +98,7 @@ class TrainingHost:
     ) -> None:
         self.store = store
         self.work_from_iterations = work_from_iterations
-        self.artifacts_root = (
-            folder_at(artifacts_root) if isinstance(artifacts_root, (str, Path)) else artifacts_root
-        )
+        self.artifacts_root = None if artifacts_root is None else folder_at(artifacts_root)
         self.checkpoint_every_s = checkpoint_every_s
         # checkpoints (and uploaded code) need a store the job's nodes and this host share:
         # a local directory offline, S3 on AWS; without one the final weights come over the wire
@@ -185,19 +183,15 @@ class TrainingHost:
         self.close()
 
     def _with_artifacts(self, spec: TrainingSpec) -> TrainingSpec:
-        """The spec with the job's checkpoint folder and, if it has one, the newest checkpoint
-        to resume from."""
+        """The spec with the store its uploaded code comes from and, when the store takes
+        checkpoints, the job's checkpoint folder and the newest checkpoint to resume from."""
         artifacts = self.artifacts(spec.job_id)
         if artifacts is None:
             return spec
-        if not self.checkpoints:  # uploaded code is still fetched from the store
-            return TrainingSpec.model_validate(
-                {**spec.model_dump(), "code_store": artifacts.root.location}
-            )
-        update: dict[str, object] = {
-            "checkpoint_dir": artifacts.checkpoints.location,
-            "code_store": artifacts.root.location,
-        }
+        update: dict[str, object] = {"code_store": artifacts.root.location}
+        if not self.checkpoints:
+            return TrainingSpec.model_validate({**spec.model_dump(), **update})
+        update["checkpoint_dir"] = artifacts.checkpoints.location
         if not spec.checkpoint_every and not spec.checkpoint_every_s:
             update["checkpoint_every_s"] = self.checkpoint_every_s
         latest = artifacts.latest_checkpoint()
