@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 Batch = tuple[Any, Any]  # (inputs, targets), as the model and the loss take them
 Collate = Callable[[list[Any]], Any]
@@ -53,11 +53,22 @@ class DatasetRows:
         self._len = len(dataset)  # type: ignore[arg-type]
         if self._len == 0:
             raise ValueError("the dataset is empty")
+        # a TensorDataset of (inputs, targets) under the default collate: index its two
+        # tensors at once, as collating the rows one by one would give (without a Python loop)
+        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+        if (
+            type(dataset) is TensorDataset
+            and len(dataset.tensors) == 2
+            and self.collate is default_collate
+        ):
+            self._tensors = (dataset.tensors[0], dataset.tensors[1])
 
     def __len__(self) -> int:
         return self._len
 
     def take(self, rows: torch.Tensor) -> Batch:
+        if self._tensors is not None:
+            return self._tensors[0][rows], self._tensors[1][rows]
         batch = self.collate([self.dataset[int(i)] for i in rows.tolist()])
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError("a collated batch must be an (inputs, targets) pair")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from orchestrator.agileml import wire
 from orchestrator.agileml.elasticity import NodeTier, StageThresholds
 from orchestrator.agileml.errors import AgileMLError, WireError
+from orchestrator.agileml.peers import PeerInboxes
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.straggler.spec import StragglerSpec
@@ -70,8 +71,9 @@ class TrainingSpec(BaseModel):
     thresholds: StageThresholds = StageThresholds()
     heartbeat_s: Annotated[float, Field(gt=0, le=10)] = 0.1
     failure_timeout_s: Annotated[float, Field(gt=0, le=600)] = 1.0
-    # how far ahead of the fastest worker servers let workers compute; joins and evictions
-    # take effect just past it, so no worker ever computes a clock on an outdated roster
+    # how far ahead of the fastest worker servers let workers compute, at least (more when
+    # iterations are short, see `horizon`); joins and evictions take effect just past it, so
+    # no worker ever computes a clock on an outdated roster
     horizon_clocks: Annotated[int, Field(ge=2, le=10_000)] = 8
     # FlexRR (RapidReassignment between workers); `{"flexrr": false}` turns it off
     straggler: StragglerSpec = StragglerSpec()
@@ -145,7 +147,7 @@ class View(BaseModel):
     owners: dict[int, str] = {}
     versions: dict[int, int] = {}  # ownership version of each partition, as last known
     endpoints: dict[str, str] = {}  # node id -> parameter-server endpoint
-    peers: dict[str, str] = {}  # node id -> its worker's inbox for FlexRR messages
+    peers: dict[str, PeerInboxes] = {}  # node id -> its worker's FlexRR inboxes
     backups: dict[int, str] = {}  # partition -> BackupPS endpoint (empty in stage 1)
     adoptions: dict[str, Adoption] = {}  # failed worker -> who computes its last shares
     done: bool = False  # every worker finished the job's iterations
@@ -158,7 +160,7 @@ class Join(BaseModel):
     op: Literal["join"] = "join"
     tier: NodeTier
     endpoint: str
-    peer_endpoint: str | None = None  # the worker's FlexRR inbox (None: FlexRR off)
+    peer_inboxes: PeerInboxes | None = None  # the worker's FlexRR inboxes (None: FlexRR off)
 
 
 class Ready(BaseModel):

@@ -73,7 +73,9 @@ from orchestrator.agileml.elasticity import (
     plan_roles,
 )
 from orchestrator.agileml.errors import AgileMLError, NoReliableNodeError, WireError
+from orchestrator.agileml.horizon import HorizonSpan
 from orchestrator.agileml.partitions import PartitionTable
+from orchestrator.agileml.peers import PeerInboxes
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.server_calls import (
     advance_backups,
@@ -102,7 +104,7 @@ class _NodeInfo:
     last_seen_s: float
     clock: int = 0
     losses: list[tuple[int, float]] = field(default_factory=list)  # (clock, loss) heard
-    peer_endpoint: str | None = None
+    peer_inboxes: PeerInboxes | None = None
     reassigned_rows: int = 0  # FlexRR: rows of its shares helpers computed, as last heard
 
 
@@ -157,6 +159,7 @@ class Coordinator:
         resumed = checkpoints.read_manifest(spec.resume_from) if spec.resume_from else None
         self._start_clock = resumed.iterations_done if resumed is not None else 0
         self._horizon = self._start_clock + spec.horizon_clocks
+        self._span = HorizonSpan(spec.horizon_clocks, spec.heartbeat_s)
         # BackupPSs apply no clock past it (see advance_backups)
         self._backup_ceiling = self._start_clock - 1
         self._checkpointer = Checkpointer(
@@ -326,7 +329,7 @@ class Coordinator:
                 if info is not None:
                     return Reply(ok=False, error=f"node {node} already joined; use a new id")
                 self._nodes[node] = _NodeInfo(
-                    m.tier, m.endpoint, now, now, peer_endpoint=m.peer_endpoint
+                    m.tier, m.endpoint, now, now, peer_inboxes=m.peer_inboxes
                 )
                 self._membership.join(node, now)
                 return Reply(spec=self.spec, view=self._view)
@@ -446,10 +449,14 @@ class Coordinator:
         return start
 
     def _extend_horizon(self, client: ControlClient) -> None:
-        """Move the horizon on when the fastest worker is within half of it. Nodes that
-        missed a heartbeat are skipped (a dead one would stall this thread)."""
-        ahead = self._max_clock() + self.spec.horizon_clocks
-        if ahead - self._horizon < self.spec.horizon_clocks // 2:
+        """Move the horizon on when the fastest worker is within half of its span (see
+        `horizon`). Nodes that missed a heartbeat are skipped (a dead one would stall this
+        thread)."""
+        top = self._max_clock()
+        self._span.observe(top, self._now())
+        span = self._span.clocks
+        ahead = top + span
+        if ahead - self._horizon < span // 2:
             return
         call = functools.partial(self._call, client)
         backed_up = len(self.view().backups) == self.spec.num_partitions
@@ -493,7 +500,7 @@ class Coordinator:
             if self._configure_all(client, roster, backups, view.epoch):
                 self._publish(stage=int(plan.stage), roster=roster, backups=backups)
                 return roster, start
-            start += self.spec.horizon_clocks
+            start += self._span.clocks
         raise AgileMLError("could not schedule a roster change: workers outran every clock tried")
 
     def _fail(self, client: ControlClient, failed: list[str]) -> None:
@@ -598,9 +605,9 @@ class Coordinator:
             if self.spec.straggler.flexrr:  # nodes bind an inbox before they know the spec
                 gone = (NodeState.FAILED, NodeState.GONE)
                 peers = {
-                    n: i.peer_endpoint
+                    n: i.peer_inboxes
                     for n, i in self._nodes.items()
-                    if i.peer_endpoint and self._membership.state(n) not in gone
+                    if i.peer_inboxes and self._membership.state(n) not in gone
                 }
             self._view = self._view.model_copy(
                 update={

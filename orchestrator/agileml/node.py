@@ -174,9 +174,9 @@ class AgileMLNode:
 
     def _join(self, client: ControlClient, server: ParamServer) -> TrainingSpec:
         server.start()
-        peer = self._link.endpoint if self._link is not None else None
+        peer = self._link.endpoints if self._link is not None else None
         reply = self._send(
-            client, Join(tier=self.tier, endpoint=server.endpoint, peer_endpoint=peer)
+            client, Join(tier=self.tier, endpoint=server.endpoint, peer_inboxes=peer)
         )
         if reply is None or not reply.ok or reply.spec is None:
             why = (reply.error or "refused") if reply is not None else "no answer to join"

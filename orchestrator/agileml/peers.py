@@ -1,10 +1,17 @@
 """Worker-to-worker messages (FlexRR) over the runtime's authenticated wire.
 
-Each worker binds one PULL inbox and sends through one PUSH socket per peer: messages are
-one-way, and ZMQ keeps each sender-to-receiver stream in order, which RapidReassignment relies
-on (a `do_this` always arrives before the `cancel` that withdraws it). Sends never block: a
-message to a peer that is gone, or whose queue is full, is dropped, and the protocol's deadlines
-and cancellations cover the loss.
+Each worker binds two PULL inboxes and sends through one PUSH socket per peer endpoint: messages
+are one-way, and ZMQ keeps each sender-to-receiver stream in order, which RapidReassignment
+relies on (a `do_this` always arrives before the `cancel` that withdraws it). Sends never block:
+a message to a peer that is gone, or whose queue is full, is dropped, and the protocol's
+deadlines and cancellations cover the loss.
+
+The two inboxes (`PeerInboxes`): `work` takes the messages a worker acts on at once, even while
+it waits on the servers (an offer is help it can do in that idle time); `progress` takes the
+progress reports, which matter only while the worker still computes its own rows and are read
+between its chunks. A report therefore never wakes a waiting worker: when nobody straggles,
+those wake-ups (every worker reports to up to `helper_group_size - 1` helpees every iteration)
+were most of FlexRR's cost on a busy machine.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 
 import torch
 import zmq
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import WireError
@@ -27,19 +34,36 @@ log = logging.getLogger(__name__)
 SEND_QUEUE_MESSAGES = 1000  # per peer; beyond it messages are dropped, never waited on
 
 
+class PeerInboxes(BaseModel):
+    """Where a worker takes FlexRR messages (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    work: str  # offers, begun, cancel, completed
+    progress: str  # progress reports
+
+
 class PeerLink:
     """One worker's inbox and its sockets to peers. Not thread-safe: use from one thread."""
 
     def __init__(self, worker_id: str, *, job_id: str, token: bytes, host: str = "127.0.0.1"):
         self.worker_id, self.job_id, self._token = worker_id, job_id, token
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self.inbox: zmq.Socket[Any] = self._ctx.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.LINGER, 0)
-        port = self.inbox.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self.inbox = self._bind(host)  # `work`: the worker polls it while it waits
+        self.progress_inbox = self._bind(host)
+        self.endpoints = PeerInboxes(
+            work=self.inbox.getsockopt_string(zmq.LAST_ENDPOINT),
+            progress=self.progress_inbox.getsockopt_string(zmq.LAST_ENDPOINT),
+        )
         self._out: dict[str, zmq.Socket[Any]] = {}
         self._seq = 0
         self.sent = self.dropped_out = self.refused_in = 0
+
+    def _bind(self, host: str) -> zmq.Socket[Any]:
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind_to_random_port(f"tcp://{host}")
+        return sock
 
     def send(
         self,
@@ -77,14 +101,15 @@ class PeerLink:
         return True
 
     def receive(
-        self, timeout_ms: int = 0
+        self, timeout_ms: int = 0, *, progress: bool = False
     ) -> tuple[str, int, PeerMessage, dict[str, torch.Tensor]] | None:
-        """The next valid message as (sender, epoch, message, tensors), waiting up to
-        `timeout_ms`; None if there is none. Unauthenticated or malformed messages are
-        dropped (and counted), never acted on."""
-        while self.inbox.poll(timeout_ms):
+        """The next valid message of the `work` inbox (or of `progress`) as (sender, epoch,
+        message, tensors), waiting up to `timeout_ms`; None if there is none.
+        Unauthenticated or malformed messages are dropped (and counted), never acted on."""
+        inbox = self.progress_inbox if progress else self.inbox
+        while inbox.poll(timeout_ms):
             timeout_ms = 0
-            frames = self.inbox.recv_multipart()
+            frames = inbox.recv_multipart()
             try:
                 header, tensors = wire.decode(frames, self._token)
                 if header.kind is not MessageKind.PEER or header.epoch is None:
@@ -108,4 +133,5 @@ class PeerLink:
             sock.close(linger=0)
         self._out.clear()
         self.inbox.close(linger=0)
+        self.progress_inbox.close(linger=0)
         self._ctx.term()

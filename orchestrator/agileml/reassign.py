@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.peers import PeerLink
+from orchestrator.agileml.peers import PeerInboxes, PeerLink
 from orchestrator.agileml.roster import Roster
 from orchestrator.straggler.groups import helpee_groups, helper_groups
 from orchestrator.straggler.patterns import Pacer
@@ -131,7 +131,7 @@ class Reassigner:
         self.stats = ReassignStats()
         self._pacer: Pacer | None = None
         self.epoch = -1
-        self.peers: dict[str, str] = {}  # worker -> peer endpoint
+        self.peers: dict[str, PeerInboxes] = {}  # worker -> its FlexRR inboxes
         self._roster: Roster | None = None
         self._groups: dict[
             tuple[str, ...], tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]
@@ -154,7 +154,9 @@ class Reassigner:
         """The inbox, for the worker to poll while it waits on servers."""
         return self.link.inbox if self.link is not None else None
 
-    def update_view(self, *, epoch: int, roster: Roster | None, peers: dict[str, str]) -> None:
+    def update_view(
+        self, *, epoch: int, roster: Roster | None, peers: dict[str, PeerInboxes]
+    ) -> None:
         """Follow the job's view; a new epoch voids every offer in flight."""
         if epoch != self.epoch:
             self.epoch = epoch
@@ -167,7 +169,7 @@ class Reassigner:
         self._roster = roster
         self.peers = dict(peers)
         if self.link is not None:
-            self.link.forget_except(set(peers.values()))
+            self.link.forget_except({e for p in peers.values() for e in (p.work, p.progress)})
 
     # -- the worker's own rows ---------------------------------------------------------------
 
@@ -296,18 +298,23 @@ class Reassigner:
     # -- messages ----------------------------------------------------------------------------
 
     def check(self, w: Worker, timeout_ms: int = 0) -> None:
-        """A message check: handle everything in the inbox (waiting up to `timeout_ms` for the
-        first message), then any help that is due."""
+        """A message check: handle the progress reports that came, then everything in the
+        work inbox (waiting up to `timeout_ms` for the first message there), then any help that
+        is due."""
         if self.link is None:
             return
-        while (got := self.link.receive(timeout_ms)) is not None:
+        self._drain(w, self.link, 0, progress=True)
+        self._drain(w, self.link, timeout_ms, progress=False)
+        self._help_pending(w)
+
+    def _drain(self, w: Worker, link: PeerLink, timeout_ms: int, *, progress: bool) -> None:
+        while (got := link.receive(timeout_ms, progress=progress)) is not None:
             timeout_ms = 0
             sender, epoch, message, tensors = got
             if epoch != self.epoch:
                 self.stats.dropped_messages += 1
                 continue
             self._handle(w, sender, message, tensors)
-        self._help_pending(w)
 
     def _handle(
         self, w: Worker, sender: str, message: PeerMessage, tensors: dict[str, torch.Tensor]
@@ -538,7 +545,7 @@ class Reassigner:
         members = self._roster.members(clock)
         groups = self._groups.get(members)
         if groups is None:
-            machines = {m: urlparse(e).hostname or m for m, e in self.peers.items()}
+            machines = {m: urlparse(e.work).hostname or m for m, e in self.peers.items()}
             helpers = helper_groups(members, machines, self.spec.helper_group_size)
             groups = (helpers, helpee_groups(helpers))
             if all(m in self.peers for m in members):  # complete: safe to keep
@@ -548,9 +555,10 @@ class Reassigner:
     def _send(
         self, peer: str, message: PeerMessage, tensors: dict[str, torch.Tensor] | None = None
     ) -> None:
-        endpoint = self.peers.get(peer)
-        if self.link is None or endpoint is None:
+        inboxes = self.peers.get(peer)
+        if self.link is None or inboxes is None:
             return
+        endpoint = inboxes.progress if isinstance(message, Progress) else inboxes.work
         self.link.send(endpoint, message, epoch=self.epoch, tensors=tensors)
 
     def summary(self) -> dict[str, float]:

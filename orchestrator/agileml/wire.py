@@ -22,6 +22,7 @@ acting on it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -101,6 +102,9 @@ class MessageKind(StrEnum):
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 
 
+_KINDS = frozenset(k.value for k in MessageKind)
+
+
 class TensorSpec(BaseModel):
     """The name, dtype and shape of one buffer frame."""
 
@@ -152,15 +156,33 @@ def compute_mac(
     Raises:
         WireError: BAD_MAC if the header has no well-formed `nonce`.
     """
-    nonce = header_without_mac.get("nonce")
+    return _mac(header_without_mac, canonical_json(header_without_mac), buffers, token)
+
+
+def _mac(
+    header: Mapping[str, Any],
+    header_json: bytes,
+    buffers: Sequence[bytes | memoryview],
+    token: bytes,
+) -> str:
+    """`compute_mac` given the header's canonical JSON (`canonical_json(header)`)."""
+    nonce = header.get("nonce")
     if not isinstance(nonce, str) or len(nonce) != NONCE_HEX_LENGTH:
         raise WireError(WireReason.BAD_MAC, "missing or malformed nonce")
-    key = hmac.new(token, _KEY_LABEL + nonce.encode("ascii", "replace"), hashlib.sha256).digest()
-    mac = Poly1305(key)
-    for piece in (canonical_json(header_without_mac), *buffers):
+    derive = _keyed_hmac(token).copy()  # HMAC-SHA256(token, label + nonce): a one-time key
+    derive.update(_KEY_LABEL + nonce.encode("ascii", "replace"))
+    mac = Poly1305(derive.digest())
+    for piece in (header_json, *buffers):
         mac.update(len(piece).to_bytes(8, "big"))
         mac.update(piece)
     return mac.finalize().hex()
+
+
+@functools.lru_cache(maxsize=16)
+def _keyed_hmac(token: bytes) -> hmac.HMAC:
+    """HMAC-SHA256 keyed with `token`, before any message: copied per message (the key
+    schedule is done once per token, not per message)."""
+    return hmac.new(token, digestmod=hashlib.sha256)
 
 
 def _tensor_bytes(
@@ -220,7 +242,7 @@ def encode(
         Header.model_validate_json(canonical_json({**body, "mac": "0" * MAC_HEX_LENGTH}))
     except ValidationError as exc:
         raise WireError(WireReason.SCHEMA, _first_error(exc)) from None
-    header = canonical_json({**body, "mac": compute_mac(body, buffers, token)})
+    header = canonical_json({**body, "mac": _mac(body, canonical_json(body), buffers, token)})
     if len(header) + sum(len(b) for b in buffers) > max_message_bytes:
         raise WireError(WireReason.TOO_LARGE, f"message over {max_message_bytes} bytes")
     return [header, *buffers]
@@ -257,7 +279,7 @@ def decode(
         raise WireError(WireReason.BAD_MAC, "missing or wrong MAC (wrong token or tampered)")
     if obj.get("v") != PROTOCOL_VERSION:
         raise WireError(WireReason.VERSION, f"version {obj.get('v')!r} != {PROTOCOL_VERSION}")
-    if obj.get("kind") not in {k.value for k in MessageKind}:
+    if obj.get("kind") not in _KINDS:
         raise WireError(WireReason.UNKNOWN_KIND, f"kind {obj.get('kind')!r}")
     try:
         header = Header.model_validate_json(raw)

@@ -184,7 +184,7 @@ def test_forged_and_foreign_peer_messages_are_dropped(jobs: Callable[[TrainingSp
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(target.link.endpoint)
+    sock.connect(target.link.endpoints.work)
     fields = {"kind": MessageKind.PEER, "job_id": "forged", "seq": 1, "clock": 1, "epoch": 1}
     body = wire.json_body(offer.model_dump(mode="json"))
     sock.send_multipart(wire.encode({**fields, "sender": "n1"}, body, b"wrong-token" * 3))

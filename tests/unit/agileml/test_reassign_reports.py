@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.agileml.peers import PeerInboxes
 from orchestrator.agileml.reassign import Reassigner
 from orchestrator.agileml.roster import Roster
 from orchestrator.straggler.protocol import Progress
 from orchestrator.straggler.spec import StragglerSpec
 
-PEERS = {w: f"tcp://127.0.0.1:{5000 + i}" for i, w in enumerate(["a", "b", "c", "d"])}
+PEERS = {
+    w: PeerInboxes(work=f"tcp://127.0.0.1:{5000 + i}", progress=f"tcp://127.0.0.1:{6000 + i}")
+    for i, w in enumerate(["a", "b", "c", "d"])
+}
 
 
 class _Link:
@@ -36,7 +40,7 @@ def _reassigner() -> tuple[Reassigner, _Link]:
 
 
 def _reported_to(link: _Link) -> set[str]:
-    names = {e: w for w, e in PEERS.items()}
+    names = {e.progress: w for w, e in PEERS.items()}  # reports go to the progress inbox
     return {names[e] for e, m in link.sent if isinstance(m, Progress)}
 
 
