@@ -1,20 +1,26 @@
 """Seconds per steady iteration of a user's job: `orchestrator train`'s runtime against plain
 PyTorch DistributedDataParallel (gloo) on the same machine. Prints one JSON object.
 
-* AgileML: `orchestrator.agileml.trainrun.train_locally` with N transient nodes and 1 reliable
-  node, no injected faults; its `seconds_per_iteration` (the median gap between consecutive
-  iteration ends, not counting the first 5 iterations).
+* AgileML: `orchestrator.agileml.trainrun.train_locally` on N processes, as DDP: N-1 transient
+  nodes and 1 reliable node (every one of them computes a share), no injected faults; the median
+  and the mean gap between consecutive iteration ends, not counting the first 5 iterations.
 * DDP: N local processes (spawn) on gloo over 127.0.0.1, the job's own initial model (same seed),
   optimizer, scheduler and loss, the same global batches (`roster.global_batch_indices`); rank r
   computes the r-th of N near-equal slices of each global batch. Time per iteration: the median
-  gap between consecutive iteration ends on rank 0, skipping the first 5 iterations.
+  and the mean gap between consecutive iteration ends on rank 0, skipping the first 5.
+
+`ratio` compares the medians (robust to the machine's noise), `mean_ratio` the means (what a
+user's wall clock sees: it counts every stall). On a shared machine one pair of runs can be
+off by a third either way: `--repeats` runs AgileML and DDP alternately that many times and
+reports every pair and the median of each figure.
 
 The default job is the example shipped with the package, the demo's small CNN on scikit-learn's
 digits with AdamW (orchestrator/jobs/digits_cnn.py); ORCHESTRATOR_TEST_JOB_PAUSE_S, the tests'
 knob that slows their jobs' iterations down, is removed from the environment. On a small or shared
-machine the figures are noisy: run it more than once.
+machine the figures are noisy (see `--repeats`).
 
-    python -m benchmarks.train_vs_ddp [JOB.py] [--nodes 4] [--global-batch 256] [--iterations 60]
+    python -m benchmarks.train_vs_ddp [JOB.py] [--nodes 4] [--global-batch 256]
+        [--iterations 200] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -65,25 +73,27 @@ def progress(message: str) -> None:
 
 def agileml_seconds_per_iteration(
     job: Path, *, nodes: int, global_batch: int, iterations: int, seed: int
-) -> tuple[float, dict[str, float]]:
-    """`train_locally`'s median seconds per steady iteration (every process gone on return),
-    and the workers' own timers: mean seconds per iteration pulling, computing, pushing.
+) -> tuple[tuple[float, float], dict[str, float]]:
+    """`train_locally`'s (median, mean) seconds per steady iteration on `nodes` processes
+    (every process gone on return), and the workers' own timers: mean seconds per iteration
+    pulling, computing, pushing.
 
     Raises:
         RuntimeError: the run measured no steady iteration (too few iterations).
     """
     plan = TrainPlan(
         code=str(job),
-        nodes=nodes,
+        nodes=nodes - RELIABLE,
         reliable=RELIABLE,
         iterations=iterations,
         global_batch=global_batch,
         seed=seed,
     )
     result = train_locally(plan)
-    if result.seconds_per_iteration is None:
+    median, mean = result.seconds_per_iteration, result.mean_seconds_per_iteration
+    if median is None or mean is None:
         raise RuntimeError(f"AgileML measured no steady iteration in {iterations} iterations")
-    return result.seconds_per_iteration, result.phase_seconds
+    return (median, mean), result.phase_seconds
 
 
 def _ddp_train(rank: int, plan: _DdpPlan) -> list[float]:
@@ -116,8 +126,9 @@ def _ddp_rank(rank: int, plan: _DdpPlan) -> list[float] | None:
 
 def ddp_seconds_per_iteration(
     job: Path, *, workers: int, global_batch: int, iterations: int, seed: int, timeout_s: float
-) -> float:
-    """Rank 0's median gap between consecutive iteration ends, skipping the first `WARMUP`.
+) -> tuple[float, float]:
+    """Rank 0's (median, mean) gap between consecutive iteration ends, skipping the first
+    `WARMUP`.
 
     Raises:
         RuntimeError: a rank failed (its traceback in the message) or the run timed out.
@@ -133,7 +144,27 @@ def ddp_seconds_per_iteration(
     )
     ok = run_ranks(_ddp_rank, plan, workers=workers, timeout_s=timeout_s)
     ends: list[float] = ok[0]
-    return statistics.median([ends[c] - ends[c - 1] for c in range(WARMUP, len(ends))])
+    gaps = [ends[c] - ends[c - 1] for c in range(WARMUP, len(ends))]
+    return statistics.median(gaps), statistics.fmean(gaps)
+
+
+def _pair(
+    agileml: tuple[float, float], ddp: tuple[float, float], phases: dict[str, float]
+) -> dict[str, Any]:
+    """The figures of one AgileML run and the DDP run after it."""
+    return {
+        "agileml_s_per_it": round(agileml[0], 5),
+        "agileml_mean_s_per_it": round(agileml[1], 5),
+        "agileml_phase_s_per_it": phases,
+        "ddp_s_per_it": round(ddp[0], 5),
+        "ddp_mean_s_per_it": round(ddp[1], 5),
+        "ratio": round(agileml[0] / ddp[0], 3),
+        "mean_ratio": round(agileml[1] / ddp[1], 3),
+    }
+
+
+def _median(values: Iterable[float]) -> float:
+    return round(statistics.median(values), 5)
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -149,10 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "job", nargs="?", type=Path, default=DEFAULT_JOB, help="JOB.py (default: %(default)s)"
     )
     parser.add_argument(
-        "--nodes", type=int, default=4, help="transient nodes = DDP ranks (default 4)"
+        "--nodes", type=int, default=4, help="processes: DDP ranks, AgileML nodes (default 4)"
     )
     parser.add_argument("--global-batch", type=int, default=256)
-    parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating pairs of runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds, DDP run")
     args = parser.parse_args(argv)
@@ -160,8 +192,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"job file {args.job} does not exist")
     if args.iterations <= WARMUP + 1:
         parser.error(f"--iterations must be above {WARMUP + 1} (the first {WARMUP} are not timed)")
-    if args.nodes < 1 or args.global_batch < args.nodes + RELIABLE:
-        parser.error(f"want --nodes >= 1 and --global-batch >= nodes + {RELIABLE}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.nodes <= RELIABLE or args.global_batch < args.nodes:
+        parser.error(f"want --nodes > {RELIABLE} and --global-batch >= --nodes")
     return args
 
 
@@ -170,20 +204,28 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.pop(PAUSE_ENV, None)  # inherited by the node processes and the DDP ranks
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     common = {"global_batch": args.global_batch, "iterations": args.iterations, "seed": args.seed}
-    progress(f"AgileML: {args.nodes} transient + {RELIABLE} reliable nodes, {args.job.name}")
-    agileml, phases = agileml_seconds_per_iteration(args.job, nodes=args.nodes, **common)
-    progress(f"AgileML: {agileml:.4f} s/it; DDP: {args.nodes} gloo ranks")
-    ddp = ddp_seconds_per_iteration(args.job, workers=args.nodes, timeout_s=args.timeout, **common)
-    progress(f"DDP: {ddp:.4f} s/it")
+    transient = args.nodes - RELIABLE
+    runs = []
+    for k in range(1, args.repeats + 1):
+        progress(f"[{k}/{args.repeats}] AgileML: {transient} transient + {RELIABLE} reliable nodes")
+        agileml, phases = agileml_seconds_per_iteration(args.job, nodes=args.nodes, **common)
+        progress(f"[{k}/{args.repeats}] AgileML: {agileml[0]:.4f} s/it; DDP: {args.nodes} ranks")
+        ddp = ddp_seconds_per_iteration(
+            args.job, workers=args.nodes, timeout_s=args.timeout, **common
+        )
+        progress(f"[{k}/{args.repeats}] DDP: {ddp[0]:.4f} s/it")
+        runs.append(_pair(agileml, ddp, phases))
     out = {
         "job": str(args.job),
         "nodes": args.nodes,
         "global_batch": args.global_batch,
         "iterations": args.iterations,
-        "agileml_s_per_it": round(agileml, 5),
-        "agileml_phase_s_per_it": phases,
-        "ddp_s_per_it": round(ddp, 5),
-        "ratio": round(agileml / ddp, 3),
+        **{k: _median(r[k] for r in runs) for k in runs[0] if k != "agileml_phase_s_per_it"},
+        "agileml_phase_s_per_it": {
+            phase: _median(r["agileml_phase_s_per_it"][phase] for r in runs)
+            for phase in runs[0]["agileml_phase_s_per_it"]
+        },
+        "runs": runs,
     }
     print(json.dumps(out))
 

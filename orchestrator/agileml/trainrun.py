@@ -112,7 +112,7 @@ class TrainResult:
     model: nn.Module
     iterations: int
     final_loss: float | None
-    seconds_per_iteration: float | None
+    seconds_per_iteration: float | None  # the median of the steady iterations
     events: list[dict[str, Any]]
     losses: list[tuple[int, float]]  # (iteration, mean loss of the nodes that computed it)
     evaluation: dict[str, float] = field(default_factory=dict)
@@ -120,6 +120,8 @@ class TrainResult:
     resumed_from: str | None = None  # the checkpoint the run started from
     # the workers' own timers: mean seconds per iteration in each phase (pull, compute, push)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # the mean of the steady iterations: unlike the median, it counts the stalls
+    mean_seconds_per_iteration: float | None = None
 
 
 @dataclass(frozen=True)
@@ -269,11 +271,13 @@ def train_locally(
     parts = training_parts(spec)
     model = parts.model_with(params)
     losses = _mean_losses(outcomes)
+    gaps = _steady_gaps(outcomes, plan, events)
     result = TrainResult(
         model=model,
         iterations=plan.iterations,
         final_loss=losses[-1][1] if losses else None,
-        seconds_per_iteration=_steady_seconds(outcomes, plan, events),
+        seconds_per_iteration=statistics.median(gaps) if gaps else None,
+        mean_seconds_per_iteration=statistics.fmean(gaps) if gaps else None,
         events=events + [_event(e, started) for e in job.events()],
         losses=losses,
         wall_seconds=time.monotonic() - started,
@@ -388,11 +392,11 @@ def _mean_losses(outcomes: dict[str, NodeOutcome]) -> list[tuple[int, float]]:
     return [(c, sum(v) / len(v)) for c, v in sorted(by_clock.items())]
 
 
-def _steady_seconds(
+def _steady_gaps(
     outcomes: dict[str, NodeOutcome], plan: TrainPlan, injected: list[dict[str, Any]]
-) -> float | None:
-    """The median time between consecutive iterations' completion (the last node's), not
-    counting the first iterations or those next to an injection."""
+) -> list[float]:
+    """The times between consecutive iterations' completion (the last node's), not counting
+    the first iterations or those next to an injection."""
     done: dict[int, float] = {}
     for outcome in outcomes.values():
         for clock, at in outcome.ends:
@@ -403,7 +407,7 @@ def _steady_seconds(
         for c in range(WARMUP_ITERATIONS, plan.iterations)
         if c in done and c - 1 in done and c not in near
     ]
-    return statistics.median(gaps) if gaps else None
+    return gaps
 
 
 def _event(e: Any, started: float) -> dict[str, Any]:
