@@ -8,6 +8,7 @@ during a job: when servers come and go, whole partitions move between owners
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +49,11 @@ class PartitionLayout:
         base, extra = divmod(self.total, num_partitions)
         starts = [p * base + min(p, extra) for p in range(num_partitions + 1)]
         self._bounds = [(starts[p], starts[p + 1]) for p in range(num_partitions)]
+        self._starts = starts[:-1]
+        offsets = [0]
+        for shape in self.shapes:
+            offsets.append(offsets[-1] + shape.numel())
+        self._param_starts = offsets[:-1]  # of each parameter in the flat vector
 
     def bounds(self, p: int) -> tuple[int, int]:
         """Start and end (exclusive) of partition p in the flat vector. Raises PartitionError."""
@@ -130,15 +136,40 @@ class PartitionLayout:
                     f"partition {p} has shape {tuple(part.shape)}, want ({self.size(p)},)",
                     partition=p,
                 )
-        flat = torch.cat([part.reshape(-1) for part in parts])
-        offset = 0
         with torch.no_grad():
-            for param in params:
-                n = param.numel()
-                param.copy_(flat[offset : offset + n].view_as(param))
-                offset += n
+            for param, start in zip(params, self._param_starts, strict=True):
+                # straight from the partitions (a pulled frame) into the parameter: one copy
+                if param.is_contiguous():
+                    self._read(parts, start, param.view(-1))
+                else:
+                    param.copy_(self._slice(parts, start, param.numel()).view_as(param))
         if buffers:
-            self.load_buffers(model, flat[offset:])
+            self.load_buffers(
+                model, self._slice(parts, self.param_total, self.total - self.param_total)
+            )
+
+    def _pieces(
+        self, parts: Sequence[torch.Tensor], start: int, n: int
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Values [start, start + n) of the flat vector split into `parts`: (offset in the
+        range, a view of a part) for each part it overlaps."""
+        out = []
+        p = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        while p < self.num_partitions and self._bounds[p][0] < start + n:
+            lo, hi = self._bounds[p]
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:
+                out.append((a - start, parts[p].reshape(-1)[a - lo : b - lo]))
+            p += 1
+        return out
+
+    def _read(self, parts: Sequence[torch.Tensor], start: int, into: torch.Tensor) -> None:
+        for offset, piece in self._pieces(parts, start, into.numel()):
+            into[offset : offset + piece.numel()].copy_(piece)
+
+    def _slice(self, parts: Sequence[torch.Tensor], start: int, n: int) -> torch.Tensor:
+        pieces = [piece for _, piece in self._pieces(parts, start, n)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0)
 
     def _params(self, model: nn.Module) -> list[nn.Parameter]:
         named = list(model.named_parameters())

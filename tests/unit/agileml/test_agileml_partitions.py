@@ -44,6 +44,25 @@ def test_gather_then_scatter_round_trips_the_parameters(n: int) -> None:
     assert torch.equal(parts[n - 1], flat[layout.slice(n - 1)])
 
 
+def _bn_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    model.train()
+    model(torch.randn(8, 4))  # moves the running statistics off their defaults
+    return model
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 7, 36])
+def test_scatter_loads_parameters_and_buffers_across_partition_edges(n: int) -> None:
+    """Partition edges inside a parameter, and between the parameters and the buffers."""
+    source, target = _bn_model(1), _bn_model(2)
+    layout = PartitionLayout(source, n)
+    assert layout.total == 36  # 15 + 6 + 8 parameters, 3 + 3 statistics and a batch count
+    layout.scatter(target, layout.gather(source))
+    want, got = source.state_dict(), target.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want), n
+
+
 def test_scatter_refuses_wrong_sizes_and_foreign_models() -> None:
     model = _mlp()
     layout = PartitionLayout(model, 2)
