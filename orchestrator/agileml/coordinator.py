@@ -4,7 +4,7 @@ It tracks the job's nodes by tier and lifecycle, and drives every change of the 
 
 * start: once `min_nodes` are ready, pick the stage and roles (`plan_roles`), give each node its
   initial partitions and backups (`configure`), and publish the first view (epoch 1, clock 0);
-* a horizon: servers let workers compute at most `horizon_clocks` clocks past the fastest
+* a horizon: servers let workers compute at most a span of clocks (`horizon`) past the fastest
   worker's (the controller moves it on as they go), so a roster change scheduled just past the
   horizon reaches every server before any worker computes a clock it affects;
 * scale-up in the background: a joining node loads its data and says `ready`; it enters the
@@ -453,7 +453,7 @@ class Coordinator:
         `horizon`). Nodes that missed a heartbeat are skipped (a dead one would stall this
         thread)."""
         top = self._max_clock()
-        self._span.observe(top, self._now())
+        self._span.observe(self._max_clock(live=True), self._now())
         span = self._span.clocks
         ahead = top + span
         if ahead - self._horizon < span // 2:
@@ -649,9 +649,19 @@ class Coordinator:
             self._record("done", ())
             self._done.set()
 
-    def _max_clock(self) -> int:
+    def _max_clock(self, *, live: bool = False) -> int:
+        """The furthest clock heard from any node (with `live`, from nodes not failed or
+        gone: after a roll-back their old clocks are not where the job is)."""
+        gone = (NodeState.FAILED, NodeState.GONE)
         with self._lock:
-            return max((i.clock for i in self._nodes.values()), default=0)
+            return max(
+                (
+                    i.clock
+                    for n, i in self._nodes.items()
+                    if not live or self._membership.state(n) not in gone
+                ),
+                default=0,
+            )
 
     def _nodes_in(self, *states: NodeState) -> list[Node]:
         with self._lock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 HEARTBEATS_AHEAD = 4  # the span, in heartbeats of work at the measured rate
+MAX_SPAN_CLOCKS = 10_000  # never more (TrainingSpec.horizon_clocks' own bound)
 RATE_WEIGHT = 0.3  # of the newest measurement in the running rate
 
 
@@ -28,8 +29,8 @@ class HorizonSpan:
         self._mark: tuple[int, float] | None = None  # (clock, when) of the last measurement
 
     def observe(self, clock: int, now_s: float) -> None:
-        """The fastest worker is at `clock` at `now_s`; a clock that went back (a roll-back)
-        starts the measurement over, keeping the rate."""
+        """The fastest live worker is at `clock` at `now_s`; a clock that went back (a
+        roll-back) starts the measurement over, keeping the rate."""
         mark = self._mark
         if mark is None or clock < mark[0] or now_s <= mark[1]:
             self._mark = (clock, now_s)
@@ -43,7 +44,8 @@ class HorizonSpan:
 
     @property
     def clocks(self) -> int:
+        """The span now: `min_clocks` until a rate is measured."""
         if self.clocks_per_s is None:
             return self.min_clocks
         ahead = math.ceil(self.clocks_per_s * HEARTBEATS_AHEAD * self.heartbeat_s)
-        return max(self.min_clocks, ahead)
+        return max(self.min_clocks, min(ahead, MAX_SPAN_CLOCKS))

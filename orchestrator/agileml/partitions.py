@@ -153,7 +153,7 @@ class PartitionLayout:
     ) -> list[tuple[int, torch.Tensor]]:
         """Values [start, start + n) of the flat vector split into `parts`: (offset in the
         range, a view of a part) for each part it overlaps."""
-        out = []
+        out: list[tuple[int, torch.Tensor]] = []
         p = max(bisect.bisect_right(self._starts, start) - 1, 0)
         while p < self.num_partitions and self._bounds[p][0] < start + n:
             lo, hi = self._bounds[p]
@@ -164,10 +164,12 @@ class PartitionLayout:
         return out
 
     def _read(self, parts: Sequence[torch.Tensor], start: int, into: torch.Tensor) -> None:
+        """Copy values [start, start + len(into)) of the flat vector into `into` (1-D)."""
         for offset, piece in self._pieces(parts, start, into.numel()):
             into[offset : offset + piece.numel()].copy_(piece)
 
     def _slice(self, parts: Sequence[torch.Tensor], start: int, n: int) -> torch.Tensor:
+        """Values [start, start + n) of the flat vector: a view when one part holds them."""
         pieces = [piece for _, piece in self._pieces(parts, start, n)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0)
 

@@ -1,17 +1,18 @@
 """Worker-to-worker messages (FlexRR) over the runtime's authenticated wire.
 
 Each worker binds two PULL inboxes and sends through one PUSH socket per peer endpoint: messages
-are one-way, and ZMQ keeps each sender-to-receiver stream in order, which RapidReassignment
-relies on (a `do_this` always arrives before the `cancel` that withdraws it). Sends never block:
-a message to a peer that is gone, or whose queue is full, is dropped, and the protocol's
-deadlines and cancellations cover the loss.
+are one-way, and ZMQ keeps each sender-to-inbox stream in order, which RapidReassignment relies
+on (a `do_this` always arrives before the `cancel` that withdraws it: both go to `work`). Sends
+never block: a message to a peer that is gone, or whose queue is full, is dropped, and the
+protocol's deadlines and cancellations cover the loss.
 
 The two inboxes (`PeerInboxes`): `work` takes the messages a worker acts on at once, even while
 it waits on the servers (an offer is help it can do in that idle time); `progress` takes the
 progress reports, which matter only while the worker still computes its own rows and are read
-between its chunks. A report therefore never wakes a waiting worker: when nobody straggles,
-those wake-ups (every worker reports to up to `helper_group_size - 1` helpees every iteration)
-were most of FlexRR's cost on a busy machine.
+between its chunks. A report therefore never wakes a waiting worker. Reports are the largest
+part of FlexRR's cost when nobody straggles (every worker reports to up to
+`helper_group_size - 1` helpees every iteration): without them the digits CNN's compute phase
+measured ~6 ms per iteration instead of ~10 on 2 shared cores.
 """
 
 from __future__ import annotations

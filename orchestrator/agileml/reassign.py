@@ -1,13 +1,13 @@
 """FlexRR in an AgileML worker: its own rows in chunks, with RapidReassignment between chunks.
 
 A worker computes its share of each clock's global batch chunk by chunk (about
-`checks_per_iteration` chunks) and checks its peer inbox after every chunk, and while it waits
-on servers. As a helpee it offers the end of its rows to helpers that report more progress
-(`straggler.protocol.OwnWork`); as a helper it computes offered rows of its helpees (Algorithm
-2, `HelpDesk`) on the parameters it has loaded and sends their gradient back. The helpee adds
-accepted gradients to its own before it pushes, so the servers' exactly-once accounting per
-(worker, clock, partition) is unchanged: a helped row's update reaches the servers once, inside
-its owner's push.
+`checks_per_iteration` chunks) and checks its peer inboxes after every chunk, and its `work`
+inbox while it waits on servers (see `peers`). As a helpee it offers the end of its rows to
+helpers that report more progress (`straggler.protocol.OwnWork`); as a helper it computes
+offered rows of its helpees (Algorithm 2, `HelpDesk`) on the parameters it has loaded and sends
+their gradient back. The helpee adds accepted gradients to its own before it pushes, so the
+servers' exactly-once accounting per (worker, clock, partition) is unchanged: a helped row's
+update reaches the servers once, inside its owner's push.
 
 With injected stragglers (`StragglerSpec.injected`), each chunk's work is also emulated by a
 `Pacer` sleep, with or without reassignment (`flexrr: false` gives plain BSP/SSP under the same
@@ -151,7 +151,8 @@ class Reassigner:
 
     @property
     def socket(self) -> zmq.Socket[Any] | None:
-        """The inbox, for the worker to poll while it waits on servers."""
+        """The `work` inbox, for the worker to poll while it waits on servers (progress
+        reports have their own, read only in `check`)."""
         return self.link.inbox if self.link is not None else None
 
     def update_view(
@@ -303,12 +304,14 @@ class Reassigner:
         is due."""
         if self.link is None:
             return
-        self._drain(w, self.link, 0, progress=True)
-        self._drain(w, self.link, timeout_ms, progress=False)
+        self._drain(w, 0, progress=True)
+        self._drain(w, timeout_ms, progress=False)
         self._help_pending(w)
 
-    def _drain(self, w: Worker, link: PeerLink, timeout_ms: int, *, progress: bool) -> None:
-        while (got := link.receive(timeout_ms, progress=progress)) is not None:
+    def _drain(self, w: Worker, timeout_ms: int, *, progress: bool) -> None:
+        """Handle the messages of one inbox, waiting up to `timeout_ms` for the first."""
+        assert self.link is not None
+        while (got := self.link.receive(timeout_ms, progress=progress)) is not None:
             timeout_ms = 0
             sender, epoch, message, tensors = got
             if epoch != self.epoch:
@@ -323,7 +326,11 @@ class Reassigner:
         helpers, helpees = self._groups_at(message.clock)
         if isinstance(message, Progress):
             self._note_ahead(sender, message.clock)
-            if own is not None and sender in helpers.get(self.worker_id, ()):
+            # a report of an earlier clock was sent before this worker's last pull: the helper
+            # has waited on the servers since, not gone on computing, so it says nothing about
+            # who is behind now
+            current = own is not None and message.clock >= own.clock
+            if own is not None and current and sender in helpers.get(self.worker_id, ()):
                 offer = own.on_progress(sender, message, self._now())
                 if offer is not None:
                     self._send(sender, offer)

@@ -156,23 +156,13 @@ def compute_mac(
     Raises:
         WireError: BAD_MAC if the header has no well-formed `nonce`.
     """
-    return _mac(header_without_mac, canonical_json(header_without_mac), buffers, token)
-
-
-def _mac(
-    header: Mapping[str, Any],
-    header_json: bytes,
-    buffers: Sequence[bytes | memoryview],
-    token: bytes,
-) -> str:
-    """`compute_mac` given the header's canonical JSON (`canonical_json(header)`)."""
-    nonce = header.get("nonce")
+    nonce = header_without_mac.get("nonce")
     if not isinstance(nonce, str) or len(nonce) != NONCE_HEX_LENGTH:
         raise WireError(WireReason.BAD_MAC, "missing or malformed nonce")
     derive = _keyed_hmac(token).copy()  # HMAC-SHA256(token, label + nonce): a one-time key
     derive.update(_KEY_LABEL + nonce.encode("ascii", "replace"))
     mac = Poly1305(derive.digest())
-    for piece in (header_json, *buffers):
+    for piece in (canonical_json(header_without_mac), *buffers):
         mac.update(len(piece).to_bytes(8, "big"))
         mac.update(piece)
     return mac.finalize().hex()
@@ -180,8 +170,8 @@ def _mac(
 
 @functools.lru_cache(maxsize=16)
 def _keyed_hmac(token: bytes) -> hmac.HMAC:
-    """HMAC-SHA256 keyed with `token`, before any message: copied per message (the key
-    schedule is done once per token, not per message)."""
+    """HMAC-SHA256 keyed with `token`, before any message: the key schedule is done once per
+    token, not per message. Shared: only ever `.copy()` it, never update it."""
     return hmac.new(token, digestmod=hashlib.sha256)
 
 
@@ -242,7 +232,7 @@ def encode(
         Header.model_validate_json(canonical_json({**body, "mac": "0" * MAC_HEX_LENGTH}))
     except ValidationError as exc:
         raise WireError(WireReason.SCHEMA, _first_error(exc)) from None
-    header = canonical_json({**body, "mac": _mac(body, canonical_json(body), buffers, token)})
+    header = canonical_json({**body, "mac": compute_mac(body, buffers, token)})
     if len(header) + sum(len(b) for b in buffers) > max_message_bytes:
         raise WireError(WireReason.TOO_LARGE, f"message over {max_message_bytes} bytes")
     return [header, *buffers]

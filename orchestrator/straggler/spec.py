@@ -34,8 +34,10 @@ class StragglerSpec(BaseModel):
     trigger_threshold: Annotated[float, Field(gt=0, le=1)] = 0.20  # of an iteration behind
     progress_checkpoint: Annotated[float, Field(gt=0, lt=1)] = 0.75  # when to report progress
     # which of the helpees' input a worker caches ahead: all of it, or the tail that
-    # assignments are cut from
-    preload: Literal["all", "tail"] = "all"
+    # assignments are cut from. "all" loads every helpee's whole share every iteration (3-4x
+    # the worker's own data loading, even when nobody straggles); an offer past the tail reads
+    # its rows when it is helped
+    preload: Literal["all", "tail"] = "tail"
     preload_tail_fraction: Annotated[float, Field(gt=0, le=1)] = 0.25
     # a begun assignment not completed within this many of the helpee's iteration times (and
     # at least `help_timeout_min_s`) is taken back: its helper is dead or stuck

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import pytest
 import torch
@@ -32,7 +33,12 @@ NODES = ("n0", "n1", "n2", "n3")
 
 
 def _spec(
-    job_id: str, *, flexrr: bool = True, iterations: int = 10, slack: int = 1
+    job_id: str,
+    *,
+    flexrr: bool = True,
+    iterations: int = 10,
+    slack: int = 1,
+    preload: Literal["all", "tail"] = "tail",
 ) -> TrainingSpec:
     return TrainingSpec(
         job_id=job_id,
@@ -55,6 +61,7 @@ def _spec(
             follow_up_assignment=0.25,  # 4 rows
             checks_per_iteration=16,  # one check per row
             max_chunk_overhead=10.0,  # rows stay 1-row chunks even on a loaded machine
+            preload=preload,
             injected=InjectedWork(pattern=UnevenWorkload(heavy_share=0.75), row_ms=4.0),
         ),
     )
@@ -90,11 +97,13 @@ def _total(stats: dict[str, dict[str, float]], key: str) -> float:
     return sum(s.get(key, 0.0) for s in stats.values())
 
 
-@pytest.mark.parametrize("slack", [0, 1], ids=["bsp_rr", "flexrr"])
+@pytest.mark.parametrize(
+    ("slack", "preload"), [(0, "tail"), (1, "all")], ids=["bsp_rr", "flexrr_preload_all"]
+)
 def test_slow_workers_get_help_and_every_row_is_applied_once(
-    jobs: Callable[[TrainingSpec], Job], slack: int
+    jobs: Callable[[TrainingSpec], Job], slack: int, preload: Literal["all", "tail"]
 ) -> None:
-    job = jobs(_spec(f"help-{slack}", slack=slack))
+    job = jobs(_spec(f"help-{slack}", slack=slack, preload=preload))
     _run(job)
     params = job.finish()
     assert torch.equal(params, job.expected())

@@ -63,6 +63,16 @@ def test_scatter_loads_parameters_and_buffers_across_partition_edges(n: int) -> 
     assert all(torch.equal(want[k], got[k]) for k in want), n
 
 
+def test_scatter_loads_a_non_contiguous_parameter() -> None:
+    source, target = _bn_model(1), _bn_model(2)
+    first = target[0]
+    first.weight.data = first.weight.data.t().contiguous().t()  # same shape, other strides
+    assert not first.weight.is_contiguous()
+    layout = PartitionLayout(source, 4)
+    layout.scatter(target, layout.gather(source))
+    assert torch.equal(target[0].weight, source[0].weight)
+
+
 def test_scatter_refuses_wrong_sizes_and_foreign_models() -> None:
     model = _mlp()
     layout = PartitionLayout(model, 2)

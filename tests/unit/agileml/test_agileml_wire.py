@@ -188,3 +188,24 @@ def test_encode_refuses_invalid_header_fields() -> None:
     with pytest.raises(WireError) as info:
         wire.encode({"kind": "push", "job_id": "j", "sender": "w", "seq": -3}, {}, TOKEN)
     assert info.value.reason is WireReason.SCHEMA
+
+
+def test_the_mac_is_poly1305_under_a_key_derived_per_nonce() -> None:
+    """A known answer, computed here from the primitives: HMAC-SHA256(token, label + nonce) as
+    the one-time Poly1305 key over the length-prefixed canonical header and buffers."""
+    import hashlib
+    import hmac
+
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    token, nonce = b"t" * 32, "ab" * 16
+    header = {"kind": "push", "nonce": nonce, "seq": 3}
+    buffers = [b"\x00\x01\x02", b""]
+    for _ in range(2):  # the second time from the cached key schedule
+        key = hmac.new(token, b"agileml/poly1305-key/" + nonce.encode(), hashlib.sha256).digest()
+        mac = Poly1305(key)
+        for piece in (wire.canonical_json(header), *buffers):
+            mac.update(len(piece).to_bytes(8, "big") + piece)
+        assert wire.compute_mac(header, buffers, token) == mac.finalize().hex()
+    other = wire.compute_mac(header, buffers, b"u" * 32)
+    assert other != wire.compute_mac(header, buffers, token)  # the cache is per token

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.agileml.horizon import HEARTBEATS_AHEAD, HorizonSpan
+from orchestrator.agileml.horizon import HEARTBEATS_AHEAD, MAX_SPAN_CLOCKS, HorizonSpan
 
 
 def test_slow_iterations_keep_the_minimum_span() -> None:
@@ -39,3 +39,10 @@ def test_a_roll_back_restarts_the_measurement_and_keeps_the_rate() -> None:
     assert span.clocks_per_s == rate
     span.observe(8, 1.1)
     assert span.clocks_per_s == pytest.approx(rate)  # 5 clocks in 0.1 s: the same rate again
+
+
+def test_the_span_is_bounded() -> None:
+    span = HorizonSpan(8, heartbeat_s=10.0)
+    for step in range(5):
+        span.observe(step * 100_000, step * 10.0)  # 10,000 clocks per second
+    assert span.clocks == MAX_SPAN_CLOCKS

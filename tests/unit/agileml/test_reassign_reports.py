@@ -61,3 +61,19 @@ def test_a_roll_back_forgets_who_was_ahead() -> None:
     r.update_view(epoch=1, roster=Roster.starting(list(PEERS)), peers=PEERS)
     r._report_progress(7)
     assert _reported_to(link) == {"b", "c", "d"}
+
+
+def test_only_a_report_of_the_current_clock_can_bring_an_offer() -> None:
+    """A report of an earlier clock was sent before this worker's last pull (it waited in the
+    progress inbox): the helper has waited on the servers since, so it says nothing about who
+    is behind now."""
+    from orchestrator.straggler.protocol import DoThis, OwnWork
+
+    r, link = _reassigner()
+    r._now = lambda: 0.5
+    # sent 0.6 s ago at 7.75: by Algorithm 1 alone "0.35 iterations ahead", an offer
+    for clock, timer, offers in ((7, -0.1, 0), (8, 0.5, 1)):
+        link.sent.clear()
+        r._own = OwnWork(StragglerSpec(), clock=8, rows=100, started_at=0.0, avg_iteration_s=1.0)
+        r._handle(None, "b", Progress(clock=clock, timer=timer), {})  # type: ignore[arg-type]
+        assert sum(isinstance(m, DoThis) for _, m in link.sent) == offers, clock
