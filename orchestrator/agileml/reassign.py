@@ -40,6 +40,7 @@ from orchestrator.straggler.protocol import (
     DoThis,
     HelpDecision,
     HelpDesk,
+    Listening,
     OwnWork,
     PeerMessage,
     Progress,
@@ -148,6 +149,8 @@ class Reassigner:
         self._last_clock = -2  # of the last `compute_own`
         # (clock, peers that reported reaching their progress checkpoint of that clock)
         self._ahead: tuple[int, set[str]] = (-1, set())
+        self._deaf: set[str] = set()  # helpees that said they read no reports (`Listening`)
+        self._told: tuple[frozenset[str], bool] | None = None  # our helpers, what they know
 
     @property
     def socket(self) -> zmq.Socket[Any] | None:
@@ -167,6 +170,8 @@ class Reassigner:
             self._help_results.clear()
             self._last_start = None
             self._ahead = (-1, set())  # reports of the voided run say nothing now
+            self._deaf.clear()  # a `Listening` of the voided run may be lost: assume listening
+            self._told = None
         self._roster = roster
         self.peers = dict(peers)
         if self.link is not None:
@@ -186,6 +191,7 @@ class Reassigner:
         rows = w.share_rows(self.worker_id, clock)
         now = self._now()
         own = self._begin_own(w, clock, rows, now)
+        self._tell_listening(clock, rows)
         self._preload(w, clock)
         own_end_at: float | None = None
         try:
@@ -324,7 +330,12 @@ class Reassigner:
     ) -> None:
         own = self._own
         helpers, helpees = self._groups_at(message.clock)
-        if isinstance(message, Progress):
+        if isinstance(message, Listening):
+            if message.listens:
+                self._deaf.discard(sender)
+            else:
+                self._deaf.add(sender)
+        elif isinstance(message, Progress):
             self._note_ahead(sender, message.clock)
             # a report of an earlier clock was sent before this worker's last pull: the helper
             # has waited on the servers since, not gone on computing, so it says nothing about
@@ -522,21 +533,36 @@ class Reassigner:
             w.preload(helpee, clock, keep)
 
     def _report_progress(self, clock: int) -> None:
-        """Tell the helpees how far this worker is, but not those that reported reaching their
-        own progress checkpoint of `clock` first. On a busy machine each message wakes a
-        waiting process, and these are most of FlexRR's cost when nobody straggles. The
-        trade-off: such a helpee was ahead of this worker at its checkpoint; if it stalls in
-        its last quarter, only the helpers that reached the checkpoint before it report to it
-        (and may be offered its tail), not the slower ones. Reset on a redo or a roll-back.
+        """Tell the helpees how far this worker is, but not those that said they read no
+        reports (`Listening`), nor those that reported reaching their own progress checkpoint
+        of `clock` first. Reports are most of FlexRR's cost when nobody straggles. The
+        trade-off of the second rule: such a helpee was ahead of this worker at its
+        checkpoint; if it stalls in its last quarter, only the helpers that reached the
+        checkpoint before it report to it (and may be offered its tail), not the slower ones.
+        Both are reset on a roll-back, the second on a redo too.
         """
         _, helpees = self._groups_at(clock)
         report = Progress(clock=clock, timer=self._now())
         ahead = self._ahead[1] if self._ahead[0] == clock else set()
         for helpee in helpees.get(self.worker_id, ()):
-            if helpee in ahead:
+            if helpee in ahead or helpee in self._deaf:
                 self.stats.progress_skipped += 1
                 continue
             self._send(helpee, report)
+
+    def _tell_listening(self, clock: int, rows: int) -> None:
+        """Tell this clock's helpers whether we read their reports (see `Listening`), when
+        that or the helpers changed."""
+        if self.link is None:
+            return
+        helpers, _ = self._groups_at(clock)
+        mine = frozenset(helpers.get(self.worker_id, ()))
+        listens = self._chunk_rows(rows) < rows  # more than one chunk: checks in between
+        if self._told == (mine, listens):
+            return
+        for helper in sorted(mine):
+            self._send(helper, Listening(clock=clock, listens=listens))
+        self._told = (mine, listens)
 
     def _note_ahead(self, peer: str, clock: int) -> None:
         """`peer` reached its progress checkpoint of `clock` (only the newest clock is kept)."""
@@ -565,7 +591,8 @@ class Reassigner:
         inboxes = self.peers.get(peer)
         if self.link is None or inboxes is None:
             return
-        endpoint = inboxes.progress if isinstance(message, Progress) else inboxes.work
+        about_reports = isinstance(message, (Progress, Listening))
+        endpoint = inboxes.progress if about_reports else inboxes.work
         self.link.send(endpoint, message, epoch=self.epoch, tensors=tensors)
 
     def summary(self) -> dict[str, float]:

@@ -52,6 +52,16 @@ class Progress(_Message):
     timer: float
 
 
+class Listening(_Message):
+    """Whether the sender reads progress reports while it computes its own rows, from `clock`
+    on; sent to its helpers when that changes. False when it computes its share in one chunk:
+    it checks its inboxes only after the whole share, when it has nothing left to offer, so a
+    report to it is a wasted message."""
+
+    type: Literal["listening"] = "listening"
+    listens: bool
+
+
 class DoThis(_Message):
     """Rows [start, end) of the sender's share (of `rows` rows) of `clock` under roster
     `roster_version`, offered as `assignment` (unique per sender and epoch) at `timer`."""
@@ -105,7 +115,9 @@ class Completed(_Message):
         return self
 
 
-PeerMessage = Annotated[Progress | DoThis | Begun | Cancel | Completed, Field(discriminator="type")]
+PeerMessage = Annotated[
+    Progress | Listening | DoThis | Begun | Cancel | Completed, Field(discriminator="type")
+]
 PEER_MESSAGE: TypeAdapter[PeerMessage] = TypeAdapter(PeerMessage)
 
 

@@ -77,3 +77,40 @@ def test_only_a_report_of_the_current_clock_can_bring_an_offer() -> None:
         r._own = OwnWork(StragglerSpec(), clock=8, rows=100, started_at=0.0, avg_iteration_s=1.0)
         r._handle(None, "b", Progress(clock=clock, timer=timer), {})  # type: ignore[arg-type]
         assert sum(isinstance(m, DoThis) for _, m in link.sent) == offers, clock
+
+
+def test_no_report_to_a_helpee_that_reads_none_until_it_says_it_does() -> None:
+    from orchestrator.straggler.protocol import Listening
+
+    r, link = _reassigner()
+    r._handle(None, "b", Listening(clock=3, listens=False), {})  # type: ignore[arg-type]
+    r._report_progress(7)
+    assert _reported_to(link) == {"c", "d"}
+    link.sent.clear()
+    r._handle(None, "b", Listening(clock=8, listens=True), {})  # type: ignore[arg-type]
+    r._report_progress(8)
+    assert _reported_to(link) == {"b", "c", "d"}
+    r._handle(None, "b", Listening(clock=9, listens=False), {})  # type: ignore[arg-type]
+    r.update_view(epoch=1, roster=Roster.starting(list(PEERS)), peers=PEERS)
+    link.sent.clear()
+    r._report_progress(9)  # a roll-back: what it said in the voided run is forgotten
+    assert _reported_to(link) == {"b", "c", "d"}
+
+
+def test_a_worker_tells_its_helpers_whether_it_listens_only_when_that_changes() -> None:
+    from orchestrator.straggler.protocol import Listening
+
+    r, link = _reassigner()
+    r._min_chunk_rows = 10
+
+    def told() -> dict[str, bool]:
+        names = {e.progress: w for w, e in PEERS.items()}  # it goes with the reports
+        return {names[e]: m.listens for e, m in link.sent if isinstance(m, Listening)}
+
+    r._tell_listening(1, rows=8)  # one chunk of 8 rows: it reads no report mid-share
+    assert told() == {"b": False, "c": False, "d": False}
+    link.sent.clear()
+    r._tell_listening(2, rows=8)
+    assert told() == {}  # nothing changed: nothing sent
+    r._tell_listening(3, rows=40)  # a bigger share: 4 chunks, reports can be acted on
+    assert told() == {"b": True, "c": True, "d": True}
