@@ -102,8 +102,11 @@ def final_loss(spec: TrainingSpec, params: list[torch.Tensor]) -> float:
     return full_loss(spec, model)
 
 
+RELIABLE_NODE = "r0"  # the job's one on-demand node: chaos never kills it
+
+
 def start(job: LocalJob, transient: int) -> None:
-    job.add_node("r0", NodeTier.RELIABLE)
+    job.add_node(RELIABLE_NODE, NodeTier.RELIABLE)
     for i in range(transient):
         job.add_node(f"t{i}", NodeTier.TRANSIENT)
 
@@ -203,9 +206,13 @@ def run_exactly_once(iterations: int) -> dict[str, Any]:
         owners = set(job.coordinator.view().owners.values())
         workers = job.coordinator.view().roster
         assert workers is not None
-        idle = [w for w in workers.members(job.max_clock()) if w not in owners]
+        # in stage 2 (after the kill, 3:1 may be under `stage3_above`) the reliable node is a
+        # worker too; killing it would end the job by design, not test exactly-once
+        idle = [
+            w for w in workers.members(job.max_clock()) if w not in owners and w != RELIABLE_NODE
+        ]
         if idle:
-            job.kill(idle[0])  # a worker-only node, without warning
+            job.kill(idle[0])  # a transient worker-only node, without warning
         params, _ = job.finish(TIMEOUT_S)
         events = [(e.kind, e.nodes, e.detail) for e in job.events()]
     got, want = torch.cat(params), additive_expected(spec, iterations)
