@@ -8,11 +8,12 @@ protocol's deadlines and cancellations cover the loss.
 
 The two inboxes (`PeerInboxes`): `work` takes the messages a worker acts on at once, even while
 it waits on the servers (an offer is help it can do in that idle time); `progress` takes the
-progress reports, which matter only while the worker still computes its own rows and are read
-between its chunks. A report therefore never wakes a waiting worker. Reports are the largest
-part of FlexRR's cost when nobody straggles (every worker reports to up to
-`helper_group_size - 1` helpees every iteration): without them the digits CNN's compute phase
-measured ~6 ms per iteration instead of ~10 on 2 shared cores.
+progress reports (and `listening`, which says whether to send them), which matter only while
+the worker still computes its own rows and are read between its chunks. A report therefore
+never wakes a waiting worker. Reports were the largest part of FlexRR's cost when nobody
+straggles (each worker reported to up to `helper_group_size - 1` helpees every iteration;
+without them the digits CNN's compute phase measured ~6 ms per iteration instead of ~10 on 2
+shared cores): most are now skipped (`reassign.Reassigner._report_progress`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class PeerInboxes(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     work: str  # offers, begun, cancel, completed
-    progress: str  # progress reports
+    progress: str  # progress reports, listening
 
 
 class PeerLink:

@@ -95,7 +95,7 @@ class ReassignStats:
     preload_hits: int = 0
     preload_misses: int = 0
     iterations: int = 0
-    progress_skipped: int = 0  # progress reports not sent: the helpee was ahead
+    progress_skipped: int = 0  # reports not sent: the helpee was ahead, or reads none
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
@@ -149,8 +149,11 @@ class Reassigner:
         self._last_clock = -2  # of the last `compute_own`
         # (clock, peers that reported reaching their progress checkpoint of that clock)
         self._ahead: tuple[int, set[str]] = (-1, set())
-        self._deaf: set[str] = set()  # helpees that said they read no reports (`Listening`)
-        self._told: tuple[frozenset[str], bool] | None = None  # our helpers, what they know
+        # helpees that said they read no reports (`Listening`) -> the members of the clock they
+        # said it for: their share, and so their chunking, holds only while those do
+        self._deaf: dict[str, tuple[str, ...]] = {}
+        # what this worker last told its helpers: (members, helpers, listens)
+        self._told: tuple[tuple[str, ...], frozenset[str], bool] | None = None
 
     @property
     def socket(self) -> zmq.Socket[Any] | None:
@@ -331,10 +334,10 @@ class Reassigner:
         own = self._own
         helpers, helpees = self._groups_at(message.clock)
         if isinstance(message, Listening):
-            if message.listens:
-                self._deaf.discard(sender)
+            if message.listens or self._roster is None:
+                self._deaf.pop(sender, None)
             else:
-                self._deaf.add(sender)
+                self._deaf[sender] = self._roster.members(message.clock)
         elif isinstance(message, Progress):
             self._note_ahead(sender, message.clock)
             # a report of an earlier clock was sent before this worker's last pull: the helper
@@ -544,25 +547,28 @@ class Reassigner:
         _, helpees = self._groups_at(clock)
         report = Progress(clock=clock, timer=self._now())
         ahead = self._ahead[1] if self._ahead[0] == clock else set()
+        members = self._roster.members(clock) if self._roster is not None else ()
         for helpee in helpees.get(self.worker_id, ()):
-            if helpee in ahead or helpee in self._deaf:
+            if helpee in ahead or self._deaf.get(helpee) == members:
                 self.stats.progress_skipped += 1
                 continue
             self._send(helpee, report)
 
     def _tell_listening(self, clock: int, rows: int) -> None:
         """Tell this clock's helpers whether we read their reports (see `Listening`), when
-        that or the helpers changed."""
-        if self.link is None:
+        that, the helpers or the members changed. A lost message fails safe: a helper takes
+        a `listens: false` for the members of its clock only, and reports otherwise."""
+        if self.link is None or self._roster is None:
             return
+        members = self._roster.members(clock)
         helpers, _ = self._groups_at(clock)
         mine = frozenset(helpers.get(self.worker_id, ()))
         listens = self._chunk_rows(rows) < rows  # more than one chunk: checks in between
-        if self._told == (mine, listens):
+        if self._told == (members, mine, listens):
             return
         for helper in sorted(mine):
             self._send(helper, Listening(clock=clock, listens=listens))
-        self._told = (mine, listens)
+        self._told = (members, mine, listens)
 
     def _note_ahead(self, peer: str, clock: int) -> None:
         """`peer` reached its progress checkpoint of `clock` (only the newest clock is kept)."""

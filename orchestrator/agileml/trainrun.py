@@ -424,6 +424,8 @@ def save_outputs(result: TrainResult, out: Path) -> None:
         "iterations": result.iterations,
         "final_loss": result.final_loss,
         "seconds_per_iteration": result.seconds_per_iteration,
+        "mean_seconds_per_iteration": result.mean_seconds_per_iteration,
+        "phase_seconds": {k: round(v, 6) for k, v in result.phase_seconds.items()},
         "wall_seconds": round(result.wall_seconds, 2),
         "resumed_from": result.resumed_from,
         "evaluation": result.evaluation,

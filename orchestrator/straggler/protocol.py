@@ -10,6 +10,9 @@ A slow worker S (the helpee) and a faster worker F (one of S's helpers) talk pee
     S -> F  cancel    (timer)                   S reached the rows F had not begun: S does them
     F -> S  completed (assignment, done_end)    F's update of [start, done_end) travels along;
                                                 an evicted F returns [done_end, end) to S
+    S -> F  listening (listens)                 whether S reads reports mid-share: not when it
+                                                computes its share in one chunk (F then sends
+                                                it no `progress` under that roster)
 
 Exactly once: S alone pushes the update of its rows. It adds F's update only for an assignment
 F said `begun` for before S cancelled it; a `begun` that crosses S's `cancel` is ignored, F
@@ -53,10 +56,11 @@ class Progress(_Message):
 
 
 class Listening(_Message):
-    """Whether the sender reads progress reports while it computes its own rows, from `clock`
-    on; sent to its helpers when that changes. False when it computes its share in one chunk:
-    it checks its inboxes only after the whole share, when it has nothing left to offer, so a
-    report to it is a wasted message."""
+    """Whether the sender reads progress reports while it computes its own rows, under the
+    roster members of `clock` (its share, and so its chunking, depends on them); sent to its
+    helpers when that changes. False when it computes its share in one chunk: it checks its
+    inboxes only after the whole share, when it has nothing left to offer, so a report to it
+    is a wasted message."""
 
     type: Literal["listening"] = "listening"
     listens: bool

@@ -87,6 +87,12 @@ def test_no_report_to_a_helpee_that_reads_none_until_it_says_it_does() -> None:
     r._report_progress(7)
     assert _reported_to(link) == {"c", "d"}
     link.sent.clear()
+    smaller = Roster.starting(list(PEERS)).without({"d"}, 5)  # b's share grows from clock 5
+    r.update_view(epoch=0, roster=smaller, peers=PEERS)
+    r._report_progress(7)  # what b said held for the old members only
+    assert "b" in _reported_to(link)
+    r.update_view(epoch=0, roster=Roster.starting(list(PEERS)), peers=PEERS)
+    link.sent.clear()
     r._handle(None, "b", Listening(clock=8, listens=True), {})  # type: ignore[arg-type]
     r._report_progress(8)
     assert _reported_to(link) == {"b", "c", "d"}
