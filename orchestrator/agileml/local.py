@@ -45,8 +45,9 @@ class NodeOutcome:
 
 
 def mean_phase_seconds(outcomes: dict[str, NodeOutcome]) -> dict[str, float]:
-    """The workers' own timers: mean seconds per iteration in each phase (pull, which includes
-    the wait for the slowest peer; compute; push), over the nodes that computed."""
+    """The workers' own timers: mean seconds per iteration in each phase (wait: for the first
+    pulled partition, which under BSP includes the wait for the slowest peer; pull: the rest;
+    compute; push), over the nodes that computed."""
     per_node: dict[str, list[float]] = {}
     for outcome in outcomes.values():
         if outcome.ends:

@@ -129,8 +129,12 @@ class Worker:
         # fault injection in tests: called with ("pulled" | "computed" | "pushing", clock);
         # "pushing" comes after half of the iteration's pushes are sent
         self.phase_hook = phase_hook
-        # seconds spent per phase, summed over iterations: where an iteration's time goes
-        self.timings: dict[str, float] = {"pull": 0.0, "compute": 0.0, "push": 0.0}
+        # seconds spent per phase, summed over iterations: where an iteration's time goes.
+        # "wait": from asking for the parameters to the first reply (under BSP/SSP the servers
+        # hold a pull until the slower workers' updates are in; FlexRR help given meanwhile
+        # counts here); "pull": the rest of the replies and loading them into the model
+        self.timings: dict[str, float] = {"wait": 0.0, "pull": 0.0, "compute": 0.0, "push": 0.0}
+        self._first_reply_at: float | None = None  # of the last `_round_trip`
         self.clock = 0
         # failed workers whose shares this one computes: identity -> clocks [from, to)
         self.adoptions: dict[str, tuple[int, int]] = {}
@@ -182,6 +186,7 @@ class Worker:
         t0 = time.perf_counter()
         self._pull(self.clock - self.spec.slack - 1)
         t1 = time.perf_counter()
+        replied = self._first_reply_at if self._first_reply_at is not None else t1
         self._phase("pulled")
         identities = [self.spec.worker_id] + [
             w for w, (first, end) in sorted(self.adoptions.items()) if first <= self.clock < end
@@ -202,7 +207,8 @@ class Worker:
         if self.reassigner is not None:
             self.reassigner.check(self)  # FlexRR: the offers saved for after our own push
         t3 = time.perf_counter()
-        for phase, seconds in (("pull", t1 - t0), ("compute", t2 - t1), ("push", t3 - t2)):
+        phases = {"wait": replied - t0, "pull": t1 - replied, "compute": t2 - t1, "push": t3 - t2}
+        for phase, seconds in phases.items():
             self.timings[phase] += seconds
         self._adopted_done.update((w, self.clock) for w in identities[1:])
         self.clock += 1
@@ -402,6 +408,7 @@ class Worker:
             outstanding[self._seq] = i
         deadline = time.monotonic() + self.spec.request_timeout_s
         results: dict[int, dict[str, torch.Tensor]] = {}
+        self._first_reply_at = None
         poller = zmq.Poller()
         polled: set[zmq.Socket[Any]] = set()
         inbox = self.reassigner.socket if self.reassigner is not None else None
@@ -439,6 +446,8 @@ class Worker:
                         continue
                     if header.kind is not want or header.partition != p:
                         raise WorkerError(self.spec.worker_id, f"unexpected {header.kind} reply")
+                    if self._first_reply_at is None:
+                        self._first_reply_at = time.perf_counter()
                     results[p] = tensors
         return results
 

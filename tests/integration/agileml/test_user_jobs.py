@@ -113,7 +113,7 @@ def test_train_cli_writes_weights_that_load_into_the_users_model(tmp_path: Path)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 100 and summary["seconds_per_iteration"] > 0
     assert summary["mean_seconds_per_iteration"] > 0
-    assert set(summary["phase_seconds"]) == {"pull", "compute", "push"}
+    assert set(summary["phase_seconds"]) == {"wait", "pull", "compute", "push"}
     assert summary["final_loss"] < 0.5
     assert summary["evaluation"]["held_out_accuracy"] >= 0.9
     sys.path.insert(0, str(JOBS / "bn_rmsprop"))
