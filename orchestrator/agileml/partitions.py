@@ -171,7 +171,9 @@ class PartitionLayout:
     def _slice(self, parts: Sequence[torch.Tensor], start: int, n: int) -> torch.Tensor:
         """Values [start, start + n) of the flat vector: a view when one part holds them."""
         pieces = [piece for _, piece in self._pieces(parts, start, n)]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0)
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else torch.empty(0)
 
     def _params(self, model: nn.Module) -> list[nn.Parameter]:
         named = list(model.named_parameters())
