@@ -218,6 +218,7 @@ class AgileMLNode:
             epoch=0,
             abort=self._should_abort,
             phase_hook=self._phase_hook,
+            local_endpoints=self._local_endpoints(),
         )
         straggler = spec.straggler
         if straggler.flexrr or straggler.injected is not None:
@@ -324,6 +325,13 @@ class AgileMLNode:
                 worker.table.move(p, owner)
             worker.table.set(p, owner, view.versions.get(p, 0))
         self._clock = worker.clock
+
+    def _local_endpoints(self) -> dict[str, str]:
+        """This node's server, reached by its worker in-process (`ServerLoop.inproc_endpoint`)."""
+        server = self._server
+        if server is None or not server.inproc_endpoint:
+            return {}
+        return {server.endpoint: server.inproc_endpoint}
 
     def _owns_partitions(self) -> bool:
         server = self._server

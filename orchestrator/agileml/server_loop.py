@@ -7,12 +7,18 @@ request to `_dispatch` (the `ParamServer` decides). Replies made on other thread
 `_outbox`; updates for BackupPSs through `_stream_out`, their acks are counted in `_unacked`.
 Malformed or unauthenticated messages never reach `_dispatch`: they get an `error` reply with
 the reason in `detail`, or are dropped if the header is not even JSON; both are counted.
+
+The socket also binds `inproc_endpoint` on the process's shared ZMQ context
+(`wire.process_context`): the worker of the same node reaches its own partitions there, without
+the loopback's kernel copies (ZMQ hands the frames over by reference). The messages are the same,
+MAC included.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -86,21 +92,23 @@ class ServerLoop:
         self._sock: zmq.Socket[Any] | None = None
         self._thread: threading.Thread | None = None
         self.endpoint = ""
+        self.inproc_endpoint = ""
 
     def start(self) -> Self:
         """Bind the socket and start serving. Raises ServerError if binding fails."""
         if self._thread is not None:
             raise ServerError(f"server {self.node_id} already started")
-        self._ctx = zmq.Context()
+        self._ctx = wire.process_context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.bind(self._address)
         except zmq.ZMQError as exc:
             sock.close()
-            self._ctx.term()
             raise ServerError(f"server {self.node_id}: cannot bind {self._address}: {exc}") from exc
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.inproc_endpoint = f"inproc://agileml-ps-{self.node_id}-{secrets.token_hex(8)}"
+        sock.bind(self.inproc_endpoint)
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name=f"ps-{self.node_id}", daemon=True)
         self._thread.start()
@@ -120,9 +128,7 @@ class ServerLoop:
         if self._thread.is_alive():
             raise ServerError(f"server {self.node_id} did not stop within {timeout_s}s")
         self._thread = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        self._ctx = None  # the process's shared context: its sockets are closed, it stays
 
     def __enter__(self) -> Self:
         return self.start()

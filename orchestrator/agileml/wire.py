@@ -34,6 +34,7 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 import torch
+import zmq
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -329,6 +330,12 @@ def parse_json_body(tensors: Mapping[str, torch.Tensor]) -> Any:
         return json.loads(body.numpy().tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(WireReason.BAD_JSON, f"body: {exc}") from None
+
+
+def process_context() -> zmq.Context[Any]:
+    """The process's one shared ZMQ context, never terminated: `inproc://` endpoints connect only
+    within one context, so a server and the worker of the same node both use this one."""
+    return zmq.Context.instance()
 
 
 def await_reply(

@@ -108,6 +108,7 @@ class Worker:
         abort: Callable[[], bool] | None = None,
         phase_hook: Callable[[str, int], None] | None = None,
         device: torch.device | None = None,
+        local_endpoints: Mapping[str, str] | None = None,
     ) -> None:
         if spec.batch_size < 1 or spec.slack < 0:
             raise ValueError(f"invalid worker spec: {spec}")
@@ -116,6 +117,8 @@ class Worker:
         self.layout = layout
         self.table = table
         self.endpoints = dict(endpoints)
+        # a server endpoint -> the `inproc://` one of the same server in this process
+        self.local_endpoints = dict(local_endpoints or {})
         self.device = device or torch.device("cpu")
         self._model = model_factory()
         layout.gather(self._model)  # raises PartitionError if the factory does not fit
@@ -508,8 +511,11 @@ class Worker:
             if owner not in self.endpoints:
                 raise WorkerError(self.spec.worker_id, f"no endpoint for server {owner!r}")
             assert self._ctx is not None
-            sock = self._ctx.socket(zmq.DEALER)
+            endpoint = self.endpoints[owner]
+            inproc = self.local_endpoints.get(endpoint)
+            ctx = wire.process_context() if inproc is not None else self._ctx
+            sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.endpoints[owner])
+            sock.connect(inproc or endpoint)
             self._sockets[owner] = sock
         return sock

@@ -117,3 +117,35 @@ def test_worker_with_wrong_token_fails_and_changes_nothing() -> None:
         assert worker.clock == 0
         assert all(torch.equal(server.state(p), before[p]) for p in range(2))
         assert server.stats().rejected >= 1
+
+
+def _trained_state(*, inproc: bool, clocks: int = 3) -> list[torch.Tensor]:
+    server, worker = _single_worker_setup(b"tok", b"tok")
+    with server:
+        if inproc:  # nothing listens on the TCP address: only the inproc path can work
+            worker.endpoints["ps-0"] = "tcp://127.0.0.1:9"
+            worker.local_endpoints = {"tcp://127.0.0.1:9": server.inproc_endpoint}
+        else:
+            worker.endpoints["ps-0"] = server.endpoint
+        worker.run(clocks)
+        worker.close()
+        assert server.stats().pushes_applied == 2 * clocks
+        return [server.state(p) for p in range(2)]
+
+
+def test_a_worker_reaches_its_own_nodes_server_in_process_with_the_same_result() -> None:
+    by_inproc, by_tcp = _trained_state(inproc=True), _trained_state(inproc=False)
+    assert all(torch.equal(a, b) for a, b in zip(by_inproc, by_tcp, strict=True))
+
+
+def test_the_in_process_path_still_checks_the_mac() -> None:
+    server, worker = _single_worker_setup(b"tok", b"wrong")
+    with server:
+        worker.endpoints["ps-0"] = "tcp://127.0.0.1:9"
+        worker.local_endpoints = {"tcp://127.0.0.1:9": server.inproc_endpoint}
+        before = [server.state(p) for p in range(2)]
+        with pytest.raises(WorkerError):
+            worker.run(1)
+        worker.close()
+        assert all(torch.equal(server.state(p), before[p]) for p in range(2))
+        assert server.stats().rejected >= 1
