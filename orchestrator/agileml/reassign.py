@@ -73,7 +73,11 @@ log = logging.getLogger(__name__)
 AVERAGE_WEIGHT = 0.3  # of the newest iteration in the running average iteration time
 WAIT_POLL_MS = 5  # how long a worker waiting on its helpers sleeps on its inbox
 
-CALIBRATION_ROWS = 32  # the larger of the two chunks timed to size chunks
+# the larger of the two chunks timed to size chunks: a wide base, because the first iteration
+# runs while the other nodes load and a noisy per-row slope splits a share that should stay whole
+# (on the 5M-parameter MLR, a 32-row base split one worker's share of 128 rows in two, and every
+# BSP clock waited for its second pass over the 20 MB gradient)
+CALIBRATION_ROWS = 128
 
 _Groups = dict[str, tuple[str, ...]]  # worker -> its helpers (or helpees)
 
@@ -482,28 +486,31 @@ class Reassigner:
         return loss
 
     def _chunk_rows(self, rows: int) -> int:
-        """Rows per chunk for a share of `rows`: `checks_per_iteration` chunks, unless that
-        makes chunks smaller than the calibrated minimum."""
-        return max(self._min_chunk_rows or 1, math.ceil(rows / self.spec.checks_per_iteration))
+        """Rows per chunk for a share of `rows`: `checks_per_iteration` equal chunks, or fewer
+        so that none is smaller than the calibrated minimum (not even the last one)."""
+        chunks = min(self.spec.checks_per_iteration, rows // (self._min_chunk_rows or 1))
+        return math.ceil(rows / max(chunks, 1))
 
     def _calibrate(self, w: Worker, clock: int, rows: int) -> int:
         """The smallest chunk whose fixed cost stays within `max_chunk_overhead` of its work.
 
-        Times the forward/backward of 1 row and of up to 32 rows (best of 3, gradients
-        discarded) and fits t(rows) = fixed + rows x per_row; injected work adds to per_row.
+        Times the forward/backward of 1 row and of up to `CALIBRATION_ROWS` rows (best of 3,
+        gradients discarded; on a CPU in the thread's CPU time, which the other processes of a
+        shared machine do not inflate, as they do a wall-clock slope) and fits t(rows) = fixed + rows x per_row; injected work adds to per_row.
         """
         big = min(rows, CALIBRATION_ROWS)
         if big < 2:
             return 1
+        now = time.thread_time if w.device.type == "cpu" else time.perf_counter
         stash = w.stash_grads()
         try:
             timed = {}
             for n in (1, big):
                 best = math.inf
                 for _ in range(3):
-                    t0 = time.perf_counter()
+                    t0 = now()
                     w.backward_rows(self.worker_id, clock, 0, n)
-                    best = min(best, time.perf_counter() - t0)
+                    best = min(best, now() - t0)
                 timed[n] = best
             w.take_grads()
         finally:

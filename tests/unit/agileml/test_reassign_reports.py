@@ -120,3 +120,14 @@ def test_a_worker_tells_its_helpers_whether_it_listens_only_when_that_changes() 
     assert told() == {}  # nothing changed: nothing sent
     r._tell_listening(3, rows=40)  # a bigger share: 4 chunks, reports can be acted on
     assert told() == {"b": True, "c": True, "d": True}
+
+
+def test_no_chunk_is_smaller_than_the_calibrated_minimum_not_even_the_last() -> None:
+    r, _ = _reassigner()
+    r._min_chunk_rows = 100
+    assert r._chunk_rows(128) == 128  # not 100 + a 28-row remainder paying the whole fixed cost
+    r._min_chunk_rows = 60
+    assert r._chunk_rows(128) == 64
+    r._min_chunk_rows = 1
+    assert r._chunk_rows(1000) == 10  # checks_per_iteration = 100 equal chunks
+    assert r._chunk_rows(7) == 1
