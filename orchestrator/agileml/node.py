@@ -229,6 +229,9 @@ class AgileMLNode:
                 leaving=self._leaving.is_set,
             )
             self._worker.reassigner = self._reassigner
+            self._reassigner.calibrate(self._worker)  # before `ready`: not in a clock
+        else:
+            self._worker.warm_up()
         if not straggler.flexrr and self._link is not None:
             self._link.close()
             self._link = None

@@ -56,8 +56,12 @@ class Worker(Protocol):
     partition layout, and computing, stashing and taking the gradients of rows of a share."""
 
     layout: PartitionLayout
+    device: torch.device
 
+    @property
+    def dataset_rows(self) -> int: ...
     def share_rows(self, identity: str, clock: int) -> int: ...
+    def backward_first_rows(self, n: int) -> float: ...
     def backward_rows(
         self, identity: str, clock: int, start: int, end: int
     ) -> tuple[float, bool]: ...
@@ -227,8 +231,7 @@ class Reassigner:
             self._avg_iteration_s = took if avg is None else avg + AVERAGE_WEIGHT * (took - avg)
         self._last_start = now
         self._ensure_pacer(rows)
-        if self._min_chunk_rows is None:
-            self._min_chunk_rows = self._calibrate(w, clock, rows)
+        min_chunk_rows = self.calibrate(w)
         own = OwnWork(
             self.spec,
             clock=clock,
@@ -236,7 +239,7 @@ class Reassigner:
             started_at=now,
             avg_iteration_s=self._avg_iteration_s,
             first_assignment=self._next_assignment,
-            min_assignment_rows=self._min_chunk_rows,
+            min_assignment_rows=min_chunk_rows,
             roster_version=self._roster.version if self._roster is not None else 0,
         )
         self._own, self._help_results = own, []
@@ -491,14 +494,23 @@ class Reassigner:
         chunks = min(self.spec.checks_per_iteration, rows // (self._min_chunk_rows or 1))
         return math.ceil(rows / max(chunks, 1))
 
-    def _calibrate(self, w: Worker, clock: int, rows: int) -> int:
+    def calibrate(self, w: Worker) -> int:
+        """The calibrated minimum chunk (`_calibrate`, once); a node calibrates while it
+        loads, so that a joiner's first clock does not wait on it (else the first iteration
+        does)."""
+        if self._min_chunk_rows is None:
+            self._min_chunk_rows = self._calibrate(w)
+        return self._min_chunk_rows
+
+    def _calibrate(self, w: Worker) -> int:
         """The smallest chunk whose fixed cost stays within `max_chunk_overhead` of its work.
 
-        Times the forward/backward of 1 row and of up to `CALIBRATION_ROWS` rows (best of 3,
-        gradients discarded; on a CPU in the thread's CPU time, which the other processes of a
-        shared machine do not inflate, as they do a wall-clock slope) and fits t(rows) = fixed + rows x per_row; injected work adds to per_row.
+        Times the forward/backward of the data set's first row and of its first
+        `CALIBRATION_ROWS` (best of 3, gradients discarded; on a CPU in the thread's CPU time,
+        which the other processes of a shared machine do not inflate as they do a wall-clock
+        slope) and fits t(rows) = fixed + rows x per_row; injected work adds to per_row.
         """
-        big = min(rows, CALIBRATION_ROWS)
+        big = min(w.dataset_rows, CALIBRATION_ROWS)
         if big < 2:
             return 1
         now = time.thread_time if w.device.type == "cpu" else time.perf_counter
@@ -509,7 +521,7 @@ class Reassigner:
                 best = math.inf
                 for _ in range(3):
                     t0 = now()
-                    w.backward_rows(self.worker_id, clock, 0, n)
+                    w.backward_first_rows(n)
                     best = min(best, now() - t0)
                 timed[n] = best
             w.take_grads()

@@ -267,6 +267,11 @@ class Worker:
 
     # -- what the reassigner uses ------------------------------------------------------------
 
+    @property
+    def dataset_rows(self) -> int:
+        """How many rows the data set has."""
+        return len(self._rows)
+
     def share_rows(self, identity: str, clock: int) -> int:
         """How many rows of the global batch of `clock` are `identity`'s.
 
@@ -287,10 +292,30 @@ class Worker:
         else:
             x, y = self._rows.take(self._share_rows(identity, clock)[start:end])
             hit = False
+        return self._backward(x, y), hit
+
+    def backward_first_rows(self, n: int) -> float:
+        """The first `n` rows of the data set (at most all of them) through the loaded model,
+        as `backward_rows` does: for timing and warming up before the first clock, when no
+        share is known yet. Returns the loss sum."""
+        x, y = self._rows.take(torch.arange(min(n, len(self._rows))))
+        return self._backward(x, y)
+
+    def warm_up(self, rows: int = 8) -> None:
+        """One forward and backward before the first clock, gradients discarded: the first
+        pass allocates and faults in what every later one reuses, and a joining node should
+        pay that while it loads, not in a clock the running workers wait on."""
+        stash = self.stash_grads()
+        try:
+            self.backward_first_rows(rows)
+        finally:
+            self.restore_grads(stash)
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = to_device(x, self.device), to_device(y, self.device)
         loss = self._loss_fn(self._model(x), y)
         (loss / self.spec.batch_size).backward()
-        return float(loss.item()), hit
+        return float(loss.item())
 
     def preload(self, identity: str, clock: int, fraction: float) -> None:
         """Cache the last `fraction` of `identity`'s input rows of `clock` (offers are cut from
