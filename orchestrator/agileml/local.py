@@ -150,9 +150,15 @@ class LocalJob:
         return max(done, default=-1)
 
     def wait_clock(self, clock: int, timeout_s: float) -> None:
-        """Wait until some node has finished `clock`."""
+        """Wait until some node has finished `clock`.
+
+        Raises:
+            AgileMLError: not within `timeout_s`, or the job ended before it.
+        """
         deadline = time.monotonic() + timeout_s
         while self.max_clock() < clock:
+            if any(e.kind == "done" for e in self.events()) and self.max_clock() < clock:
+                raise AgileMLError(f"the job ended before clock {clock}: {self.events()}")
             if time.monotonic() > deadline:
                 raise AgileMLError(f"clock {clock} not reached in {timeout_s}s: {self.events()}")
             time.sleep(0.02)

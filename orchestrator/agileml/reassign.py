@@ -49,6 +49,7 @@ from orchestrator.straggler.spec import StragglerSpec
 
 if TYPE_CHECKING:
     from orchestrator.agileml.partitions import PartitionLayout
+    from orchestrator.agileml.worker import WorkerSpec
 
 
 class Worker(Protocol):
@@ -57,6 +58,7 @@ class Worker(Protocol):
 
     layout: PartitionLayout
     device: torch.device
+    spec: WorkerSpec
 
     @property
     def dataset_rows(self) -> int: ...
@@ -489,8 +491,9 @@ class Reassigner:
         return loss
 
     def _chunk_rows(self, rows: int) -> int:
-        """Rows per chunk for a share of `rows`: `checks_per_iteration` equal chunks, or fewer
-        so that none is smaller than the calibrated minimum (not even the last one)."""
+        """Rows per chunk for a share of `rows`: `checks_per_iteration` chunks, or fewer so that
+        a chunk is not smaller than the calibrated minimum; a share under twice the minimum
+        stays whole (the last, rounded-down chunk may still be smaller than the others)."""
         chunks = min(self.spec.checks_per_iteration, rows // (self._min_chunk_rows or 1))
         return math.ceil(rows / max(chunks, 1))
 
@@ -510,7 +513,7 @@ class Reassigner:
         which the other processes of a shared machine do not inflate as they do a wall-clock
         slope) and fits t(rows) = fixed + rows x per_row; injected work adds to per_row.
         """
-        big = min(w.dataset_rows, CALIBRATION_ROWS)
+        big = min(w.dataset_rows, CALIBRATION_ROWS, w.spec.batch_size)  # never over a step's
         if big < 2:
             return 1
         now = time.thread_time if w.device.type == "cpu" else time.perf_counter

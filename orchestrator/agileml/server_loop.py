@@ -101,14 +101,15 @@ class ServerLoop:
         self._ctx = wire.process_context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        inproc = f"inproc://agileml-ps-{self.node_id}-{secrets.token_hex(8)}"
         try:
             sock.bind(self._address)
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            sock.bind(inproc)
         except zmq.ZMQError as exc:
             sock.close()
             raise ServerError(f"server {self.node_id}: cannot bind {self._address}: {exc}") from exc
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.inproc_endpoint = f"inproc://agileml-ps-{self.node_id}-{secrets.token_hex(8)}"
-        sock.bind(self.inproc_endpoint)
+        self.inproc_endpoint = inproc
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name=f"ps-{self.node_id}", daemon=True)
         self._thread.start()

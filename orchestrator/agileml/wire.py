@@ -245,7 +245,9 @@ def decode(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> tuple[Header, dict[str, torch.Tensor]]:
-    """Authenticate and parse a message into its header and tensors (owned by the caller).
+    """Authenticate and parse a message into its header and tensors: over a received ZMQ
+    frame's memory, which over `inproc://` is the sender's own buffer, so treat them as
+    read-only (copy before changing them).
 
     Raises:
         WireError: with the reason of the first check that failed (see the module docstring).
@@ -301,8 +303,8 @@ def _tensors(header: Header, buffers: list[memoryview]) -> dict[str, torch.Tenso
         if expected == 0:
             out[spec.name] = torch.empty(spec.shape, dtype=dtype)
         else:
-            # a received ZMQ frame is this message's own writable memory: use it in place;
-            # anything else (bytes) is copied, so the tensor never aliases the caller's data
+            # a received ZMQ frame's memory is used in place (over inproc:// it is the
+            # sender's buffer: receivers only read it); anything else (bytes) is copied
             own = not buf.readonly and expected >= ZERO_COPY_MIN_BYTES
             data = buf if own else bytearray(buf)
             out[spec.name] = torch.frombuffer(data, dtype=dtype).reshape(spec.shape)

@@ -113,6 +113,7 @@ class Worker:
         if spec.batch_size < 1 or spec.slack < 0:
             raise ValueError(f"invalid worker spec: {spec}")
         self.spec = spec
+        torch.set_num_threads(1)  # as `step`: the warm-up and FlexRR's calibration time it so
         self._token = token
         self.layout = layout
         self.table = table
@@ -521,7 +522,10 @@ class Worker:
         sock = self._socket(self.table.owner(p))
         # pushes frame the fresh gradient in place; nothing changes it after this
         frames = wire.encode(fields, tensors, self._token, zero_copy=True)
-        sock.send_multipart(frames, copy=False)
+        try:
+            sock.send_multipart(frames, copy=False)
+        except zmq.Again as exc:
+            raise WorkerError(self.spec.worker_id, "timeout") from exc
 
     def _receive(self, sock: zmq.Socket[Any]) -> tuple[wire.Header, dict[str, torch.Tensor]]:
         try:
@@ -541,6 +545,8 @@ class Worker:
             ctx = wire.process_context() if inproc is not None else self._ctx
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            # a send to a closed inproc peer blocks (over TCP it queues): time it out instead
+            sock.setsockopt(zmq.SNDTIMEO, int(self.spec.request_timeout_s * 1000))
             sock.connect(inproc or endpoint)
             self._sockets[owner] = sock
         return sock

@@ -149,3 +149,56 @@ def test_the_in_process_path_still_checks_the_mac() -> None:
         worker.close()
         assert all(torch.equal(server.state(p), before[p]) for p in range(2))
         assert server.stats().rejected >= 1
+
+
+BIG_FEATURES, BIG_CLASSES = 300, 120  # partitions of ~72 KB: ZMQ passes them by reference
+BIG_DATA = gaussian_mixture(400, BIG_FEATURES, BIG_CLASSES, seed=5)
+
+
+def _two_workers_one_in_process(*, inproc: bool) -> list[torch.Tensor]:
+    model = initial_model(mlr_factory(BIG_FEATURES, BIG_CLASSES), seed=0)
+    layout = PartitionLayout(model, 2)
+    server = ParamServer("ps-0", job_id="j", token=b"tok")
+    server.set_update_rules(sgd_rules(0.1))
+    for p, part in enumerate(layout.gather(model)):
+        server.add_partition(p, part)
+    server.register_workers(["w-0", "w-1"])
+    with server:
+        workers = []
+        for w in ("w-0", "w-1"):
+            table = PartitionTable(2)
+            table.assign_round_robin(["ps-0"])
+            workers.append(
+                Worker(
+                    WorkerSpec(w, "j", batch_size=32, request_timeout_s=5.0),
+                    token=b"tok",
+                    layout=layout,
+                    table=table,
+                    endpoints={"ps-0": server.endpoint},
+                    model_factory=mlr_factory(BIG_FEATURES, BIG_CLASSES),
+                    data=BIG_DATA,
+                    loss_fn=nn.functional.cross_entropy,
+                    # w-0 shares the server's process: the frames it pushes are its gradient
+                    # memory and the replies it pulls are the server's frozen copy, which w-1
+                    # then pulls over TCP; any write through either view would show below
+                    local_endpoints={server.endpoint: server.inproc_endpoint}
+                    if w == "w-0" and inproc
+                    else None,
+                )
+            )
+        threads = [threading.Thread(target=w.run, args=(4,)) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for w in workers:
+            w.close()
+        assert [w.clock for w in workers] == [4, 4]
+        assert server.stats().pushes_applied == 2 * 2 * 4
+        return [server.state(p) for p in range(2)]
+
+
+def test_large_frames_by_reference_in_process_change_nothing() -> None:
+    by_inproc = _two_workers_one_in_process(inproc=True)
+    by_tcp = _two_workers_one_in_process(inproc=False)
+    assert all(torch.equal(a, b) for a, b in zip(by_inproc, by_tcp, strict=True))

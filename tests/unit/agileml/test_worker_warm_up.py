@@ -54,6 +54,6 @@ def test_flexrr_calibrates_once_before_any_clock() -> None:
     r = Reassigner(StragglerSpec(), worker_id="w-0", link=None)
     chunk = r.calibrate(w)  # no roster, no clock: the data set's first rows
     assert chunk >= 1
-    assert sorted(set(calls)) == [1, 128]  # best of 3 each, on up to 128 rows
+    assert sorted(set(calls)) == [1, 32]  # best of 3 each, on up to a step's batch (32)
     assert r.calibrate(w) == chunk and len(calls) == 6  # never again
     assert all(p.grad is None for p in w._model.parameters())
