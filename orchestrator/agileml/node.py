@@ -44,6 +44,7 @@ from orchestrator.agileml.control import (
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.jobcode import load_job_code
+from orchestrator.agileml.lowprio import at_low_priority
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.peers import PeerLink
@@ -199,7 +200,14 @@ class AgileMLNode:
                 raise ControlError(self._controller, "no answer to `ready`")
 
     def _load(self, spec: TrainingSpec) -> Worker:
-        parts = training_parts(spec)
+        """Build the job's data, model and worker, warmed up. Beside running workers (one
+        machine) a joiner's load slows their clocks, so what is the runtime's own code runs at
+        the lowest priority (`lowprio`): a built-in model's whole load, and every job's warm-up.
+        A user's job code builds on this thread (it may start threads or set thread state)."""
+        if spec.code is None:
+            parts = at_low_priority(lambda: training_parts(spec))
+        else:
+            parts = training_parts(spec)
         if self._server is not None:
             self._server.set_update_rules(parts.rules)
         self._initial = parts.layout.gather(parts.initial_model)
@@ -229,13 +237,24 @@ class AgileMLNode:
                 leaving=self._leaving.is_set,
             )
             self._worker.reassigner = self._reassigner
-            self._reassigner.calibrate(self._worker)  # before `ready`: not in a clock
-        else:
-            self._worker.warm_up()
+        self._warm_up(self._worker, self._reassigner)
         if not straggler.flexrr and self._link is not None:
             self._link.close()
             self._link = None
         return self._worker
+
+    @staticmethod
+    def _warm_up(worker: Worker, reassigner: Reassigner | None) -> None:
+        """The first forward/backward, and FlexRR's chunk calibration, before `ready` and at low
+        priority: not in a clock the running workers wait on. If it fails on that thread, the
+        first clock does it (and any real fault of the model surfaces there)."""
+        try:
+            if reassigner is not None:
+                at_low_priority(lambda: reassigner.calibrate(worker))
+            else:
+                at_low_priority(worker.warm_up)
+        except Exception:  # noqa: BLE001 - not needed to train; the first clock retries
+            log.warning("warm-up failed; the first clock will do it", exc_info=True)
 
     def _should_abort(self) -> bool:
         """Stop waiting: stopped, rolled back, or given a dead worker's shares (which the

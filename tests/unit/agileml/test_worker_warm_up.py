@@ -57,3 +57,32 @@ def test_flexrr_calibrates_once_before_any_clock() -> None:
     assert sorted(set(calls)) == [1, 32]  # best of 3 each, on up to a step's batch (32)
     assert r.calibrate(w) == chunk and len(calls) == 6  # never again
     assert all(p.grad is None for p in w._model.parameters())
+
+
+def test_a_node_warms_up_at_the_lowest_priority_and_survives_a_failed_warm_up() -> None:
+    import os
+    import sys
+    import threading
+
+    from orchestrator.agileml.lowprio import LOADING_NICENESS
+    from orchestrator.agileml.node import AgileMLNode
+
+    w = _worker()
+    seen: list[int] = []
+
+    def warm_up() -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    w.warm_up = warm_up  # type: ignore[method-assign]
+    AgileMLNode._warm_up(w, None)
+    if sys.platform.startswith("linux"):
+        assert seen == [LOADING_NICENESS]
+
+    r = Reassigner(StragglerSpec(), worker_id="w-0", link=None)
+
+    def broken(n: int) -> float:
+        raise RuntimeError("a model that only runs on the main thread")
+
+    w.backward_first_rows = broken  # type: ignore[method-assign]
+    AgileMLNode._warm_up(w, r)  # logged, not raised: the first clock calibrates instead
+    assert r._min_chunk_rows is None
