@@ -91,14 +91,6 @@ def event_clock(job: LocalJob, kind: str) -> int:
     raise RuntimeError(f"no {kind} event: {job.events()}")
 
 
-def wait_event(job: LocalJob, kind: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not any(e.kind == kind for e in job.events()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no {kind} event in {timeout_s}s: {job.events()}")
-        time.sleep(0.05)
-
-
 def final_loss(spec: TrainingSpec, params: list[torch.Tensor]) -> float:
     model = initial_model(build_model(spec), spec.seed)
     PartitionLayout(model, spec.num_partitions).scatter(model, params)
@@ -140,8 +132,11 @@ def run_elastic(spec: TrainingSpec) -> dict[str, Any]:
         progress(f"launching t4, t5 at clock {join_launch}")
         job.add_node("t4", NodeTier.TRANSIENT)
         job.add_node("t5", NodeTier.TRANSIENT)
-        while sum(e.kind == "joined" for e in job.events()) < 2:
-            wait_event(job, "joined", TIMEOUT_S)
+        deadline = time.monotonic() + TIMEOUT_S
+        while sum(len(e.nodes) for e in job.events() if e.kind == "joined") < 2:
+            # one `joined` event may name both; the job may also end before they are ready
+            if any(e.kind == "done" for e in job.events()) or time.monotonic() > deadline:
+                raise RuntimeError(f"t4 and t5 did not both join: {job.events()}")
             time.sleep(0.05)
         join_clock = max(
             int(e.detail.rsplit(" ", 1)[-1]) for e in job.events() if e.kind == "joined"
