@@ -162,13 +162,15 @@ def run_elastic(spec: TrainingSpec) -> dict[str, Any]:
     ends = completion_times(outcomes)
     d = durations(ends)
     steady_before = median_over(d, WARMUP_CLOCKS, join_launch)
-    during_join = [v for c, v in d.items() if join_launch < c <= join_clock + 3]
+    during_join = {c: v for c, v in d.items() if join_launch < c <= join_clock + 3}
+    blip_clock = max(during_join, key=during_join.__getitem__)
     steady_after_evict = median_over(d, evict_clock + 2, kill_clock)
     at_evict = [v for c, v in d.items() if evict_clock - 1 <= c <= evict_clock + 1]
     recovered = min(t for t in ends.values() if t > killed_at)
     return {
         "steady_before_join_s": steady_before,
-        "add_blip": max(during_join) / steady_before,
+        "add_blip": during_join[blip_clock] / steady_before,
+        "add_blip_clock": blip_clock,  # loading (before joined_from) or the join itself
         "evict_blip": max(at_evict) / steady_after_evict,
         "steady_after_evict_s": steady_after_evict,
         "failure_recovery_s": recovered - killed_at,
