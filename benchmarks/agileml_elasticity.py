@@ -133,9 +133,10 @@ def run_elastic(spec: TrainingSpec) -> dict[str, Any]:
         job.add_node("t4", NodeTier.TRANSIENT)
         job.add_node("t5", NodeTier.TRANSIENT)
         deadline = time.monotonic() + TIMEOUT_S
-        while sum(len(e.nodes) for e in job.events() if e.kind == "joined") < 2:
+        while not {"t4", "t5"} <= {n for e in job.events() if e.kind == "joined" for n in e.nodes}:
             # one `joined` event may name both; the job may also end before they are ready
-            if any(e.kind == "done" for e in job.events()) or time.monotonic() > deadline:
+            ended = any(e.kind in ("done", "aborted") for e in job.events())
+            if ended or time.monotonic() > deadline:
                 raise RuntimeError(f"t4 and t5 did not both join: {job.events()}")
             time.sleep(0.05)
         join_clock = max(

@@ -157,7 +157,8 @@ class LocalJob:
         """
         deadline = time.monotonic() + timeout_s
         while self.max_clock() < clock:
-            if any(e.kind == "done" for e in self.events()) and self.max_clock() < clock:
+            ended = any(e.kind in ("done", "aborted") for e in self.events())
+            if ended and self.max_clock() < clock:
                 raise AgileMLError(f"the job ended before clock {clock}: {self.events()}")
             if time.monotonic() > deadline:
                 raise AgileMLError(f"clock {clock} not reached in {timeout_s}s: {self.events()}")

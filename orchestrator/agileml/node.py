@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -57,6 +57,7 @@ from orchestrator.errors import UserError
 from orchestrator.logfmt import log_to_stderr
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 JOIN_TIMEOUT_SECONDS = 10.0
 LOST_CONTROLLER_HEARTBEATS = 50
@@ -90,8 +91,11 @@ class AgileMLNode:
         token: bytes,
         host: str = "127.0.0.1",
         phase_hook: Callable[[str, int], None] | None = None,
+        low_priority_load: bool = False,
     ) -> None:
         self.node_id = node_id
+        # load and warm up at nice 19 (`_load`): for a node beside running ones on one machine
+        self._low_priority_load = low_priority_load
         self._phase_hook = phase_hook  # fault injection in tests (see Worker)
         self.tier = tier
         self.job_id = job_id
@@ -201,11 +205,12 @@ class AgileMLNode:
 
     def _load(self, spec: TrainingSpec) -> Worker:
         """Build the job's data, model and worker, warmed up. Beside running workers (one
-        machine) a joiner's load slows their clocks, so what is the runtime's own code runs at
-        the lowest priority (`lowprio`): a built-in model's whole load, and every job's warm-up.
-        A user's job code builds on this thread (it may start threads or set thread state)."""
+        machine) a joiner's load slows their clocks, so with `low_priority_load` the runtime's
+        own code runs at the lowest priority (`lowprio`): a built-in model's data and
+        parameters, and every job's warm-up. A user's job code builds on this thread (it may
+        start threads or set thread state)."""
         if spec.code is None:
-            parts = at_low_priority(lambda: training_parts(spec))
+            parts = self._low_priority(lambda: training_parts(spec))
         else:
             parts = training_parts(spec)
         if self._server is not None:
@@ -243,16 +248,23 @@ class AgileMLNode:
             self._link = None
         return self._worker
 
-    @staticmethod
-    def _warm_up(worker: Worker, reassigner: Reassigner | None) -> None:
-        """The first forward/backward, and FlexRR's chunk calibration, before `ready` and at low
-        priority: not in a clock the running workers wait on. If it fails on that thread, the
-        first clock does it (and any real fault of the model surfaces there)."""
+    def _low_priority(self, work: Callable[[], T]) -> T:
+        """`work()` at nice 19 if this node loads at low priority, on a CPU-only machine (CUDA
+        and autograd's device threads started there would stay at nice 19), else here."""
+        if self._low_priority_load and not torch.cuda.is_available():
+            return at_low_priority(work)
+        return work()
+
+    def _warm_up(self, worker: Worker, reassigner: Reassigner | None) -> None:
+        """FlexRR's chunk calibration (which warms up too), or else one forward/backward,
+        before `ready`: not in a clock the running workers wait on. If it fails (on the
+        low-priority thread, say), the first clock does it, and any real fault of the model
+        surfaces there."""
         try:
             if reassigner is not None:
-                at_low_priority(lambda: reassigner.calibrate(worker))
+                self._low_priority(lambda: reassigner.calibrate(worker))
             else:
-                at_low_priority(worker.warm_up)
+                self._low_priority(worker.warm_up)
         except Exception:  # noqa: BLE001 - not needed to train; the first clock retries
             log.warning("warm-up failed; the first clock will do it", exc_info=True)
 
@@ -460,8 +472,10 @@ class AgileMLNode:
         return {"values": ckpt.values[p], "rule_state": ckpt.rule_states[p], "clock": ckpt.clock}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one node until its job is done or it leaves; prints its result as JSON."""
+def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> int:
+    """Run one node until its job is done or it leaves; prints its result as JSON.
+    `low_priority_load`: see `AgileMLNode` (`node_process` sets it; a held node is released
+    when it is needed and loads at normal priority)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--node-id", required=True)
     parser.add_argument("--job-id", required=True)
@@ -484,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         controller=args.controller,
         token=token,
         host=args.host,
+        low_priority_load=low_priority_load and not args.hold,
     )
     if args.hold:
         if args.preload:

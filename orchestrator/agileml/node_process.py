@@ -1,6 +1,7 @@
 """The entry point of a node process started on a machine that runs other nodes of the job
 (`LocalJob`): the runtime's imports (torch first) happen at the lowest CPU priority, then the
-node runs as `python -m orchestrator.agileml.node` would (see `lowprio`).
+node runs as `python -m orchestrator.agileml.node` would, but loads its model and data (a
+built-in model's) and warms up at that priority too (see `lowprio`).
 
     python -m orchestrator.agileml.node_process --node-id t4 --job-id j --tier transient ...
 """
@@ -15,7 +16,7 @@ from orchestrator.agileml.lowprio import at_low_priority
 
 def main() -> int:
     node = at_low_priority(lambda: importlib.import_module("orchestrator.agileml.node"))
-    return int(node.main())
+    return int(node.main(low_priority_load=True))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ from orchestrator.straggler.spec import StragglerSpec
 
 if TYPE_CHECKING:
     from orchestrator.agileml.partitions import PartitionLayout
-    from orchestrator.agileml.worker import WorkerSpec
 
 
 class Worker(Protocol):
@@ -58,10 +57,11 @@ class Worker(Protocol):
 
     layout: PartitionLayout
     device: torch.device
-    spec: WorkerSpec
 
     @property
     def dataset_rows(self) -> int: ...
+    @property
+    def batch_rows(self) -> int: ...
     def share_rows(self, identity: str, clock: int) -> int: ...
     def backward_first_rows(self, n: int) -> float: ...
     def backward_rows(
@@ -513,7 +513,7 @@ class Reassigner:
         which the other processes of a shared machine do not inflate as they do a wall-clock
         slope) and fits t(rows) = fixed + rows x per_row; injected work adds to per_row.
         """
-        big = min(w.dataset_rows, CALIBRATION_ROWS, w.spec.batch_size)  # never over a step's
+        big = min(w.dataset_rows, CALIBRATION_ROWS, w.batch_rows)  # never over a step's
         if big < 2:
             return 1
         now = time.thread_time if w.device.type == "cpu" else time.perf_counter

@@ -273,6 +273,11 @@ class Worker:
         """How many rows the data set has."""
         return len(self._rows)
 
+    @property
+    def batch_rows(self) -> int:
+        """The rows of a step's batch (with a roster, the global batch that the members share)."""
+        return self.spec.batch_size
+
     def share_rows(self, identity: str, clock: int) -> int:
         """How many rows of the global batch of `clock` are `identity`'s.
 

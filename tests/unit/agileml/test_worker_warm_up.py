@@ -64,8 +64,15 @@ def test_a_node_warms_up_at_the_lowest_priority_and_survives_a_failed_warm_up() 
     import sys
     import threading
 
+    from orchestrator.agileml.elasticity import NodeTier
     from orchestrator.agileml.lowprio import LOADING_NICENESS
     from orchestrator.agileml.node import AgileMLNode
+
+    def node(low: bool) -> AgileMLNode:
+        return AgileMLNode(
+            "n", NodeTier.TRANSIENT, job_id="j", controller="tcp://127.0.0.1:9", token=b"t",
+            low_priority_load=low,
+        )  # fmt: skip
 
     w = _worker()
     seen: list[int] = []
@@ -74,9 +81,11 @@ def test_a_node_warms_up_at_the_lowest_priority_and_survives_a_failed_warm_up() 
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     w.warm_up = warm_up  # type: ignore[method-assign]
-    AgileMLNode._warm_up(w, None)
-    if sys.platform.startswith("linux"):
-        assert seen == [LOADING_NICENESS]
+    node(low=True)._warm_up(w, None)
+    node(low=False)._warm_up(w, None)  # a held joiner: released when needed, loads at once
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    if sys.platform.startswith("linux") and not torch.cuda.is_available():
+        assert seen == [LOADING_NICENESS, here]
 
     r = Reassigner(StragglerSpec(), worker_id="w-0", link=None)
 
@@ -84,5 +93,5 @@ def test_a_node_warms_up_at_the_lowest_priority_and_survives_a_failed_warm_up() 
         raise RuntimeError("a model that only runs on the main thread")
 
     w.backward_first_rows = broken  # type: ignore[method-assign]
-    AgileMLNode._warm_up(w, r)  # logged, not raised: the first clock calibrates instead
+    node(low=True)._warm_up(w, r)  # logged, not raised: the first clock calibrates instead
     assert r._min_chunk_rows is None
