@@ -72,11 +72,18 @@ def progress(message: str) -> None:
 
 
 def agileml_seconds_per_iteration(
-    job: Path, *, nodes: int, global_batch: int, iterations: int, seed: int
+    job: Path,
+    *,
+    nodes: int,
+    global_batch: int,
+    iterations: int,
+    seed: int,
+    overlap: bool = True,
+    partitions: int | None = None,
 ) -> tuple[tuple[float, float], dict[str, float]]:
     """`train_locally`'s (median, mean) seconds per steady iteration on `nodes` processes
     (every process gone on return), and the workers' own timers: mean seconds per iteration
-    pulling, computing, pushing.
+    pulling, computing, pushing. `overlap` and `partitions` as `TrainPlan`'s.
 
     Raises:
         RuntimeError: the run measured no steady iteration (too few iterations).
@@ -88,6 +95,8 @@ def agileml_seconds_per_iteration(
         iterations=iterations,
         global_batch=global_batch,
         seed=seed,
+        overlap=overlap,
+        partitions=partitions,
     )
     result = train_locally(plan)
     median, mean = result.seconds_per_iteration, result.mean_seconds_per_iteration
@@ -187,6 +196,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="alternating pairs of runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds, DDP run")
+    parser.add_argument(
+        "--partitions", type=int, default=None, help="AgileML partitions (default: by size)"
+    )
+    parser.add_argument(
+        "--compare-overlap",
+        action="store_true",
+        help="also run AgileML with overlap off in every repeat (`agileml.streams`)",
+    )
     args = parser.parse_args(argv)
     if not args.job.is_file():
         parser.error(f"job file {args.job} does not exist")
@@ -208,19 +225,35 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     for k in range(1, args.repeats + 1):
         progress(f"[{k}/{args.repeats}] AgileML: {transient} transient + {RELIABLE} reliable nodes")
-        agileml, phases = agileml_seconds_per_iteration(args.job, nodes=args.nodes, **common)
+        agileml, phases = agileml_seconds_per_iteration(
+            args.job, nodes=args.nodes, partitions=args.partitions, **common
+        )
         progress(f"[{k}/{args.repeats}] AgileML: {agileml[0]:.4f} s/it; DDP: {args.nodes} ranks")
         ddp = ddp_seconds_per_iteration(
             args.job, workers=args.nodes, timeout_s=args.timeout, **common
         )
         progress(f"[{k}/{args.repeats}] DDP: {ddp[0]:.4f} s/it")
-        runs.append(_pair(agileml, ddp, phases))
+        run = _pair(agileml, ddp, phases)
+        if args.compare_overlap:
+            progress(f"[{k}/{args.repeats}] AgileML with overlap off")
+            off, off_phases = agileml_seconds_per_iteration(
+                args.job, nodes=args.nodes, partitions=args.partitions, overlap=False, **common
+            )
+            progress(f"[{k}/{args.repeats}] AgileML, overlap off: {off[0]:.4f} s/it")
+            run |= {
+                "no_overlap_s_per_it": round(off[0], 5),
+                "no_overlap_mean_s_per_it": round(off[1], 5),
+                "no_overlap_phase_s_per_it": off_phases,
+                "no_overlap_ratio": round(off[0] / ddp[0], 3),
+                "overlap_speedup": round(off[0] / agileml[0], 3),
+            }
+        runs.append(run)
     out = {
         "job": str(args.job),
         "nodes": args.nodes,
         "global_batch": args.global_batch,
         "iterations": args.iterations,
-        **{k: _median(r[k] for r in runs) for k in runs[0] if k != "agileml_phase_s_per_it"},
+        **{k: _median(r[k] for r in runs) for k in runs[0] if not k.endswith("phase_s_per_it")},
         "agileml_phase_s_per_it": {
             phase: _median(r["agileml_phase_s_per_it"][phase] for r in runs)
             for phase in runs[0]["agileml_phase_s_per_it"]

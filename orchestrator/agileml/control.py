@@ -75,6 +75,9 @@ class TrainingSpec(BaseModel):
     # iterations are short, see `horizon`); joins and evictions take effect just past it, so
     # no worker ever computes a clock on an outdated roster
     horizon_clocks: Annotated[int, Field(ge=2, le=10_000)] = 8
+    # workers compute on the first pulled partitions while the rest arrive, and push each
+    # partition as soon as backward has its gradients (`agileml.streams`); same results
+    overlap: bool = True
     # FlexRR (RapidReassignment between workers); `{"flexrr": false}` turns it off
     straggler: StragglerSpec = StragglerSpec()
     # checkpoints (see `checkpoints`): written under `checkpoint_dir` (a directory the reliable

@@ -141,6 +141,7 @@ class LocalRunResult:
     losses: dict[str, list[float]]
     final_model: nn.Module
     server_stats: dict[str, ServerStats]
+    early_pushes: int = 0  # partitions pushed while backward was still running, all workers
 
 
 def train_local(
@@ -156,8 +157,10 @@ def train_local(
     slack: int = 0,
     seed: int = 0,
     loss_fn: LossFn = nn.functional.cross_entropy,
+    overlap: bool = True,
 ) -> LocalRunResult:
-    """Train on `num_servers` local parameter servers and `num_workers` worker threads.
+    """Train on `num_servers` local parameter servers and `num_workers` worker threads
+    (`overlap`: see `WorkerSpec`).
 
     Partitions go round-robin to the servers. Everything is stopped and closed on return.
 
@@ -184,7 +187,7 @@ def train_local(
         endpoints = {s.node_id: s.endpoint for s in servers}
         workers = [
             Worker(
-                WorkerSpec(wid, job_id, batch_size, slack=slack, seed=seed),
+                WorkerSpec(wid, job_id, batch_size, slack=slack, seed=seed, overlap=overlap),
                 token=token,
                 layout=layout,
                 table=table,
@@ -213,7 +216,12 @@ def train_local(
             raise errors[0]
         by_server = {s.node_id: s for s in servers}
         layout.scatter(model, [by_server[table.owner(p)].state(p) for p in range(num_partitions)])
-        return LocalRunResult(losses, model, {s.node_id: s.stats() for s in servers})
+        return LocalRunResult(
+            losses,
+            model,
+            {s.node_id: s.stats() for s in servers},
+            sum(w.early_pushes for w in workers),
+        )
     finally:
         for server in servers:
             server.stop()

@@ -218,7 +218,14 @@ class AgileMLNode:
         self._initial = parts.layout.gather(parts.initial_model)
         self._layout = parts.layout
         self._worker = Worker(
-            WorkerSpec(self.node_id, spec.job_id, spec.global_batch, spec.slack, seed=spec.seed),
+            WorkerSpec(
+                self.node_id,
+                spec.job_id,
+                spec.global_batch,
+                spec.slack,
+                seed=spec.seed,
+                overlap=spec.overlap,
+            ),
             token=self._token,
             layout=self._layout,
             table=PartitionTable(spec.num_partitions),

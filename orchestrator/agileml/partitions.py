@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -148,8 +148,99 @@ class PartitionLayout:
                 model, self._slice(parts, self.param_total, self.total - self.param_total)
             )
 
+    def param_partitions(self) -> list[tuple[int, ...]]:
+        """For each parameter (layout order), the partitions its values lie in."""
+        return [
+            self._overlapping(start, shape.numel())
+            for start, shape in zip(self._param_starts, self.shapes, strict=True)
+        ]
+
+    def buffer_partitions(self) -> tuple[int, ...]:
+        """The partitions the buffers' values lie in (none without buffers)."""
+        return self._overlapping(self.param_total, self.total - self.param_total)
+
+    def partition_params(self, p: int) -> tuple[int, ...]:
+        """The parameters (layout indices) with values in partition p. Raises PartitionError."""
+        lo, hi = self.bounds(p)
+        return tuple(
+            i
+            for i, (start, shape) in enumerate(zip(self._param_starts, self.shapes, strict=True))
+            if start < hi and lo < start + shape.numel()
+        )
+
+    def load_partition(self, params: Sequence[torch.Tensor], p: int, values: torch.Tensor) -> None:
+        """Copy partition p's values into the (contiguous) parameters it covers, in place; its
+        buffer values, if any, are not loaded here (see `scatter`).
+
+        Raises:
+            PartitionError: a wrong size, or a parameter that is not contiguous.
+        """
+        lo, hi = self.bounds(p)
+        if values.shape != (hi - lo,):
+            raise PartitionError(
+                f"partition {p} has shape {tuple(values.shape)}, want ({hi - lo},)", partition=p
+            )
+        with torch.no_grad():
+            for i in self.partition_params(p):
+                param, start = params[i], self._param_starts[i]
+                if not param.is_contiguous():
+                    raise PartitionError(f"parameter {self.names[i]} is not contiguous")
+                a, b = max(lo, start), min(hi, start + param.numel())
+                param.view(-1)[a - start : b - start].copy_(values[a - lo : b - lo])
+
+    def partition_grad(
+        self,
+        params: Sequence[torch.Tensor],
+        p: int,
+        buffer_delta: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Partition p of the gradient vector (a missing gradient counts as 0; the buffer part
+        is `buffer_delta`'s, zeros if None) as float32 on the CPU. A partition inside one
+        float32 CPU gradient is a view of it (no copy): the caller must not write to it, and
+        the gradient must not change while the partition is in use."""
+        lo, hi = self.bounds(p)
+        pieces: list[torch.Tensor] = []
+        for i in self.partition_params(p):
+            param, start = params[i], self._param_starts[i]
+            a, b = max(lo, start), min(hi, start + param.numel())
+            grad = param.grad
+            if grad is None:
+                pieces.append(torch.zeros(b - a))
+            else:
+                pieces.append(grad.detach().reshape(-1)[a - start : b - start].float().cpu())
+        if hi > self.param_total:
+            a = max(lo, self.param_total)
+            if buffer_delta is None:
+                pieces.append(torch.zeros(hi - a))
+            else:
+                delta = buffer_delta.reshape(-1).float().cpu()
+                pieces.append(delta[a - self.param_total : hi - self.param_total])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def params(self, model: nn.Module) -> list[nn.Parameter]:
+        """The model's parameters in layout order. Raises PartitionError if they do not fit."""
+        return self._params(model)
+
+    def buffers(self, model: nn.Module) -> list[torch.Tensor]:
+        """The model's persistent buffers in layout order. Raises PartitionError."""
+        return self._buffers(model)
+
+    def load_buffers_from(self, model: nn.Module, parts: Mapping[int, torch.Tensor]) -> None:
+        """Set the model's buffers from the partitions that hold their values."""
+        if self.buffer_sizes:
+            n = self.total - self.param_total
+            self.load_buffers(model, self._slice(parts, self.param_total, n))
+
+    def _overlapping(self, start: int, n: int) -> tuple[int, ...]:
+        """The partitions that values [start, start + n) of the flat vector lie in."""
+        if n <= 0:
+            return ()
+        first = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        last = max(bisect.bisect_right(self._starts, start + n - 1) - 1, 0)
+        return tuple(range(first, last + 1))
+
     def _pieces(
-        self, parts: Sequence[torch.Tensor], start: int, n: int
+        self, parts: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], start: int, n: int
     ) -> list[tuple[int, torch.Tensor]]:
         """Values [start, start + n) of the flat vector split into `parts`: (offset in the
         range, a view of a part) for each part it overlaps."""
@@ -168,7 +259,9 @@ class PartitionLayout:
         for offset, piece in self._pieces(parts, start, into.numel()):
             into[offset : offset + piece.numel()].copy_(piece)
 
-    def _slice(self, parts: Sequence[torch.Tensor], start: int, n: int) -> torch.Tensor:
+    def _slice(
+        self, parts: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], start: int, n: int
+    ) -> torch.Tensor:
         """Values [start, start + n) of the flat vector: a view when one part holds them."""
         pieces = [piece for _, piece in self._pieces(parts, start, n)]
         if len(pieces) == 1:

@@ -103,6 +103,7 @@ class TrainPlan(BaseModel):
     checkpoint_dir: str | None = None  # checkpoints written here (see `checkpoints`)
     checkpoint_every: Annotated[int, Field(ge=0)] = 0  # iterations; 0: none
     resume: str | None = None  # a checkpoint, or a folder of them (the newest is taken)
+    overlap: bool = True  # communication overlapped with computation (`agileml.streams`)
 
 
 @dataclass
@@ -236,6 +237,7 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         checkpoint_dir=plan.checkpoint_dir,
         checkpoint_every=plan.checkpoint_every,
         resume_from=resume,
+        overlap=plan.overlap,
     )
 
 

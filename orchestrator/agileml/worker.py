@@ -24,60 +24,28 @@ import math
 import time
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
 from torch import nn
 
-from orchestrator.agileml import wire
 from orchestrator.agileml.batches import Batch, RowSource, TensorRows, slice_batch, to_device
-from orchestrator.agileml.errors import AgileMLError, WireError, WorkerError
+from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
-from orchestrator.agileml.rejections import RejectReason, parse_moved
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
+from orchestrator.agileml.streams import EarlyPushes, PullStream
 from orchestrator.agileml.wire import MessageKind
+from orchestrator.agileml.worker_link import Round, ServerRequests, StaleViewError, WorkerSpec
 
 if TYPE_CHECKING:
     from orchestrator.agileml.reassign import Reassigner
 
-PULL_TIMEOUT_SECONDS = 30.0  # a pull may legitimately wait for the slowest worker
-RETRY_DELAY_SECONDS = 0.002  # before asking again about a partition in flight
-WAIT_SLICE_MS = 20  # how often a waiting worker checks its abort callback
-
 LossFn = Callable[[Any, Any], torch.Tensor]
-# partition, kind, clock, tensors, the worker identity it is sent as
-_Request = tuple[int, MessageKind, int, dict[str, torch.Tensor], str]
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """The plan for one worker; validated on construction of the `Worker`.
-
-    `slack` is the SSP staleness bound s: at clock t the worker must see every update up to
-    clock t-s-1. `slack=0` is BSP.
-    """
-
-    worker_id: str
-    job_id: str
-    batch_size: int
-    slack: int = 0
-    seed: int = 0
-    request_timeout_s: float = PULL_TIMEOUT_SECONDS
-
-
-class StaleViewError(AgileMLError):
-    """The worker's view is out of date: the job rolled back (redo from the new view's restart
-    clock), the roster changed under this clock (`roster_version`: the servers' version; redo
-    the clock on it), or the caller aborted."""
-
-    def __init__(self, message: str, *, roster_version: int | None = None) -> None:
-        self.roster_version = roster_version
-        super().__init__(message)
-
-
-class Worker:
+class Worker(ServerRequests):
     """Runs iterations against the parameter servers named by a `PartitionTable`.
 
     Without a roster, `loss_fn` is a mean over the minibatch of `spec.batch_size` rows. With a
@@ -152,6 +120,18 @@ class Worker:
         self._rows_cache: dict[tuple[str, int, int], torch.Tensor] = {}
         # same key -> (first row cached, the batch of the rows from there): helpees' input
         self._preloaded: dict[tuple[str, int, int], tuple[int, Batch]] = {}
+        # requests sent and not answered: seq -> (their round, index in it)
+        self._outstanding: dict[int, tuple[Round, int]] = {}
+        # overlap (see `streams`): only with several partitions and contiguous parameters
+        params = layout.params(self._model)
+        self._overlap = (
+            spec.overlap and layout.num_partitions > 1 and all(p.is_contiguous() for p in params)
+        )
+        self._early = EarlyPushes(layout, self._model) if self._overlap else None
+        self._stream: PullStream | None = None  # this iteration's pull, while it loads
+        self._pushes: Round | None = None  # this iteration's pushes, while they are sent
+        self._early_sent: list[int] = []  # partitions pushed by the last armed backward
+        self.early_pushes = 0  # partitions pushed while backward was still running
 
     def run(self, iterations: int) -> list[float]:
         """Run `iterations` iterations; returns each one's minibatch loss (before its update).
@@ -179,39 +159,57 @@ class Worker:
         torch.set_num_threads(1)
         if self._ctx is None:
             self._ctx = zmq.Context()
+        self._outstanding.clear()  # replies to an abandoned iteration are late now
+        self._stream, self._pushes = None, None
         for identity, (first, end) in sorted(self.adoptions.items()):
             for clock in range(first, min(end, self.clock)):
                 if (identity, clock) not in self._adopted_done:
                     self._pull(-1)
-                    self._round_trip(self._compute(identity, clock)[1], MessageKind.PUSH_ACK)
+                    pushes = Round(MessageKind.PUSH_ACK, self.layout.num_partitions)
+                    self._compute(identity, clock, pushes)
+                    self._wait_for(pushes)
                     self._adopted_done.add((identity, clock))
         if self.reassigner is not None:
             self.reassigner.at_clock(self.clock)
-        t0 = time.perf_counter()
-        self._pull(self.clock - self.spec.slack - 1)
-        t1 = time.perf_counter()
-        replied = self._first_reply_at if self._first_reply_at is not None else t1
-        self._phase("pulled")
         identities = [self.spec.worker_id] + [
             w for w, (first, end) in sorted(self.adoptions.items()) if first <= self.clock < end
         ]
-        losses, pushes = [], []
-        for identity in identities:
-            if self.roster is not None and identity not in self.roster.members(self.clock):
-                continue
+        computing = [
+            w for w in identities if self.roster is None or w in self.roster.members(self.clock)
+        ]
+        t0 = time.perf_counter()
+        if self._overlap:
+            self._stream = self._start_pull(self.clock - self.spec.slack - 1)
+        else:
+            self._pull(self.clock - self.spec.slack - 1)
+        t1 = time.perf_counter()
+        replied = self._first_reply_at if self._first_reply_at is not None else t1
+        self._phase("pulled")
+        losses = []
+        pushes = Round(MessageKind.PUSH_ACK, self.layout.num_partitions * len(computing))
+        self._pushes = pushes
+        for identity in computing:
             if identity == self.spec.worker_id and self.reassigner is not None:
-                loss, requests = self._compute_reassigned(self.reassigner, self.clock)
+                losses.append(self._compute_reassigned(self.reassigner, self.clock, pushes))
             else:
-                loss, requests = self._compute(identity, self.clock)
-            losses.append(loss)
-            pushes.extend(requests)
+                losses.append(self._compute(identity, self.clock, pushes))
+        streamed = 0.0
+        if self._stream is not None:
+            self._stream.finish()  # partitions no operation read (unused parameters)
+            streamed, self._stream = self._stream.waited_s, None
         t2 = time.perf_counter()
         self._phase("computed")
-        self._round_trip(pushes, MessageKind.PUSH_ACK)
+        self._wait_for(pushes)
+        self._pushes = None
         if self.reassigner is not None:
             self.reassigner.check(self)  # FlexRR: the offers saved for after our own push
         t3 = time.perf_counter()
-        phases = {"wait": replied - t0, "pull": t1 - replied, "compute": t2 - t1, "push": t3 - t2}
+        phases = {
+            "wait": replied - t0,
+            "pull": t1 - replied + streamed,  # with overlap: the waits inside the computation
+            "compute": t2 - t1 - streamed,
+            "push": t3 - t2,
+        }
         for phase, seconds in phases.items():
             self.timings[phase] += seconds
         self._adopted_done.update((w, self.clock) for w in identities[1:])
@@ -221,6 +219,13 @@ class Worker:
     def _phase(self, name: str) -> None:
         if self.phase_hook is not None:
             self.phase_hook(name, self.clock)
+
+    def _help_peers(self) -> None:
+        if self.reassigner is not None:
+            self.reassigner.check(self)
+
+    def _peer_inbox(self) -> zmq.Socket[Any] | None:
+        return self.reassigner.socket if self.reassigner is not None else None
 
     def _pull(self, min_clock: int) -> None:
         """Load every partition (as of at least `min_clock`) into the scratch model."""
@@ -237,34 +242,103 @@ class Worker:
             parts.append(values)
         self.layout.scatter(self._model, parts)  # raises PartitionError on a wrong size
 
-    def _compute(self, identity: str, clock: int) -> tuple[float, list[_Request]]:
-        """The loss and the pushes of `identity`'s minibatch of `clock` on the loaded model."""
+    def _start_pull(self, min_clock: int) -> PullStream:
+        """Ask for every partition (as of at least `min_clock`) and wait for the first reply
+        (helping FlexRR peers meanwhile); the rest load as the computation reads them."""
+        stream = PullStream(self.layout, self._model, lambda done: self._wait(done))
+        pulls = Round(MessageKind.PULL_REPLY, on_reply=stream.arrived)
+        for p in range(self.layout.num_partitions):
+            self._submit(pulls, (p, MessageKind.PULL, min_clock, {}, self.spec.worker_id))
+        self._wait(lambda: pulls.first_reply_at is not None or not pulls.waiting, help_peers=True)
+        self._first_reply_at = pulls.first_reply_at
+        return stream
+
+    def _loading(self) -> AbstractContextManager[Any]:
+        """Around a forward pass: partitions still on their way load when first read."""
+        return self._stream.guard() if self._stream is not None else nullcontext()
+
+    def _buffers_before(self) -> torch.Tensor:
+        """The buffers as pulled (waiting for them if they are still on their way)."""
+        if self._stream is not None:
+            self._stream.ensure_buffers()
+        return self.layout.gather_buffers(self._model)
+
+    def _compute(self, identity: str, clock: int, pushes: Round) -> float:
+        """`identity`'s minibatch of `clock` on the loaded model: its gradient pushed in
+        `pushes` (partitions leave as backward completes them). Returns the loss."""
         (x, y), n = self._minibatch(identity, clock)
         self._model.zero_grad(set_to_none=True)
-        before = self.layout.gather_buffers(self._model)
-        loss = self._loss_fn(self._model(x), y)
-        if self.roster is not None:
-            # the loss is a sum over the share: scaled by the global batch, the workers'
-            # updates add up to the global batch's mean gradient whoever computes what
-            (loss / self.spec.batch_size).backward()
-            mean = float(loss.item()) / max(n, 1)
-        else:
-            loss.backward()
-            mean = float(loss.item())
-        return mean, self._push_requests(identity, clock, buffers_from=before)
+        before = self._buffers_before()
+        with self._loading():
+            loss = self._loss_fn(self._model(x), y)
+        armed = self._arm_early(identity, clock, pushes)
+        try:
+            if self.roster is not None:
+                # the loss is a sum over the share: scaled by the global batch, the workers'
+                # updates add up to the global batch's mean gradient whoever computes what
+                (loss / self.spec.batch_size).backward()
+                mean = float(loss.item()) / max(n, 1)
+            else:
+                loss.backward()
+                mean = float(loss.item())
+        finally:
+            sent = self._disarm_early(armed)
+        delta = self._buffer_delta(before, clock)
+        self._push_rest(identity, clock, pushes, sent, delta)
+        return mean
 
-    def _compute_reassigned(
-        self, reassigner: Reassigner, clock: int
-    ) -> tuple[float, list[_Request]]:
-        """The own share of `clock` in chunks, some rows perhaps computed by helpers."""
+    def _compute_reassigned(self, reassigner: Reassigner, clock: int, pushes: Round) -> float:
+        """The own share of `clock` in chunks, some rows perhaps computed by helpers; pushed
+        in `pushes` (early only if the share was one chunk: see `backward_rows`)."""
         self._model.zero_grad(set_to_none=True)
-        before = self.layout.gather_buffers(self._model)
+        before = self._buffers_before()
+        self._early_sent = []
         loss_sum, rows, helped = reassigner.compute_own(self, clock)
-        grads = self.layout.gather_grads(self._model, self._buffer_delta(before, clock))
-        for parts in helped:
-            for g, h in zip(grads, parts, strict=True):
-                g.add_(h)
-        return loss_sum / rows, self._push_requests(self.spec.worker_id, clock, grads)
+        sent, self._early_sent = self._early_sent, []
+        if sent and helped:
+            raise AgileMLError(f"worker {self.spec.worker_id}: helped after an early push")
+        delta = self._buffer_delta(before, clock)
+        self._push_rest(self.spec.worker_id, clock, pushes, sent, delta, helped)
+        return loss_sum / rows
+
+    def _arm_early(self, identity: str, clock: int, pushes: Round) -> bool:
+        """Push partitions from the gradient hooks during the coming backward."""
+        if self._early is None:
+            return False
+        params = self.layout.params(self._model)
+
+        def send(p: int) -> None:
+            grad = self.layout.partition_grad(params, p)
+            self._submit(pushes, (p, MessageKind.PUSH, clock, {"delta": grad}, identity))
+            self.early_pushes += 1
+
+        return self._early.arm(send)
+
+    def _disarm_early(self, armed: bool) -> list[int]:
+        return self._early.disarm() if armed and self._early is not None else []
+
+    def _push_rest(
+        self,
+        identity: str,
+        clock: int,
+        pushes: Round,
+        sent: list[int],
+        buffer_delta: torch.Tensor | None,
+        helped: list[list[torch.Tensor]] | None = None,
+    ) -> None:
+        """Push the partitions not sent early, each with the helpers' gradients of its rows
+        added (in the order they came)."""
+        params = self.layout.params(self._model)
+        done = set(sent)
+        for p in range(self.layout.num_partitions):
+            if p in done:
+                continue
+            grad = self.layout.partition_grad(params, p, buffer_delta)
+            if helped:
+                grad = grad.clone()  # it may be a view of the model's gradient
+                for parts in helped:
+                    grad.add_(parts[p])
+            self._submit(pushes, (p, MessageKind.PUSH, clock, {"delta": grad}, identity))
 
     # -- what the reassigner uses ------------------------------------------------------------
 
@@ -298,7 +372,22 @@ class Worker:
         else:
             x, y = self._rows.take(self._share_rows(identity, clock)[start:end])
             hit = False
-        return self._backward(x, y), hit
+        # the own share in one chunk: its gradients are final when this backward ends (no
+        # rows were offered, none are left to offer), so partitions may leave as they complete
+        whole = (
+            identity == self.spec.worker_id
+            and self._pushes is not None
+            and clock == self.clock
+            and start == 0
+            and end == self.share_rows(identity, clock)
+        )
+        armed = whole and self._arm_early(identity, clock, self._pushes)  # type: ignore[arg-type]
+        try:
+            loss = self._backward(x, y)
+        finally:
+            if armed:
+                self._early_sent = self._disarm_early(armed)
+        return loss, hit
 
     def backward_first_rows(self, n: int) -> float:
         """The first `n` rows of the data set (at most all of them) through the loaded model,
@@ -319,7 +408,8 @@ class Worker:
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = to_device(x, self.device), to_device(y, self.device)
-        loss = self._loss_fn(self._model(x), y)
+        with self._loading():
+            loss = self._loss_fn(self._model(x), y)
         (loss / self.spec.batch_size).backward()
         return float(loss.item())
 
@@ -385,19 +475,6 @@ class Worker:
             self._rows_cache[key] = rows
         return rows
 
-    def _push_requests(
-        self,
-        identity: str,
-        clock: int,
-        grads: list[torch.Tensor] | None = None,
-        *,
-        buffers_from: torch.Tensor | None = None,
-    ) -> list[_Request]:
-        if grads is None:
-            delta = self._buffer_delta(buffers_from, clock) if buffers_from is not None else None
-            grads = self.layout.gather_grads(self._model, delta)
-        return [(p, MessageKind.PUSH, clock, {"delta": g}, identity) for p, g in enumerate(grads)]
-
     def _buffer_delta(self, before: torch.Tensor, clock: int) -> torch.Tensor | None:
         """How this computation changed the buffers, over the clock's worker count; the
         buffers are put back as pulled (another identity may compute next)."""
@@ -407,15 +484,6 @@ class Worker:
         self.layout.load_buffers(self._model, before)
         workers = len(self.roster.members(clock)) if self.roster is not None else 1
         return (after - before).div_(max(workers, 1))
-
-    def close(self) -> None:
-        """Close the sockets (a later `step` opens new ones)."""
-        for sock in self._sockets.values():
-            sock.close(linger=0)
-        self._sockets.clear()
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
 
     def _minibatch(self, identity: str, clock: int) -> tuple[Batch, int]:
         """`identity`'s rows of `clock` as a batch on the worker's device, and their count."""
@@ -427,131 +495,3 @@ class Worker:
             rows = torch.randint(0, len(self._rows), (self.spec.batch_size,), generator=gen)
         x, y = self._rows.take(rows)
         return (to_device(x, self.device), to_device(y, self.device)), len(rows)
-
-    def _round_trip(
-        self, requests: list[_Request], want: MessageKind
-    ) -> dict[int, dict[str, torch.Tensor]]:
-        """Send all requests at once, then wait for every reply; returns tensors per partition
-        (of the last request to each partition)."""
-        outstanding: dict[int, int] = {}  # seq -> index into requests
-        for i, request in enumerate(requests):
-            if i == len(requests) // 2 and i > 0 and want is MessageKind.PUSH_ACK:
-                self._phase("pushing")
-            self._seq += 1
-            self._send(request, self._seq)
-            outstanding[self._seq] = i
-        deadline = time.monotonic() + self.spec.request_timeout_s
-        results: dict[int, dict[str, torch.Tensor]] = {}
-        self._first_reply_at = None
-        poller = zmq.Poller()
-        polled: set[zmq.Socket[Any]] = set()
-        inbox = self.reassigner.socket if self.reassigner is not None else None
-        if inbox is not None:
-            poller.register(inbox, zmq.POLLIN)
-            polled.add(inbox)
-        while outstanding:
-            if self._abort():
-                raise StaleViewError(f"worker {self.spec.worker_id}: aborted by its node")
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0:
-                raise WorkerError(self.spec.worker_id, "timeout")
-            for sock in self._sockets.values():  # a `moved` reply may have added one
-                if sock not in polled:
-                    poller.register(sock, zmq.POLLIN)
-                    polled.add(sock)
-            for sock, _ in poller.poll(min(remaining_ms, WAIT_SLICE_MS)):
-                if sock is inbox:
-                    assert self.reassigner is not None
-                    helped_from = time.monotonic()
-                    self.reassigner.check(self)  # FlexRR: help peers while we wait
-                    deadline += time.monotonic() - helped_from  # helping is not the server's
-                    continue
-                while sock.poll(0):
-                    header, tensors = self._receive(sock)
-                    if header.seq not in outstanding:
-                        continue  # a late reply to an earlier, abandoned request
-                    i = outstanding.pop(header.seq)
-                    p = requests[i][0]
-                    if header.kind is MessageKind.ERROR:
-                        self._retry_or_raise(p, header.detail or "error")
-                        self._seq += 1
-                        self._send(requests[i], self._seq)
-                        outstanding[self._seq] = i
-                        continue
-                    if header.kind is not want or header.partition != p:
-                        raise WorkerError(self.spec.worker_id, f"unexpected {header.kind} reply")
-                    if self._first_reply_at is None:
-                        self._first_reply_at = time.perf_counter()
-                    results[p] = tensors
-        return results
-
-    def _retry_or_raise(self, p: int, detail: str) -> None:
-        """Decide about an error reply for partition p: return to retry, raise otherwise."""
-        moved = parse_moved(detail)
-        if moved is not None:
-            owner, version = moved
-            if owner not in self.endpoints:
-                raise WorkerError(self.spec.worker_id, f"partition {p} moved to unknown {owner}")
-            if version > self.table.get(p).version:
-                self.table.set(p, owner, version)
-            return
-        reason = detail.partition(":")[0]
-        if reason == RejectReason.STALE_EPOCH:
-            raise StaleViewError(f"worker {self.spec.worker_id}: {detail}")
-        if reason == RejectReason.STALE_ROSTER:
-            wanted = detail.partition(":")[2]
-            raise StaleViewError(
-                f"worker {self.spec.worker_id}: {detail}",
-                roster_version=int(wanted) if wanted.isdigit() else None,
-            )
-        if reason in (RejectReason.MOVING, RejectReason.FUTURE_EPOCH):
-            time.sleep(RETRY_DELAY_SECONDS)
-            return
-        owner = self.table.owner(p)
-        raise WorkerError(self.spec.worker_id, detail, endpoint=self.endpoints.get(owner))
-
-    def _send(self, request: _Request, seq: int) -> None:
-        p, kind, clock, tensors, identity = request
-        fields: dict[str, Any] = {
-            "kind": kind,
-            "job_id": self.spec.job_id,
-            "sender": identity,
-            "seq": seq,
-            "partition": p,
-            "clock": clock,
-        }
-        if self.epoch is not None:
-            fields["epoch"] = self.epoch
-        if kind is MessageKind.PUSH and self.roster is not None:
-            fields["roster_version"] = self.roster.version
-        sock = self._socket(self.table.owner(p))
-        # pushes frame the fresh gradient in place; nothing changes it after this
-        frames = wire.encode(fields, tensors, self._token, zero_copy=True)
-        try:
-            sock.send_multipart(frames, copy=False)
-        except zmq.Again as exc:
-            raise WorkerError(self.spec.worker_id, "timeout") from exc
-
-    def _receive(self, sock: zmq.Socket[Any]) -> tuple[wire.Header, dict[str, torch.Tensor]]:
-        try:
-            frames = sock.recv_multipart(copy=False)
-            return wire.decode([f.buffer for f in frames], self._token)
-        except WireError as exc:
-            raise WorkerError(self.spec.worker_id, f"bad reply: {exc.reason}") from exc
-
-    def _socket(self, owner: str) -> zmq.Socket[Any]:
-        sock = self._sockets.get(owner)
-        if sock is None:
-            if owner not in self.endpoints:
-                raise WorkerError(self.spec.worker_id, f"no endpoint for server {owner!r}")
-            assert self._ctx is not None
-            endpoint = self.endpoints[owner]
-            inproc = self.local_endpoints.get(endpoint)
-            ctx = wire.process_context() if inproc is not None else self._ctx
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            # a send to a closed inproc peer blocks (over TCP it queues): time it out instead
-            sock.setsockopt(zmq.SNDTIMEO, int(self.spec.request_timeout_s * 1000))
-            sock.connect(inproc or endpoint)
-            self._sockets[owner] = sock
-        return sock

@@ -1,0 +1,265 @@
+"""A worker's requests to the parameter servers: rounds of pulls or pushes sent together,
+their replies filed as they come, retries of what may be retried, and one socket per server
+(its own node's over `inproc://`). `Worker` builds on it; the rules are in `worker`'s docstring.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.errors import AgileMLError, WireError, WorkerError
+from orchestrator.agileml.partitions import PartitionTable
+from orchestrator.agileml.rejections import RejectReason, parse_moved
+from orchestrator.agileml.roster import Roster
+from orchestrator.agileml.wire import MessageKind
+
+PULL_TIMEOUT_SECONDS = 30.0  # a pull may legitimately wait for the slowest worker
+RETRY_DELAY_SECONDS = 0.002  # before asking again about a partition in flight
+WAIT_SLICE_MS = 20  # how often a waiting worker checks its abort callback
+
+# partition, kind, clock, tensors, the worker identity it is sent as
+Request = tuple[int, MessageKind, int, dict[str, torch.Tensor], str]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """The plan for one worker; validated on construction of the `Worker`.
+
+    `slack` is the SSP staleness bound s: at clock t the worker must see every update up to
+    clock t-s-1. `slack=0` is BSP.
+    """
+
+    worker_id: str
+    job_id: str
+    batch_size: int
+    slack: int = 0
+    seed: int = 0
+    request_timeout_s: float = PULL_TIMEOUT_SECONDS
+    # overlap communication with computation (`streams`): compute on the first pulled
+    # partitions while the rest arrive, push each partition as soon as its gradients are in
+    overlap: bool = True
+
+
+@dataclass
+class Round:
+    """Requests of one kind sent together (an iteration's pulls, or its pushes) and their
+    replies; requests may join while earlier ones are answered (pushes leave as backward
+    produces them)."""
+
+    want: MessageKind
+    expected: int = 0  # requests planned: the "pushing" phase comes after half are sent
+    requests: list[Request] = field(default_factory=list)
+    results: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    waiting: int = 0  # sent and not answered yet
+    first_reply_at: float | None = None
+    on_reply: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+
+
+class StaleViewError(AgileMLError):
+    """The worker's view is out of date: the job rolled back (redo from the new view's restart
+    clock), the roster changed under this clock (`roster_version`: the servers' version; redo
+    the clock on it), or the caller aborted."""
+
+    def __init__(self, message: str, *, roster_version: int | None = None) -> None:
+        self.roster_version = roster_version
+        super().__init__(message)
+
+
+class ServerRequests:
+    """The request side of a `Worker` (a mixin: the worker sets the attributes below)."""
+
+    spec: WorkerSpec
+    table: PartitionTable
+    endpoints: dict[str, str]
+    local_endpoints: dict[str, str]
+    epoch: int | None
+    roster: Roster | None
+    _token: bytes
+    _abort: Callable[[], bool]
+    _ctx: zmq.Context[Any] | None
+    _sockets: dict[str, zmq.Socket[Any]]
+    _seq: int
+    _first_reply_at: float | None
+    # requests sent and not answered: seq -> (their round, index in it)
+    _outstanding: dict[int, tuple[Round, int]]
+
+    def _phase(self, name: str) -> None:
+        """The fault-injection hook of the phase `name` (the worker's)."""
+        raise NotImplementedError
+
+    def _help_peers(self) -> None:
+        """FlexRR: handle what came to the worker's inbox while it waits (the worker's)."""
+        raise NotImplementedError
+
+    def _peer_inbox(self) -> zmq.Socket[Any] | None:
+        """FlexRR's inbox, to poll while waiting (the worker's; None without FlexRR)."""
+        raise NotImplementedError
+
+    def _round_trip(
+        self, requests: list[Request], want: MessageKind
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Send all requests at once, then wait for every reply; returns tensors per partition
+        (of the last request to each partition)."""
+        batch = Round(want, expected=len(requests))
+        for request in requests:
+            self._submit(batch, request)
+        self._wait_for(batch)
+        self._first_reply_at = batch.first_reply_at
+        return batch.results
+
+    def _submit(self, batch: Round, request: Request) -> None:
+        """Send `request` as part of `batch`."""
+        i = len(batch.requests)
+        if i == batch.expected // 2 and i > 0 and batch.want is MessageKind.PUSH_ACK:
+            self._phase("pushing")
+        batch.requests.append(request)
+        self._resend(batch, i)
+
+    def _resend(self, batch: Round, i: int) -> None:
+        self._seq += 1
+        self._send(batch.requests[i], self._seq)
+        self._outstanding[self._seq] = (batch, i)
+        batch.waiting += 1
+
+    def _wait_for(self, batch: Round) -> None:
+        """Wait until every request of `batch` is answered (helping FlexRR peers meanwhile)."""
+        self._wait(lambda: not batch.waiting, help_peers=True)
+
+    def _wait(self, done: Callable[[], bool], *, help_peers: bool = False) -> None:
+        """Receive replies (into their rounds) until `done()`; with `help_peers`, FlexRR's
+        inbox is served meanwhile (only while the model is not being loaded: see `streams`).
+
+        Raises: as `run`.
+        """
+        deadline = time.monotonic() + self.spec.request_timeout_s
+        poller = zmq.Poller()
+        polled: set[zmq.Socket[Any]] = set()
+        inbox = self._peer_inbox() if help_peers else None
+        if inbox is not None:
+            poller.register(inbox, zmq.POLLIN)
+            polled.add(inbox)
+        while not done():
+            if self._abort():
+                raise StaleViewError(f"worker {self.spec.worker_id}: aborted by its node")
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise WorkerError(self.spec.worker_id, "timeout")
+            for sock in self._sockets.values():  # a `moved` reply may have added one
+                if sock not in polled:
+                    poller.register(sock, zmq.POLLIN)
+                    polled.add(sock)
+            for sock, _ in poller.poll(min(remaining_ms, WAIT_SLICE_MS)):
+                if sock is inbox:
+                    helped_from = time.monotonic()
+                    self._help_peers()  # FlexRR: help peers while we wait
+                    deadline += time.monotonic() - helped_from  # helping is not the server's
+                    continue
+                while sock.poll(0):
+                    self._on_reply(*self._receive(sock))
+
+    def _on_reply(self, header: wire.Header, tensors: dict[str, torch.Tensor]) -> None:
+        """File a reply with its round; retry what may be retried. Raises: as `run`."""
+        entry = self._outstanding.pop(header.seq, None)
+        if entry is None:
+            return  # a late reply to an earlier, abandoned request
+        batch, i = entry
+        batch.waiting -= 1
+        p = batch.requests[i][0]
+        if header.kind is MessageKind.ERROR:
+            self._retry_or_raise(p, header.detail or "error")
+            self._resend(batch, i)
+            return
+        if header.kind is not batch.want or header.partition != p:
+            raise WorkerError(self.spec.worker_id, f"unexpected {header.kind} reply")
+        if batch.first_reply_at is None:
+            batch.first_reply_at = time.perf_counter()
+        batch.results[p] = tensors
+        if batch.on_reply is not None:
+            batch.on_reply(p, tensors)
+
+    def _retry_or_raise(self, p: int, detail: str) -> None:
+        """Decide about an error reply for partition p: return to retry, raise otherwise."""
+        moved = parse_moved(detail)
+        if moved is not None:
+            owner, version = moved
+            if owner not in self.endpoints:
+                raise WorkerError(self.spec.worker_id, f"partition {p} moved to unknown {owner}")
+            if version > self.table.get(p).version:
+                self.table.set(p, owner, version)
+            return
+        reason = detail.partition(":")[0]
+        if reason == RejectReason.STALE_EPOCH:
+            raise StaleViewError(f"worker {self.spec.worker_id}: {detail}")
+        if reason == RejectReason.STALE_ROSTER:
+            wanted = detail.partition(":")[2]
+            raise StaleViewError(
+                f"worker {self.spec.worker_id}: {detail}",
+                roster_version=int(wanted) if wanted.isdigit() else None,
+            )
+        if reason in (RejectReason.MOVING, RejectReason.FUTURE_EPOCH):
+            time.sleep(RETRY_DELAY_SECONDS)
+            return
+        owner = self.table.owner(p)
+        raise WorkerError(self.spec.worker_id, detail, endpoint=self.endpoints.get(owner))
+
+    def _send(self, request: Request, seq: int) -> None:
+        p, kind, clock, tensors, identity = request
+        fields: dict[str, Any] = {
+            "kind": kind,
+            "job_id": self.spec.job_id,
+            "sender": identity,
+            "seq": seq,
+            "partition": p,
+            "clock": clock,
+        }
+        if self.epoch is not None:
+            fields["epoch"] = self.epoch
+        if kind is MessageKind.PUSH and self.roster is not None:
+            fields["roster_version"] = self.roster.version
+        sock = self._socket(self.table.owner(p))
+        # pushes frame the fresh gradient in place; nothing changes it after this
+        frames = wire.encode(fields, tensors, self._token, zero_copy=True)
+        try:
+            sock.send_multipart(frames, copy=False)
+        except zmq.Again as exc:
+            raise WorkerError(self.spec.worker_id, "timeout") from exc
+
+    def _receive(self, sock: zmq.Socket[Any]) -> tuple[wire.Header, dict[str, torch.Tensor]]:
+        try:
+            frames = sock.recv_multipart(copy=False)
+            return wire.decode([f.buffer for f in frames], self._token)
+        except WireError as exc:
+            raise WorkerError(self.spec.worker_id, f"bad reply: {exc.reason}") from exc
+
+    def _socket(self, owner: str) -> zmq.Socket[Any]:
+        sock = self._sockets.get(owner)
+        if sock is None:
+            if owner not in self.endpoints:
+                raise WorkerError(self.spec.worker_id, f"no endpoint for server {owner!r}")
+            assert self._ctx is not None
+            endpoint = self.endpoints[owner]
+            inproc = self.local_endpoints.get(endpoint)
+            ctx = wire.process_context() if inproc is not None else self._ctx
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            # a send to a closed inproc peer blocks (over TCP it queues): time it out instead
+            sock.setsockopt(zmq.SNDTIMEO, int(self.spec.request_timeout_s * 1000))
+            sock.connect(inproc or endpoint)
+            self._sockets[owner] = sock
+        return sock
+
+    def close(self) -> None:
+        """Close the sockets (a later `step` opens new ones)."""
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
