@@ -11,6 +11,13 @@ with a `Roster`, the worker's share of the global batch of clock t, so a redone 
 computes on the same rows, and the server's (worker, clock, partition) deduplication keeps an
 update from being applied twice.
 
+Overlap (`streams`, on with `WorkerSpec.overlap` when the model has several partitions): the
+forward pass starts once the first pulled partition is in, the others loading when an operation
+first reads them, and each partition is pushed from the gradient hooks as soon as backward has
+all of its gradients. With FlexRR, pushes leave early only when the worker's share is one chunk
+(its gradients are then final when that backward ends); on a GPU the hooks run on autograd's
+device thread, which then sends (never run on a GPU).
+
 Retries: a partition that is being handed off (`moving`) or a server that has not yet entered
 the worker's epoch (`future_epoch`) is asked again shortly; a `moved` reply re-points the
 partition to its new owner and asks again. A server that refuses the worker's epoch
@@ -32,7 +39,7 @@ import zmq
 from torch import nn
 
 from orchestrator.agileml.batches import Batch, RowSource, TensorRows, slice_batch, to_device
-from orchestrator.agileml.errors import AgileMLError, WorkerError
+from orchestrator.agileml.errors import AgileMLError, PartitionError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
 from orchestrator.agileml.streams import EarlyPushes, PullStream
@@ -156,11 +163,16 @@ class Worker(ServerRequests):
 
         Raises: as `run`; the clock is then unchanged, and calling `step` again redoes it.
         """
+        try:
+            return self._step()
+        finally:
+            self._stream, self._pushes = None, None  # given up or done: nothing loads later
+
+    def _step(self) -> float:
         torch.set_num_threads(1)
         if self._ctx is None:
             self._ctx = zmq.Context()
         self._outstanding.clear()  # replies to an abandoned iteration are late now
-        self._stream, self._pushes = None, None
         for identity, (first, end) in sorted(self.adoptions.items()):
             for clock in range(first, min(end, self.clock)):
                 if (identity, clock) not in self._adopted_done:
@@ -246,7 +258,14 @@ class Worker(ServerRequests):
         """Ask for every partition (as of at least `min_clock`) and wait for the first reply
         (helping FlexRR peers meanwhile); the rest load as the computation reads them."""
         stream = PullStream(self.layout, self._model, lambda done: self._wait(done))
-        pulls = Round(MessageKind.PULL_REPLY, on_reply=stream.arrived)
+
+        def arrived(p: int, tensors: dict[str, torch.Tensor]) -> None:
+            try:
+                stream.arrived(p, tensors)
+            except PartitionError as exc:
+                raise WorkerError(self.spec.worker_id, f"bad pull reply: {exc}") from exc
+
+        pulls = Round(MessageKind.PULL_REPLY, on_reply=arrived)
         for p in range(self.layout.num_partitions):
             self._submit(pulls, (p, MessageKind.PULL, min_clock, {}, self.spec.worker_id))
         self._wait(lambda: pulls.first_reply_at is not None or not pulls.waiting, help_peers=True)

@@ -47,6 +47,14 @@ CheckpointEveryOption = Annotated[
         min=0,
     ),
 ]
+OverlapOption = Annotated[
+    bool,
+    typer.Option(
+        "--overlap/--no-overlap",
+        help="Compute on the first pulled partitions while the rest arrive, and push each "
+        "partition as soon as backward has its gradients (same results either way).",
+    ),
+]
 ResumeOption = Annotated[
     Path | None,
     typer.Option(
@@ -77,6 +85,7 @@ def train_command(
     inject: InjectOption = "",
     checkpoint_every: CheckpointEveryOption = 0,
     resume: ResumeOption = None,
+    overlap: OverlapOption = True,
 ) -> None:
     """Train JOB.py on local processes, like torchrun --standalone for a spot job."""
     from orchestrator.agileml.errors import AgileMLError
@@ -97,6 +106,7 @@ def train_command(
             checkpoint_dir=str(out_dir / "checkpoints") if out_dir and checkpoint_every else None,
             checkpoint_every=checkpoint_every,
             resume=str(resume) if resume is not None else None,
+            overlap=overlap,
         )
     except ValidationError as exc:
         raise validation_to_user_error(exc) from None
