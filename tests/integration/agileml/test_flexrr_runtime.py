@@ -230,3 +230,33 @@ def test_bad_straggler_settings_are_refused_naming_the_field(
 ) -> None:
     with pytest.raises(ValidationError, match=field):
         TrainingSpec.model_validate({"job_id": "j", "straggler": settings})
+
+
+def test_flexrr_nodes_push_partitions_during_backward_and_train_the_same_weights(
+    jobs: Callable[[TrainingSpec], Job],
+) -> None:
+    """FlexRR on, nobody straggling: each share is one chunk, so its partitions leave from
+    the gradient hooks (the overlap path); the weights are those of the run without it."""
+    finals, early = {}, {}
+    for overlap in (True, False):
+        spec = TrainingSpec(
+            job_id="early",  # the same job (its initial model and data) both times
+            model=ModelSpec(kind="mlp", features=12, hidden=24, classes=3),
+            samples=256,
+            global_batch=32,
+            iterations=12,
+            num_partitions=4,
+            min_nodes=2,
+            heartbeat_s=0.1,
+            failure_timeout_s=2.0,
+            overlap=overlap,
+        )
+        job = jobs(spec)
+        job.launch("r0", NodeTier.RELIABLE)
+        job.launch("t0")
+        finals[overlap] = job.finish()
+        early[overlap] = [n._worker.early_pushes for n in job.nodes.values() if n._worker]
+        job.close()
+    assert len(early[True]) == 2 and all(count > 0 for count in early[True]), early
+    assert not any(early[False]), early
+    assert torch.equal(finals[True], finals[False])
