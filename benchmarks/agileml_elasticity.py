@@ -8,7 +8,8 @@ stage 3 (`stage3_above` = 2.5, so 4:1 is stage 3: workers only on the transient 
 * `overhead_vs_ddp`: AgileML's median time per iteration with 4 workers over DDP's (gloo, the
   same 4 processes' worth of workers, model, data size and global batch), measured in this run;
 * `add_blip`: the slowest iteration from launching 2 more nodes until 3 clocks after they
-  start computing, over the median iteration before the launch;
+  start computing, over the median iteration before the launch (`add_blip_static_window`: the
+  same statistic over the same clocks of the static run, where nothing happens);
 * `evict_blip`: the slowest iteration of the clocks around the one where half the transient
   nodes leave (with warning: SIGUSR1), over the median iteration after it;
 * `failure_recovery_s`: from SIGKILL of a partition-owning node to the next completed iteration;
@@ -119,7 +120,19 @@ def run_static(spec: TrainingSpec) -> dict[str, Any]:
         "phase_seconds": mean_phase_seconds(outcomes),
         "stage": stage,
         "loss": final_loss(spec, params),
+        "durations": d,
     }
+
+
+def static_blip(static: dict[int, float], clocks: dict[str, int]) -> float:
+    """`add_blip`'s statistic on the static run, over the clocks where the elastic run
+    measured it: the slowest iteration of a window over the median before it, with nothing
+    happening (the noise floor of `add_blip` on this machine)."""
+    before = median_over(static, WARMUP_CLOCKS, clocks["join_launch"])
+    window = [
+        v for c, v in static.items() if clocks["join_launch"] < c <= clocks["joined_from"] + 3
+    ]
+    return max(window) / before
 
 
 def run_elastic(spec: TrainingSpec) -> dict[str, Any]:
@@ -234,6 +247,9 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--exact-iterations", type=int, default=150)
+    parser.add_argument(
+        "--no-overlap", action="store_true", help="workers without overlap (agileml.streams)"
+    )
     args = parser.parse_args()
     t0 = time.monotonic()
 
@@ -248,6 +264,7 @@ def main() -> None:
             num_partitions=args.partitions,
             min_nodes=5,
             thresholds=STAGE3,
+            overlap=not args.no_overlap,
         )
 
     params = args.features * args.classes + args.classes
@@ -272,14 +289,20 @@ def main() -> None:
         "agileml_seconds_per_iteration": static["seconds_per_iteration"],
         "agileml_phase_s_per_it": static["phase_seconds"],
         "agileml_stage": static["stage"],
+        "agileml_s_per_it_p90": statistics.quantiles(
+            [v for c, v in static["durations"].items() if c >= WARMUP_CLOCKS], n=10
+        )[-1],
         "overhead_vs_ddp": static["seconds_per_iteration"] / ddp.seconds_per_iteration,
         "add_blip": elastic["add_blip"],
+        # the same statistic over the same clocks of the static run: what noise alone gives
+        "add_blip_static_window": static_blip(static["durations"], elastic["clocks"]),
         "evict_blip": elastic["evict_blip"],
         "failure_recovery_s": elastic["failure_recovery_s"],
         "exactly_once": exact["exactly_once"],
         "loss_static": static["loss"],
         "loss_elastic": elastic["loss"],
         "iterations": args.iterations,
+        "overlap": not args.no_overlap,
         "elastic_detail": {k: v for k, v in elastic.items() if k != "loss"},
         "exactly_once_detail": exact,
         "targets": TARGETS,

@@ -228,8 +228,14 @@ class PartitionLayout:
     def load_buffers_from(self, model: nn.Module, parts: Mapping[int, torch.Tensor]) -> None:
         """Set the model's buffers from the partitions that hold their values."""
         if self.buffer_sizes:
-            n = self.total - self.param_total
-            self.load_buffers(model, self._slice(parts, self.param_total, n))
+            self.load_buffers(model, self.buffer_values(parts))
+
+    def buffer_values(self, parts: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """The buffers' values (as `gather_buffers` has them) from the partitions that hold
+        them; a view of a partition when one holds them all (do not write to it)."""
+        if not self.buffer_sizes:
+            return torch.empty(0)
+        return self._slice(parts, self.param_total, self.total - self.param_total)
 
     def _overlapping(self, start: int, n: int) -> tuple[int, ...]:
         """The partitions that values [start, start + n) of the flat vector lie in."""

@@ -3,14 +3,20 @@
 * `PullStream`: the forward pass starts as soon as the first pulled partition is in; the
   others are loaded when a torch operation first reads one of their tensors (`LoadOnUse`, a
   `TorchFunctionMode` that sees every parameter and buffer an operation is given, whoever
-  holds it: a module, a functional call, a tied weight). BSP semantics are kept: a server
-  answers a pull only once the clock's update of that partition is applied, so a layer is
-  used only once it is fresh.
+  holds it: a module, a functional call, a tied weight, a view kept of one). BSP semantics
+  are kept: a server answers a pull only once the clock's update of that partition is
+  applied, so a layer is used only once it is fresh. What the mode cannot see: TorchScript
+  modules and compiled graphs (`streaming_safe` turns streaming off for those it recognises)
+  and C++ code that reads a parameter without a torch operation; run such a job with
+  `overlap` off.
 * `EarlyPushes`: hooks on the parameters count, per partition, the gradients accumulated by
   the backward pass; a partition is pushed the moment its last one is in, while backward goes
   on with the layers below. Partitions that hold buffer values (BatchNorm statistics: their
   change is known only at the end) or gradients that never came (unused or frozen parameters)
-  go when backward is done, with the rest.
+  go when backward is done, with the rest. A parameter whose gradient is accumulated twice in
+  one backward (reentrant activation checkpointing) would make a partition leave short of its
+  gradient: `probe` finds that on the warm-up backward and turns early pushes off, and a
+  second accumulation while armed fails the iteration (`AgileMLError`) instead.
 
 Neither changes a result: the same values are loaded and the same gradients pushed, only
 sooner. Both are off with `TrainingSpec.overlap = False`.
@@ -20,19 +26,27 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from orchestrator.agileml.errors import PartitionError
+from orchestrator.agileml.errors import AgileMLError, PartitionError
 from orchestrator.agileml.partitions import PartitionLayout
 
 # waits until the predicate holds, receiving replies meanwhile
 WaitFn = Callable[[Callable[[], bool]], None]
+
+
+def streaming_safe(model: nn.Module) -> bool:
+    """Whether `LoadOnUse` sees every read of the model's parameters, as far as can be told:
+    no TorchScript module and no `torch.compile`d one (their operations run outside Python)."""
+    return not any(
+        isinstance(m, torch.jit.ScriptModule) or hasattr(m, "_orig_mod") for m in model.modules()
+    )
 
 
 class PullStream:
@@ -61,15 +75,12 @@ class PullStream:
             self.pending[id(buf)] = tuple(sorted(self._buffer_parts))
         self.waited_s = 0.0  # spent waiting for replies inside the computation
 
-    def arrived(self, p: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """A pull reply for partition p (not loaded yet).
+    def arrived(self, p: int, values: torch.Tensor) -> None:
+        """A pull reply's float32 values for partition p (not loaded yet).
 
         Raises:
-            PartitionError: the reply has no float32 `values` of the partition's size.
+            PartitionError: the values are not of the partition's size.
         """
-        values = tensors.get("values")
-        if values is None or values.dtype != torch.float32:
-            raise PartitionError(f"bad pull reply for partition {p}", partition=p)
         if values.shape != (self.layout.size(p),):
             raise PartitionError(
                 f"partition {p} has shape {tuple(values.shape)}, want ({self.layout.size(p)},)",
@@ -96,6 +107,12 @@ class PullStream:
     def finish(self) -> None:
         """Wait for and load every partition."""
         self.ensure(range(self.layout.num_partitions))
+
+    def pulled_buffers(self) -> torch.Tensor:
+        """The buffers' values as pulled (`gather_buffers` of the model as loaded, before
+        the forward pass changed them), loading them if no operation has read them yet."""
+        self.ensure_buffers()
+        return self.layout.buffer_values(self._received)
 
     def guard(self) -> AbstractContextManager[Any]:
         """Around the forward pass: loads what an operation reads before it runs."""
@@ -136,6 +153,8 @@ class LoadOnUse(TorchFunctionMode):
                 items = arg if isinstance(arg, list | tuple) else (arg,)
                 for item in items:
                     parts = pending.get(id(item))
+                    if parts is None and isinstance(item, torch.Tensor):
+                        parts = pending.get(id(item._base))  # a view kept of a parameter
                     if parts is not None:
                         need.update(parts)
             if need:
@@ -169,22 +188,51 @@ class EarlyPushes:
                 param.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
         self._send: Callable[[int], None] | None = None
         self._remaining: dict[int, int] = {}
-        self.sent: list[int] = []
+        self._fired: set[int] | None = None  # parameters whose hook ran (armed or probing)
+        self._twice = False  # a hook ran twice in one backward
+        self.disabled = False  # by `probe`: early pushes would not be safe for this model
+        self.sent: list[int] = []  # partitions sent since the last `arm`
+
+    @contextmanager
+    def probe(self) -> Iterator[None]:
+        """Around a backward with nothing armed (the warm-up): if a gradient is accumulated
+        twice in it, early pushes are turned off for good."""
+        self._fired, self._twice = set(), False
+        try:
+            yield
+        finally:
+            self.disabled = self.disabled or self._twice
+            self._fired = None
 
     def arm(self, send: Callable[[int], None]) -> bool:
         """Send partitions through `send(p)` as they complete in the next backward. False
-        (nothing armed) if which parameters require gradients changed since construction."""
-        if tuple(p.requires_grad for p in self._params) != self._hooked:
+        (nothing armed) if `probe` turned early pushes off, or if which parameters require
+        gradients changed since construction."""
+        self.sent = []
+        if self.disabled or tuple(p.requires_grad for p in self._params) != self._hooked:
             return False
-        self._send, self._remaining, self.sent = send, dict(self._counts), []
+        self._send, self._remaining, self._fired = send, dict(self._counts), set()
         return True
 
     def disarm(self) -> list[int]:
         """Stop sending; returns the partitions sent since `arm`."""
-        self._send = None
+        self._send, self._fired = None, None
         return self.sent
 
     def _ready(self, i: int, _param: torch.Tensor) -> None:
+        if self._fired is None:
+            return
+        if i in self._fired:
+            self._twice = True
+            if self._send is not None:
+                self.disabled = True
+                raise AgileMLError(
+                    "a parameter's gradient was accumulated twice in one backward (reentrant "
+                    "checkpointing?): a partition may have been pushed short of it; early "
+                    "pushes are now off (set `overlap` false for this job)"
+                )
+            return
+        self._fired.add(i)
         if self._send is None:
             return
         for p in self._param_parts[i]:

@@ -39,10 +39,10 @@ import zmq
 from torch import nn
 
 from orchestrator.agileml.batches import Batch, RowSource, TensorRows, slice_batch, to_device
-from orchestrator.agileml.errors import AgileMLError, PartitionError, WorkerError
+from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
-from orchestrator.agileml.streams import EarlyPushes, PullStream
+from orchestrator.agileml.streams import EarlyPushes, PullStream, streaming_safe
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.agileml.worker_link import Round, ServerRequests, StaleViewError, WorkerSpec
 
@@ -113,7 +113,7 @@ class Worker(ServerRequests):
         # hold a pull until the slower workers' updates are in; FlexRR help given meanwhile
         # counts here); "pull": the rest of the replies and loading them into the model
         self.timings: dict[str, float] = {"wait": 0.0, "pull": 0.0, "compute": 0.0, "push": 0.0}
-        self._first_reply_at: float | None = None  # of the last `_round_trip`
+        self._first_reply_at: float | None = None  # of the last pull
         self.clock = 0
         # failed workers whose shares this one computes: identity -> clocks [from, to)
         self.adoptions: dict[str, tuple[int, int]] = {}
@@ -129,15 +129,19 @@ class Worker(ServerRequests):
         self._preloaded: dict[tuple[str, int, int], tuple[int, Batch]] = {}
         # requests sent and not answered: seq -> (their round, index in it)
         self._outstanding: dict[int, tuple[Round, int]] = {}
-        # overlap (see `streams`): only with several partitions and contiguous parameters
+        # overlap (see `streams`): only with several partitions and contiguous parameters;
+        # streaming pulls only where every read of a parameter is a torch operation we see
         params = layout.params(self._model)
-        self._overlap = (
+        overlap = (
             spec.overlap and layout.num_partitions > 1 and all(p.is_contiguous() for p in params)
         )
-        self._early = EarlyPushes(layout, self._model) if self._overlap else None
+        self._overlap = overlap and streaming_safe(self._model)
+        self._early = EarlyPushes(layout, self._model) if overlap else None
         self._stream: PullStream | None = None  # this iteration's pull, while it loads
         self._pushes: Round | None = None  # this iteration's pushes, while they are sent
-        self._early_sent: list[int] = []  # partitions pushed by the last armed backward
+        # the model holds one clock's parameters (not a streaming pull given up half-way)
+        self._model_whole = True
+        self._helped_s = 0.0
         self.early_pushes = 0  # partitions pushed while backward was still running
 
     def run(self, iterations: int) -> list[float]:
@@ -209,6 +213,7 @@ class Worker(ServerRequests):
         if self._stream is not None:
             self._stream.finish()  # partitions no operation read (unused parameters)
             streamed, self._stream = self._stream.waited_s, None
+            self._model_whole = True
         t2 = time.perf_counter()
         self._phase("computed")
         self._wait_for(pushes)
@@ -233,7 +238,8 @@ class Worker(ServerRequests):
             self.phase_hook(name, self.clock)
 
     def _help_peers(self) -> None:
-        if self.reassigner is not None:
+        # not on a model left half loaded by a step given up: that is no clock's model
+        if self.reassigner is not None and self._model_whole:
             self.reassigner.check(self)
 
     def _peer_inbox(self) -> zmq.Socket[Any] | None:
@@ -246,40 +252,40 @@ class Worker(ServerRequests):
         replies = self._round_trip(
             [(p, MessageKind.PULL, min_clock, {}, me) for p in range(n)], MessageKind.PULL_REPLY
         )
-        parts = []
-        for p in range(n):
-            values = replies[p].get("values")
-            if values is None or values.dtype != torch.float32:
-                raise WorkerError(me, f"bad pull reply for partition {p}")
-            parts.append(values)
+        parts = [self._pulled_values(p, replies[p]) for p in range(n)]
         self.layout.scatter(self._model, parts)  # raises PartitionError on a wrong size
+        self._model_whole = True
+
+    def _pulled_values(self, p: int, reply: dict[str, torch.Tensor]) -> torch.Tensor:
+        values = reply.get("values")
+        if values is None or values.dtype != torch.float32:
+            raise WorkerError(self.spec.worker_id, f"bad pull reply for partition {p}")
+        return values
 
     def _start_pull(self, min_clock: int) -> PullStream:
         """Ask for every partition (as of at least `min_clock`) and wait for the first reply
         (helping FlexRR peers meanwhile); the rest load as the computation reads them."""
-        stream = PullStream(self.layout, self._model, lambda done: self._wait(done))
-
-        def arrived(p: int, tensors: dict[str, torch.Tensor]) -> None:
-            try:
-                stream.arrived(p, tensors)
-            except PartitionError as exc:
-                raise WorkerError(self.spec.worker_id, f"bad pull reply: {exc}") from exc
-
-        pulls = Round(MessageKind.PULL_REPLY, on_reply=arrived)
+        pulls = Round(MessageKind.PULL_REPLY, self.layout.num_partitions)
+        stream = PullStream(self.layout, self._model, lambda done: self._wait(done, pulls))
+        # a wrong size raises PartitionError, as `scatter` does without overlap
+        pulls.on_reply = lambda p, reply: stream.arrived(p, self._pulled_values(p, reply))
         for p in range(self.layout.num_partitions):
             self._submit(pulls, (p, MessageKind.PULL, min_clock, {}, self.spec.worker_id))
-        self._wait(lambda: pulls.first_reply_at is not None or not pulls.waiting, help_peers=True)
+        first_in = lambda: pulls.first_reply_at is not None or not pulls.waiting  # noqa: E731
+        self._wait(first_in, pulls, help_peers=True)
         self._first_reply_at = pulls.first_reply_at
+        self._model_whole = False  # until `finish`: FlexRR helps no peer on a mix of clocks
         return stream
 
     def _loading(self) -> AbstractContextManager[Any]:
         """Around a forward pass: partitions still on their way load when first read."""
         return self._stream.guard() if self._stream is not None else nullcontext()
 
-    def _buffers_before(self) -> torch.Tensor:
-        """The buffers as pulled (waiting for them if they are still on their way)."""
+    def _buffers_before(self) -> torch.Tensor | None:
+        """The buffers as pulled; None while a pull streams in (`_buffer_delta` then takes
+        them from the pulled partitions, which may come after the forward pass started)."""
         if self._stream is not None:
-            self._stream.ensure_buffers()
+            return None
         return self.layout.gather_buffers(self._model)
 
     def _compute(self, identity: str, clock: int, pushes: Round) -> float:
@@ -311,9 +317,10 @@ class Worker(ServerRequests):
         in `pushes` (early only if the share was one chunk: see `backward_rows`)."""
         self._model.zero_grad(set_to_none=True)
         before = self._buffers_before()
-        self._early_sent = []
+        if self._early is not None:
+            self._early.sent = []  # filled if `backward_rows` arms it (one chunk)
         loss_sum, rows, helped = reassigner.compute_own(self, clock)
-        sent, self._early_sent = self._early_sent, []
+        sent = list(self._early.sent) if self._early is not None else []
         if sent and helped:
             raise AgileMLError(f"worker {self.spec.worker_id}: helped after an early push")
         delta = self._buffer_delta(before, clock)
@@ -404,8 +411,7 @@ class Worker(ServerRequests):
         try:
             loss = self._backward(x, y)
         finally:
-            if armed:
-                self._early_sent = self._disarm_early(armed)
+            self._disarm_early(armed)  # what it sent stays in `_early.sent`
         return loss, hit
 
     def backward_first_rows(self, n: int) -> float:
@@ -413,7 +419,10 @@ class Worker(ServerRequests):
         as `backward_rows` does: for timing and warming up before the first clock, when no
         share is known yet. Returns the loss sum."""
         x, y = self._rows.take(torch.arange(min(n, len(self._rows))))
-        return self._backward(x, y)
+        if self._early is None:
+            return self._backward(x, y)
+        with self._early.probe():  # early pushes off if a gradient accumulates twice
+            return self._backward(x, y)
 
     def warm_up(self, rows: int = 8) -> None:
         """One forward and backward before the first clock, gradients discarded: the first
@@ -494,11 +503,15 @@ class Worker(ServerRequests):
             self._rows_cache[key] = rows
         return rows
 
-    def _buffer_delta(self, before: torch.Tensor, clock: int) -> torch.Tensor | None:
-        """How this computation changed the buffers, over the clock's worker count; the
-        buffers are put back as pulled (another identity may compute next)."""
+    def _buffer_delta(self, before: torch.Tensor | None, clock: int) -> torch.Tensor | None:
+        """How this computation changed the buffers (`before`: as pulled; None: take them
+        from the streaming pull), over the clock's worker count; the buffers are put back as
+        pulled (another identity may compute next)."""
         if not self.layout.buffer_sizes:
             return None
+        if before is None:
+            assert self._stream is not None, "no buffers before and no pull streaming"
+            before = self._stream.pulled_buffers()
         after = self.layout.gather_buffers(self._model)
         self.layout.load_buffers(self._model, before)
         workers = len(self.roster.members(clock)) if self.roster is not None else 1

@@ -60,6 +60,7 @@ class Round:
     waiting: int = 0  # sent and not answered yet
     first_reply_at: float | None = None
     on_reply: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+    waited_s: float = 0.0  # spent in `_wait` calls made `within` this round
 
 
 class StaleViewError(AgileMLError):
@@ -87,6 +88,7 @@ class ServerRequests:
     _sockets: dict[str, zmq.Socket[Any]]
     _seq: int
     _first_reply_at: float | None
+    _helped_s: float  # FlexRR help given during the current `_wait`
     # requests sent and not answered: seq -> (their round, index in it)
     _outstanding: dict[int, tuple[Round, int]]
 
@@ -132,13 +134,24 @@ class ServerRequests:
         """Wait until every request of `batch` is answered (helping FlexRR peers meanwhile)."""
         self._wait(lambda: not batch.waiting, help_peers=True)
 
-    def _wait(self, done: Callable[[], bool], *, help_peers: bool = False) -> None:
+    def _wait(
+        self, done: Callable[[], bool], within: Round | None = None, *, help_peers: bool = False
+    ) -> None:
         """Receive replies (into their rounds) until `done()`; with `help_peers`, FlexRR's
-        inbox is served meanwhile (only while the model is not being loaded: see `streams`).
+        inbox is served meanwhile. `within`: a round waited for in several calls (a streaming
+        pull, between layers), whose waits share one `request_timeout_s`.
 
         Raises: as `run`.
         """
-        deadline = time.monotonic() + self.spec.request_timeout_s
+        started, self._helped_s = time.monotonic(), 0.0
+        budget = self.spec.request_timeout_s - (within.waited_s if within is not None else 0.0)
+        try:
+            self._receive_until(done, started + budget, help_peers)
+        finally:
+            if within is not None:
+                within.waited_s += time.monotonic() - started - self._helped_s
+
+    def _receive_until(self, done: Callable[[], bool], deadline: float, help_peers: bool) -> None:
         poller = zmq.Poller()
         polled: set[zmq.Socket[Any]] = set()
         inbox = self._peer_inbox() if help_peers else None
@@ -159,7 +172,9 @@ class ServerRequests:
                 if sock is inbox:
                     helped_from = time.monotonic()
                     self._help_peers()  # FlexRR: help peers while we wait
-                    deadline += time.monotonic() - helped_from  # helping is not the server's
+                    helped = time.monotonic() - helped_from
+                    deadline += helped  # helping is not the servers' time
+                    self._helped_s += helped
                     continue
                 while sock.poll(0):
                     self._on_reply(*self._receive(sock))

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 
+from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.partitions import PartitionLayout
-from orchestrator.agileml.streams import EarlyPushes, PullStream
+from orchestrator.agileml.streams import EarlyPushes, PullStream, streaming_safe
 
 
 def _mlp() -> nn.Module:
@@ -49,7 +51,7 @@ class _Server:
     def wait(self, done: Callable[[], bool]) -> None:
         self.waits += 1
         while not done():
-            self.stream_ref[0].arrived(self.next, {"values": self.parts[self.next]})
+            self.stream_ref[0].arrived(self.next, self.parts[self.next])
             self.next += 1
 
 
@@ -60,7 +62,7 @@ def _stream(
     server = _Server(ref, parts)
     stream = PullStream(layout, model, server.wait)
     ref.append(stream)
-    server.stream_ref[0].arrived(0, {"values": parts[0]})
+    server.stream_ref[0].arrived(0, parts[0])
     server.next = 1
     return stream, server
 
@@ -170,3 +172,78 @@ def test_partition_grad_is_a_view_inside_one_gradient_and_fills_missing_ones_wit
     model.bias.grad = None
     last = layout.partition_grad(params, 3)
     assert torch.equal(last[-10:], torch.zeros(10))
+
+
+class _KeptView(nn.Module):
+    """Keeps a view of its weight from construction and reads only the view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6)
+        self.w = nn.Parameter(torch.randn(3, 6))
+        self.wt = self.w.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.first(x)) @ self.wt
+
+
+def test_a_view_kept_of_a_parameter_is_loaded_before_it_is_read() -> None:
+    model = _KeptView()
+    layout = PartitionLayout(model, 3)
+    parts = _fresh(layout, _KeptView)
+    stream, _ = _stream(model, layout, parts)
+    x = torch.randn(5, 4)
+    with stream.guard():
+        out = model(x)
+    reference = _KeptView()
+    layout.scatter(reference, parts)
+    reference.wt = reference.w.t()
+    assert torch.equal(out, reference(x))
+
+
+def test_pulled_buffers_are_the_values_before_the_forward_changed_them() -> None:
+    def factory() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+
+    model = factory()
+    layout = PartitionLayout(model, 3)
+    parts = _fresh(layout, factory)
+    stream, _ = _stream(model, layout, parts)
+    with stream.guard():
+        model(torch.randn(8, 4))  # BatchNorm updates its running statistics in place
+    as_pulled = layout.gather_buffers(_reference(factory, parts, layout))
+    assert torch.equal(stream.pulled_buffers(), as_pulled)
+    assert not torch.equal(layout.gather_buffers(model), as_pulled)
+
+
+def test_a_gradient_accumulated_twice_turns_early_pushes_off() -> None:
+    model = _mlp()
+    layout = PartitionLayout(model, 4)
+    early = EarlyPushes(layout, model)
+    x = torch.randn(3, 6)
+    with early.probe():  # two backward calls through one graph: every gradient twice
+        out = model(x).sum()
+        out.backward(retain_graph=True)
+        out.backward()
+    assert early.disabled
+    assert not early.arm(lambda p: None)
+
+
+def test_a_second_accumulation_while_armed_fails_loudly() -> None:
+    model = _mlp()
+    layout = PartitionLayout(model, 4)
+    early = EarlyPushes(layout, model)
+    out = model(torch.randn(3, 6)).sum()
+    assert early.arm(lambda p: None)
+    out.backward(retain_graph=True)
+    with pytest.raises(AgileMLError, match="accumulated twice"):
+        out.backward()
+    early.disarm()
+    assert early.disabled
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script's own
+def test_torchscript_and_compiled_modules_are_not_streamed() -> None:
+    assert streaming_safe(_mlp())
+    assert not streaming_safe(nn.Sequential(torch.jit.script(nn.Linear(2, 2))))
+    assert not streaming_safe(nn.Sequential(torch.compile(nn.Linear(2, 2))))  # not compiled yet
