@@ -18,8 +18,10 @@
   gradient: `probe` finds that on the warm-up backward and turns early pushes off, and a
   second accumulation while armed fails the iteration (`AgileMLError`) instead.
 
-Neither changes a result: the same values are loaded and the same gradients pushed, only
-sooner. Both are off with `TrainingSpec.overlap = False`.
+Neither changes what is computed: the same values are loaded and the same gradients pushed,
+only sooner (the servers sum a clock's pushes in arrival order, so with more than two workers
+the weights of any two runs differ by float rounding, with or without overlap). Both are off
+with `TrainingSpec.overlap = False`.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def test_overlapped_pulls_and_pushes_train_the_same_model_as_whole_round_trips(
     slack: int,
 ) -> None:
     """Computing on the first pulled partitions and pushing partitions from the gradient
-    hooks changes when bytes move, not what is computed: the same weights to the bit."""
+    hooks changes when bytes move, not what is computed: the same weights to the bit (with two
+    workers a server's sum of a clock's pushes does not depend on the order they arrive)."""
     runs = {
         overlap: train_local(
             _deep_mlp,
