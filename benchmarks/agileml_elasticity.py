@@ -248,7 +248,7 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--exact-iterations", type=int, default=150)
     parser.add_argument(
-        "--no-overlap", action="store_true", help="workers without overlap (agileml.streams)"
+        "--overlap", action="store_true", help="workers with overlap (agileml.streams)"
     )
     args = parser.parse_args()
     t0 = time.monotonic()
@@ -264,7 +264,7 @@ def main() -> None:
             num_partitions=args.partitions,
             min_nodes=5,
             thresholds=STAGE3,
-            overlap=not args.no_overlap,
+            overlap=args.overlap,
         )
 
     params = args.features * args.classes + args.classes
@@ -302,7 +302,7 @@ def main() -> None:
         "loss_static": static["loss"],
         "loss_elastic": elastic["loss"],
         "iterations": args.iterations,
-        "overlap": not args.no_overlap,
+        "overlap": args.overlap,
         "elastic_detail": {k: v for k, v in elastic.items() if k != "loss"},
         "exactly_once_detail": exact,
         "targets": TARGETS,

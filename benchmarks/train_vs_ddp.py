@@ -78,7 +78,7 @@ def agileml_seconds_per_iteration(
     global_batch: int,
     iterations: int,
     seed: int,
-    overlap: bool = True,
+    overlap: bool = False,
     partitions: int | None = None,
 ) -> tuple[tuple[float, float], dict[str, float]]:
     """`train_locally`'s (median, mean) seconds per steady iteration on `nodes` processes
@@ -202,7 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--compare-overlap",
         action="store_true",
-        help="also run AgileML with overlap off in every repeat (`agileml.streams`)",
+        help="run AgileML with overlap on, and again with it off, in every repeat "
+        "(`agileml.streams`)",
     )
     args = parser.parse_args(argv)
     if not args.job.is_file():
@@ -226,7 +227,11 @@ def main(argv: list[str] | None = None) -> None:
     for k in range(1, args.repeats + 1):
         progress(f"[{k}/{args.repeats}] AgileML: {transient} transient + {RELIABLE} reliable nodes")
         agileml, phases = agileml_seconds_per_iteration(
-            args.job, nodes=args.nodes, partitions=args.partitions, **common
+            args.job,
+            nodes=args.nodes,
+            partitions=args.partitions,
+            overlap=args.compare_overlap,
+            **common,
         )
         progress(f"[{k}/{args.repeats}] AgileML: {agileml[0]:.4f} s/it; DDP: {args.nodes} ranks")
         ddp = ddp_seconds_per_iteration(

@@ -157,7 +157,7 @@ def train_local(
     slack: int = 0,
     seed: int = 0,
     loss_fn: LossFn = nn.functional.cross_entropy,
-    overlap: bool = True,
+    overlap: bool = False,
 ) -> LocalRunResult:
     """Train on `num_servers` local parameter servers and `num_workers` worker threads
     (`overlap`: see `WorkerSpec`).

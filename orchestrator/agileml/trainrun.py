@@ -103,7 +103,7 @@ class TrainPlan(BaseModel):
     checkpoint_dir: str | None = None  # checkpoints written here (see `checkpoints`)
     checkpoint_every: Annotated[int, Field(ge=0)] = 0  # iterations; 0: none
     resume: str | None = None  # a checkpoint, or a folder of them (the newest is taken)
-    overlap: bool = True  # communication overlapped with computation (`agileml.streams`)
+    overlap: bool = False  # communication overlapped with computation (`agileml.streams`)
 
 
 @dataclass

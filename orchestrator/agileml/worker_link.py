@@ -44,7 +44,7 @@ class WorkerSpec:
     request_timeout_s: float = PULL_TIMEOUT_SECONDS
     # overlap communication with computation (`streams`): compute on the first pulled
     # partitions while the rest arrive, push each partition as soon as its gradients are in
-    overlap: bool = True
+    overlap: bool = False
 
 
 @dataclass

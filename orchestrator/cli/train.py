@@ -52,7 +52,8 @@ OverlapOption = Annotated[
     typer.Option(
         "--overlap/--no-overlap",
         help="Compute on the first pulled partitions while the rest arrive, and push each "
-        "partition as soon as backward has its gradients (same results either way).",
+        "partition as soon as backward has its gradients (the same gradients; off by default: "
+        "see the README's measurements).",
     ),
 ]
 ResumeOption = Annotated[
@@ -85,7 +86,7 @@ def train_command(
     inject: InjectOption = "",
     checkpoint_every: CheckpointEveryOption = 0,
     resume: ResumeOption = None,
-    overlap: OverlapOption = True,
+    overlap: OverlapOption = False,
 ) -> None:
     """Train JOB.py on local processes, like torchrun --standalone for a spot job."""
     from orchestrator.agileml.errors import AgileMLError
