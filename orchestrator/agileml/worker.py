@@ -14,9 +14,10 @@ update from being applied twice.
 Overlap (`streams`, on with `WorkerSpec.overlap` when the model has several partitions): the
 forward pass starts once the first pulled partition is in, the others loading when an operation
 first reads them, and each partition is pushed from the gradient hooks as soon as backward has
-all of its gradients. With FlexRR, pushes leave early only when the worker's share is one chunk
-(its gradients are then final when that backward ends); on a GPU the hooks run on autograd's
-device thread, which then sends (never run on a GPU).
+all of its gradients. With FlexRR, pulls load whole (the worker helps its peers while it waits
+for them, which it could not do on a half-loaded model), and pushes leave early only when the
+worker's share is one chunk (its gradients are then final when that backward ends). On a GPU
+the hooks run on autograd's device thread, which then sends (never run on a GPU).
 
 Retries: a partition that is being handed off (`moving`) or a server that has not yet entered
 the worker's epoch (`future_epoch`) is asked again shortly; a `moved` reply re-points the
@@ -194,7 +195,9 @@ class Worker(ServerRequests):
             w for w in identities if self.roster is None or w in self.roster.members(self.clock)
         ]
         t0 = time.perf_counter()
-        if self._overlap:
+        # with FlexRR the worker helps peers until every partition is in (it could not help
+        # on a half-loaded model), so its pulls load whole; its pushes may still leave early
+        if self._overlap and self._peer_inbox() is None:
             self._stream = self._start_pull(self.clock - self.spec.slack - 1)
         else:
             self._pull(self.clock - self.spec.slack - 1)
