@@ -54,6 +54,16 @@ class PartitionLayout:
         for shape in self.shapes:
             offsets.append(offsets[-1] + shape.numel())
         self._param_starts = offsets[:-1]  # of each parameter in the flat vector
+        # which partitions each parameter's values lie in, and which parameters each partition
+        # holds values of: looked up per partition on every push and pull
+        self._param_parts = tuple(
+            self._overlapping(start, shape.numel())
+            for start, shape in zip(self._param_starts, self.shapes, strict=True)
+        )
+        self._partition_params = tuple(
+            tuple(i for i, parts in enumerate(self._param_parts) if p in parts)
+            for p in range(num_partitions)
+        )
 
     def bounds(self, p: int) -> tuple[int, int]:
         """Start and end (exclusive) of partition p in the flat vector. Raises PartitionError."""
@@ -148,12 +158,9 @@ class PartitionLayout:
                 model, self._slice(parts, self.param_total, self.total - self.param_total)
             )
 
-    def param_partitions(self) -> list[tuple[int, ...]]:
+    def param_partitions(self) -> tuple[tuple[int, ...], ...]:
         """For each parameter (layout order), the partitions its values lie in."""
-        return [
-            self._overlapping(start, shape.numel())
-            for start, shape in zip(self._param_starts, self.shapes, strict=True)
-        ]
+        return self._param_parts
 
     def buffer_partitions(self) -> tuple[int, ...]:
         """The partitions the buffers' values lie in (none without buffers)."""
@@ -161,12 +168,8 @@ class PartitionLayout:
 
     def partition_params(self, p: int) -> tuple[int, ...]:
         """The parameters (layout indices) with values in partition p. Raises PartitionError."""
-        lo, hi = self.bounds(p)
-        return tuple(
-            i
-            for i, (start, shape) in enumerate(zip(self._param_starts, self.shapes, strict=True))
-            if start < hi and lo < start + shape.numel()
-        )
+        self._check(p)
+        return self._partition_params[p]
 
     def load_partition(self, params: Sequence[torch.Tensor], p: int, values: torch.Tensor) -> None:
         """Copy partition p's values into the (contiguous) parameters it covers, in place; its

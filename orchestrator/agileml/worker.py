@@ -132,17 +132,16 @@ class Worker(ServerRequests):
         self._outstanding: dict[int, tuple[Round, int]] = {}
         # overlap (see `streams`): only with several partitions and contiguous parameters;
         # streaming pulls only where every read of a parameter is a torch operation we see
-        params = layout.params(self._model)
+        self._params = layout.params(self._model)  # layout order; the model never changes
         overlap = (
-            spec.overlap and layout.num_partitions > 1 and all(p.is_contiguous() for p in params)
+            spec.overlap
+            and layout.num_partitions > 1
+            and all(p.is_contiguous() for p in self._params)
         )
-        self._overlap = overlap and streaming_safe(self._model)
+        self._stream_pulls = overlap and streaming_safe(self._model)
         self._early = EarlyPushes(layout, self._model) if overlap else None
         self._stream: PullStream | None = None  # this iteration's pull, while it loads
         self._pushes: Round | None = None  # this iteration's pushes, while they are sent
-        # the model holds one clock's parameters (not a streaming pull given up half-way)
-        self._model_whole = True
-        self._helped_s = 0.0
         self.early_pushes = 0  # partitions pushed while backward was still running
 
     def run(self, iterations: int) -> list[float]:
@@ -197,7 +196,7 @@ class Worker(ServerRequests):
         t0 = time.perf_counter()
         # with FlexRR the worker helps peers until every partition is in (it could not help
         # on a half-loaded model), so its pulls load whole; its pushes may still leave early
-        if self._overlap and self._peer_inbox() is None:
+        if self._stream_pulls and self._peer_inbox() is None:
             self._stream = self._start_pull(self.clock - self.spec.slack - 1)
         else:
             self._pull(self.clock - self.spec.slack - 1)
@@ -216,7 +215,6 @@ class Worker(ServerRequests):
         if self._stream is not None:
             self._stream.finish()  # partitions no operation read (unused parameters)
             streamed, self._stream = self._stream.waited_s, None
-            self._model_whole = True
         t2 = time.perf_counter()
         self._phase("computed")
         self._wait_for(pushes)
@@ -241,8 +239,7 @@ class Worker(ServerRequests):
             self.phase_hook(name, self.clock)
 
     def _help_peers(self) -> None:
-        # not on a model left half loaded by a step given up: that is no clock's model
-        if self.reassigner is not None and self._model_whole:
+        if self.reassigner is not None:
             self.reassigner.check(self)
 
     def _peer_inbox(self) -> zmq.Socket[Any] | None:
@@ -257,7 +254,6 @@ class Worker(ServerRequests):
         )
         parts = [self._pulled_values(p, replies[p]) for p in range(n)]
         self.layout.scatter(self._model, parts)  # raises PartitionError on a wrong size
-        self._model_whole = True
 
     def _pulled_values(self, p: int, reply: dict[str, torch.Tensor]) -> torch.Tensor:
         values = reply.get("values")
@@ -266,18 +262,17 @@ class Worker(ServerRequests):
         return values
 
     def _start_pull(self, min_clock: int) -> PullStream:
-        """Ask for every partition (as of at least `min_clock`) and wait for the first reply
-        (helping FlexRR peers meanwhile); the rest load as the computation reads them."""
+        """Ask for every partition (as of at least `min_clock`) and wait for the first reply;
+        the rest load as the computation reads them. Only without a FlexRR inbox: a worker
+        that helps peers while it waits needs a whole model to help on."""
         pulls = Round(MessageKind.PULL_REPLY, self.layout.num_partitions)
         stream = PullStream(self.layout, self._model, lambda done: self._wait(done, pulls))
         # a wrong size raises PartitionError, as `scatter` does without overlap
         pulls.on_reply = lambda p, reply: stream.arrived(p, self._pulled_values(p, reply))
         for p in range(self.layout.num_partitions):
             self._submit(pulls, (p, MessageKind.PULL, min_clock, {}, self.spec.worker_id))
-        first_in = lambda: pulls.first_reply_at is not None or not pulls.waiting  # noqa: E731
-        self._wait(first_in, pulls, help_peers=True)
+        self._wait(lambda: pulls.first_reply_at is not None or not pulls.waiting, pulls)
         self._first_reply_at = pulls.first_reply_at
-        self._model_whole = False  # until `finish`: FlexRR helps no peer on a mix of clocks
         return stream
 
     def _loading(self) -> AbstractContextManager[Any]:
@@ -334,10 +329,9 @@ class Worker(ServerRequests):
         """Push partitions from the gradient hooks during the coming backward."""
         if self._early is None:
             return False
-        params = self.layout.params(self._model)
 
         def send(p: int) -> None:
-            grad = self.layout.partition_grad(params, p)
+            grad = self.layout.partition_grad(self._params, p)
             self._submit(pushes, (p, MessageKind.PUSH, clock, {"delta": grad}, identity))
             self.early_pushes += 1
 
@@ -357,12 +351,11 @@ class Worker(ServerRequests):
     ) -> None:
         """Push the partitions not sent early, each with the helpers' gradients of its rows
         added (in the order they came)."""
-        params = self.layout.params(self._model)
         done = set(sent)
         for p in range(self.layout.num_partitions):
             if p in done:
                 continue
-            grad = self.layout.partition_grad(params, p, buffer_delta)
+            grad = self.layout.partition_grad(self._params, p, buffer_delta)
             if helped:
                 grad = grad.clone()  # it may be a view of the model's gradient
                 for parts in helped:

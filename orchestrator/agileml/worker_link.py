@@ -88,7 +88,6 @@ class ServerRequests:
     _sockets: dict[str, zmq.Socket[Any]]
     _seq: int
     _first_reply_at: float | None
-    _helped_s: float  # FlexRR help given during the current `_wait`
     # requests sent and not answered: seq -> (their round, index in it)
     _outstanding: dict[int, tuple[Round, int]]
 
@@ -143,15 +142,16 @@ class ServerRequests:
 
         Raises: as `run`.
         """
-        started, self._helped_s = time.monotonic(), 0.0
+        started = time.monotonic()
         budget = self.spec.request_timeout_s - (within.waited_s if within is not None else 0.0)
-        try:
-            self._receive_until(done, started + budget, help_peers)
-        finally:
-            if within is not None:
-                within.waited_s += time.monotonic() - started - self._helped_s
+        helped = self._receive_until(done, started + budget, help_peers)
+        if within is not None:
+            within.waited_s += time.monotonic() - started - helped
 
-    def _receive_until(self, done: Callable[[], bool], deadline: float, help_peers: bool) -> None:
+    def _receive_until(self, done: Callable[[], bool], deadline: float, help_peers: bool) -> float:
+        """The loop of `_wait`; returns the seconds spent helping peers (not counted against
+        `deadline`)."""
+        helped_s = 0.0
         poller = zmq.Poller()
         polled: set[zmq.Socket[Any]] = set()
         inbox = self._peer_inbox() if help_peers else None
@@ -174,10 +174,11 @@ class ServerRequests:
                     self._help_peers()  # FlexRR: help peers while we wait
                     helped = time.monotonic() - helped_from
                     deadline += helped  # helping is not the servers' time
-                    self._helped_s += helped
+                    helped_s += helped
                     continue
                 while sock.poll(0):
                     self._on_reply(*self._receive(sock))
+        return helped_s
 
     def _on_reply(self, header: wire.Header, tensors: dict[str, torch.Tensor]) -> None:
         """File a reply with its round; retry what may be retried. Raises: as `run`."""

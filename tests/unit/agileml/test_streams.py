@@ -93,15 +93,22 @@ def test_forward_reads_each_partition_only_after_it_arrived_and_matches_a_full_l
     assert torch.equal(torch.cat(layout.gather(model)), torch.cat(parts))
 
 
-def test_a_weight_read_outside_its_module_is_loaded_before_the_read() -> None:
-    model = _Tied()
+def _streamed_and_reference(
+    factory: Callable[[], nn.Module], x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward pass streamed over 3 partitions, and the same on a model loaded whole."""
+    model = factory()
     layout = PartitionLayout(model, 3)
-    parts = _fresh(layout, _Tied)
+    parts = _fresh(layout, factory)
     stream, _ = _stream(model, layout, parts)
-    x = torch.randn(4, 5)
     with stream.guard():
         out = model(x)
-    assert torch.equal(out, _reference(_Tied, parts, layout)(x))
+    return out, _reference(factory, parts, layout)(x)
+
+
+def test_a_weight_read_outside_its_module_is_loaded_before_the_read() -> None:
+    out, reference = _streamed_and_reference(_Tied, torch.randn(4, 5))
+    assert torch.equal(out, reference)
 
 
 def test_buffers_load_with_the_partitions_that_hold_them() -> None:
@@ -188,17 +195,8 @@ class _KeptView(nn.Module):
 
 
 def test_a_view_kept_of_a_parameter_is_loaded_before_it_is_read() -> None:
-    model = _KeptView()
-    layout = PartitionLayout(model, 3)
-    parts = _fresh(layout, _KeptView)
-    stream, _ = _stream(model, layout, parts)
-    x = torch.randn(5, 4)
-    with stream.guard():
-        out = model(x)
-    reference = _KeptView()
-    layout.scatter(reference, parts)
-    reference.wt = reference.w.t()
-    assert torch.equal(out, reference(x))
+    out, reference = _streamed_and_reference(_KeptView, torch.randn(5, 4))
+    assert torch.equal(out, reference)
 
 
 def test_pulled_buffers_are_the_values_before_the_forward_changed_them() -> None:
