@@ -77,12 +77,14 @@ from orchestrator.agileml.horizon import HorizonSpan
 from orchestrator.agileml.partitions import PartitionTable
 from orchestrator.agileml.peers import PeerInboxes
 from orchestrator.agileml.roster import Roster
+from orchestrator.agileml.server import HANDOFF_TIMEOUT_SECONDS
 from orchestrator.agileml.server_calls import (
     advance_backups,
     configure_all,
     pull_partitions,
     rebalance,
     roll_back,
+    settle,
     start_nodes,
     unfinished_clocks,
 )
@@ -544,10 +546,37 @@ class Coordinator:
         self._rebalance(client, plan)
 
     def _rebalance(self, client: ControlClient, plan: RolePlan) -> None:
-        """Hand partitions to the plan's serving nodes with as few moves as possible."""
+        """Hand partitions to the plan's serving nodes with as few moves as possible. A
+        receiver that never acknowledged a hand-off is failed (fenced off: nobody was told it
+        owns the partition) and the old owner serves the partition again; see `rebalance`."""
         call = functools.partial(self._call, client)
-        if rebalance(call, plan=plan, table=self._table, endpoints=self._endpoints()):
+        done = rebalance(
+            call, plan=plan, table=self._table, endpoints=self._endpoints(), alive=self._alive
+        )
+        if done.moved:
             self._publish()
+        if not done.unsettled:
+            return
+        receivers = sorted({n for parts in done.unsettled.values() for n in parts.values()})
+        log.error("hand-offs never acknowledged; failing their receivers", extra={
+            "unsettled": done.unsettled, "nodes": receivers})  # fmt: skip
+        settle(call, done.unsettled)
+        live = (NodeState.ACTIVE, NodeState.READY, NodeState.LEAVING)
+        with self._lock:
+            failed = [n for n in receivers if self._membership.state(n) in live]
+        if failed:
+            self._fail(client, failed)
+
+    def _alive(self, node: str) -> bool:
+        """Heard from within the failure timeout and not failed or gone."""
+        live = (NodeState.ACTIVE, NodeState.READY, NodeState.LEAVING)
+        with self._lock:
+            info = self._nodes.get(node)
+            return (
+                info is not None
+                and self._membership.state(node) in live
+                and self._now() - info.last_seen_s <= self.spec.failure_timeout_s
+            )
 
     def _configure_all(
         self, client: ControlClient, roster: Roster, backups: dict[int, str], epoch: int
@@ -571,6 +600,8 @@ class Coordinator:
         # configure is quick; a node that cannot answer it soon is as good as failed
         quick = max(2.0, 2 * self.spec.failure_timeout_s)
         timeout = quick if body["op"] == "configure" else CONTROL_TIMEOUT_SECONDS
+        if body["op"] == "handoff":  # each move may wait out its receiver's ack
+            timeout += len(body["moves"]) * HANDOFF_TIMEOUT_SECONDS
         try:
             out = client.call(endpoint, body, timeout)
         except ControlError as exc:

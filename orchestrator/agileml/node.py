@@ -42,7 +42,7 @@ from orchestrator.agileml.control import (
     dump,
 )
 from orchestrator.agileml.elasticity import NodeTier
-from orchestrator.agileml.errors import AgileMLError, WorkerError
+from orchestrator.agileml.errors import AgileMLError, HandoffError, PartitionError, WorkerError
 from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.lowprio import at_low_priority
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
@@ -50,7 +50,7 @@ from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.peers import PeerLink
 from orchestrator.agileml.reassign import Reassigner
 from orchestrator.agileml.roster import Roster
-from orchestrator.agileml.server import ParamServer
+from orchestrator.agileml.server import HANDOFF_TIMEOUT_SECONDS, ParamServer
 from orchestrator.agileml.token import token_from_env
 from orchestrator.agileml.worker import StaleViewError, Worker, WorkerSpec
 from orchestrator.errors import UserError
@@ -439,10 +439,11 @@ class AgileMLNode:
                 server.set_backup_ceiling(int(body["backup_ceiling"]))
             return {}
         if op == "handoff":
-            versions = {}
-            for p, endpoint in sorted(body["moves"].items(), key=lambda kv: int(kv[0])):
-                versions[int(p)] = server.handoff_to(int(p), endpoint).version
-            return {"versions": versions}
+            return hand_off(server, {int(p): str(e) for p, e in body["moves"].items()})
+        if op == "resume":
+            for p in body["partitions"]:
+                server.resume_partition(int(p))
+            return {}
         if op == "restore":
             owners = {int(p): e for p, e in body["owners"].items()}
             versions = {int(p): int(v) for p, v in body["versions"].items()}
@@ -452,7 +453,8 @@ class AgileMLNode:
             )
             return {"restored": {p: list(cv) for p, cv in restored.items()}}
         if op == "status":
-            return {"owned": server.owned(), "backed": server.backed()}
+            unsettled = server.unsettled()
+            return {"owned": server.owned(), "backed": server.backed(), "unsettled": unsettled}
         if op == "checkpoint":
             clock, owned = int(body["clock"]), body.get("source") == "owned"
             states = server.partition_states(clock, backup=not owned)
@@ -477,6 +479,28 @@ class AgileMLNode:
             self._checkpoint = checkpoints.read(spec.resume_from, spec.num_partitions)
         ckpt = self._checkpoint
         return {"values": ckpt.values[p], "rule_state": ckpt.rule_states[p], "clock": ckpt.clock}
+
+
+def hand_off(
+    server: ParamServer, moves: dict[int, str], *, timeout_s: float = HANDOFF_TIMEOUT_SECONDS
+) -> dict[str, Any]:
+    """The `handoff` control op: each move tried (one failing does not stop the others).
+
+    Returns `versions` (partition -> version at its new owner), `refused` (partition ->
+    reason; still served here) and `unknown` (partition -> reason: no ack came, the
+    partition stays frozen; see `ParamServer.handoff_to`).
+    """
+    versions: dict[int, int] = {}
+    refused: dict[int, str] = {}
+    unknown: dict[int, str] = {}
+    for p, endpoint in sorted(moves.items()):
+        try:
+            versions[p] = server.handoff_to(p, endpoint, timeout_s=timeout_s).version
+        except HandoffError as exc:
+            (unknown if exc.outcome_unknown else refused)[p] = str(exc)
+        except PartitionError as exc:
+            refused[p] = str(exc)
+    return {"versions": versions, "refused": refused, "unknown": unknown}
 
 
 def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> int:

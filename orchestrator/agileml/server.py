@@ -135,6 +135,10 @@ class ParamServer(ServerLoop):
         # partition -> (generation, the live tensor, a frozen copy) for pull replies
         self._reply_values: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._moving: set[int] = set()  # hand-off in flight: frozen
+        # partition -> receiver of a hand-off whose ack never came (still frozen; see handoff_to)
+        self._unsettled: dict[int, str] = {}
+        # partition -> (sender, snapshot version, version taken at) of the last hand-off taken
+        self._taken: dict[int, tuple[str, int, int]] = {}
         self._moved: dict[int, tuple[str, int]] = {}  # handed off: (new owner, version)
         self._stream_seq = 0
         self._handoff_seq = 0
@@ -331,16 +335,29 @@ class ParamServer(ServerLoop):
         server is p's BackupPS (a ParamServ handing p to a new ActivePS), it keeps the handed
         state as its backup copy, and the receiver streams from there.
 
+        A hand-off whose outcome is unknown may be sent again to the same receiver: it takes
+        a partition once and acknowledges a repeat (see `_on_handoff`).
+
         Raises:
-            PartitionError: p is not owned here, or a hand-off of p is already in flight.
+            PartitionError: p is not owned here, a hand-off of p is already in flight, or one
+                to another receiver has an unknown outcome.
             HandoffError: the receiver refused (`outcome_unknown=False`: this server still
                 owns and serves p, unchanged), or no valid ack came within `timeout_s`
                 (`outcome_unknown=True`: p stays frozen, since the receiver may have taken it;
-                check the receiver, then call `resume_partition(p)` if it did not).
+                hand it off to the same receiver again, or, once that receiver is fenced off,
+                call `resume_partition(p)`).
         """
         with self._lock:
-            if p in self._moving:
+            unsettled = self._unsettled.get(p)
+            if p in self._moving and unsettled is None:
                 raise PartitionError(f"partition {p} is already being handed off", partition=p)
+            if unsettled not in (None, endpoint):
+                raise PartitionError(
+                    f"partition {p}: the hand-off to {unsettled} has an unknown outcome; "
+                    "hand it there again, or resume it once that receiver is fenced off",
+                    partition=p,
+                )
+            self._unsettled.pop(p, None)
             snapshot = self._store.export_partition(p)
             self_backup = self._backups.get(p) == self.endpoint
             if self_backup:
@@ -361,6 +378,9 @@ class ParamServer(ServerLoop):
         except HandoffError as exc:
             if not exc.outcome_unknown:
                 self.resume_partition(p)
+            else:
+                with self._lock:
+                    self._unsettled[p] = endpoint
             raise
         new_owner, version = header.sender, header.clock or 0
         with self._lock:
@@ -382,9 +402,16 @@ class ParamServer(ServerLoop):
         return HandoffResult(p, new_owner, version)
 
     def resume_partition(self, p: int) -> None:
-        """Serve p again after a hand-off whose outcome was unknown and that did not happen."""
+        """Serve p again after a hand-off whose outcome was unknown: safe once no request can
+        reach the receiver's copy (it was never named an owner; fence it off first)."""
         with self._lock:
             self._moving.discard(p)
+            self._unsettled.pop(p, None)
+
+    def unsettled(self) -> dict[int, str]:
+        """Partitions frozen by a hand-off whose outcome is unknown, and their receivers."""
+        with self._lock:
+            return dict(self._unsettled)
 
     def restore_owners(
         self,
@@ -451,6 +478,8 @@ class ParamServer(ServerLoop):
         self._store.import_partition(snapshot, restore=True)
         self._store.clear_pending(p)
         self._moving.discard(p)
+        self._unsettled.pop(p, None)
+        self._taken.pop(p, None)
         self._moved.pop(p, None)
         self._stats = replace(self._stats, restores=self._stats.restores + 1)
         replies: list[Reply] = []
@@ -511,13 +540,20 @@ class ParamServer(ServerLoop):
         self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
     ) -> list[Reply]:
         snapshot = snapshot_from_wire(header, tensors)
+        p = snapshot.partition
+        taken = self._taken.get(p)
+        resent = taken is not None and taken[:2] == (header.sender, snapshot.version)
+        if taken is not None and resent and self._store.owns(p):
+            # a resent hand-off whose ack was lost: taken once, acknowledged again
+            ack = self._encode(MessageKind.HANDOFF_ACK, header.seq, partition=p, clock=taken[2])
+            return [(identity, ack)]
         try:
             version = self._store.import_partition(snapshot)
         except OwnershipConflictError as exc:
             raise RejectedError(RejectReason.STALE_VERSION, str(exc)) from exc
         except PartitionError as exc:
             raise RejectedError(RejectReason.BAD_SNAPSHOT, str(exc)) from exc
-        p = snapshot.partition
+        self._taken[p] = (header.sender, snapshot.version, version)
         self._moved.pop(p, None)
         if self._backups.get(p) in (None, self.endpoint):
             self._store.clear_pending(p)  # a ParamServ (or the BackupPS itself) streams nothing

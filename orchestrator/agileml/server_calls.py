@@ -3,7 +3,8 @@
 control ops, the partition table, the view). The coordinator decides; these carry it out.
 
 * `configure_all`: every live node gets the roster, backups, epoch and horizon.
-* `rebalance`: partitions move to the plan's serving nodes by hand-off, fewest moves first.
+* `rebalance`: partitions move to the plan's serving nodes by hand-off, fewest moves first;
+  `settle` ends the hand-offs left without an ack once their receivers are fenced off.
 * `roll_back`: partitions of a failed owner are lost; every partition is restored from its
   BackupPS to its (new) owner under a new epoch, at its last consistent clock.
 * `unfinished_clocks`: a failed worker-only node; which of its clocks survivors must redo.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -79,26 +81,73 @@ def configure_all(call: NodeCall, nodes: list[str], body: dict[str, Any]) -> boo
     return ok
 
 
+#: How often a hand-off with no ack is sent again to a receiver that still heartbeats.
+HANDOFF_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Rebalanced:
+    """What `rebalance` did: whether any partition moved, and the hand-offs left unsettled
+    (old owner -> partition -> receiver node): no ack came, the receiver stopped
+    heartbeating or never answered; the old owner keeps the partition frozen until the
+    receiver is fenced off and it is told to `resume` it."""
+
+    moved: bool
+    unsettled: dict[str, dict[int, str]]
+
+
 def rebalance(
-    call: NodeCall, *, plan: RolePlan, table: PartitionTable, endpoints: Mapping[str, str]
-) -> bool:
+    call: NodeCall,
+    *,
+    plan: RolePlan,
+    table: PartitionTable,
+    endpoints: Mapping[str, str],
+    alive: Callable[[str], bool],
+) -> Rebalanced:
     """Hand partitions to the plan's serving nodes with as few moves as possible; `table`
-    records the new owners and versions. True if any partition moved.
+    records the new owners and versions. A hand-off without an ack is sent again (the
+    receiver takes a partition once) while the receiver is `alive`, up to HANDOFF_ROUNDS
+    times; one a receiver refused stays with its owner.
 
     Raises:
-        AgileMLError: a hand-off failed.
+        AgileMLError: an old owner did not answer the `handoff` op.
     """
     owners = assign_partitions(table.num_partitions, plan.serving, table)
     moves: dict[str, dict[int, str]] = {}
     for p, new in owners.items():
         old = table.owner(p)
         if old != new:
-            moves.setdefault(old, {})[p] = endpoints[new]
+            moves.setdefault(old, {})[p] = new
+    moved, unsettled = False, dict[str, dict[int, str]]()
     for old, targets in moves.items():
-        out = call(old, {"op": "handoff", "moves": targets})
-        for p, version in out["versions"].items():
-            table.set(int(p), owners[int(p)], version)
-    return bool(moves)
+        pending = dict(targets)
+        for _ in range(HANDOFF_ROUNDS):
+            body = {"op": "handoff", "moves": {p: endpoints[n] for p, n in pending.items()}}
+            out = call(old, body)
+            for p, version in out["versions"].items():
+                table.set(int(p), owners[int(p)], version)
+                moved = True
+            for p, why in out.get("refused", {}).items():
+                log.warning("hand-off refused", extra={"node": old, "partition": p, "error": why})
+            unknown = {int(p): pending[int(p)] for p in out.get("unknown", {})}
+            pending = {p: n for p, n in unknown.items() if alive(n)}
+            if len(pending) < len(unknown):
+                unsettled.setdefault(old, {}).update(
+                    {p: n for p, n in unknown.items() if p not in pending}
+                )
+            if not pending:
+                break
+        if pending:
+            unsettled.setdefault(old, {}).update(pending)
+    return Rebalanced(moved, unsettled)
+
+
+def settle(call: NodeCall, unsettled: Mapping[str, Mapping[int, str]]) -> None:
+    """Old owners serve their unsettled partitions again (`Rebalanced.unsettled`): call
+    this once their receivers are fenced off (failed), so that no request reaches a copy a
+    receiver may have taken. Raises AgileMLError: an old owner did not answer."""
+    for old, parts in unsettled.items():
+        call(old, {"op": "resume", "partitions": sorted(parts)})
 
 
 def roll_back(

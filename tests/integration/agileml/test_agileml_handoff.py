@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -14,12 +15,15 @@ from support.wire_client import REPLY_TIMEOUT_MS, WireClient
 from torch import nn
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.errors import HandoffError, OwnershipConflictError
+from orchestrator.agileml.elasticity import AgileMLStage, RolePlan
+from orchestrator.agileml.errors import HandoffError, OwnershipConflictError, PartitionError
+from orchestrator.agileml.node import hand_off
 from orchestrator.agileml.examples import gaussian_mixture, initial_model, mlr_factory, shard
 from orchestrator.agileml.partition_state import PartitionStore, PushOutcome
 from orchestrator.agileml.partitions import Ownership, PartitionLayout, PartitionTable
 from orchestrator.agileml.rejections import parse_moved
 from orchestrator.agileml.server import ParamServer
+from orchestrator.agileml.server_calls import rebalance, settle
 from orchestrator.agileml.snapshots import snapshot_to_wire
 from orchestrator.agileml.updates import sgd_rules
 from orchestrator.agileml.wire import MessageKind
@@ -27,6 +31,13 @@ from orchestrator.agileml.worker import Worker, WorkerSpec
 
 JOB, TOKEN = "job-h", b"handoff-test-token"
 INITIAL = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on (for a receiver that does not answer, or not yet)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -147,6 +158,22 @@ def test_held_pull_gets_moved_error_when_its_partition_is_handed_off(
     assert parse_moved(header.detail) == ("ps-b", 1)
 
 
+def test_a_resent_handoff_is_taken_once_and_acknowledged_again(
+    pair: tuple[ParamServer, ParamServer], ctx: zmq.Context[Any]
+) -> None:
+    old, new = pair
+    sent = old.snapshot(0)
+    old.handoff_to(0, new.endpoint)
+    w1 = WireClient(ctx, new.endpoint, "w1", job_id=JOB, token=TOKEN)
+    assert w1.push(0, torch.ones(4)).detail == "applied"
+    workers, tensors = snapshot_to_wire(sent)
+    # the same hand-off again (its ack was lost): acknowledged, not imported over the push
+    resend = WireClient(ctx, new.endpoint, "ps-a", job_id=JOB, token=TOKEN)
+    header, _ = resend.request(MessageKind.HANDOFF, tensors, partition=0, workers=workers)
+    assert (header.kind, header.clock) == (MessageKind.HANDOFF_ACK, 1)
+    assert new.snapshot(0).applied == {("w1", 0)} and new.stats().handoffs_received == 1
+
+
 def test_older_snapshot_over_the_wire_is_refused(
     pair: tuple[ParamServer, ParamServer], ctx: zmq.Context[Any]
 ) -> None:
@@ -154,7 +181,8 @@ def test_older_snapshot_over_the_wire_is_refused(
     stale = old.snapshot(0)
     old.handoff_to(0, new.endpoint)
     workers, tensors = snapshot_to_wire(stale)
-    replay = WireClient(ctx, new.endpoint, "ps-a", job_id=JOB, token=TOKEN)
+    # the same snapshot from another sender is not a resend: refused as stale
+    replay = WireClient(ctx, new.endpoint, "ps-z", job_id=JOB, token=TOKEN)
     header, _ = replay.request(MessageKind.HANDOFF, tensors, partition=0, workers=workers)
     assert (header.kind, header.detail) == (MessageKind.ERROR, "stale_version")
     assert new.snapshot(0).version == 1 and torch.equal(new.state(0), INITIAL)
@@ -197,6 +225,69 @@ def test_unauthenticated_ack_keeps_the_partition_frozen_until_resumed(
         old.resume_partition(0)  # the operator checked: the stranger did not take it
         assert w0.push(0, torch.ones(4)).detail == "applied"
         assert torch.equal(old.state(0), INITIAL + 1)
+
+
+def test_a_handoff_without_an_ack_can_be_sent_again_to_the_same_receiver_only() -> None:
+    port = free_port()
+    receiver = f"tcp://127.0.0.1:{port}"
+    with ParamServer("ps-a", job_id=JOB, token=TOKEN) as old:
+        old.add_partition(0, INITIAL)
+        old.register_workers(["w0"])
+        with pytest.raises(HandoffError) as info:
+            old.handoff_to(0, receiver, timeout_s=0.3)  # nobody listens there yet
+        assert (info.value.reason, info.value.outcome_unknown) == ("timeout", True)
+        assert old.unsettled() == {0: receiver}
+        with pytest.raises(PartitionError, match="unknown outcome"):
+            old.handoff_to(0, "tcp://127.0.0.1:1", timeout_s=0.3)
+        with ParamServer("ps-b", job_id=JOB, token=TOKEN, port=port) as new:
+            assert old.handoff_to(0, receiver, timeout_s=5.0).new_owner == "ps-b"
+            assert old.unsettled() == {} and new.owned() == [0]
+            assert torch.equal(new.state(0), INITIAL)
+
+
+def test_rebalance_settles_a_dead_receivers_handoffs_and_keeps_the_live_ones() -> None:
+    """`rebalance` with the node's `handoff` op on real servers: the move to a live node
+    lands, the one to a node that never answers is left unsettled, and `settle` has the
+    old owner serve it again."""
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    with (
+        ParamServer("a", job_id=JOB, token=TOKEN) as a,
+        ParamServer("b", job_id=JOB, token=TOKEN) as b,
+    ):
+        table = PartitionTable(4)
+        for p in range(4):
+            a.add_partition(p, INITIAL + p, version=table.move(p, "a"))
+        servers = {"a": a, "b": b}
+        ops: list[str] = []
+
+        def call(node: str, body: dict[str, Any]) -> dict[str, Any]:
+            ops.append(f"{body['op']} {node}")
+            moves = {int(p): str(e) for p, e in body.get("moves", {}).items()}
+            if body["op"] == "handoff":
+                return hand_off(servers[node], moves, timeout_s=0.3)
+            for p in body["partitions"]:
+                servers[node].resume_partition(int(p))
+            return {}
+
+        nodes = ("a", "b", "c")
+        plan = RolePlan(AgileMLStage.PARAMSERV_ONLY, nodes, (), (), nodes)
+        done = rebalance(
+            call,
+            plan=plan,
+            table=table,
+            endpoints={"a": a.endpoint, "b": b.endpoint, "c": dead},
+            alive=lambda node: node != "c",
+        )
+        moved_to_c = sorted(done.unsettled["a"])
+        assert done.moved and done.unsettled == {"a": dict.fromkeys(moved_to_c, "c")}
+        assert ops == ["handoff a"]  # a dead receiver's hand-off is not sent again
+        assert sorted(b.owned()) == [p for p in range(4) if table.owner(p) == "b"] != []
+        assert all(table.owner(p) == "a" for p in moved_to_c)
+        assert a.unsettled() == dict.fromkeys(moved_to_c, dead)
+        settle(call, done.unsettled)
+        assert a.unsettled() == {} and sorted(a.owned()) == sorted(
+            p for p in range(4) if table.owner(p) == "a"
+        )
 
 
 FEATURES, CLASSES = 8, 3
