@@ -7,6 +7,7 @@
     def scheduler(optimizer) -> LRScheduler         # optional; stepped once per iteration
     def collate(items) -> (inputs, targets)         # optional; default: PyTorch's
     def evaluate(model) -> dict[str, float]         # optional; held-out metrics
+    def stages(model) -> list[torch.nn.Module]      # optional; the layers a pipeline splits
 
 `load_job_code` imports it (its directory first on `sys.path`, so sibling modules import);
 `check_job_code` runs each function once on a few rows and refuses, naming the function and
@@ -40,7 +41,7 @@ from orchestrator.artifacts.data import use_data
 from orchestrator.errors import UserError
 
 REQUIRED = ("model", "dataset", "loss", "optimizer")
-OPTIONAL = ("scheduler", "collate", "evaluate")
+OPTIONAL = ("scheduler", "collate", "evaluate", "stages")
 ENTRY_FILE = "job.py"  # the module a job directory must hold
 CHECK_ROWS = 4
 
@@ -61,6 +62,7 @@ class JobCode:
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     collate: Callable[[list[Any]], Any] | None = None
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None
+    stages: Callable[[nn.Module], Any] | None = None
 
 
 def job_file(path: str | Path) -> Path:

@@ -42,7 +42,8 @@ from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.pipeline.planner import PlannedStage
 from orchestrator.agileml.pipeline.schedule import Schedule, stuck_worker
-from orchestrator.agileml.pipeline.stage import ChainModelSpec, StageConfig, build_chain
+from orchestrator.agileml.pipeline.source import builtin_source, job_source, layer_sizes
+from orchestrator.agileml.pipeline.stage import ChainModelSpec, StageConfig
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.agileml.wire import MessageKind
 
@@ -105,14 +106,17 @@ class PipelineResult:
         return (len(ends) - skip) / (ends[-1] - first)
 
 
-def layer_sizes(model: ChainModelSpec, seed: int) -> list[int]:
-    """Parameter count of each layer of the chain, in order."""
-    return [sum(p.numel() for p in layer.parameters()) for layer in build_chain(model, seed)]
+def chain_sizes(model: ChainModelSpec, seed: int, code: str | None = None) -> list[int]:
+    """Values of each layer's travelling state (see `source`), in order: of the job's
+    code, or of the built-in chain."""
+    source = job_source(code, seed) if code is not None else builtin_source(model, seed)
+    return layer_sizes(source.layers())
 
 
 def run_pipeline(
     *,
-    model: ChainModelSpec,
+    model: ChainModelSpec | None = None,
+    code: str | None = None,
     layout: Layout,
     schedule: Schedule,
     minibatches: int,
@@ -129,20 +133,22 @@ def run_pipeline(
     replan: Callable[[int], Layout] | None = None,
     max_recoveries: int = 3,
 ) -> PipelineResult:
-    """Train with one process per worker of `layout` (see `chain_layout`, or a plan's stages).
+    """Train with one process per worker of `layout` (see `chain_layout`, or a plan's stages):
+    the job file `code` (see `source`), or else the built-in chain `model`.
 
-    `forward_ms`/`backward_ms` emulate each stage's compute per microbatch with sleeps (per
-    stage; after a re-plan, spread by layer count). `evict=(stage, minibatches)` kills the
-    stage's first worker once an input-stage worker backed up weights including that many
-    minibatches (needs `backup`); `replan(nodes)`
-    gives the layout for the workers left (default: the same layout, on a replacement node).
+        `forward_ms`/`backward_ms` emulate each stage's compute per microbatch with sleeps (per
+        stage; after a re-plan, spread by layer count). `evict=(stage, minibatches)` kills the
+        stage's first worker once an input-stage worker backed up weights including that many
+        minibatches (needs `backup`); `replan(nodes)`
+        gives the layout for the workers left (default: the same layout, on a replacement node).
 
-    Raises:
-        AgileMLError: a layout that does not cover the layers or cannot run the schedule, a
-            worker that failed, or a run not done in time.
+        Raises:
+            AgileMLError: a layout that does not cover the layers or cannot run the schedule, a
+                worker that failed, or a run not done in time.
     """
     layout = tuple(layout)
-    sizes = layer_sizes(model, seed)
+    model = model or ChainModelSpec()
+    sizes = chain_sizes(model, seed, code)
     _check_layout(layout, len(sizes), schedule, minibatches, microbatches)
     _check_run(layout, schedule, minibatches, microbatches, vertical_sync, backup, evict)
     token = secrets.token_bytes(32)
@@ -154,9 +160,9 @@ def run_pipeline(
     deadline = time.monotonic() + timeout_s
     launch = _Launch(
         ctx, inbox, f"tcp://127.0.0.1:{port}", token, out_dir, deadline,
-        dict(model=model, schedule=schedule, minibatches=minibatches, microbatches=microbatches,
-             microbatch_size=microbatch_size, lr=lr, seed=seed, vertical_sync=vertical_sync,
-             backup=backup),
+        dict(model=model, code=code, sizes=sizes, schedule=schedule, minibatches=minibatches,
+             microbatches=microbatches, microbatch_size=microbatch_size, lr=lr, seed=seed,
+             vertical_sync=vertical_sync, backup=backup),
     )  # fmt: skip
     emulated = (forward_ms, backward_ms)
     losses: dict[int, float] = {}  # minibatch -> loss, from the output stage's backups
@@ -327,7 +333,8 @@ class _Launch:
         self._started_at = time.time()
         self.job_id = f"pipe-{secrets.token_hex(4)}"
         env = {**os.environ, AGILEML_TOKEN_ENV: self.token.hex(), "OMP_NUM_THREADS": "1"}
-        offsets = np.cumsum([0] + layer_sizes(self.common["model"], self.common["seed"]))
+        common = {k: v for k, v in self.common.items() if k != "sizes"}
+        offsets = np.cumsum([0, *self.common["sizes"]])
         self.procs, self.workers = [], []  # workers: (stage, replica) of each process
         counts = tuple(st.replicas for st in layout)
         for k, st in enumerate(layout):
@@ -350,7 +357,7 @@ class _Launch:
                     out_dir=str(self.out_dir),
                     first_minibatch=first_minibatch,
                     initial_weights=weights,
-                    **self.common,
+                    **common,
                 )
                 name = f"stage{k}.{r}-{self.attempt}"
                 path = self.out_dir / f"{name}.json"

@@ -31,6 +31,12 @@ from torch.func import functional_call
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.pipeline.schedule import Schedule, stage_ops, update_group
+from orchestrator.agileml.pipeline.source import (
+    ChainSource,
+    builtin_source,
+    job_source,
+    layer_state,
+)
 from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.token import token_from_env
 from orchestrator.agileml.wire import MessageKind
@@ -64,6 +70,13 @@ def build_chain(spec: ChainModelSpec, seed: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def stage_source(config: StageConfig) -> ChainSource:
+    """The model and data a stage trains: the job's code, or the built-in chain."""
+    if config.code is not None:
+        return job_source(config.code, config.seed)
+    return builtin_source(config.model, config.seed)
+
+
 def build_chain_data(spec: ChainModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     from orchestrator.agileml.examples import gaussian_mixture
 
@@ -85,6 +98,7 @@ class StageConfig(BaseModel):
     first_layer: Annotated[int, Field(ge=0)]
     last_layer: Annotated[int, Field(ge=0)]
     model: ChainModelSpec = ChainModelSpec()
+    code: str | None = None  # a user's job file (see `source`); replaces `model`
     schedule: Schedule = Schedule.ONE_F_ONE_B
     minibatches: Annotated[int, Field(ge=1)]
     microbatches: Annotated[int, Field(ge=1)] = 1
@@ -136,18 +150,29 @@ class PipelineStage:
     def __init__(self, config: StageConfig, token: bytes) -> None:
         self.config = config
         self._token = token
-        full = build_chain(config.model, config.seed)
-        self.module = full[config.first_layer : config.last_layer + 1]
+        source = stage_source(config)
+        layers = source.layers()[config.first_layer : config.last_layer + 1]
+        self.module = nn.Sequential(*layers)
         self.names = [n for n, _ in self.module.named_parameters()]
         self.live = [p.detach().clone() for p in self.module.parameters()]
+        # the travelling state, layer by layer (see `source`): live weights, then buffers
+        live_of = {id(p): w for p, w in zip(self.module.parameters(), self.live, strict=True)}
+        self.state = [live_of.get(id(t), t) for layer in layers for t in layer_state(layer)]
         if config.initial_weights is not None:
             flat = torch.from_numpy(np.load(config.initial_weights))
-            if flat.numel() != sum(w.numel() for w in self.live):
+            if flat.numel() != sum(t.numel() for t in self.state):
                 raise AgileMLError(f"stage {config.stage}: initial weights of the wrong size")
             offset = 0
-            for w in self.live:
-                w.copy_(flat[offset : offset + w.numel()].view_as(w))
-                offset += w.numel()
+            for t in self.state:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        self.loss_fn = source.loss
+        self.optimizer = None if source.optimizer is None else source.optimizer(self.live)
+        self.scheduler = (
+            None
+            if self.optimizer is None or source.scheduler is None
+            else source.scheduler(self.optimizer)
+        )
         self.current = 0
         self.versions: dict[int, list[torch.Tensor]] = {0: self._leaves(self.live)}
         # kept for vertical sync: a stage never runs more than `stages` updates ahead of the
@@ -158,12 +183,11 @@ class PipelineStage:
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.first, self.last = config.stage == 0, config.stage == config.stages - 1
         if self.first or self.last:
-            self.x, self.y = build_chain_data(config.model)
+            self.data = source.rows()
         # the gradient of an update is the mean over the minibatches it sums: a step's M
         # (gpipe/flush, whichever replicas ran them), or each replica's 1 (1f1b) or M (2bw)
         share = config.replica_counts[config.stage]
         self.group = update_group(config.schedule, config.microbatches, share)
-        self.loss_scale = 1.0 / (config.microbatch_size * self.group)
         self.loss_minibatches: list[int] = []
         self.losses: list[float] = []
         self.busy_s = 0.0
@@ -175,17 +199,19 @@ class PipelineStage:
 
     def rows(self, minibatch: int) -> torch.Tensor:
         c = self.config
-        return global_batch_indices(c.seed, minibatch, len(self.x), c.microbatch_size)
+        return global_batch_indices(c.seed, minibatch, len(self.data), c.microbatch_size)
 
     def forward(self, minibatch: int, x_in: torch.Tensor | None, version: int | None) -> Any:
         """Run the stage's layers on minibatch `minibatch`; returns what goes downstream
         (activation, version), or None at the last stage."""
         c = self.config
+        batch = self.data.take(self.rows(minibatch)) if self.first or self.last else None
         if self.first:
-            x_in = self.x[self.rows(minibatch)]
+            assert batch is not None
+            x_in = batch[0]
             version = self.current
         assert x_in is not None
-        if not self.first:
+        if not self.first and x_in.is_floating_point():
             x_in.requires_grad_(True)
         v = version if c.vertical_sync and version is not None else self.current  # None: stage 0
         if v not in self.versions:
@@ -195,10 +221,11 @@ class PipelineStage:
         self.in_flight[v] = self.in_flight.get(v, 0) + 1
         self.versions_kept_max = max(self.versions_kept_max, len(self.versions))
         if self.last:
-            loss = nn.functional.cross_entropy(out, self.y[self.rows(minibatch)], reduction="sum")
-            self.losses.append(float(loss.item()) / c.microbatch_size)
+            assert batch is not None
+            loss = self.loss_fn(out, batch[1])
+            self.losses.append(float(loss.item()))
             self.loss_minibatches.append(minibatch)
-            self.saved[minibatch] = (x_in, loss * self.loss_scale, v)
+            self.saved[minibatch] = (x_in, loss / self.group, v)
             return None
         self.saved[minibatch] = (x_in, out, v)
         return out.detach(), version
@@ -214,7 +241,9 @@ class PipelineStage:
                 leaf.grad = None
         self.in_flight[v] -= 1
         self._drop_unused()
-        return None if self.first else x_in.grad
+        if self.first:
+            return None
+        return x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
 
     def flat_gradient(self) -> torch.Tensor:
         """The gradients accumulated since the last update, flat in parameter order."""
@@ -231,8 +260,16 @@ class PipelineStage:
                 g.copy_(summed[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         with torch.no_grad():
-            for w, g in zip(self.live, self.acc, strict=True):
-                w.add_(g, alpha=-self.config.lr)
+            if self.optimizer is None:
+                for w, g in zip(self.live, self.acc, strict=True):
+                    w.add_(g, alpha=-self.config.lr)
+            else:  # the job's own optimizer and schedule, on this stage's weights
+                for w, g in zip(self.live, self.acc, strict=True):
+                    w.grad = g.clone()
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+            for g in self.acc:
                 g.zero_()
         self.current += 1
         self.versions[self.current] = self._leaves(self.live)
@@ -247,9 +284,10 @@ class PipelineStage:
             self.in_flight.pop(v, None)
 
     def flat_weights(self) -> np.ndarray:
-        if not self.live:
+        """The stage's travelling state, flat float32 (see `source`)."""
+        if not self.state:
             return np.zeros(0, dtype=np.float32)  # a stage of parameter-free layers
-        return torch.cat([w.reshape(-1) for w in self.live]).numpy()
+        return torch.cat([t.detach().reshape(-1).float() for t in self.state]).numpy()
 
 
 class _Link:

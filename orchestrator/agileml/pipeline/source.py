@@ -1,0 +1,126 @@
+"""What a pipeline trains: the chain of layers, the rows, the loss and the optimizer.
+
+Two sources: the built-in generated MLP (`ChainModelSpec`, the benchmarks' model, trained by
+plain SGD) and a user's job file (`agileml.jobcode`) whose `model()` returns an
+`nn.Sequential`, or which defines `stages(model)` returning the model's layers in the order
+they run. Every stage process builds the whole model under the job's seed and keeps its slice;
+the launcher maps the stages' trained layers back into the user's model, so the weights load
+into `model()` as they are.
+
+A layer's state on the wire (backups, restarts, final weights) is its parameters followed by
+its floating-point buffers (BatchNorm's running statistics), flat float32, in `state_dict`
+order; integer buffers (`num_batches_tracked`) stay with the stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from orchestrator.agileml.batches import RowSource, TensorRows
+from orchestrator.agileml.jobcode import (
+    JobCode,
+    JobCodeError,
+    dataset_rows,
+    load_job_code,
+    seeded_model,
+)
+
+
+@dataclass(frozen=True)
+class ChainSource:
+    """A pipeline's model and data (see the module docstring); `optimizer` None means plain
+    SGD at the stage's `lr`."""
+
+    layers: Callable[[], list[nn.Module]]  # the whole chain, freshly built under the seed
+    rows: Callable[[], RowSource]
+    loss: Callable[[Any, Any], torch.Tensor]  # the mean over a microbatch's rows
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+
+
+def builtin_source(spec: Any, seed: int) -> ChainSource:
+    """The generated MLP of a `stage.ChainModelSpec` and its Gaussian-mixture rows."""
+    from orchestrator.agileml.pipeline.stage import build_chain, build_chain_data
+
+    def rows() -> RowSource:
+        return TensorRows(*build_chain_data(spec))
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y, reduction="sum") / len(y)
+
+    return ChainSource(layers=lambda: list(build_chain(spec, seed)), rows=rows, loss=loss)
+
+
+def job_source(path: str, seed: int) -> ChainSource:
+    """A user's job file as a chain (see the module docstring). Raises JobCodeError."""
+    code = load_job_code(path)
+    return ChainSource(
+        layers=lambda: job_layers(code, seeded_model(code, seed)),
+        rows=lambda: dataset_rows(code),
+        loss=code.loss,
+        optimizer=code.optimizer,
+        scheduler=code.scheduler,
+    )
+
+
+def job_layers(code: JobCode, model: nn.Module) -> list[nn.Module]:
+    """The layers of `model` to split into stages, in the order they run: `stages(model)` if
+    the job defines it, else the modules of an `nn.Sequential`.
+
+    Raises:
+        JobCodeError: neither applies, or `stages` returned something else than modules.
+    """
+    if code.stages is not None:
+        try:
+            layers = list(code.stages(model))
+        except Exception as exc:
+            raise JobCodeError(f"stages(model) raised {type(exc).__name__}: {exc}") from exc
+        if not layers or not all(isinstance(m, nn.Module) for m in layers):
+            raise JobCodeError(
+                "stages(model) must return the model's layers (nn.Module objects) in the "
+                "order they run"
+            )
+        return layers
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    raise JobCodeError(
+        f"model() returns a {type(model).__name__}, not an nn.Sequential, so it cannot be "
+        "split into pipeline stages. To fix: return an nn.Sequential, or define "
+        "`stages(model)` returning its layers in the order they run (each one's output the "
+        "next one's input)."
+    )
+
+
+def layer_state(layer: nn.Module) -> list[torch.Tensor]:
+    """The tensors of a layer that travel (see the module docstring): its parameters, then its
+    floating-point buffers, as they are (not copies)."""
+    params = list(layer.parameters())
+    buffers = [b for b in layer.buffers() if b.is_floating_point()]
+    return params + buffers
+
+
+def layer_sizes(layers: list[nn.Module]) -> list[int]:
+    """Values of each layer's travelling state, in layer order."""
+    return [sum(t.numel() for t in layer_state(layer)) for layer in layers]
+
+
+def load_layers(layers: list[nn.Module], flat: torch.Tensor) -> None:
+    """Copy a flat state (every layer's `layer_state`, in order) into `layers`.
+
+    Raises:
+        ValueError: `flat` is not the layers' size.
+    """
+    total = sum(layer_sizes(layers))
+    if flat.numel() != total:
+        raise ValueError(f"weights of {flat.numel()} values for layers of {total}")
+    offset = 0
+    with torch.no_grad():
+        for layer in layers:
+            for t in layer_state(layer):
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
