@@ -104,6 +104,10 @@ class TrainPlan(BaseModel):
     checkpoint_every: Annotated[int, Field(ge=0)] = 0  # iterations; 0: none
     resume: str | None = None  # a checkpoint, or a folder of them (the newest is taken)
     overlap: bool = False  # communication overlapped with computation (`agileml.streams`)
+    # pipeline-parallel instead (`agileml.pipeline.trainrun`): its schedule and, if given, depth
+    pipeline: bool = False
+    schedule: Literal["1f1b", "flush", "gpipe", "2bw"] = "flush"
+    stages: Annotated[int, Field(ge=1, le=64)] | None = None
 
 
 @dataclass

@@ -45,6 +45,10 @@ _OPTION_OF_FIELD = {
     "replay_start": "--replay-start",
     "endpoint_url": "--endpoint-url",
     "max_running_jobs": "--max-running-jobs",
+    "schedule": "--schedule",
+    "stages": "--stages",
+    "global_batch": "--global-batch",
+    "iterations": "--iterations",
 }
 
 

@@ -66,6 +66,28 @@ ResumeOption = Annotated[
 ]
 
 
+PipelineOption = Annotated[
+    bool,
+    typer.Option(
+        "--pipeline",
+        help="Train as a pipeline (PipeDream): model() must return an nn.Sequential, or the "
+        "job defines stages(model); the planner splits it into stages on the nodes.",
+    ),
+]
+ScheduleOption = Annotated[
+    str,
+    typer.Option(
+        "--schedule",
+        help="Pipeline schedule: flush (synchronous, as on one process), gpipe, 1f1b "
+        "(asynchronous, weight stashing) or 2bw.",
+    ),
+]
+StagesOption = Annotated[
+    int | None,
+    typer.Option("--stages", help="Pipeline depth (default: the planner's choice).", min=1),
+]
+
+
 @cli_app.command("train")
 def train_command(
     job: Annotated[Path, typer.Argument(metavar="JOB", help="JOB.py, or a directory with job.py.")],
@@ -87,6 +109,9 @@ def train_command(
     checkpoint_every: CheckpointEveryOption = 0,
     resume: ResumeOption = None,
     overlap: OverlapOption = False,
+    pipeline: PipelineOption = False,
+    schedule: ScheduleOption = "flush",
+    stages: StagesOption = None,
 ) -> None:
     """Train JOB.py on local processes, like torchrun --standalone for a spot job."""
     from orchestrator.agileml.errors import AgileMLError
@@ -108,10 +133,20 @@ def train_command(
             checkpoint_every=checkpoint_every,
             resume=str(resume) if resume is not None else None,
             overlap=overlap,
+            pipeline=pipeline,
+            schedule=schedule,
+            stages=stages,
         )
     except ValidationError as exc:
         raise validation_to_user_error(exc) from None
-    check_plan(plan)
+    if not pipeline and (schedule != "flush" or stages is not None):
+        raise UserError("--schedule and --stages need --pipeline", field="--pipeline")
+    if pipeline:
+        from orchestrator.agileml.pipeline.trainrun import check_pipeline_plan
+
+        check_pipeline_plan(plan)
+    else:
+        check_plan(plan)
     logging.getLogger("orchestrator").setLevel(logging.ERROR)  # the bar shows the progress
     log_dir = out_dir / "logs" if out_dir is not None else None
     if log_dir is not None:
@@ -151,7 +186,12 @@ def _train_with_progress(plan: TrainPlan, log_dir: Path | None) -> TrainResult:
                 rate=f"{p.seconds_per_iteration:.3f} s/it" if p.seconds_per_iteration else "",
             )
 
-        result = train_locally(plan, on_progress=show, log_dir=log_dir)
+        if plan.pipeline:
+            from orchestrator.agileml.pipeline.trainrun import train_pipeline_locally
+
+            result = train_pipeline_locally(plan, on_progress=show)
+        else:
+            result = train_locally(plan, on_progress=show, log_dir=log_dir)
         bar.update(task, completed=plan.iterations)
     return result
 
@@ -170,7 +210,17 @@ def _print_result(result: TrainResult) -> None:
         out.print(f"evaluate: {name} = {value:.4f}")
     for e in result.events:
         kind = str(e.get("kind", ""))
-        if kind.startswith("injected_"):
+        if kind == "planned":
+            out.print(
+                f"pipeline: stages {e['stages']} ([first, last layer, replicas]), "
+                f"{e['microbatches']} microbatches per iteration"
+            )
+        elif kind == "recovered":
+            out.print(
+                f"  lost stage {e['stage']}: resumed at iteration "
+                f"{e['resumed_iteration']} on stages {e['stages']}"
+            )
+        elif kind.startswith("injected_"):
             what = kind.removeprefix("injected_")
             out.print(f"  {what} {e['node']} at iteration {e['iteration']}")
         elif kind.startswith("skipped_"):

@@ -132,6 +132,7 @@ def run_pipeline(
     evict: tuple[int, int] | None = None,
     replan: Callable[[int], Layout] | None = None,
     max_recoveries: int = 3,
+    on_backup: Callable[[int, dict[int, float]], None] | None = None,
 ) -> PipelineResult:
     """Train with one process per worker of `layout` (see `chain_layout`, or a plan's stages):
     the job file `code` (see `source`), or else the built-in chain `model`.
@@ -141,6 +142,8 @@ def run_pipeline(
         stage's first worker once an input-stage worker backed up weights including that many
         minibatches (needs `backup`); `replan(nodes)`
         gives the layout for the workers left (default: the same layout, on a replacement node).
+    `on_backup(minibatches, losses)` is called as the input stage backs up weights including
+    that many minibatches, with the losses of every minibatch so far (progress).
 
         Raises:
             AgileMLError: a layout that does not cover the layers or cannot run the schedule, a
@@ -173,7 +176,7 @@ def run_pipeline(
         while True:
             times = _spread(emulated, planned, layout)
             launch.start(layout, backups.done, backups.weights, times)
-            outcome = launch.run(evict, losses, backups, recoveries)
+            outcome = launch.run(evict, losses, backups, recoveries, on_backup)
             if outcome == "done":
                 break
             if len(recoveries) > max_recoveries:
@@ -380,6 +383,7 @@ class _Launch:
         losses: dict[int, float],
         backups: _Backups,
         recoveries: list[Recovery],
+        on_backup: Callable[[int, dict[int, float]], None] | None = None,
     ) -> str:
         """Rendezvous and watch until every worker is done ("done") or one died ("lost")."""
         procs, workers = self.procs, len(self.procs)
@@ -419,6 +423,8 @@ class _Launch:
                 if replica == 0:
                     backups.add(included, stage, stages, tensors["w"].numpy().copy())
                 losses.update(zip(tensors["mb"].tolist(), tensors["loss"].tolist(), strict=True))
+                if on_backup is not None and stage == 0 and replica == 0:
+                    on_backup(included, losses)
                 if evict is not None and stage == 0 and included >= evict[1]:
                     procs[self.workers.index((evict[0], 0))].send_signal(signal.SIGKILL)
                     recoveries.append(Recovery(evict[0], time.time(), 0, ()))

@@ -8,8 +8,8 @@ the launcher maps the stages' trained layers back into the user's model, so the 
 into `model()` as they are.
 
 A layer's state on the wire (backups, restarts, final weights) is its parameters followed by
-its floating-point buffers (BatchNorm's running statistics), flat float32, in `state_dict`
-order; integer buffers (`num_batches_tracked`) stay with the stage.
+its buffers (BatchNorm's running statistics and batch count), flat float32 (an integer buffer
+is exact up to 2**24).
 """
 
 from __future__ import annotations
@@ -98,10 +98,8 @@ def job_layers(code: JobCode, model: nn.Module) -> list[nn.Module]:
 
 def layer_state(layer: nn.Module) -> list[torch.Tensor]:
     """The tensors of a layer that travel (see the module docstring): its parameters, then its
-    floating-point buffers, as they are (not copies)."""
-    params = list(layer.parameters())
-    buffers = [b for b in layer.buffers() if b.is_floating_point()]
-    return params + buffers
+    buffers, as they are (not copies)."""
+    return [*layer.parameters(), *layer.buffers()]
 
 
 def layer_sizes(layers: list[nn.Module]) -> list[int]:
@@ -122,5 +120,5 @@ def load_layers(layers: list[nn.Module], flat: torch.Tensor) -> None:
     with torch.no_grad():
         for layer in layers:
             for t in layer_state(layer):
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))  # cast back to t's dtype
                 offset += t.numel()

@@ -198,8 +198,13 @@ class PipelineStage:
         return [v.detach().clone().requires_grad_(True) for v in values]
 
     def rows(self, minibatch: int) -> torch.Tensor:
+        """Microbatch `minibatch % M` of the global batch of iteration `minibatch // M`: the
+        rows a data-parallel run of the same seed and global batch trains on (`roster`)."""
         c = self.config
-        return global_batch_indices(c.seed, minibatch, len(self.data), c.microbatch_size)
+        iteration, j = divmod(minibatch, c.microbatches)
+        batch = c.microbatches * c.microbatch_size
+        rows = global_batch_indices(c.seed, iteration, len(self.data), batch)
+        return rows[j * c.microbatch_size : (j + 1) * c.microbatch_size]
 
     def forward(self, minibatch: int, x_in: torch.Tensor | None, version: int | None) -> Any:
         """Run the stage's layers on minibatch `minibatch`; returns what goes downstream

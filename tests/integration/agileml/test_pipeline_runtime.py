@@ -66,12 +66,7 @@ def _sgd_reference(steps: int, microbatches: int, size: int, lr: float) -> torch
     model = build_chain(SPEC, 0)
     x, y = build_chain_data(SPEC)
     for k in range(steps):
-        rows = torch.cat(
-            [
-                global_batch_indices(0, k * microbatches + j, len(x), size)
-                for j in range(microbatches)
-            ]
-        )
+        rows = global_batch_indices(0, k, len(x), microbatches * size)
         model.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows], reduction="sum")
         (loss / (microbatches * size)).backward()

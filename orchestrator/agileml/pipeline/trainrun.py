@@ -1,0 +1,211 @@
+"""`orchestrator train JOB.py --pipeline`: a user's job trained as a pipeline on local
+processes, with the same plan, outputs and injections as the data-parallel path.
+
+    result = train_pipeline_locally(TrainPlan(code="job.py", nodes=4, pipeline=True))
+    save_outputs(result, Path("out"))   # out/model.safetensors loads into the job's model()
+
+The job's layers (`model()` as an `nn.Sequential`, or its `stages(model)` hook) are profiled
+on one microbatch here, and PipeDream's planner lays them out on the `nodes` workers (stages,
+and replicas per stage; `stages` forces the depth). An iteration is one global batch of rows:
+`microbatches` (M) microbatches of `global_batch / M` rows. Under `flush` (the default) and
+`gpipe` each iteration is one synchronous optimizer step of the global batch, exactly as on one
+process; `1f1b` updates each stage after every microbatch its replicas ran (PipeDream's
+asynchronous schedule, with weight stashing), `2bw` after every M.
+
+Every stage backs its weights up to the reliable tier (here, the launcher) after each update.
+`kill@N` SIGKILLs a worker of a middle stage once the input stage has done N iterations;
+`evict@N` does the same (a stage's hand-over on notice is not built yet: it is recovered from
+the reliable copy like a kill). The job then re-plans for the nodes left and resumes from the
+last iteration every stage backed up. `join@N` is refused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.jobcode import check_job_code, load_job_code, seeded_model
+from orchestrator.agileml.pipeline.local import Layout, PipelineResult, run_pipeline
+from orchestrator.agileml.pipeline.planner import plan as plan_stages
+from orchestrator.agileml.pipeline.profiler import profile_sequential
+from orchestrator.agileml.pipeline.schedule import Schedule
+from orchestrator.agileml.pipeline.source import job_layers, job_source, load_layers
+from orchestrator.agileml.trainrun import TrainPlan, TrainProgress, TrainResult
+from orchestrator.errors import UserError
+
+#: The link bandwidth the planner assumes between local processes (loopback, bytes/s).
+LOOPBACK_BYTES_PER_S = 1e9
+#: Microbatches per iteration aim at this many per stage (PipeDream-Flush fills a pipeline of S
+#: stages with S in flight; twice that keeps the bubble at a third of a step or less).
+MICROBATCHES_PER_STAGE = 2
+MAX_RECOVERIES = 3
+
+
+def microbatches_for(global_batch: int, stages: int) -> int:
+    """M: the largest divisor of the global batch up to max(4, 2 * stages)."""
+    cap = max(4, MICROBATCHES_PER_STAGE * stages)
+    return max(m for m in range(1, min(cap, global_batch) + 1) if global_batch % m == 0)
+
+
+def check_pipeline_plan(plan: TrainPlan) -> None:
+    """Refuse, before any process starts, what a pipeline run cannot do (UserError or
+    JobCodeError naming the option or function and the fix)."""
+    for injection in plan.injections:
+        if injection.kind == "join":
+            raise UserError(
+                "--inject join@N is not supported with --pipeline yet: a pipeline re-plans only "
+                "for fewer nodes. To fix: leave join out, or train data-parallel."
+            )
+        if not 0 < injection.at < plan.iterations:
+            raise UserError(
+                f"--inject {injection.kind}@{injection.at}: want an iteration in 1.."
+                f"{plan.iterations - 1}. To fix: inject within the run."
+            )
+    if len(plan.injections) > 1:
+        raise UserError(
+            "--pipeline takes one injected fault per run for now. To fix: inject one "
+            "(e.g. --inject kill@150)."
+        )
+    if plan.injections and plan.nodes < 2:
+        raise UserError("--inject with --pipeline needs --nodes 2 or more: one node must stay")
+    if plan.checkpoint_every or plan.resume is not None:
+        raise UserError(
+            "--checkpoint-every and --resume are not supported with --pipeline yet. To fix: "
+            "leave them out (every stage's weights are backed up after each update)."
+        )
+    code = load_job_code(plan.code)
+    check_job_code(code, global_batch=plan.global_batch, seed=plan.seed)
+    layers = job_source(plan.code, plan.seed).layers()
+    if plan.stages is not None and plan.stages > min(plan.nodes, len(layers)):
+        raise UserError(
+            f"--stages {plan.stages}: the job has {len(layers)} layers and {plan.nodes} nodes. "
+            f"To fix: ask for at most {min(plan.nodes, len(layers))} stages."
+        )
+
+
+def plan_layout(plan: TrainPlan, workers: int, stages: int | None = None) -> Layout:
+    """PipeDream's stages and replicas of the job's layers on `workers`, from a profile of
+    one microbatch on this machine. Raises PlanError/ProfileError (UserErrors)."""
+    source = job_source(plan.code, plan.seed)
+    layers = source.layers()
+    size = plan.global_batch // microbatches_for(plan.global_batch, min(workers, len(layers)))
+    x, _ = source.rows().take(torch.arange(size))
+    profile = profile_sequential(layers, x)
+    depth = None if stages is None else min(stages, workers)
+    return tuple(plan_stages(profile, workers, LOOPBACK_BYTES_PER_S, stages=depth).stages)
+
+
+def train_pipeline_locally(
+    plan: TrainPlan,
+    *,
+    on_progress: Callable[[TrainProgress], None] | None = None,
+) -> TrainResult:
+    """Run the plan as a pipeline (see the module docstring); every process is gone on return.
+
+    Raises:
+        UserError / JobCodeError: the plan or the job's code cannot run (nothing started).
+        AgileMLError: the run failed (a stage crashed more than MAX_RECOVERIES times, or
+            did not finish in time).
+    """
+    check_pipeline_plan(plan)
+    code = str(Path(plan.code).resolve())
+    started = time.monotonic()
+    layout = plan_layout(plan, plan.nodes, plan.stages)
+    m = microbatches_for(plan.global_batch, len(layout))
+    evict = None
+    if plan.injections:
+        # a middle stage: its loss cuts the pipeline in two
+        evict = (len(layout) // 2, plan.injections[0].at * m)
+
+    def replan(nodes: int) -> Layout:
+        return plan_layout(plan, nodes, plan.stages)
+
+    def progress(done: int, losses: dict[int, float]) -> None:
+        if on_progress is None:
+            return
+        recent = [losses[k] for k in sorted(losses)[-m:]]
+        elapsed = time.monotonic() - started
+        iteration = done // m
+        rate = elapsed / iteration if iteration else None
+        loss = sum(recent) / len(recent) if recent else None
+        on_progress(TrainProgress(iteration, plan.iterations, loss, rate))
+
+    result = run_pipeline(
+        code=code,
+        layout=layout,
+        schedule=Schedule(plan.schedule),
+        minibatches=plan.iterations * m,
+        microbatches=m,
+        microbatch_size=plan.global_batch // m,
+        seed=plan.seed,
+        backup=True,
+        evict=evict,
+        replan=replan,
+        max_recoveries=MAX_RECOVERIES,
+        timeout_s=120.0 + 5.0 * plan.iterations,
+        on_backup=progress,
+    )
+    return _train_result(plan, code, result, m, layout, started)
+
+
+def _train_result(
+    plan: TrainPlan,
+    code: str,
+    result: PipelineResult,
+    m: int,
+    layout: Layout,
+    started: float,
+) -> TrainResult:
+    """The run as `orchestrator train` reports it: the job's model with the trained weights,
+    the mean loss of each iteration's microbatches, the recoveries as events."""
+    job = load_job_code(code)
+    model = seeded_model(job, plan.seed)
+    load_layers(job_layers(job, model), result.weights)  # the model's own modules
+    per_iteration = [
+        (k, sum(result.losses[k * m : (k + 1) * m]) / m) for k in range(len(result.losses) // m)
+    ]
+    events: list[dict[str, Any]] = [
+        {"at_s": 0.0, "kind": "planned", "stages": _describe(layout), "microbatches": m}
+    ]
+    for r in result.recoveries:
+        events.append(
+            {
+                "kind": "recovered",
+                "stage": r.stage,
+                "resumed_iteration": r.resumed_minibatch // m,
+                "stages": _describe(r.layout),
+                "recovery_s": r.seconds,
+            }
+        )
+    out = TrainResult(
+        model=model,
+        iterations=plan.iterations,
+        final_loss=per_iteration[-1][1] if per_iteration else None,
+        seconds_per_iteration=_seconds_per_iteration(result, m),
+        events=events,
+        losses=per_iteration,
+        wall_seconds=time.monotonic() - started,
+    )
+    if job.evaluate is not None:
+        model.eval()
+        with torch.no_grad():
+            out.evaluation = {k: float(v) for k, v in job.evaluate(model).items()}
+    return out
+
+
+def _seconds_per_iteration(result: PipelineResult, m: int) -> float | None:
+    """Of the last attempt's steady state: M minibatches over the input stage's throughput
+    after its first iteration (process start-up and the pipeline filling)."""
+    try:
+        return m / result.throughput_per_s(skip=m)
+    except AgileMLError:
+        return None  # too short to time
+
+
+def _describe(layout: Layout) -> list[list[int]]:
+    return [[st.first_layer, st.last_layer, st.replicas] for st in layout]

@@ -1,0 +1,173 @@
+"""A user's job trained as a pipeline (`orchestrator train --pipeline`): real stage processes
+run the job's own nn.Sequential, loss, optimizer and scheduler; under the synchronous `flush`
+schedule the weights equal a single-process loop over the same global batches, through a
+SIGKILLed stage too; the weights load into the job's model; bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from orchestrator.agileml.jobcode import JobCodeError, load_job_code
+from orchestrator.agileml.pipeline.source import job_layers, job_source, layer_sizes, load_layers
+from orchestrator.agileml.pipeline.trainrun import (
+    check_pipeline_plan,
+    microbatches_for,
+    train_pipeline_locally,
+)
+from orchestrator.agileml.reference import relative_error, train_reference
+from orchestrator.agileml.trainrun import TrainPlan, parse_injections
+from orchestrator.errors import UserError
+
+JOBS = Path(__file__).parents[2] / "support" / "jobs"
+JOB = JOBS / "digits_pipeline.py"
+ITERATIONS, GLOBAL_BATCH = 24, 64
+
+
+def _plan(**changes: object) -> TrainPlan:
+    base = {
+        "code": str(JOB),
+        "nodes": 2,
+        "iterations": ITERATIONS,
+        "global_batch": GLOBAL_BATCH,
+        "pipeline": True,
+        "stages": 2,
+    }
+    return TrainPlan.model_validate({**base, **changes})
+
+
+def test_flush_pipeline_of_a_users_job_equals_a_single_process_loop() -> None:
+    """AdamW with a cosine schedule, stepped by each stage on its own layers."""
+    result = train_pipeline_locally(_plan())
+    planned = result.events[0]
+    assert planned["kind"] == "planned" and len(planned["stages"]) == 2
+    expected, losses = train_reference(
+        load_job_code(JOB), iterations=ITERATIONS, global_batch=GLOBAL_BATCH
+    )
+    assert relative_error(result.model, expected) <= 1e-5
+    assert [k for k, _ in result.losses] == list(range(ITERATIONS))
+    assert result.losses[0][1] == pytest.approx(losses[0], rel=1e-5)
+    assert result.evaluation["accuracy"] > 0.5
+
+
+def test_a_killed_stage_is_rebuilt_from_the_reliable_copy_and_the_weights_stay_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain SGD (no optimizer state to lose): the run re-plans on the node left and ends
+    where a single process does."""
+    monkeypatch.setenv("ORCHESTRATOR_TEST_OPTIMIZER", "sgd")
+    result = train_pipeline_locally(_plan(injections=tuple(parse_injections("kill@12"))))
+    recovered = [e for e in result.events if e["kind"] == "recovered"]
+    assert len(recovered) == 1 and recovered[0]["resumed_iteration"] <= 12
+    assert sum(r for _, _, r in recovered[0]["stages"]) == 1  # one node left
+    expected, _ = train_reference(
+        load_job_code(JOB), iterations=ITERATIONS, global_batch=GLOBAL_BATCH
+    )
+    assert relative_error(result.model, expected) <= 1e-5
+
+
+def test_layers_state_round_trips_with_buffers() -> None:
+    """BatchNorm's running statistics and its integer batch count travel too."""
+    code = load_job_code(JOBS / "bn_rmsprop")
+    model = code.model()
+    assert isinstance(model, nn.Sequential)
+    layers = job_layers(code, model)
+    flat = torch.cat(
+        [t.detach().reshape(-1).float() for m in layers for t in [*m.parameters(), *m.buffers()]]
+    )
+    assert flat.numel() == sum(layer_sizes(layers))
+    other = job_layers(code, code.model())
+    load_layers(other, flat + 1)
+    for a, b in zip(layers, other, strict=True):
+        for key, value in a.state_dict().items():
+            assert torch.equal(b.state_dict()[key], (value.float() + 1).to(value.dtype))
+
+
+def test_a_model_that_is_not_sequential_is_refused_with_the_fix(tmp_path: Path) -> None:
+    job = tmp_path / "job.py"
+    job.write_text(
+        JOB.read_text().replace(
+            "def model() -> nn.Sequential:\n    return nn.Sequential(",
+            "def model() -> nn.Module:\n    return Wrapped(",
+        )
+        + "\n\nclass Wrapped(nn.Module):\n"
+        "    def __init__(self, *layers):\n"
+        "        super().__init__()\n"
+        "        self.body = nn.Sequential(*layers)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.body(x)\n"
+    )
+    with pytest.raises(JobCodeError, match="not an nn.Sequential.*stages\\(model\\)"):
+        job_source(str(job), 0).layers()
+    hooked = tmp_path / "hooked.py"  # a module is imported once per path
+    hooked.write_text(job.read_text() + "\n\ndef stages(m):\n    return list(m.body)\n")
+    assert len(job_source(str(hooked), 0).layers()) == 7
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"injections": tuple(parse_injections("join@5"))}, "join@N is not supported"),
+        ({"injections": tuple(parse_injections("kill@30"))}, "want an iteration in 1..23"),
+        ({"stages": 9, "nodes": 4}, "--stages 9: the job has 7 layers and 4 nodes"),
+    ],
+)
+def test_pipeline_plans_that_cannot_run_are_refused(
+    changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(UserError, match=message):
+        check_pipeline_plan(_plan(**changes))
+
+
+def test_microbatches_divide_the_global_batch() -> None:
+    assert microbatches_for(256, 4) == 8
+    assert microbatches_for(256, 1) == 4
+    assert microbatches_for(60, 4) == 6
+    assert microbatches_for(7, 3) == 1
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The installed console script, as a user runs it."""
+    exe = Path(sys.executable).parent / "orchestrator"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "orchestrator"]
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [*cmd, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env
+    )
+
+
+@pytest.mark.slow
+def test_train_cli_pipeline_writes_weights_that_load_into_the_jobs_model(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = _cli(
+        "train", str(JOB), "--pipeline", "--nodes", "3", "--iterations", "30",
+        "--global-batch", "64", "--inject", "kill@15", "--out", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "pipeline: stages" in run.stdout and "lost stage" in run.stdout
+    model = load_job_code(JOB).model()
+    model.load_state_dict(load_file(str(out / "model.safetensors")))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--schedule", "2bw"], "--schedule and --stages need --pipeline"),
+        (["--pipeline", "--schedule", "zigzag"], "--schedule"),
+        (["--pipeline", "--inject", "join@3"], "join@N is not supported with --pipeline"),
+    ],
+)
+def test_train_cli_refuses_bad_pipeline_input_with_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    run = _cli("train", str(JOB), *args, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr and "Traceback" not in run.stderr
+    assert os.listdir(tmp_path) == []
