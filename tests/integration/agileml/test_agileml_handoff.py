@@ -17,8 +17,8 @@ from torch import nn
 from orchestrator.agileml import wire
 from orchestrator.agileml.elasticity import AgileMLStage, RolePlan
 from orchestrator.agileml.errors import HandoffError, OwnershipConflictError, PartitionError
-from orchestrator.agileml.node import hand_off
 from orchestrator.agileml.examples import gaussian_mixture, initial_model, mlr_factory, shard
+from orchestrator.agileml.node import hand_off
 from orchestrator.agileml.partition_state import PartitionStore, PushOutcome
 from orchestrator.agileml.partitions import Ownership, PartitionLayout, PartitionTable
 from orchestrator.agileml.rejections import parse_moved
