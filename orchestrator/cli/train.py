@@ -213,12 +213,19 @@ def _print_result(result: TrainResult) -> None:
         if kind == "planned":
             out.print(
                 f"pipeline: stages {e['stages']} ([first, last layer, replicas]), "
-                f"{e['microbatches']} microbatches per iteration"
+                f"{e['microbatches']} microbatches per iteration",
+                markup=False,
             )
+            if len(e["stages"]) == 1:
+                out.print(
+                    "  the planner found one replicated stage (data parallelism) fastest for "
+                    "this model; --stages K forces a pipeline of K stages"
+                )
         elif kind == "recovered":
             out.print(
                 f"  lost stage {e['stage']}: resumed at iteration "
-                f"{e['resumed_iteration']} on stages {e['stages']}"
+                f"{e['resumed_iteration']} on stages {e['stages']}",
+                markup=False,
             )
         elif kind.startswith("injected_"):
             what = kind.removeprefix("injected_")

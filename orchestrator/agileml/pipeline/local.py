@@ -391,7 +391,11 @@ class _Launch:
         hellos: dict[int, str] = {}
         done: set[int] = set()
         while len(done) < workers:
-            dead = [self.workers[w][0] for w, p in enumerate(procs) if p.poll() not in (None, 0)]
+            codes = [p.poll() for p in procs]
+            crashed = [w for w, code in enumerate(codes) if code is not None and code > 0]
+            if crashed:  # an error in the stage's code, not a lost node: retrying repeats it
+                raise AgileMLError(self._crash_report(crashed[0]))
+            dead = [self.workers[w][0] for w, code in enumerate(codes) if code not in (None, 0)]
             if dead:
                 if not self.common["backup"]:
                     raise AgileMLError(f"stage {dead[0]} failed (logs in {self.out_dir})")
@@ -446,6 +450,13 @@ class _Launch:
             self.results.append(json.loads(lines[-1]))
         self.results.sort(key=lambda r: (r["stage"], r["replica"]))
         return "done"
+
+    def _crash_report(self, worker: int, tail_lines: int = 12) -> str:
+        stage, replica = self.workers[worker]
+        log = self.out_dir / f"stage{stage}.{replica}-{self.attempt}.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        tail = "\n".join(lines[-tail_lines:])
+        return f"stage {stage} (replica {replica}) crashed; the end of its log:\n{tail}"
 
     def _worker_of(self, sender: str | None) -> int | None:
         try:

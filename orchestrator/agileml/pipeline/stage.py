@@ -167,7 +167,9 @@ class PipelineStage:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
         self.loss_fn = source.loss
-        self.optimizer = None if source.optimizer is None else source.optimizer(self.live)
+        self.optimizer = None  # plain SGD, or a stage without parameters (ReLU, Flatten)
+        if source.optimizer is not None and self.live:
+            self.optimizer = source.optimizer(self.live)
         self.scheduler = (
             None
             if self.optimizer is None or source.scheduler is None

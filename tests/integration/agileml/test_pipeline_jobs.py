@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import JobCodeError, load_job_code
 from orchestrator.agileml.pipeline.source import job_layers, job_source, layer_sizes, load_layers
 from orchestrator.agileml.pipeline.trainrun import (
@@ -71,6 +72,24 @@ def test_a_killed_stage_is_rebuilt_from_the_reliable_copy_and_the_weights_stay_e
         load_job_code(JOB), iterations=ITERATIONS, global_batch=GLOBAL_BATCH
     )
     assert relative_error(result.model, expected) <= 1e-5
+
+
+def test_a_stage_whose_code_raises_fails_the_run_with_its_log_not_a_recovery(
+    tmp_path: Path,
+) -> None:
+    job = tmp_path / "flaky.py"
+    job.write_text(
+        JOB.read_text().replace(
+            "def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:\n",
+            "CALLS = []\n\n\n"
+            "def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:\n"
+            "    CALLS.append(1)\n"
+            "    if len(CALLS) > 3:\n"
+            "        raise RuntimeError('the loss broke at call 4')\n",
+        )
+    )
+    with pytest.raises(AgileMLError, match="(?s)crashed; the end of its log:.*the loss broke"):
+        train_pipeline_locally(_plan(code=str(job)))
 
 
 def test_layers_state_round_trips_with_buffers() -> None:
