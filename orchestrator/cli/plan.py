@@ -35,18 +35,33 @@ _LEVELS_FIX = "write workers-per-component:bytes-per-s from the lowest level up,
 
 @app.command("plan")
 def plan_command(
+    workers: Annotated[int, typer.Option("--workers", help="Workers (GPUs) to use, all of them.")],
+    bandwidth: Annotated[
+        float, typer.Option("--bandwidth", help="Link bandwidth in bytes/s (one flat level).")
+    ],
     profile: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--profile",
             help='PROFILE.json: {"layers": [{"name", "forward_ms", "backward_ms", '
             '"activation_bytes", "parameter_bytes"}]}.',
         ),
-    ],
-    workers: Annotated[int, typer.Option("--workers", help="Workers (GPUs) to use, all of them.")],
-    bandwidth: Annotated[
-        float, typer.Option("--bandwidth", help="Link bandwidth in bytes/s (one flat level).")
-    ],
+    ] = None,
+    job: Annotated[
+        Path | None,
+        typer.Option(
+            "--job",
+            help="Profile JOB.py's layers here instead (model() an nn.Sequential, or the job's "
+            "stages(model)), on one microbatch of --global-batch.",
+        ),
+    ] = None,
+    global_batch: Annotated[
+        int, typer.Option("--global-batch", help="With --job: rows per iteration.", min=1)
+    ] = 256,
+    save_profile: Annotated[
+        Path | None,
+        typer.Option("--save-profile", help="With --job: also write the profile as JSON here."),
+    ] = None,
     levels: Annotated[
         str | None,
         typer.Option(
@@ -71,11 +86,17 @@ def plan_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Split a profiled model into pipeline stages with replicas (PipeDream's planner)."""
-    from orchestrator.agileml.pipeline import ModelProfile, PlanError, plan
+    from orchestrator.agileml.pipeline import PlanError, plan
     from orchestrator.agileml.pipeline.sizing import size_pipeline_job
     from orchestrator.market.catalog import Catalog
 
-    model = ModelProfile.from_json(profile)
+    model = _profile(profile, job, global_batch, workers)
+    if save_profile is not None:
+        if job is None:
+            raise UserError("--save-profile needs --job", field="--save-profile")
+        model.to_json(save_profile)
+    source = profile if profile is not None else job
+    assert source is not None
     topology = _parse_levels(levels) if levels is not None else None
     try:
         result = plan(model, workers, bandwidth, levels=topology, stages=stages)
@@ -97,7 +118,7 @@ def plan_command(
             }
         sys.stdout.write(json.dumps(body) + "\n")
     else:
-        _render(model, result, profile)
+        _render(model, result, source)
         if sizing is not None:
             out.print(
                 f"For BidBrain ({minibatches} minibatches): work_gpu_hours "
@@ -105,6 +126,26 @@ def plan_command(
                 f"{sizing.parallel_efficiency:.3f} (gpu_work_rates = the catalog's x that); "
                 "--json prints them as job-spec fields"
             )
+
+
+def _profile(
+    profile: Path | None, job: Path | None, global_batch: int, workers: int
+) -> ModelProfile:
+    """The profile read from --profile, or measured from --job's layers here."""
+    from orchestrator.agileml.pipeline import ModelProfile
+
+    if (profile is None) == (job is None):
+        raise UserError(
+            "give one of --profile PROFILE.json and --job JOB.py",
+            fix="--job profiles your job's layers on this machine",
+            field="--profile",
+        )
+    if profile is not None:
+        return ModelProfile.from_json(profile)
+    from orchestrator.agileml.jobcode import job_file
+    from orchestrator.agileml.pipeline.trainrun import profile_job
+
+    return profile_job(str(job_file(str(job))), seed=0, global_batch=global_batch, workers=workers)
 
 
 def _parse_levels(text: str) -> list[tuple[int, float]]:

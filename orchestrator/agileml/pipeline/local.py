@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
+from safetensors.torch import load as load_entries
+from safetensors.torch import save_file
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError, WireError
@@ -175,7 +177,7 @@ def run_pipeline(
     try:
         while True:
             times = _spread(emulated, planned, layout)
-            launch.start(layout, backups.done, backups.weights, times)
+            launch.start(layout, backups, times)
             outcome = launch.run(evict, losses, backups, recoveries, on_backup)
             if outcome == "done":
                 break
@@ -248,21 +250,40 @@ def _result(
 
 
 class _Backups:
-    """The reliable tier's copy: the weights (flat, in layer order, whatever the layout) that
-    include the first `done` minibatches, the most that every stage backed up, and the partial
-    newer counts (stages whose updates sum different group sizes meet at common multiples)."""
+    """The reliable tier's copy: the weights (flat, in layer order, whatever the layout) and
+    the optimizer state (per weight, see `PipelineStage.optimizer_entries`) that include the
+    first `done` minibatches, the most that every stage backed up, and the partial newer
+    counts (stages whose updates sum different group sizes meet at common multiples)."""
 
     def __init__(self) -> None:
         self.done = 0
         self.weights: np.ndarray | None = None  # None: the initial weights
-        self._partial: dict[int, dict[int, np.ndarray]] = {}
+        self.optimizer: dict[str, torch.Tensor] = {}
+        self._partial: dict[int, dict[int, tuple[np.ndarray, dict[str, torch.Tensor]]]] = {}
 
-    def add(self, done: int, stage: int, stages: int, weights: np.ndarray) -> None:
+    def add(
+        self,
+        done: int,
+        stage: int,
+        stages: int,
+        weights: np.ndarray,
+        optimizer: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         parts = self._partial.setdefault(done, {})
-        parts[stage] = weights
+        parts[stage] = (weights, optimizer or {})
         if len(parts) == stages and done > self.done:
-            self.done, self.weights = done, np.concatenate([parts[k] for k in range(stages)])
+            self.done = done
+            self.weights = np.concatenate([parts[k][0] for k in range(stages)])
+            self.optimizer = {key: t for k in range(stages) for key, t in parts[k][1].items()}
             self._partial = {s: p for s, p in self._partial.items() if s > done}
+
+    def optimizer_of(self, first_layer: int, last_layer: int) -> dict[str, torch.Tensor]:
+        """The optimizer entries of layers first_layer..last_layer."""
+        return {
+            key: t
+            for key, t in self.optimizer.items()
+            if first_layer <= int(key.split(".", 1)[0]) <= last_layer
+        }
 
     def forget_partial(self) -> None:
         self._partial.clear()
@@ -328,10 +349,12 @@ class _Launch:
     def start(
         self,
         layout: Layout,
-        first_minibatch: int,
-        initial: np.ndarray | None,
+        backups: _Backups,
         times: tuple[list[float], list[float]],
     ) -> None:
+        """Start every worker of `layout` from the reliable copy (the initial model if it is
+        empty)."""
+        first_minibatch, initial = backups.done, backups.weights
         self.attempt += 1
         self._started_at = time.time()
         self.job_id = f"pipe-{secrets.token_hex(4)}"
@@ -341,10 +364,14 @@ class _Launch:
         self.procs, self.workers = [], []  # workers: (stage, replica) of each process
         counts = tuple(st.replicas for st in layout)
         for k, st in enumerate(layout):
-            weights = None
+            weights = optimizer = None
             if initial is not None:
                 weights = str(self.out_dir / f"initial{self.attempt}-{k}.npy")
                 np.save(weights, initial[offsets[st.first_layer] : offsets[st.last_layer + 1]])
+            entries = backups.optimizer_of(st.first_layer, st.last_layer)
+            if entries:
+                optimizer = str(self.out_dir / f"optimizer{self.attempt}-{k}.safetensors")
+                save_file(entries, optimizer)
             for r in range(st.replicas):
                 config = StageConfig(
                     job_id=self.job_id,
@@ -360,6 +387,7 @@ class _Launch:
                     out_dir=str(self.out_dir),
                     first_minibatch=first_minibatch,
                     initial_weights=weights,
+                    initial_optimizer=optimizer,
                     **common,
                 )
                 name = f"stage{k}.{r}-{self.attempt}"
@@ -425,7 +453,9 @@ class _Launch:
                     continue
                 stage, replica = self.workers[worker]
                 if replica == 0:
-                    backups.add(included, stage, stages, tensors["w"].numpy().copy())
+                    blob = tensors["o"].numpy().tobytes() if "o" in tensors else b""
+                    optimizer = load_entries(blob) if blob else None
+                    backups.add(included, stage, stages, tensors["w"].numpy().copy(), optimizer)
                 losses.update(zip(tensors["mb"].tolist(), tensors["loss"].tolist(), strict=True))
                 if on_backup is not None and stage == 0 and replica == 0:
                     on_backup(included, losses)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import sys
 import time
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 import zmq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from safetensors.torch import load_file
+from safetensors.torch import save as save_entries
 from torch import nn
 from torch.func import functional_call
 
@@ -116,6 +119,8 @@ class StageConfig(BaseModel):
     # these weights (a flat float32 .npy)
     first_minibatch: Annotated[int, Field(ge=0)] = 0
     initial_weights: str | None = None
+    # and this optimizer state (a safetensors file of `PipelineStage.optimizer_entries`)
+    initial_optimizer: str | None = None
     # after every update, send the weights to the launcher (the reliable tier keeps them) with
     # the number of minibatches they include, so a lost stage can be re-created from there
     backup: bool = False
@@ -167,14 +172,27 @@ class PipelineStage:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
         self.loss_fn = source.loss
+        # each live weight's name across layouts: "<layer index in the chain>.<name in it>"
+        key_of: dict[int, str] = {}
+        for index, layer in enumerate(layers, start=config.first_layer):
+            for name, p in layer.named_parameters():
+                key_of.setdefault(id(p), f"{index}.{name}")
+        self.param_keys = [key_of[id(p)] for p in self.module.parameters()]
         self.optimizer = None  # plain SGD, or a stage without parameters (ReLU, Flatten)
         if source.optimizer is not None and self.live:
             self.optimizer = source.optimizer(self.live)
-        self.scheduler = (
-            None
-            if self.optimizer is None or source.scheduler is None
-            else source.scheduler(self.optimizer)
-        )
+            if config.initial_optimizer is not None:
+                self._load_optimizer(load_file(config.initial_optimizer))
+        self.scheduler = None
+        if self.optimizer is not None and source.scheduler is not None:
+            self.scheduler = source.scheduler(self.optimizer)
+            updates_done = config.first_minibatch // update_group(
+                config.schedule, config.microbatches, config.replica_counts[config.stage]
+            )
+            with warnings.catch_warnings():  # stepped ahead of the optimizer on purpose
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(updates_done):  # a schedule is a function of its step count
+                    self.scheduler.step()
         self.current = 0
         self.versions: dict[int, list[torch.Tensor]] = {0: self._leaves(self.live)}
         # kept for vertical sync: a stage never runs more than `stages` updates ahead of the
@@ -289,6 +307,31 @@ class PipelineStage:
         for v in [v for v in self.versions if v not in keep and not self.in_flight.get(v)]:
             del self.versions[v]
             self.in_flight.pop(v, None)
+
+    def optimizer_entries(self) -> dict[str, torch.Tensor]:
+        """The optimizer's state per weight, keyed "<weight key>.<state key>" (see
+        `param_keys`), so that it follows each layer into any later layout."""
+        if self.optimizer is None:
+            return {}
+        state = self.optimizer.state_dict()["state"]
+        out = {}
+        for i, key in enumerate(self.param_keys):
+            for name, value in state.get(i, {}).items():
+                tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+                out[f"{key}.{name}"] = tensor.detach().clone().contiguous()
+        return out
+
+    def _load_optimizer(self, entries: dict[str, torch.Tensor]) -> None:
+        assert self.optimizer is not None
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for i, key in enumerate(self.param_keys):
+            prefix = key + "."
+            got = {k[len(prefix) :]: v for k, v in entries.items() if k.startswith(prefix)}
+            if got:
+                state[i] = got
+        saved = self.optimizer.state_dict()
+        saved["state"] = state
+        self.optimizer.load_state_dict(saved)
 
     def flat_weights(self) -> np.ndarray:
         """The stage's travelling state, flat float32 (see `source`)."""
@@ -481,15 +524,14 @@ class _StageRun:
         indexes = torch.tensor(stage.loss_minibatches[self.sent_losses :])
         self.sent_losses = len(stage.losses)
         # replicas hold the same weights: replica 0 sends them for the stage
-        weights = torch.from_numpy(
-            stage.flat_weights() if config.replica == 0 else np.zeros(0, dtype=np.float32)
-        )
-        self.link.send(
-            config.rendezvous,
-            "backup",
-            self.completed,
-            {"w": weights, "loss": losses, "mb": indexes},
-        )
+        first = config.replica == 0
+        weights = torch.from_numpy(stage.flat_weights() if first else np.zeros(0, np.float32))
+        blob = save_entries(stage.optimizer_entries()) if first else b""
+        optimizer = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else None
+        tensors = {"w": weights, "loss": losses, "mb": indexes}
+        if optimizer is not None:
+            tensors["o"] = optimizer
+        self.link.send(config.rendezvous, "backup", self.completed, tensors)
 
 
 def _replicas_sum(

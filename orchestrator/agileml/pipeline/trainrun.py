@@ -32,7 +32,7 @@ from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import check_job_code, load_job_code, seeded_model
 from orchestrator.agileml.pipeline.local import Layout, PipelineResult, run_pipeline
 from orchestrator.agileml.pipeline.planner import plan as plan_stages
-from orchestrator.agileml.pipeline.profiler import profile_sequential
+from orchestrator.agileml.pipeline.profiler import ModelProfile, profile_sequential
 from orchestrator.agileml.pipeline.schedule import Schedule
 from orchestrator.agileml.pipeline.source import job_layers, job_source, load_layers
 from orchestrator.agileml.trainrun import TrainPlan, TrainProgress, TrainResult
@@ -88,14 +88,22 @@ def check_pipeline_plan(plan: TrainPlan) -> None:
         )
 
 
+def profile_job(code: str, *, seed: int, global_batch: int, workers: int) -> ModelProfile:
+    """Each of the job's layers timed on one microbatch of its own rows on this machine (the
+    microbatch a pipeline of up to `workers` stages would run). Raises JobCodeError,
+    ProfileError (UserErrors)."""
+    source = job_source(code, seed)
+    layers = source.layers()
+    size = global_batch // microbatches_for(global_batch, min(workers, len(layers)))
+    x, _ = source.rows().take(torch.arange(size))
+    return profile_sequential(layers, x)
+
+
 def plan_layout(plan: TrainPlan, workers: int, stages: int | None = None) -> Layout:
     """PipeDream's stages and replicas of the job's layers on `workers`, from a profile of
     one microbatch on this machine. Raises PlanError/ProfileError (UserErrors)."""
-    source = job_source(plan.code, plan.seed)
-    layers = source.layers()
-    size = plan.global_batch // microbatches_for(plan.global_batch, min(workers, len(layers)))
-    x, _ = source.rows().take(torch.arange(size))
-    profile = profile_sequential(layers, x)
+    batch = plan.global_batch
+    profile = profile_job(plan.code, seed=plan.seed, global_batch=batch, workers=workers)
     depth = None if stages is None else min(stages, workers)
     return tuple(plan_stages(profile, workers, LOOPBACK_BYTES_PER_S, stages=depth).stages)
 

@@ -5,6 +5,7 @@ SIGKILLed stage too; the weights load into the job's model; bad input is one lin
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,12 +59,14 @@ def test_flush_pipeline_of_a_users_job_equals_a_single_process_loop() -> None:
     assert result.evaluation["accuracy"] > 0.5
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_a_killed_stage_is_rebuilt_from_the_reliable_copy_and_the_weights_stay_exact(
-    monkeypatch: pytest.MonkeyPatch,
+    optimizer: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Plain SGD (no optimizer state to lose): the run re-plans on the node left and ends
-    where a single process does."""
-    monkeypatch.setenv("ORCHESTRATOR_TEST_OPTIMIZER", "sgd")
+    """The run re-plans on the node left and ends where a single process does: AdamW's
+    moments and step counts come back from the backups, the cosine schedule's position from
+    the iterations done."""
+    monkeypatch.setenv("ORCHESTRATOR_TEST_OPTIMIZER", optimizer)
     result = train_pipeline_locally(_plan(injections=tuple(parse_injections("kill@12"))))
     recovered = [e for e in result.events if e["kind"] == "recovered"]
     assert len(recovered) == 1 and recovered[0]["resumed_iteration"] <= 12
@@ -190,3 +193,23 @@ def test_train_cli_refuses_bad_pipeline_input_with_one_line_and_exit_2(
     assert run.returncode == 2, run.stderr
     assert message in run.stderr and "Traceback" not in run.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_plan_profiles_a_jobs_layers_here_and_saves_the_profile(tmp_path: Path) -> None:
+    saved = tmp_path / "profile.json"
+    run = _cli(
+        "plan", "--job", str(JOB), "--workers", "3", "--bandwidth", "1e9", "--stages", "3",
+        "--global-batch", "64", "--save-profile", str(saved), "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    body = json.loads(run.stdout)
+    assert [s["replicas"] for s in body["stages"]] == [1, 1, 1]
+    assert body["stages"][-1]["last_layer"] == 6
+    layers = json.loads(saved.read_text())["layers"]
+    assert [layer["name"] for layer in layers][:2] == ["0:Linear", "1:ReLU"]
+    assert layers[0]["parameter_bytes"] == (64 * 96 + 96) * 4
+
+
+def test_plan_wants_one_of_profile_and_job(tmp_path: Path) -> None:
+    run = _cli("plan", "--workers", "2", "--bandwidth", "1e9", cwd=tmp_path)
+    assert run.returncode == 2 and "give one of --profile" in run.stderr
