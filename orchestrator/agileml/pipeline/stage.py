@@ -47,6 +47,15 @@ from orchestrator.agileml.wire import MessageKind
 RECEIVE_TIMEOUT_S = 60.0
 
 
+class Rewind(Exception):  # noqa: N818 - a signal to the run loop, not an error
+    """The launcher lost another worker: go back to the reliable copy's cut and run on under a
+    new job id (see `run_stage`). `body`: job_id, first_minibatch, weights, optimizer."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(f"rewind to minibatch {body.get('first_minibatch')}")
+        self.body = body
+
+
 class ChainModelSpec(BaseModel):
     """An MLP as a chain of `depth` Linear layers with ReLUs between them (2 * depth - 1
     modules), on a generated Gaussian-mixture classification task."""
@@ -155,7 +164,7 @@ class PipelineStage:
     def __init__(self, config: StageConfig, token: bytes) -> None:
         self.config = config
         self._token = token
-        source = stage_source(config)
+        self.source = source = stage_source(config)
         layers = source.layers()[config.first_layer : config.last_layer + 1]
         self.module = nn.Sequential(*layers)
         self.names = [n for n, _ in self.module.named_parameters()]
@@ -163,14 +172,6 @@ class PipelineStage:
         # the travelling state, layer by layer (see `source`): live weights, then buffers
         live_of = {id(p): w for p, w in zip(self.module.parameters(), self.live, strict=True)}
         self.state = [live_of.get(id(t), t) for layer in layers for t in layer_state(layer)]
-        if config.initial_weights is not None:
-            flat = torch.from_numpy(np.load(config.initial_weights))
-            if flat.numel() != sum(t.numel() for t in self.state):
-                raise AgileMLError(f"stage {config.stage}: initial weights of the wrong size")
-            offset = 0
-            for t in self.state:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
         self.loss_fn = source.loss
         # each live weight's name across layouts: "<layer index in the chain>.<name in it>"
         key_of: dict[int, str] = {}
@@ -178,29 +179,6 @@ class PipelineStage:
             for name, p in layer.named_parameters():
                 key_of.setdefault(id(p), f"{index}.{name}")
         self.param_keys = [key_of[id(p)] for p in self.module.parameters()]
-        self.optimizer = None  # plain SGD, or a stage without parameters (ReLU, Flatten)
-        if source.optimizer is not None and self.live:
-            self.optimizer = source.optimizer(self.live)
-            if config.initial_optimizer is not None:
-                self._load_optimizer(load_file(config.initial_optimizer))
-        self.scheduler = None
-        if self.optimizer is not None and source.scheduler is not None:
-            self.scheduler = source.scheduler(self.optimizer)
-            updates_done = config.first_minibatch // update_group(
-                config.schedule, config.microbatches, config.replica_counts[config.stage]
-            )
-            with warnings.catch_warnings():  # stepped ahead of the optimizer on purpose
-                warnings.simplefilter("ignore", UserWarning)
-                for _ in range(updates_done):  # a schedule is a function of its step count
-                    self.scheduler.step()
-        self.current = 0
-        self.versions: dict[int, list[torch.Tensor]] = {0: self._leaves(self.live)}
-        # kept for vertical sync: a stage never runs more than `stages` updates ahead of the
-        # version the input stage used
-        self.recent: deque[int] = deque([0], maxlen=config.stages + 1)
-        self.in_flight: dict[int, int] = {}  # version -> minibatches using it
-        self.acc = [torch.zeros_like(p) for p in self.live]
-        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.first, self.last = config.stage == 0, config.stage == config.stages - 1
         if self.first or self.last:
             self.data = source.rows()
@@ -212,6 +190,44 @@ class PipelineStage:
         self.losses: list[float] = []
         self.busy_s = 0.0
         self.versions_kept_max = 1  # the most weight versions alive at once
+        self.start_from(config)
+
+    def start_from(self, config: StageConfig) -> None:
+        """(Re)start at `config.first_minibatch`: the weights and optimizer state of
+        `config.initial_weights`/`initial_optimizer` (else as they are), the scheduler at the
+        updates done, one weight version, nothing in flight. A survivor of another worker's
+        loss calls it with the reliable copy's cut (`Rewind`)."""
+        self.config = config
+        if config.initial_weights is not None:
+            flat = torch.from_numpy(np.load(config.initial_weights))
+            if flat.numel() != sum(t.numel() for t in self.state):
+                raise AgileMLError(f"stage {config.stage}: initial weights of the wrong size")
+            offset = 0
+            with torch.no_grad():
+                for t in self.state:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+        source = self.source
+        self.optimizer = None  # plain SGD, or a stage without parameters (ReLU, Flatten)
+        if source.optimizer is not None and self.live:
+            self.optimizer = source.optimizer(self.live)
+            if config.initial_optimizer is not None:
+                self._load_optimizer(load_file(config.initial_optimizer))
+        self.scheduler = None
+        if self.optimizer is not None and source.scheduler is not None:
+            self.scheduler = source.scheduler(self.optimizer)
+            with warnings.catch_warnings():  # stepped ahead of the optimizer on purpose
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(config.first_minibatch // self.group):  # a function of steps
+                    self.scheduler.step()
+        self.current = 0
+        self.versions: dict[int, list[torch.Tensor]] = {0: self._leaves(self.live)}
+        # kept for vertical sync: a stage never runs more than `stages` updates ahead of the
+        # version the input stage used
+        self.recent: deque[int] = deque([0], maxlen=config.stages + 1)
+        self.in_flight: dict[int, int] = {}  # version -> minibatches using it
+        self.acc = [torch.zeros_like(p) for p in self.live]
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     @staticmethod
     def _leaves(values: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -353,6 +369,12 @@ class _Link:
         self.out: dict[str, zmq.Socket[Any]] = {}
         self.pending: dict[tuple[str, int], tuple[wire.Header, dict[str, torch.Tensor]]] = {}
         self._seq = 0
+        self.job_id = config.job_id  # changes on a rewind: earlier messages are dropped
+
+    def restart(self, job_id: str) -> None:
+        """Take messages of `job_id` only, from now on (after a rewind)."""
+        self.job_id = job_id
+        self.pending.clear()
 
     def send(
         self,
@@ -371,7 +393,7 @@ class _Link:
         self._seq += 1
         fields = {
             "kind": MessageKind.PIPE,
-            "job_id": self.config.job_id,
+            "job_id": self.job_id,
             "sender": f"worker{self.config.worker_index}",
             "seq": self._seq,
             "clock": minibatch,
@@ -394,7 +416,9 @@ class _Link:
                 header, tensors = wire.decode(self.inbox.recv_multipart(), self._token)
             except WireError:
                 continue  # unauthenticated or malformed: dropped unread
-            ours = header.job_id == self.config.job_id  # not an earlier attempt's
+            ours = header.job_id == self.job_id  # not an earlier attempt's
+            if ours and header.kind is MessageKind.PIPE and header.detail == "rewind":
+                raise Rewind(wire.parse_json_body(tensors))
             if (
                 ours
                 and header.kind is MessageKind.PIPE
@@ -413,34 +437,34 @@ class _Link:
 
 def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
     """Rendezvous, run every operation of the schedule, save the weights; returns the
-    worker's result (timings and losses)."""
+    worker's result (timings and losses). On a `Rewind` (another worker was lost and is
+    being replaced) the stage goes back to the reliable copy's cut in place, rendezvous again
+    under the new job id and runs on from the cut: its process, model and data are kept."""
     torch.set_num_threads(1)
     stage = PipelineStage(config, token)
     link = _Link(config, token)
     me = config.worker_index
+    started = time.time()
     try:
-        link.send(config.rendezvous, "hello", me, wire.json_body({"inbox": link.endpoint}))
-        _, body = link.receive("peers", 0)
-        run = _StageRun(
-            config, stage, link, {int(k): v for k, v in wire.parse_json_body(body).items()}
-        )
-        started = time.time()
-        for op in stage_ops(
-            config.schedule,
-            stages=config.stages,
-            stage=config.stage,
-            minibatches=config.minibatches,
-            microbatches=config.microbatches,
-            replicas=config.replica_counts,
-            replica=config.replica,
-            first_minibatch=config.first_minibatch,
-        ):
-            if op.kind == "F":
-                run.forward(op.minibatch)
-            elif op.kind == "B":
-                run.backward(op.minibatch)
-            else:
-                run.update()
+        while True:
+            link.send(config.rendezvous, "hello", me, wire.json_body({"inbox": link.endpoint}))
+            _, body = link.receive("peers", 0)
+            inboxes = {int(k): v for k, v in wire.parse_json_body(body).items()}
+            run = _StageRun(config, stage, link, inboxes)
+            try:
+                _run_ops(config, run)
+                break
+            except Rewind as rewind:
+                config = config.model_copy(
+                    update={
+                        "job_id": rewind.body["job_id"],
+                        "first_minibatch": int(rewind.body["first_minibatch"]),
+                        "initial_weights": rewind.body.get("weights"),
+                        "initial_optimizer": rewind.body.get("optimizer"),
+                    }
+                )
+                stage.start_from(config)
+                link.restart(config.job_id)
         ended = time.time()
         final = stage.flat_weights()
         if config.replica == 0:
@@ -460,6 +484,25 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
         }
     finally:
         link.close()
+
+
+def _run_ops(config: StageConfig, run: _StageRun) -> None:
+    for op in stage_ops(
+        config.schedule,
+        stages=config.stages,
+        stage=config.stage,
+        minibatches=config.minibatches,
+        microbatches=config.microbatches,
+        replicas=config.replica_counts,
+        replica=config.replica,
+        first_minibatch=config.first_minibatch,
+    ):
+        if op.kind == "F":
+            run.forward(op.minibatch)
+        elif op.kind == "B":
+            run.backward(op.minibatch)
+        else:
+            run.update()
 
 
 class _StageRun:

@@ -125,14 +125,22 @@ def test_boundaries_that_skip_layers_are_refused() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "replan",
-    [None, lambda nodes: chain_layout([(0, 3), (4, 6)])],
-    ids=["replacement_node", "replanned_on_fewer_nodes"],
+    ("replan", "how", "mode"),
+    [
+        (None, "stage", "stage"),
+        (None, "restart", "restart"),
+        (lambda nodes: chain_layout([(0, 3), (4, 6)]), "stage", "restart"),
+    ],
+    ids=["stage_only_on_a_replacement", "whole_restart_on_a_replacement", "replanned"],
 )
-def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(replan) -> None:  # type: ignore[no-untyped-def]
+def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(  # type: ignore[no-untyped-def]
+    replan, how: str, mode: str
+) -> None:
     """Stage 1 is SIGKILLed after step 2: the job resumes from the last step every stage backed
-    up, replays the interrupted step, and ends where plain SGD does."""
+    up, replays the interrupted step, and ends where plain SGD does, whether the lost stage
+    alone is replaced (the others rewind in place) or every stage restarts."""
     result = run_pipeline(
+        recovery=how,  # type: ignore[arg-type]
         model=SPEC,
         layout=BOUNDS,
         schedule=Schedule.FLUSH,
@@ -150,6 +158,7 @@ def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(repla
     # stage 0 had backed up step 2 (8 minibatches); the killed stage may not have sent its
     # copy of it yet
     assert recovery.stage == 1 and recovery.resumed_minibatch in (4, 8)
+    assert recovery.mode == mode
     assert recovery.seconds is not None and recovery.seconds < 10
     if replan is not None:
         assert recovery.layout == chain_layout([(0, 3), (4, 6)])
@@ -167,9 +176,9 @@ def test_eviction_needs_backups() -> None:
 def test_reliable_copy_keeps_the_last_step_every_stage_backed_up_in_layer_order() -> None:
     """After a re-plan the layout changes; the copy is one flat vector in layer order, so a
     step completed under the old layout still counts for the next recovery."""
-    from orchestrator.agileml.pipeline.local import _Backups
+    from orchestrator.agileml.pipeline.launch import Backups
 
-    backups = _Backups()
+    backups = Backups()
     backups.add(1, 0, 2, np.array([1.0], dtype=np.float32))
     assert backups.done == 0 and backups.weights is None  # stage 1 has not backed up step 1
     backups.add(1, 1, 2, np.array([2.0, 3.0], dtype=np.float32))

@@ -1,0 +1,352 @@
+"""The pipeline launcher's processes and the reliable copy they back up to (`local`).
+
+`Backups` keeps the weights and optimizer state of the last consistent cut: the most
+minibatches every stage's backups include. `Launch` starts one `pipeline.stage` process per
+worker, rendezvouses them, watches them and, when one is lost, either restarts them all from
+the cut (`start`, on a new layout if the job re-planned) or replaces only the lost one
+(`replace`): the survivors rewind in place to the cut (`stage.Rewind`), keeping their
+processes, models and data, and the replacement starts from the cut.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+from safetensors.torch import load as load_entries
+from safetensors.torch import save_file
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.errors import AgileMLError, WireError
+from orchestrator.agileml.pipeline.planner import PlannedStage
+from orchestrator.agileml.pipeline.stage import StageConfig
+from orchestrator.agileml.token import AGILEML_TOKEN_ENV
+from orchestrator.agileml.wire import MessageKind
+
+Layout = tuple[PlannedStage, ...]
+#: A worker that exited cleanly without its `done` arriving within this long was lost.
+EXIT_GRACE_S = 2.0
+
+
+@dataclass
+class Recovery:
+    """One lost worker: when its stage's worker was killed, the minibatch the job resumed at,
+    the layout it resumed on, how (`stage`: the lost worker alone was replaced; `restart`:
+    every worker restarted) and when the next minibatch completed after it."""
+
+    stage: int
+    killed_at: float
+    resumed_minibatch: int
+    layout: Layout
+    next_minibatch_at: float | None = None
+    mode: str = "restart"
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.next_minibatch_at is None else self.next_minibatch_at - self.killed_at
+
+
+class Backups:
+    """The reliable tier's copy: the weights (flat, in layer order, whatever the layout) and
+    the optimizer state (per weight, see `PipelineStage.optimizer_entries`) that include the
+    first `done` minibatches, the most that every stage backed up, and the partial newer
+    counts (stages whose updates sum different group sizes meet at common multiples)."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.weights: np.ndarray | None = None  # None: the initial weights
+        self.optimizer: dict[str, torch.Tensor] = {}
+        self._partial: dict[int, dict[int, tuple[np.ndarray, dict[str, torch.Tensor]]]] = {}
+
+    def add(
+        self,
+        done: int,
+        stage: int,
+        stages: int,
+        weights: np.ndarray,
+        optimizer: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        parts = self._partial.setdefault(done, {})
+        parts[stage] = (weights, optimizer or {})
+        if len(parts) == stages and done > self.done:
+            self.done = done
+            self.weights = np.concatenate([parts[k][0] for k in range(stages)])
+            self.optimizer = {key: t for k in range(stages) for key, t in parts[k][1].items()}
+            self._partial = {s: p for s, p in self._partial.items() if s > done}
+
+    def optimizer_of(self, first_layer: int, last_layer: int) -> dict[str, torch.Tensor]:
+        """The optimizer entries of layers first_layer..last_layer."""
+        return {
+            key: t
+            for key, t in self.optimizer.items()
+            if first_layer <= int(key.split(".", 1)[0]) <= last_layer
+        }
+
+    def forget_partial(self) -> None:
+        self._partial.clear()
+
+
+class Launch:
+    """Starting, watching, replacing and stopping the stage processes of a run."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        inbox: zmq.Socket[Any],
+        rendezvous: str,
+        token: bytes,
+        out_dir: Path,
+        deadline: float,
+        common: dict[str, Any],
+    ) -> None:
+        self.ctx, self.inbox, self.rendezvous, self.token = ctx, inbox, rendezvous, token
+        self.out_dir, self.deadline, self.common = out_dir, deadline, common
+        self.procs: list[subprocess.Popen[str]] = []
+        self.workers: list[tuple[int, int]] = []  # (stage, replica) of each process
+        self.inboxes: dict[int, str] = {}  # worker -> its inbox, from the last rendezvous
+        self.results: list[dict[str, Any]] = []
+        self.lost: list[int] = []  # the workers `run` found lost
+        self.attempt = 0
+        self.job_id = ""
+        self.layout: Layout = ()
+        self._times: tuple[list[float], list[float]] = ([], [])
+        self._started_at = 0.0
+
+    def start(
+        self, layout: Layout, backups: Backups, times: tuple[list[float], list[float]]
+    ) -> None:
+        """Start every worker of `layout` from the reliable copy (the initial model if it is
+        empty)."""
+        self._new_attempt()
+        self.layout, self._times = layout, times
+        self.procs, self.workers = [], []
+        for k, st in enumerate(layout):
+            files = self._cut_files(k, st, backups)
+            for r in range(st.replicas):
+                self.procs.append(self._spawn(k, r, backups.done, files))
+                self.workers.append((k, r))
+
+    def can_replace(self, backups: Backups) -> bool:
+        """Whether `replace` can recover: one worker lost, every other one still running,
+        and a cut past the start to rewind to."""
+        alive = [w for w, p in enumerate(self.procs) if p.poll() is None]
+        return len(self.lost) == 1 and len(alive) == len(self.procs) - 1 and backups.done > 0
+
+    def replace(self, backups: Backups) -> None:
+        """Start a new process for the lost worker at the cut, and have every survivor
+        rewind to the cut in place (see the module docstring)."""
+        (lost,) = self.lost
+        old_job = self._new_attempt()
+        files = {k: self._cut_files(k, st, backups) for k, st in enumerate(self.layout)}
+        for w, (k, _) in enumerate(self.workers):
+            if w == lost:
+                continue
+            weights, optimizer = files[k]
+            body = {"job_id": self.job_id, "first_minibatch": backups.done,
+                    "weights": weights, "optimizer": optimizer}  # fmt: skip
+            self._send(self.inboxes[w], old_job, "rewind", wire.json_body(body))
+        k, r = self.workers[lost]
+        self.procs[lost] = self._spawn(k, r, backups.done, files[k])
+
+    def run(
+        self,
+        evict: tuple[int, int] | None,
+        losses: dict[int, float],
+        backups: Backups,
+        recoveries: list[Recovery],
+        on_backup: Callable[[int, dict[int, float]], None] | None = None,
+    ) -> str:
+        """Rendezvous and watch until every worker is done ("done") or one is lost ("lost":
+        its index in `lost`; nothing is stopped here)."""
+        procs, workers = self.procs, len(self.procs)
+        hellos: dict[int, str] = {}
+        done: set[int] = set()
+        exited: dict[int, float] = {}  # worker -> when it was first seen exited cleanly
+        while len(done) < workers:
+            codes = [p.poll() for p in procs]
+            crashed = [w for w, code in enumerate(codes) if code is not None and code > 0]
+            if crashed:  # an error in the stage's code, not a lost node: retrying repeats it
+                raise AgileMLError(self._crash_report(crashed[0]))
+            now = time.time()
+            for w, code in enumerate(codes):
+                if code == 0 and w not in done:
+                    exited.setdefault(w, now)
+            self.lost = [w for w, code in enumerate(codes) if code is not None and code < 0]
+            self.lost += [w for w, at in exited.items() if now - at > EXIT_GRACE_S]
+            if self.lost:
+                if not self.common["backup"]:
+                    raise AgileMLError(f"a worker was lost (logs in {self.out_dir})")
+                if not recoveries or recoveries[-1].killed_at < self._started_at:
+                    stage = self.workers[self.lost[0]][0]
+                    recoveries.append(Recovery(stage, time.time(), 0, ()))  # not injected
+                backups.forget_partial()  # minibatches not every stage backed up are redone
+                return "lost"
+            remaining = int((self.deadline - time.monotonic()) * 1000)
+            if remaining <= 0:
+                raise AgileMLError(f"the pipeline did not finish in time (logs in {self.out_dir})")
+            if not self.inbox.poll(min(remaining, 100)):
+                continue
+            try:
+                header, tensors = wire.decode(self.inbox.recv_multipart(), self.token)
+            except WireError:
+                continue  # not ours or malformed: dropped unread
+            if header.job_id != self.job_id or header.clock is None:
+                continue  # a late message of an earlier attempt
+            if header.detail == "hello":
+                hellos[header.clock] = wire.parse_json_body(tensors)["inbox"]
+                if len(hellos) == workers:
+                    self._send_peers(hellos)
+            elif header.detail == "backup":
+                evict = self._on_backup(header, tensors, evict, losses, backups, recoveries)
+                if on_backup is not None and self._worker_of(header.sender) == 0:
+                    on_backup(header.clock, losses)
+            elif header.detail == "first":  # stage 0 completed its first minibatch
+                if recoveries and recoveries[-1].next_minibatch_at is None:
+                    recoveries[-1].next_minibatch_at = time.time()
+            elif header.detail == "done":
+                done.add(header.clock)
+        self.results = []
+        for proc in procs:
+            try:
+                stdout, _ = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AgileMLError(f"a stage did not exit (logs in {self.out_dir})") from None
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+            if proc.returncode != 0 or not lines:
+                raise AgileMLError(f"a stage failed (logs in {self.out_dir})")
+            self.results.append(json.loads(lines[-1]))
+        self.results.sort(key=lambda r: (r["stage"], r["replica"]))
+        return "done"
+
+    def _on_backup(
+        self,
+        header: wire.Header,
+        tensors: dict[str, torch.Tensor],
+        evict: tuple[int, int] | None,
+        losses: dict[int, float],
+        backups: Backups,
+        recoveries: list[Recovery],
+    ) -> tuple[int, int] | None:
+        """File a stage's backup; kill the injected eviction's victim when it is due."""
+        worker, included = self._worker_of(header.sender), header.clock
+        if worker is None or included is None:
+            return evict
+        stage, replica = self.workers[worker]
+        if replica == 0:
+            blob = tensors["o"].numpy().tobytes() if "o" in tensors else b""
+            optimizer = load_entries(blob) if blob else None
+            weights = tensors["w"].numpy().copy()
+            backups.add(included, stage, len(self.layout), weights, optimizer)
+        losses.update(zip(tensors["mb"].tolist(), tensors["loss"].tolist(), strict=True))
+        if evict is not None and stage == 0 and included >= evict[1]:
+            self.procs[self.workers.index((evict[0], 0))].send_signal(signal.SIGKILL)
+            recoveries.append(Recovery(evict[0], time.time(), 0, ()))
+            return None
+        return evict
+
+    def _new_attempt(self) -> str:
+        """A new job id (messages of earlier attempts are dropped); returns the old one."""
+        old = self.job_id
+        self.attempt += 1
+        self._started_at = time.time()
+        self.job_id = f"pipe-{secrets.token_hex(4)}"
+        return old
+
+    def _cut_files(
+        self, k: int, st: PlannedStage, backups: Backups
+    ) -> tuple[str | None, str | None]:
+        """Stage k's weights and optimizer state at the cut, as files (None: initial)."""
+        weights = optimizer = None
+        if backups.weights is not None:
+            offsets = np.cumsum([0, *self.common["sizes"]])
+            weights = str(self.out_dir / f"initial{self.attempt}-{k}.npy")
+            np.save(weights, backups.weights[offsets[st.first_layer] : offsets[st.last_layer + 1]])
+        entries = backups.optimizer_of(st.first_layer, st.last_layer)
+        if entries:
+            optimizer = str(self.out_dir / f"optimizer{self.attempt}-{k}.safetensors")
+            save_file(entries, optimizer)
+        return weights, optimizer
+
+    def _spawn(
+        self, k: int, r: int, first_minibatch: int, files: tuple[str | None, str | None]
+    ) -> subprocess.Popen[str]:
+        st = self.layout[k]
+        common = {key: v for key, v in self.common.items() if key != "sizes"}
+        config = StageConfig(
+            job_id=self.job_id,
+            stage=k,
+            stages=len(self.layout),
+            replicas=tuple(s.replicas for s in self.layout),
+            replica=r,
+            first_layer=st.first_layer,
+            last_layer=st.last_layer,
+            forward_ms=self._times[0][k],
+            backward_ms=self._times[1][k],
+            rendezvous=self.rendezvous,
+            out_dir=str(self.out_dir),
+            first_minibatch=first_minibatch,
+            initial_weights=files[0],
+            initial_optimizer=files[1],
+            **common,
+        )
+        name = f"stage{k}.{r}-{self.attempt}"
+        path = self.out_dir / f"{name}.json"
+        path.write_text(config.model_dump_json())
+        env = {**os.environ, AGILEML_TOKEN_ENV: self.token.hex(), "OMP_NUM_THREADS": "1"}
+        with (self.out_dir / f"{name}.log").open("w") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.agileml.pipeline.stage", str(path)],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
+
+    def _crash_report(self, worker: int, tail_lines: int = 12) -> str:
+        stage, replica = self.workers[worker]
+        logs = sorted(self.out_dir.glob(f"stage{stage}.{replica}-*.log"), key=os.path.getmtime)
+        lines = logs[-1].read_text(errors="replace").splitlines() if logs else []
+        tail = "\n".join(lines[-tail_lines:])
+        return f"stage {stage} (replica {replica}) crashed; the end of its log:\n{tail}"
+
+    def _worker_of(self, sender: str | None) -> int | None:
+        try:
+            worker = int((sender or "").removeprefix("worker"))
+        except ValueError:
+            return None
+        return worker if 0 <= worker < len(self.workers) else None
+
+    def _send(self, endpoint: str, job_id: str, detail: str, tensors: dict[str, Any]) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(endpoint)
+        fields = {"kind": MessageKind.PIPE, "job_id": job_id, "sender": "launcher",
+                  "seq": 0, "clock": 0, "detail": detail}  # fmt: skip
+        sock.send_multipart(wire.encode(fields, tensors, self.token))
+        sock.close()
+
+    def _send_peers(self, hellos: dict[int, str]) -> None:
+        self._started_at = time.time()
+        self.inboxes = dict(hellos)
+        peers = {str(k): v for k, v in hellos.items()}
+        for endpoint in hellos.values():
+            self._send(endpoint, self.job_id, "peers", wire.json_body(peers))
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
