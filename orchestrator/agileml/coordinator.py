@@ -72,7 +72,12 @@ from orchestrator.agileml.elasticity import (
     assign_partitions,
     plan_roles,
 )
-from orchestrator.agileml.errors import AgileMLError, NoReliableNodeError, WireError
+from orchestrator.agileml.errors import (
+    AgileMLError,
+    NoReliableNodeError,
+    PartitionsLostError,
+    WireError,
+)
 from orchestrator.agileml.horizon import HorizonSpan
 from orchestrator.agileml.partitions import PartitionTable
 from orchestrator.agileml.peers import PeerInboxes
@@ -368,7 +373,7 @@ class Coordinator:
                     pass
                 try:
                     self._step(client, batch)
-                except NoReliableNodeError as exc:
+                except (NoReliableNodeError, PartitionsLostError) as exc:
                     self._abort(str(exc))
                     return
                 except (AgileMLError, ValidationError) as exc:

@@ -112,6 +112,11 @@ class NoReliableNodeError(ElasticityError):
     live there, so the job cannot go on; the elasticity controller aborts it."""
 
 
+class PartitionsLostError(AgileMLError):
+    """Partitions are gone with their owner and no BackupPS holds them (stage 1): the job
+    cannot go on; the elasticity controller aborts it instead of waiting."""
+
+
 class IllegalNodeTransitionError(ElasticityError):
     """A membership move that the lifecycle table does not allow; the node's state is unchanged.
 

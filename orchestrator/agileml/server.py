@@ -170,6 +170,7 @@ class ParamServer(ServerLoop):
         with self._lock:
             self._store.add(p, values, version=version, rule_state=rule_state, clock=clock)
             self._moved.pop(p, None)
+            self._taken.pop(p, None)
 
     def add_backup(
         self, p: int, values: torch.Tensor, *, rule_state: bytes = b"", clock: int = -1
@@ -380,7 +381,11 @@ class ParamServer(ServerLoop):
                 self.resume_partition(p)
             else:
                 with self._lock:
-                    self._unsettled[p] = endpoint
+                    if p in self._moving:  # not resumed or restored meanwhile
+                        self._unsettled[p] = endpoint
+            raise
+        except Exception:  # framing or socket set-up: nothing reached the receiver
+            self.resume_partition(p)
             raise
         new_owner, version = header.sender, header.clock or 0
         with self._lock:

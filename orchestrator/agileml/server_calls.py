@@ -24,7 +24,7 @@ import zmq
 from orchestrator.agileml import checkpoints, wire
 from orchestrator.agileml.control import TrainingSpec, View
 from orchestrator.agileml.elasticity import RolePlan, assign_partitions
-from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.errors import AgileMLError, PartitionsLostError
 from orchestrator.agileml.partitions import PartitionTable
 from orchestrator.agileml.wire import MessageKind
 
@@ -109,8 +109,8 @@ def rebalance(
     receiver takes a partition once) while the receiver is `alive`, up to HANDOFF_ROUNDS
     times; one a receiver refused stays with its owner.
 
-    Raises:
-        AgileMLError: an old owner did not answer the `handoff` op.
+    An old owner that does not answer the `handoff` op is skipped (logged): the failure
+    detector takes it out if it is gone, and its partitions are then restored from backups.
     """
     owners = assign_partitions(table.num_partitions, plan.serving, table)
     moves: dict[str, dict[int, str]] = {}
@@ -123,7 +123,12 @@ def rebalance(
         pending = dict(targets)
         for _ in range(HANDOFF_ROUNDS):
             body = {"op": "handoff", "moves": {p: endpoints[n] for p, n in pending.items()}}
-            out = call(old, body)
+            try:
+                out = call(old, body)
+            except AgileMLError as exc:
+                log.error("handoff op failed", extra={"node": old, "error": str(exc)})
+                pending = {}
+                break
             for p, version in out["versions"].items():
                 table.set(int(p), owners[int(p)], version)
                 moved = True
@@ -145,9 +150,13 @@ def rebalance(
 def settle(call: NodeCall, unsettled: Mapping[str, Mapping[int, str]]) -> None:
     """Old owners serve their unsettled partitions again (`Rebalanced.unsettled`): call
     this once their receivers are fenced off (failed), so that no request reaches a copy a
-    receiver may have taken. Raises AgileMLError: an old owner did not answer."""
+    receiver may have taken. An old owner that does not answer is logged and skipped (the
+    failure detector takes it out)."""
     for old, parts in unsettled.items():
-        call(old, {"op": "resume", "partitions": sorted(parts)})
+        try:
+            call(old, {"op": "resume", "partitions": sorted(parts)})
+        except AgileMLError as exc:
+            log.error("resume op failed", extra={"node": old, "error": str(exc)})
 
 
 def roll_back(
@@ -175,7 +184,7 @@ def roll_back(
         AgileMLError: no BackupPS holds the partitions (stage 1), or a restore failed.
     """
     if not view.backups:
-        raise AgileMLError(f"partitions of {failed} lost: no BackupPS (stage 1)")
+        raise PartitionsLostError(f"partitions of {failed} lost: no BackupPS (stage 1)")
     epoch = view.epoch + 1
     previous = PartitionTable(table.num_partitions)
     for p in range(table.num_partitions):

@@ -288,6 +288,11 @@ def test_rebalance_settles_a_dead_receivers_handoffs_and_keeps_the_live_ones() -
         assert a.unsettled() == {} and sorted(a.owned()) == sorted(
             p for p in range(4) if table.owner(p) == "a"
         )
+        a.register_workers(["w0"])
+        with zmq.Context() as ctx:  # served again: a push to a resumed partition is applied
+            w0 = WireClient(ctx, a.endpoint, "w0", job_id=JOB, token=TOKEN)
+            assert w0.push(moved_to_c[0], torch.ones(4)).detail == "applied"
+            w0.sock.close(linger=0)
 
 
 FEATURES, CLASSES = 8, 3

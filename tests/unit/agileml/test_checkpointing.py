@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from orchestrator.agileml import checkpoints
@@ -120,3 +121,20 @@ def test_no_checkpoint_without_a_schedule_or_a_folder(tmp_path: Path) -> None:
     )  # fmt: skip
     assert not never.hold_horizon(nodes, horizon=50, owners=["r0"], now_s=1e9)
     assert nodes.calls == []
+
+
+def test_a_stage_1_roll_back_says_the_partitions_are_lost_so_the_job_aborts() -> None:
+    """No BackupPS holds the partitions: `roll_back` raises PartitionsLostError, which the
+    controller turns into an abort (not a logged failure and a job waiting forever)."""
+    from orchestrator.agileml.control import View
+    from orchestrator.agileml.elasticity import AgileMLStage, RolePlan
+    from orchestrator.agileml.errors import PartitionsLostError
+    from orchestrator.agileml.partitions import PartitionTable
+    from orchestrator.agileml.server_calls import roll_back
+
+    nodes = FakeNodes({})
+    plan = RolePlan(AgileMLStage.PARAMSERV_ONLY, ("r0",), (), (), ("r0",))
+    with pytest.raises(PartitionsLostError, match="no BackupPS"):
+        roll_back(nodes, view=View(epoch=1), failed=["r1"], plan=plan,
+                  table=PartitionTable(2), endpoints={})  # fmt: skip
+    assert nodes.calls == []  # nothing asked of any node
