@@ -25,8 +25,12 @@ goes to stderr.
   to the input stage's next completed minibatch; the loss (mean of the last 16 minibatches)
   and weights are compared with the same run without the eviction (Flush: equal; 1F1B refills
   the pipeline from the cut, so close).
+* replacement_flush: the same kill, but a replacement node takes the lost one's place on the
+  same layout: stage-only recovery (the lost stage restarts alone, the others rewind in place
+  to the cut) against every stage restarting; `recovery_s` of each, and the weights against
+  the run without the kill (Flush: equal).
 
-    python -m benchmarks.pipeline_elastic [--minibatches 96 --stage-ms 30]
+    python -m benchmarks.pipeline_elastic [--minibatches 96 --stage-ms 30] [--only-recovery]
 """
 
 from __future__ import annotations
@@ -119,6 +123,46 @@ def run_eviction(
     }
 
 
+def run_replacement(
+    args: argparse.Namespace,
+    spec: ChainModelSpec,
+    layout: Layout,
+    emulated: tuple[list[float], list[float]],
+) -> dict[str, Any]:
+    """Flush with backups; stage 1's process is SIGKILLed a third of the way and a
+    replacement takes its place on the same layout: only the lost stage restarts while the
+    others rewind in place (`stage`), against every stage restarting (`restart`)."""
+    micro = args.in_flight
+    common: dict[str, Any] = dict(
+        model=spec,
+        layout=layout,
+        schedule=Schedule.FLUSH,
+        minibatches=args.eviction_minibatches,
+        microbatches=micro,
+        microbatch_size=args.microbatch_size,
+        lr=EVICTION_LR[Schedule.FLUSH],
+        forward_ms=emulated[0],
+        backward_ms=emulated[1],
+        backup=True,
+    )
+    plain = run_pipeline(**common)
+    kill_after = args.eviction_minibatches // 3 // micro * micro
+    out: dict[str, Any] = {"evicted_stage": 1, "evicted_after_minibatches": kill_after}
+    for how in ("stage", "restart"):
+        run = run_pipeline(**common, evict=(1, kill_after), recovery=how)
+        (recovery,) = run.recoveries
+        out[how] = {
+            "mode": recovery.mode,
+            "resumed_at_minibatch": recovery.resumed_minibatch,
+            "recovery_s": round(recovery.seconds or float("nan"), 3),
+            "max_weight_difference": float((plain.weights - run.weights).abs().max()),
+        }
+        progress(f"replacement, {how}: recovered in {recovery.seconds:.2f} s ({recovery.mode})")
+    out["stage_over_restart"] = round(out["stage"]["recovery_s"] / out["restart"]["recovery_s"], 3)
+    out["target_stage_recovery_s"] = 5.0
+    return out
+
+
 def _merge(per_stage: list[float] | None) -> list[float] | None:
     """Per-stage ms with the first two stages merged into one."""
     return None if per_stage is None else [per_stage[0] + per_stage[1], *per_stage[2:]]
@@ -137,6 +181,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stage-ms", type=float, default=30.0, help="emulated F+B per stage")
     parser.add_argument(
         "--eviction-minibatches", type=int, default=384, help="minibatches of each eviction run"
+    )
+    parser.add_argument(
+        "--only-recovery",
+        action="store_true",
+        help="only the lost-stage recovery runs (stage-only against whole restart)",
     )
     return parser.parse_args()
 
@@ -222,12 +271,14 @@ def main() -> None:
         "real": {},
         "stages_rr": describe(merged),
     }
-    throughputs(args, spec, (layout, merged), (fwd_ms, bwd_ms), result)
-    result["target_1f1b_over_gpipe"] = TARGET_1F1B_OVER_GPIPE
-    for schedule in EVICTION_LR:
-        result[f"eviction_{schedule}"] = run_eviction(
-            args, spec, profile, layout, (fwd_ms, bwd_ms), schedule
-        )
+    if not args.only_recovery:
+        throughputs(args, spec, (layout, merged), (fwd_ms, bwd_ms), result)
+        result["target_1f1b_over_gpipe"] = TARGET_1F1B_OVER_GPIPE
+        for schedule in EVICTION_LR:
+            result[f"eviction_{schedule}"] = run_eviction(
+                args, spec, profile, layout, (fwd_ms, bwd_ms), schedule
+            )
+    result["replacement_flush"] = run_replacement(args, spec, layout, (fwd_ms, bwd_ms))
     result["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result, indent=2))
 
