@@ -44,7 +44,7 @@ from orchestrator.cloud.local.redis_process import free_port
 
 def chain_factory(**kwargs: Any) -> ModelFactory:
     """The pipeline benchmark's chain MLP (`pipeline.stage.build_chain`) as a factory."""
-    from orchestrator.agileml.pipeline.stage import ChainModelSpec, build_chain
+    from orchestrator.agileml.pipeline.source import ChainModelSpec, build_chain
 
     spec = ChainModelSpec(**kwargs)
     return lambda: build_chain(spec, 0)

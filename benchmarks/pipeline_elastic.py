@@ -48,7 +48,7 @@ from orchestrator.agileml.pipeline.local import Layout, chain_layout, describe, 
 from orchestrator.agileml.pipeline.planner import plan
 from orchestrator.agileml.pipeline.profiler import profile_sequential
 from orchestrator.agileml.pipeline.schedule import Schedule
-from orchestrator.agileml.pipeline.stage import ChainModelSpec, build_chain
+from orchestrator.agileml.pipeline.source import ChainModelSpec, build_chain
 
 STAGES = 4
 LOOPBACK_BYTES_PER_S = 1e9  # what the planner assumes between stage processes

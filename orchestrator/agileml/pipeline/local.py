@@ -38,8 +38,12 @@ from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery
 from orchestrator.agileml.pipeline.planner import PlannedStage
 from orchestrator.agileml.pipeline.schedule import Schedule, stuck_worker
-from orchestrator.agileml.pipeline.source import builtin_source, job_source, layer_sizes
-from orchestrator.agileml.pipeline.stage import ChainModelSpec
+from orchestrator.agileml.pipeline.source import (
+    ChainModelSpec,
+    builtin_source,
+    job_source,
+    layer_sizes,
+)
 
 
 def chain_layout(boundaries: list[tuple[int, int]], replicas: list[int] | None = None) -> Layout:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from orchestrator.agileml.batches import RowSource, TensorRows
@@ -43,9 +44,40 @@ class ChainSource:
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
 
 
-def builtin_source(spec: Any, seed: int) -> ChainSource:
-    """The generated MLP of a `stage.ChainModelSpec` and its Gaussian-mixture rows."""
-    from orchestrator.agileml.pipeline.stage import build_chain, build_chain_data
+class ChainModelSpec(BaseModel):
+    """An MLP as a chain of `depth` Linear layers with ReLUs between them (2 * depth - 1
+    modules), on a generated Gaussian-mixture classification task."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    features: Annotated[int, Field(ge=1, le=100_000)] = 32
+    hidden: Annotated[int, Field(ge=1, le=100_000)] = 64
+    classes: Annotated[int, Field(ge=2, le=100_000)] = 8
+    depth: Annotated[int, Field(ge=1, le=1000)] = 5
+    samples: Annotated[int, Field(ge=1)] = 4096
+    data_seed: int = 0
+
+
+def build_chain(spec: ChainModelSpec, seed: int) -> nn.Sequential:
+    """The whole model, initialised from `seed` (every stage builds it, then keeps its slice)."""
+    torch.manual_seed(seed)
+    dims = [spec.features] + [spec.hidden] * (spec.depth - 1) + [spec.classes]
+    layers: list[nn.Module] = []
+    for k in range(spec.depth):
+        layers.append(nn.Linear(dims[k], dims[k + 1]))
+        if k < spec.depth - 1:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def build_chain_data(spec: ChainModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    from orchestrator.agileml.examples import gaussian_mixture
+
+    return gaussian_mixture(spec.samples, spec.features, spec.classes, seed=spec.data_seed)
+
+
+def builtin_source(spec: ChainModelSpec, seed: int) -> ChainSource:
+    """The generated MLP of a `ChainModelSpec` and its Gaussian-mixture rows."""
 
     def rows() -> RowSource:
         return TensorRows(*build_chain_data(spec))

@@ -24,7 +24,6 @@ from typing import Annotated, Any
 
 import numpy as np
 import torch
-import zmq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load_file
 from safetensors.torch import save as save_entries
@@ -32,9 +31,11 @@ from torch import nn
 from torch.func import functional_call
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.errors import AgileMLError, WireError
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.pipeline.link import Rewind, StageLink
 from orchestrator.agileml.pipeline.schedule import Schedule, stage_ops, update_group
 from orchestrator.agileml.pipeline.source import (
+    ChainModelSpec,
     ChainSource,
     builtin_source,
     job_source,
@@ -42,44 +43,6 @@ from orchestrator.agileml.pipeline.source import (
 )
 from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.token import token_from_env
-from orchestrator.agileml.wire import MessageKind
-
-RECEIVE_TIMEOUT_S = 60.0
-
-
-class Rewind(Exception):  # noqa: N818 - a signal to the run loop, not an error
-    """The launcher lost another worker: go back to the reliable copy's cut and run on under a
-    new job id (see `run_stage`). `body`: job_id, first_minibatch, weights, optimizer."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        super().__init__(f"rewind to minibatch {body.get('first_minibatch')}")
-        self.body = body
-
-
-class ChainModelSpec(BaseModel):
-    """An MLP as a chain of `depth` Linear layers with ReLUs between them (2 * depth - 1
-    modules), on a generated Gaussian-mixture classification task."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    features: Annotated[int, Field(ge=1, le=100_000)] = 32
-    hidden: Annotated[int, Field(ge=1, le=100_000)] = 64
-    classes: Annotated[int, Field(ge=2, le=100_000)] = 8
-    depth: Annotated[int, Field(ge=1, le=1000)] = 5
-    samples: Annotated[int, Field(ge=1)] = 4096
-    data_seed: int = 0
-
-
-def build_chain(spec: ChainModelSpec, seed: int) -> nn.Sequential:
-    """The whole model, initialised from `seed` (every stage builds it, then keeps its slice)."""
-    torch.manual_seed(seed)
-    dims = [spec.features] + [spec.hidden] * (spec.depth - 1) + [spec.classes]
-    layers: list[nn.Module] = []
-    for k in range(spec.depth):
-        layers.append(nn.Linear(dims[k], dims[k + 1]))
-        if k < spec.depth - 1:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
 
 
 def stage_source(config: StageConfig) -> ChainSource:
@@ -87,12 +50,6 @@ def stage_source(config: StageConfig) -> ChainSource:
     if config.code is not None:
         return job_source(config.code, config.seed)
     return builtin_source(config.model, config.seed)
-
-
-def build_chain_data(spec: ChainModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    from orchestrator.agileml.examples import gaussian_mixture
-
-    return gaussian_mixture(spec.samples, spec.features, spec.classes, seed=spec.data_seed)
 
 
 class StageConfig(BaseModel):
@@ -356,85 +313,6 @@ class PipelineStage:
         return torch.cat([t.detach().reshape(-1).float() for t in self.state]).numpy()
 
 
-class _Link:
-    """The stage's inbox and its sockets to the neighbours and the launcher."""
-
-    def __init__(self, config: StageConfig, token: bytes) -> None:
-        self.config, self._token = config, token
-        self.ctx: zmq.Context[Any] = zmq.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.LINGER, 0)
-        port = self.inbox.bind_to_random_port(f"tcp://{config.host}")
-        self.endpoint = f"tcp://{config.host}:{port}"
-        self.out: dict[str, zmq.Socket[Any]] = {}
-        self.pending: dict[tuple[str, int], tuple[wire.Header, dict[str, torch.Tensor]]] = {}
-        self._seq = 0
-        self.job_id = config.job_id  # changes on a rewind: earlier messages are dropped
-
-    def restart(self, job_id: str) -> None:
-        """Take messages of `job_id` only, from now on (after a rewind)."""
-        self.job_id = job_id
-        self.pending.clear()
-
-    def send(
-        self,
-        endpoint: str,
-        detail: str,
-        minibatch: int,
-        tensors: dict[str, Any],
-        *,
-        epoch: int | None = None,
-    ) -> None:
-        sock = self.out.get(endpoint)
-        if sock is None:
-            sock = self.out[endpoint] = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 2000)
-            sock.connect(endpoint)
-        self._seq += 1
-        fields = {
-            "kind": MessageKind.PIPE,
-            "job_id": self.job_id,
-            "sender": f"worker{self.config.worker_index}",
-            "seq": self._seq,
-            "clock": minibatch,
-            "detail": detail,
-        }
-        if epoch is not None:
-            fields["epoch"] = epoch  # the weight version the input stage used
-        sock.send_multipart(wire.encode(fields, tensors, self._token))
-
-    def receive(self, detail: str, minibatch: int) -> tuple[wire.Header, dict[str, torch.Tensor]]:
-        """The message `detail` for `minibatch`, buffering others that arrive first."""
-        deadline = time.monotonic() + RECEIVE_TIMEOUT_S
-        while (detail, minibatch) not in self.pending:
-            remaining = int((deadline - time.monotonic()) * 1000)
-            if remaining <= 0 or not self.inbox.poll(remaining):
-                raise AgileMLError(
-                    f"stage {self.config.stage}: no {detail} for minibatch {minibatch}"
-                )
-            try:
-                header, tensors = wire.decode(self.inbox.recv_multipart(), self._token)
-            except WireError:
-                continue  # unauthenticated or malformed: dropped unread
-            ours = header.job_id == self.job_id  # not an earlier attempt's
-            if ours and header.kind is MessageKind.PIPE and header.detail == "rewind":
-                raise Rewind(wire.parse_json_body(tensors))
-            if (
-                ours
-                and header.kind is MessageKind.PIPE
-                and header.detail
-                and header.clock is not None
-            ):
-                self.pending[(header.detail, header.clock)] = (header, tensors)
-        return self.pending.pop((detail, minibatch))
-
-    def close(self) -> None:
-        for sock in self.out.values():
-            sock.close()
-        self.inbox.close(linger=0)
-        self.ctx.term()
-
-
 def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
     """Rendezvous, run every operation of the schedule, save the weights; returns the
     worker's result (timings and losses). On a `Rewind` (another worker was lost and is
@@ -442,7 +320,7 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
     under the new job id and runs on from the cut: its process, model and data are kept."""
     torch.set_num_threads(1)
     stage = PipelineStage(config, token)
-    link = _Link(config, token)
+    link = StageLink(token, config.job_id, config.host, config.stage, config.worker_index)
     me = config.worker_index
     started = time.time()
     try:
@@ -511,7 +389,7 @@ class _StageRun:
     its input is there (waiting for a neighbour is idle time)."""
 
     def __init__(
-        self, config: StageConfig, stage: PipelineStage, link: _Link, inboxes: dict[int, str]
+        self, config: StageConfig, stage: PipelineStage, link: StageLink, inboxes: dict[int, str]
     ) -> None:
         self.config, self.stage, self.link, self.inboxes = config, stage, link, inboxes
         me, share = config.worker_index, config.replica_counts[config.stage]
@@ -578,7 +456,7 @@ class _StageRun:
 
 
 def _replicas_sum(
-    link: _Link, config: StageConfig, mates: list[str], update: int, own: torch.Tensor
+    link: StageLink, config: StageConfig, mates: list[str], update: int, own: torch.Tensor
 ) -> torch.Tensor | None:
     """The stage's replicas exchange their gradients for update `update` and each sums them in
     replica order, so every replica applies the same bits. None for an unreplicated stage."""

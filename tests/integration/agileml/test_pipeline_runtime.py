@@ -10,7 +10,7 @@ import torch
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.pipeline.local import chain_layout, run_pipeline
 from orchestrator.agileml.pipeline.schedule import Op, Schedule, stage_ops, stuck_worker
-from orchestrator.agileml.pipeline.stage import ChainModelSpec, build_chain, build_chain_data
+from orchestrator.agileml.pipeline.source import ChainModelSpec, build_chain, build_chain_data
 from orchestrator.agileml.roster import global_batch_indices
 
 SPEC = ChainModelSpec(features=16, hidden=32, classes=4, depth=4, samples=1024)
