@@ -27,8 +27,10 @@ goes to stderr.
   the pipeline from the cut, so close).
 * replacement_flush: the same kill, but a replacement node takes the lost one's place on the
   same layout: stage-only recovery (the lost stage restarts alone, the others rewind in place
-  to the cut) against every stage restarting; `recovery_s` of each, and the weights against
-  the run without the kill (Flush: equal).
+  to the cut) against every stage restarting, and stage-only after the eviction notice
+  instead of a kill (the stage leaves right after its next update is backed up);
+  `recovery_s` of each (from the kill or the notice), and the weights against the run without
+  the eviction (Flush: equal).
 
     python -m benchmarks.pipeline_elastic [--minibatches 96 --stage-ms 30] [--only-recovery]
 """
@@ -148,16 +150,20 @@ def run_replacement(
     plain = run_pipeline(**common)
     kill_after = args.eviction_minibatches // 3 // micro * micro
     out: dict[str, Any] = {"evicted_stage": 1, "evicted_after_minibatches": kill_after}
-    for how in ("stage", "restart"):
-        run = run_pipeline(**common, evict=(1, kill_after), recovery=how)
+    for key, how, notice in (
+        ("stage", "stage", False),
+        ("restart", "restart", False),
+        ("stage_notice", "stage", True),
+    ):
+        run = run_pipeline(**common, evict=(1, kill_after), recovery=how, notice=notice)
         (recovery,) = run.recoveries
-        out[how] = {
+        out[key] = {
             "mode": recovery.mode,
             "resumed_at_minibatch": recovery.resumed_minibatch,
             "recovery_s": round(recovery.seconds or float("nan"), 3),
             "max_weight_difference": float((plain.weights - run.weights).abs().max()),
         }
-        progress(f"replacement, {how}: recovered in {recovery.seconds:.2f} s ({recovery.mode})")
+        progress(f"replacement, {key}: recovered in {recovery.seconds:.2f} s ({recovery.mode})")
     out["stage_over_restart"] = round(out["stage"]["recovery_s"] / out["restart"]["recovery_s"], 3)
     out["target_stage_recovery_s"] = 5.0
     return out

@@ -223,7 +223,8 @@ def _print_result(result: TrainResult) -> None:
                 )
         elif kind == "recovered":
             out.print(
-                f"  lost stage {e['stage']}: resumed at iteration "
+                f"  {'evicted (notice)' if e.get('notice') else 'lost'} stage {e['stage']}: "
+                f"resumed at iteration "
                 f"{e['resumed_iteration']} on stages {e['stages']}",
                 markup=False,
             )

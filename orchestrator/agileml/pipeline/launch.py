@@ -38,6 +38,8 @@ from orchestrator.agileml.wire import MessageKind
 Layout = tuple[PlannedStage, ...]
 #: A worker that exited cleanly without its `done` arriving within this long was lost.
 EXIT_GRACE_S = 2.0
+#: A worker leaving on notice is replaced once the cut includes its last update, or after this.
+LEAVE_WAIT_S = 5.0
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Recovery:
     layout: Layout
     next_minibatch_at: float | None = None
     mode: str = "restart"
+    notice: bool = False  # the worker had an eviction notice and left after a backup
 
     @property
     def seconds(self) -> float | None:
@@ -118,6 +121,7 @@ class Launch:
         self.inboxes: dict[int, str] = {}  # worker -> its inbox, from the last rendezvous
         self.results: list[dict[str, Any]] = []
         self.lost: list[int] = []  # the workers `run` found lost
+        self.notice = False  # an injected eviction is a notice (SIGUSR1), not a SIGKILL
         self.attempt = 0
         self.job_id = ""
         self.layout: Layout = ()
@@ -141,13 +145,19 @@ class Launch:
     def can_replace(self, backups: Backups) -> bool:
         """Whether `replace` can recover: one worker lost, every other one still running,
         and a cut past the start to rewind to."""
-        alive = [w for w, p in enumerate(self.procs) if p.poll() is None]
-        return len(self.lost) == 1 and len(alive) == len(self.procs) - 1 and backups.done > 0
+        others = [p for w, p in enumerate(self.procs) if w not in self.lost]
+        alive = all(p.poll() is None for p in others)
+        return len(self.lost) == 1 and alive and backups.done > 0
 
     def replace(self, backups: Backups) -> None:
         """Start a new process for the lost worker at the cut, and have every survivor
         rewind to the cut in place (see the module docstring)."""
         (lost,) = self.lost
+        try:
+            self.procs[lost].wait(timeout=LEAVE_WAIT_S)  # a worker leaving on notice exits
+        except subprocess.TimeoutExpired:
+            self.procs[lost].kill()
+            self.procs[lost].wait()
         old_job = self._new_attempt()
         files = {k: self._cut_files(k, st, backups) for k, st in enumerate(self.layout)}
         for w, (k, _) in enumerate(self.workers):
@@ -174,6 +184,7 @@ class Launch:
         hellos: dict[int, str] = {}
         done: set[int] = set()
         exited: dict[int, float] = {}  # worker -> when it was first seen exited cleanly
+        leaving: dict[int, tuple[int, float]] = {}  # worker -> (its last backup, when)
         while len(done) < workers:
             codes = [p.poll() for p in procs]
             crashed = [w for w, code in enumerate(codes) if code is not None and code > 0]
@@ -185,6 +196,11 @@ class Launch:
                     exited.setdefault(w, now)
             self.lost = [w for w, code in enumerate(codes) if code is not None and code < 0]
             self.lost += [w for w, at in exited.items() if now - at > EXIT_GRACE_S]
+            self.lost += [
+                w
+                for w, (last, at) in leaving.items()
+                if (backups.done >= last or now - at > LEAVE_WAIT_S) and w not in self.lost
+            ]
             if self.lost:
                 if not self.common["backup"]:
                     raise AgileMLError(f"a worker was lost (logs in {self.out_dir})")
@@ -217,6 +233,10 @@ class Launch:
                     recoveries[-1].next_minibatch_at = time.time()
             elif header.detail == "done":
                 done.add(header.clock)
+            elif header.detail == "leaving":
+                worker = self._worker_of(header.sender)
+                if worker is not None:
+                    leaving[worker] = (header.clock, time.time())
         self.results = []
         for proc in procs:
             try:
@@ -251,8 +271,9 @@ class Launch:
             backups.add(included, stage, len(self.layout), weights, optimizer)
         losses.update(zip(tensors["mb"].tolist(), tensors["loss"].tolist(), strict=True))
         if evict is not None and stage == 0 and included >= evict[1]:
-            self.procs[self.workers.index((evict[0], 0))].send_signal(signal.SIGKILL)
-            recoveries.append(Recovery(evict[0], time.time(), 0, ()))
+            victim = self.procs[self.workers.index((evict[0], 0))]
+            victim.send_signal(signal.SIGUSR1 if self.notice else signal.SIGKILL)
+            recoveries.append(Recovery(evict[0], time.time(), 0, (), notice=self.notice))
             return None
         return evict
 

@@ -114,6 +114,7 @@ def run_pipeline(
     max_recoveries: int = 3,
     on_backup: Callable[[int, dict[int, float]], None] | None = None,
     recovery: Literal["stage", "restart"] = "stage",
+    notice: bool = False,
 ) -> PipelineResult:
     """Train with one process per worker of `layout` (see `chain_layout`, or a plan's stages):
     the job file `code` (see `source`), or else the built-in chain `model`.
@@ -123,6 +124,8 @@ def run_pipeline(
         stage's first worker once an input-stage worker backed up weights including that many
         minibatches (needs `backup`); `replan(nodes)`
         gives the layout for the workers left (default: the same layout, on a replacement node).
+    With `notice` the injected eviction is the node's notice (SIGUSR1): the worker leaves after
+    its next update is backed up, so the job resumes from there (nothing it computed is lost).
     A lost worker on an unchanged layout (no `replan`) is replaced alone while the others
     rewind in place to the cut (`recovery="stage"`, when a cut past the start exists), or
     every worker restarts from the cut (`recovery="restart"`, and after a re-plan).
@@ -153,6 +156,7 @@ def run_pipeline(
     )  # fmt: skip
     emulated = (forward_ms, backward_ms)
     losses: dict[int, float] = {}  # minibatch -> loss, from the output stage's backups
+    launch.notice = notice
     backups = Backups()
     recoveries: list[Recovery] = []
     planned = layout

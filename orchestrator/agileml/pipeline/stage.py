@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import sys
+import threading
 import time
 import warnings
 from collections import deque
@@ -313,6 +315,15 @@ class PipelineStage:
         return torch.cat([t.detach().reshape(-1).float() for t in self.state]).numpy()
 
 
+#: Set by SIGUSR1, the node's eviction notice: the worker leaves after its next update's
+#: backup, so the reliable copy holds everything it computed (`_StageRun.update`).
+NOTICE = threading.Event()
+
+
+class _Leave(Exception):  # noqa: N818 - a signal to the run loop, not an error
+    """The notice came and the last update is backed up: stop."""
+
+
 def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
     """Rendezvous, run every operation of the schedule, save the weights; returns the
     worker's result (timings and losses). On a `Rewind` (another worker was lost and is
@@ -332,6 +343,8 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
             try:
                 _run_ops(config, run)
                 break
+            except _Leave:
+                return {"stage": config.stage, "replica": config.replica, "left": True}
             except Rewind as rewind:
                 config = config.model_copy(
                     update={
@@ -433,6 +446,9 @@ class _StageRun:
         t0 = time.perf_counter()
         self._update()
         self.stage.busy_s += time.perf_counter() - t0
+        if NOTICE.is_set() and self.config.backup:  # handed over: the backup has it all
+            self.link.send(self.config.rendezvous, "leaving", self.completed, {})
+            raise _Leave
 
     def _update(self) -> None:
         config, stage = self.config, self.stage
@@ -485,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m orchestrator.agileml.pipeline.stage CONFIG.json", file=sys.stderr)
         return 2
     config = StageConfig.model_validate_json(Path(args[0]).read_text())
+    signal.signal(signal.SIGUSR1, lambda *_: NOTICE.set())
     result = run_stage(config, token_from_env())
     print(json.dumps(result), flush=True)
     return 0

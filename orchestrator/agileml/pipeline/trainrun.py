@@ -12,11 +12,12 @@ and replicas per stage; `stages` forces the depth). An iteration is one global b
 process; `1f1b` updates each stage after every microbatch its replicas ran (PipeDream's
 asynchronous schedule, with weight stashing), `2bw` after every M.
 
-Every stage backs its weights up to the reliable tier (here, the launcher) after each update.
-`kill@N` SIGKILLs a worker of a middle stage once the input stage has done N iterations;
-`evict@N` does the same (a stage's hand-over on notice is not built yet: it is recovered from
-the reliable copy like a kill). The job then re-plans for the nodes left and resumes from the
-last iteration every stage backed up. `join@N` is refused.
+Every stage backs its weights and optimizer state up to the reliable tier (here, the
+launcher) after each update. `kill@N` SIGKILLs a worker of a middle stage once the input stage
+has done N iterations; `evict@N` gives it the eviction notice instead: it leaves right after
+its next update is backed up, so nothing it computed is redone. Either way the node is gone
+(not replaced), the job re-plans for the nodes left and resumes from the last iteration every
+stage backed up. `join@N` is refused.
 """
 
 from __future__ import annotations
@@ -125,10 +126,11 @@ def train_pipeline_locally(
     started = time.monotonic()
     layout = plan_layout(plan, plan.nodes, plan.stages)
     m = microbatches_for(plan.global_batch, len(layout))
-    evict = None
+    evict, notice = None, False
     if plan.injections:
         # a middle stage: its loss cuts the pipeline in two
         evict = (len(layout) // 2, plan.injections[0].at * m)
+        notice = plan.injections[0].kind == "evict"
 
     def replan(nodes: int) -> Layout:
         return plan_layout(plan, nodes, plan.stages)
@@ -153,6 +155,7 @@ def train_pipeline_locally(
         seed=plan.seed,
         backup=True,
         evict=evict,
+        notice=notice,
         replan=replan,
         max_recoveries=MAX_RECOVERIES,
         timeout_s=120.0 + 5.0 * plan.iterations,
@@ -185,6 +188,7 @@ def _train_result(
             {
                 "kind": "recovered",
                 "stage": r.stage,
+                "notice": r.notice,
                 "resumed_iteration": r.resumed_minibatch // m,
                 "stages": _describe(r.layout),
                 "recovery_s": r.seconds,

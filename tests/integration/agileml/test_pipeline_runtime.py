@@ -125,22 +125,31 @@ def test_boundaries_that_skip_layers_are_refused() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("replan", "how", "mode"),
+    ("replan", "how", "mode", "notice"),
     [
-        (None, "stage", "stage"),
-        (None, "restart", "restart"),
-        (lambda nodes: chain_layout([(0, 3), (4, 6)]), "stage", "restart"),
+        (None, "stage", "stage", False),
+        (None, "restart", "restart", False),
+        (lambda nodes: chain_layout([(0, 3), (4, 6)]), "stage", "restart", False),
+        (None, "stage", "stage", True),
+        (lambda nodes: chain_layout([(0, 3), (4, 6)]), "stage", "restart", True),
     ],
-    ids=["stage_only_on_a_replacement", "whole_restart_on_a_replacement", "replanned"],
+    ids=[
+        "stage_only_on_a_replacement",
+        "whole_restart_on_a_replacement",
+        "replanned",
+        "notice_stage_only",
+        "notice_replanned",
+    ],
 )
 def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(  # type: ignore[no-untyped-def]
-    replan, how: str, mode: str
+    replan, how: str, mode: str, notice: bool
 ) -> None:
     """Stage 1 is SIGKILLed after step 2: the job resumes from the last step every stage backed
     up, replays the interrupted step, and ends where plain SGD does, whether the lost stage
     alone is replaced (the others rewind in place) or every stage restarts."""
     result = run_pipeline(
         recovery=how,  # type: ignore[arg-type]
+        notice=notice,
         model=SPEC,
         layout=BOUNDS,
         schedule=Schedule.FLUSH,
@@ -155,10 +164,11 @@ def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(  # t
     )
     assert len(result.recoveries) == 1
     recovery = result.recoveries[0]
-    # stage 0 had backed up step 2 (8 minibatches); the killed stage may not have sent its
-    # copy of it yet
-    assert recovery.stage == 1 and recovery.resumed_minibatch in (4, 8)
-    assert recovery.mode == mode
+    assert (recovery.mode, recovery.notice) == (mode, notice)
+    if notice:  # it left after backing up its next update: nothing it computed is redone
+        assert recovery.stage == 1 and recovery.resumed_minibatch >= 8
+    else:  # the killed stage may not have sent its copy of step 2 yet
+        assert recovery.stage == 1 and recovery.resumed_minibatch in (4, 8)
     assert recovery.seconds is not None and recovery.seconds < 10
     if replan is not None:
         assert recovery.layout == chain_layout([(0, 3), (4, 6)])
