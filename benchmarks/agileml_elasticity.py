@@ -46,6 +46,7 @@ from orchestrator.agileml.examples import (
 )
 from orchestrator.agileml.local import LocalJob, NodeOutcome, mean_phase_seconds
 from orchestrator.agileml.partitions import PartitionLayout
+from orchestrator.lifecycle import exit_on_signals
 
 TARGETS = {
     "overhead_vs_ddp": 1.15,
@@ -238,6 +239,7 @@ def run_exactly_once(iterations: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    exit_on_signals()  # a SIGTERM unwinds: temporary folders and child processes go
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--features", type=int, default=5000)
     parser.add_argument("--classes", type=int, default=1000)

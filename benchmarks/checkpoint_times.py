@@ -30,12 +30,14 @@ from orchestrator.agileml.trainrun import TrainPlan, train_locally, train_spec
 from orchestrator.artifacts import S3Folder
 from orchestrator.artifacts.folders import s3_client
 from orchestrator.cloud.local.moto_server import MotoEC2Server
+from orchestrator.lifecycle import exit_on_signals
 
 DEFAULT_JOB = Path(__file__).resolve().parent / "jobs" / "wide_linear.py"
 _SECONDS = re.compile(r"clock (\d+) in ([0-9.]+) s")
 
 
 def main() -> None:
+    exit_on_signals()  # a SIGTERM unwinds: temporary folders and child processes go
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("job", nargs="?", type=Path, default=DEFAULT_JOB)
     parser.add_argument("--nodes", type=int, default=2)

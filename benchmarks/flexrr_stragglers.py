@@ -33,6 +33,7 @@ from typing import Any
 from orchestrator.agileml.control import ModelSpec, TrainingSpec
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.local import LocalJob, NodeOutcome
+from orchestrator.lifecycle import exit_on_signals
 from orchestrator.straggler.patterns import InjectedWork, NoStragglers, PowerLaw, SlowWorker
 from orchestrator.straggler.spec import StragglerSpec
 
@@ -123,6 +124,7 @@ def run_pattern(args: argparse.Namespace, pattern: Any, label: str) -> dict[str,
 
 
 def main() -> None:
+    exit_on_signals()  # a SIGTERM unwinds: temporary folders and child processes go
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=24)

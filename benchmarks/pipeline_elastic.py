@@ -51,6 +51,7 @@ from orchestrator.agileml.pipeline.planner import plan
 from orchestrator.agileml.pipeline.profiler import profile_sequential
 from orchestrator.agileml.pipeline.schedule import Schedule
 from orchestrator.agileml.pipeline.source import ChainModelSpec, build_chain
+from orchestrator.lifecycle import exit_on_signals
 
 STAGES = 4
 LOOPBACK_BYTES_PER_S = 1e9  # what the planner assumes between stage processes
@@ -246,6 +247,7 @@ def throughputs(
 
 
 def main() -> None:
+    exit_on_signals()  # a SIGTERM unwinds: temporary folders and child processes go
     args = parse_args()
     started = time.monotonic()
     spec = ChainModelSpec(features=64, hidden=args.hidden, classes=10, depth=args.depth)

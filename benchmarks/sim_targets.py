@@ -18,6 +18,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from orchestrator.lifecycle import exit_on_signals
 from orchestrator.market.trace_source import bundled_prices_dir
 
 STRATEGIES = "on-demand,standard-checkpoint,standard-agileml,cheapest-failover,bidbrain,oracle"
@@ -72,6 +73,7 @@ def targets(per_second: dict, max_error: float, per_second_s: float) -> dict[str
 
 
 def main() -> None:
+    exit_on_signals()  # a SIGTERM unwinds: temporary folders and child processes go
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--starts", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=None, help="keep the reports and ledger here")

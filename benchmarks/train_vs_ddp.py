@@ -47,6 +47,7 @@ from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.trainrun import TrainPlan, train_locally
 from orchestrator.cloud.local.redis_process import free_port
 from orchestrator.jobs import DIGITS_CNN
+from orchestrator.lifecycle import exit_on_signals
 
 DEFAULT_JOB = DIGITS_CNN
 PAUSE_ENV = "ORCHESTRATOR_TEST_JOB_PAUSE_S"
@@ -218,6 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    exit_on_signals()  # a SIGTERM unwinds: temporary folders and child processes go
     args = parse_args(argv)
     os.environ.pop(PAUSE_ENV, None)  # inherited by the node processes and the DDP ranks
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

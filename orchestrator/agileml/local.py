@@ -28,6 +28,7 @@ from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.artifacts.code import is_code_ref
+from orchestrator.lifecycle import keep_logs
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -70,7 +71,8 @@ class LocalJob:
         self._procs: dict[str, subprocess.Popen[str]] = {}
         self._killed: set[str] = set()
         self._held: set[str] = set()  # started, not released yet
-        # a log folder made here is removed on a clean exit and kept when the block raised
+        # a log folder made here is removed on every exit (a crashed node's error carries the
+        # end of its log), kept after an error with ORCHESTRATOR_KEEP_LOGS=1 (`keep_logs`)
         self._own_log_dir = log_dir is None
         self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="agileml-"))
 
@@ -80,7 +82,7 @@ class LocalJob:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close()
-        if self._own_log_dir and exc_type is None:
+        if self._own_log_dir and not (exc_type is not None and keep_logs()):
             shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def add_node(self, node_id: str, tier: NodeTier, *, held: bool = False) -> None:

@@ -54,6 +54,7 @@ from orchestrator.agileml.server import HANDOFF_TIMEOUT_SECONDS, ParamServer
 from orchestrator.agileml.token import token_from_env
 from orchestrator.agileml.worker import StaleViewError, Worker, WorkerSpec
 from orchestrator.errors import UserError
+from orchestrator.lifecycle import exit_with_parent
 from orchestrator.logfmt import log_to_stderr
 
 log = logging.getLogger(__name__)
@@ -536,6 +537,7 @@ def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> i
             load_job_code(args.preload)  # a module's imports are the slow part of a join
         if not sys.stdin.readline():
             return 0  # released by nobody: the job ended first
+    exit_with_parent()  # a SIGKILLed launcher leaves no node behind
     signal.signal(signal.SIGUSR1, lambda *_: node.leave())  # the eviction notice
     signal.signal(signal.SIGTERM, lambda *_: node.stop())
     result = node.run()

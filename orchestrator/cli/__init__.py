@@ -21,6 +21,7 @@ import typer
 
 from orchestrator.cli.app import DEBUG, app, err
 from orchestrator.errors import UserError
+from orchestrator.lifecycle import exit_on_signals
 
 __all__ = ["app", "main"]
 
@@ -31,7 +32,9 @@ for _module in COMMAND_MODULES:
 
 
 def main() -> None:
-    """Entry point of the console script: user errors exit 2 without a traceback."""
+    """Entry point of the console script: user errors exit 2 without a traceback; SIGTERM
+    and SIGHUP unwind (temporary folders removed, child processes stopped) and exit 143."""
+    exit_on_signals()
     try:
         app(standalone_mode=False)
     except UserError as exc:

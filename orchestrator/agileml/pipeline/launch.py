@@ -34,12 +34,20 @@ from orchestrator.agileml.pipeline.planner import PlannedStage
 from orchestrator.agileml.pipeline.stage import StageConfig
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.agileml.wire import MessageKind
+from orchestrator.lifecycle import KEEP_LOGS_ENV, keep_logs
 
 Layout = tuple[PlannedStage, ...]
 #: A worker that exited cleanly without its `done` arriving within this long was lost.
 EXIT_GRACE_S = 2.0
 #: A worker leaving on notice is replaced once the cut includes its last update, or after this.
 LEAVE_WAIT_S = 5.0
+
+
+def logs_hint(out_dir: Path) -> str:
+    """Where a failed run's stage logs are: kept only with ORCHESTRATOR_KEEP_LOGS=1."""
+    if keep_logs():
+        return f"logs in {out_dir}"
+    return f"set {KEEP_LOGS_ENV}=1 to keep the stages' logs"
 
 
 @dataclass
@@ -203,7 +211,7 @@ class Launch:
             ]
             if self.lost:
                 if not self.common["backup"]:
-                    raise AgileMLError(f"a worker was lost (logs in {self.out_dir})")
+                    raise AgileMLError(f"a worker was lost ({logs_hint(self.out_dir)})")
                 if not recoveries or recoveries[-1].killed_at < self._started_at:
                     stage = self.workers[self.lost[0]][0]
                     recoveries.append(Recovery(stage, time.time(), 0, ()))  # not injected
@@ -211,7 +219,8 @@ class Launch:
                 return "lost"
             remaining = int((self.deadline - time.monotonic()) * 1000)
             if remaining <= 0:
-                raise AgileMLError(f"the pipeline did not finish in time (logs in {self.out_dir})")
+                hint = logs_hint(self.out_dir)
+                raise AgileMLError(f"the pipeline did not finish in time ({hint})")
             if not self.inbox.poll(min(remaining, 100)):
                 continue
             try:
@@ -242,10 +251,10 @@ class Launch:
             try:
                 stdout, _ = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise AgileMLError(f"a stage did not exit (logs in {self.out_dir})") from None
+                raise AgileMLError(f"a stage did not exit ({logs_hint(self.out_dir)})") from None
             lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
             if proc.returncode != 0 or not lines:
-                raise AgileMLError(f"a stage failed (logs in {self.out_dir})")
+                raise AgileMLError(f"a stage failed ({logs_hint(self.out_dir)})")
             self.results.append(json.loads(lines[-1]))
         self.results.sort(key=lambda r: (r["stage"], r["replica"]))
         return "done"

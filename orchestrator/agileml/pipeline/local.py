@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery
+from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery, logs_hint
 from orchestrator.agileml.pipeline.planner import PlannedStage
 from orchestrator.agileml.pipeline.schedule import Schedule, stuck_worker
 from orchestrator.agileml.pipeline.source import (
@@ -44,6 +44,7 @@ from orchestrator.agileml.pipeline.source import (
     job_source,
     layer_sizes,
 )
+from orchestrator.lifecycle import keep_logs
 
 
 def chain_layout(boundaries: list[tuple[int, int]], replicas: list[int] | None = None) -> Layout:
@@ -160,11 +161,13 @@ def run_pipeline(
     backups = Backups()
     recoveries: list[Recovery] = []
     planned = layout
-    launch.start(layout, backups, _spread(emulated, planned, layout))
+    failed = False
     try:
+        launch.start(layout, backups, _spread(emulated, planned, layout))
         while launch.run(evict, losses, backups, recoveries, on_backup) != "done":
             if len(recoveries) > max_recoveries:
-                raise AgileMLError(f"{len(recoveries)} lost workers; giving up (logs in {out_dir})")
+                hint = logs_hint(out_dir)
+                raise AgileMLError(f"{len(recoveries)} lost workers; giving up ({hint})")
             evict = None  # injected once
             if replan is None and recovery == "stage" and launch.can_replace(backups):
                 launch.replace(backups)
@@ -179,13 +182,16 @@ def run_pipeline(
                 _check_layout(layout, len(sizes), schedule, left, microbatches)
             recoveries[-1].resumed_minibatch, recoveries[-1].layout = backups.done, layout
             launch.start(layout, backups, _spread(emulated, planned, layout))
-        result = _result(launch.results, out_dir, len(layout), losses, recoveries)
-        shutil.rmtree(out_dir, ignore_errors=True)  # kept, with the logs, when a run fails
-        return result
+        return _result(launch.results, out_dir, len(layout), losses, recoveries)
+    except BaseException:
+        failed = True
+        raise
     finally:
         launch.kill_all()
         inbox.close()
         ctx.term()
+        if not (failed and keep_logs()):  # the stages' logs, with ORCHESTRATOR_KEEP_LOGS=1
+            shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def _check_run(

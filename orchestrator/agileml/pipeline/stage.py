@@ -45,6 +45,7 @@ from orchestrator.agileml.pipeline.source import (
 )
 from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.token import token_from_env
+from orchestrator.lifecycle import exit_with_parent
 
 
 def stage_source(config: StageConfig) -> ChainSource:
@@ -502,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = StageConfig.model_validate_json(Path(args[0]).read_text())
     signal.signal(signal.SIGUSR1, lambda *_: NOTICE.set())
+    exit_with_parent()  # a SIGKILLed launcher leaves no stage behind
     result = run_stage(config, token_from_env())
     print(json.dumps(result), flush=True)
     return 0
