@@ -221,6 +221,12 @@ def _print_result(result: TrainResult) -> None:
                     "  the planner found one replicated stage (data parallelism) fastest for "
                     "this model; --stages K forces a pipeline of K stages"
                 )
+        elif kind == "joined":
+            out.print(
+                f"  a node joined: resumed at iteration {e['resumed_iteration']} on stages "
+                f"{e['stages']}",
+                markup=False,
+            )
         elif kind == "recovered":
             out.print(
                 f"  {'evicted (notice)' if e.get('notice') else 'lost'} stage {e['stage']}: "

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -41,6 +41,18 @@ Layout = tuple[PlannedStage, ...]
 EXIT_GRACE_S = 2.0
 #: A worker leaving on notice is replaced once the cut includes its last update, or after this.
 LEAVE_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault, due once the input stage has backed up `at` minibatches: `kill`
+    SIGKILLs the first worker of `stage`, `evict` gives it the eviction notice (SIGUSR1), `join`
+    adds a node (the run re-plans for one more). `stage` None: the middle stage of the layout
+    running then (its loss cuts the pipeline in two)."""
+
+    kind: Literal["kill", "evict", "join"]
+    at: int
+    stage: int | None = None
 
 
 def logs_hint(out_dir: Path) -> str:
@@ -129,7 +141,8 @@ class Launch:
         self.inboxes: dict[int, str] = {}  # worker -> its inbox, from the last rendezvous
         self.results: list[dict[str, Any]] = []
         self.lost: list[int] = []  # the workers `run` found lost
-        self.notice = False  # an injected eviction is a notice (SIGUSR1), not a SIGKILL
+        self.faults: list[Fault] = []  # still to inject, in order
+        self.joining = False  # a join is due: `run` returns "join"
         self.attempt = 0
         self.job_id = ""
         self.layout: Layout = ()
@@ -180,14 +193,13 @@ class Launch:
 
     def run(
         self,
-        evict: tuple[int, int] | None,
         losses: dict[int, float],
         backups: Backups,
         recoveries: list[Recovery],
         on_backup: Callable[[int, dict[int, float]], None] | None = None,
     ) -> str:
-        """Rendezvous and watch until every worker is done ("done") or one is lost ("lost":
-        its index in `lost`; nothing is stopped here)."""
+        """Rendezvous and watch until every worker is done ("done"), one is lost ("lost": its
+        index in `lost`; nothing is stopped here) or an injected join is due ("join")."""
         procs, workers = self.procs, len(self.procs)
         hellos: dict[int, str] = {}
         done: set[int] = set()
@@ -217,6 +229,9 @@ class Launch:
                     recoveries.append(Recovery(stage, time.time(), 0, ()))  # not injected
                 backups.forget_partial()  # minibatches not every stage backed up are redone
                 return "lost"
+            if self.joining:
+                self.joining = False
+                return "join"
             remaining = int((self.deadline - time.monotonic()) * 1000)
             if remaining <= 0:
                 hint = logs_hint(self.out_dir)
@@ -234,7 +249,7 @@ class Launch:
                 if len(hellos) == workers:
                     self._send_peers(hellos)
             elif header.detail == "backup":
-                evict = self._on_backup(header, tensors, evict, losses, backups, recoveries)
+                self._on_backup(header, tensors, losses, backups, recoveries)
                 if on_backup is not None and self._worker_of(header.sender) == 0:
                     on_backup(header.clock, losses)
             elif header.detail == "first":  # stage 0 completed its first minibatch
@@ -263,15 +278,14 @@ class Launch:
         self,
         header: wire.Header,
         tensors: dict[str, torch.Tensor],
-        evict: tuple[int, int] | None,
         losses: dict[int, float],
         backups: Backups,
         recoveries: list[Recovery],
-    ) -> tuple[int, int] | None:
-        """File a stage's backup; kill the injected eviction's victim when it is due."""
+    ) -> None:
+        """File a stage's backup; inject the next fault when it is due."""
         worker, included = self._worker_of(header.sender), header.clock
         if worker is None or included is None:
-            return evict
+            return
         stage, replica = self.workers[worker]
         if replica == 0:
             blob = tensors["o"].numpy().tobytes() if "o" in tensors else b""
@@ -279,12 +293,18 @@ class Launch:
             weights = tensors["w"].numpy().copy()
             backups.add(included, stage, len(self.layout), weights, optimizer)
         losses.update(zip(tensors["mb"].tolist(), tensors["loss"].tolist(), strict=True))
-        if evict is not None and stage == 0 and included >= evict[1]:
-            victim = self.procs[self.workers.index((evict[0], 0))]
-            victim.send_signal(signal.SIGUSR1 if self.notice else signal.SIGKILL)
-            recoveries.append(Recovery(evict[0], time.time(), 0, (), notice=self.notice))
-            return None
-        return evict
+        if not self.faults or stage != 0 or included < self.faults[0].at:
+            return
+        fault = self.faults.pop(0)
+        if fault.kind == "join":
+            self.joining = True
+            return
+        k = fault.stage if fault.stage is not None else len(self.layout) // 2
+        notice = fault.kind == "evict"
+        self.procs[self.workers.index((k, 0))].send_signal(
+            signal.SIGUSR1 if notice else signal.SIGKILL
+        )
+        recoveries.append(Recovery(k, time.time(), 0, (), notice=notice))
 
     def _new_attempt(self) -> str:
         """A new job id (messages of earlier attempts are dropped); returns the old one."""

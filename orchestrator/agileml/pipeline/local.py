@@ -25,7 +25,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +35,14 @@ import torch
 import zmq
 
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery, logs_hint
+from orchestrator.agileml.pipeline.launch import (
+    Backups,
+    Fault,
+    Launch,
+    Layout,
+    Recovery,
+    logs_hint,
+)
 from orchestrator.agileml.pipeline.planner import PlannedStage
 from orchestrator.agileml.pipeline.schedule import Schedule, stuck_worker
 from orchestrator.agileml.pipeline.source import (
@@ -75,6 +82,7 @@ class PipelineResult:
     stages: list[dict[str, Any]]
     weights: torch.Tensor
     recoveries: list[Recovery] = field(default_factory=list)
+    joins: list[tuple[int, Layout]] = field(default_factory=list)  # (cut, new layout)
 
     def throughput_per_s(self, skip: int = 0) -> float:
         """Minibatches per second through the input stage's backward passes, after the first
@@ -111,6 +119,7 @@ def run_pipeline(
     timeout_s: float = 300.0,
     backup: bool = False,
     evict: tuple[int, int] | None = None,
+    faults: Sequence[Fault] = (),
     replan: Callable[[int], Layout] | None = None,
     max_recoveries: int = 3,
     on_backup: Callable[[int, dict[int, float]], None] | None = None,
@@ -127,6 +136,8 @@ def run_pipeline(
         gives the layout for the workers left (default: the same layout, on a replacement node).
     With `notice` the injected eviction is the node's notice (SIGUSR1): the worker leaves after
     its next update is backed up, so the job resumes from there (nothing it computed is lost).
+    `faults` injects several (kills, notices, joins; see `launch.Fault`); a join restarts every
+    stage from the cut on `replan(workers + 1)`.
     A lost worker on an unchanged layout (no `replan`) is replaced alone while the others
     rewind in place to the cut (`recovery="stage"`, when a cut past the start exists), or
     every worker restarts from the cut (`recovery="restart"`, and after a re-plan).
@@ -142,47 +153,30 @@ def run_pipeline(
     sizes = chain_sizes(model, seed, code)
     _check_layout(layout, len(sizes), schedule, minibatches, microbatches)
     _check_run(layout, schedule, minibatches, microbatches, vertical_sync, backup, evict)
+    injected = [*faults]
+    if evict is not None:
+        injected.append(Fault("evict" if notice else "kill", evict[1], evict[0]))
+    _check_faults(injected, backup, replan, minibatches)
     token = secrets.token_bytes(32)
     ctx: zmq.Context[Any] = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.setsockopt(zmq.LINGER, 0)
     port = inbox.bind_to_random_port("tcp://127.0.0.1")
     out_dir = Path(tempfile.mkdtemp(prefix="pipeline-"))
-    deadline = time.monotonic() + timeout_s
     launch = Launch(
-        ctx, inbox, f"tcp://127.0.0.1:{port}", token, out_dir, deadline,
+        ctx, inbox, f"tcp://127.0.0.1:{port}", token, out_dir, time.monotonic() + timeout_s,
         dict(model=model, code=code, sizes=sizes, schedule=schedule, minibatches=minibatches,
              microbatches=microbatches, microbatch_size=microbatch_size, lr=lr, seed=seed,
              vertical_sync=vertical_sync, backup=backup),
     )  # fmt: skip
-    emulated = (forward_ms, backward_ms)
-    losses: dict[int, float] = {}  # minibatch -> loss, from the output stage's backups
-    launch.notice = notice
-    backups = Backups()
-    recoveries: list[Recovery] = []
-    planned = layout
+    launch.faults = sorted(injected, key=lambda f: f.at)
     failed = False
     try:
-        launch.start(layout, backups, _spread(emulated, planned, layout))
-        while launch.run(evict, losses, backups, recoveries, on_backup) != "done":
-            if len(recoveries) > max_recoveries:
-                hint = logs_hint(out_dir)
-                raise AgileMLError(f"{len(recoveries)} lost workers; giving up ({hint})")
-            evict = None  # injected once
-            if replan is None and recovery == "stage" and launch.can_replace(backups):
-                launch.replace(backups)
-                recoveries[-1].resumed_minibatch, recoveries[-1].layout = backups.done, layout
-                recoveries[-1].mode = "stage"
-                continue
-            launch.kill_all()
-            if replan is not None:
-                workers = sum(st.replicas for st in layout)
-                layout = tuple(replan(workers - 1))  # the lost node is not replaced
-                left = minibatches - backups.done
-                _check_layout(layout, len(sizes), schedule, left, microbatches)
-            recoveries[-1].resumed_minibatch, recoveries[-1].layout = backups.done, layout
-            launch.start(layout, backups, _spread(emulated, planned, layout))
-        return _result(launch.results, out_dir, len(layout), losses, recoveries)
+        return _supervise(
+            launch, layout, (forward_ms, backward_ms),
+            replan=replan, recovery=recovery, max_recoveries=max_recoveries,
+            on_backup=on_backup,
+        )  # fmt: skip
     except BaseException:
         failed = True
         raise
@@ -192,6 +186,51 @@ def run_pipeline(
         ctx.term()
         if not (failed and keep_logs()):  # the stages' logs, with ORCHESTRATOR_KEEP_LOGS=1
             shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _supervise(
+    launch: Launch,
+    layout: Layout,
+    emulated: tuple[list[float] | None, list[float] | None],
+    *,
+    replan: Callable[[int], Layout] | None,
+    recovery: str,
+    max_recoveries: int,
+    on_backup: Callable[[int, dict[int, float]], None] | None,
+) -> PipelineResult:
+    """Start the run and see it through its faults (see `run_pipeline`)."""
+    common = launch.common
+    backups, recoveries = Backups(), list[Recovery]()
+    losses: dict[int, float] = {}  # minibatch -> loss, from the output stage's backups
+    joins: list[tuple[int, Layout]] = []  # (the cut it restarted from, the new layout)
+    planned = layout
+
+    def restart_on(new: Layout) -> Layout:
+        launch.kill_all()
+        backups.forget_partial()  # minibatches not every stage backed up are redone
+        left = common["minibatches"] - backups.done
+        _check_layout(new, len(common["sizes"]), common["schedule"], left, common["microbatches"])
+        launch.start(new, backups, _spread(emulated, planned, new))
+        return new
+
+    launch.start(layout, backups, _spread(emulated, planned, layout))
+    while (outcome := launch.run(losses, backups, recoveries, on_backup)) != "done":
+        nodes = sum(st.replicas for st in layout)
+        if outcome == "join":
+            assert replan is not None  # `_check_faults`
+            layout = restart_on(tuple(replan(nodes + 1)))
+            joins.append((backups.done, layout))
+            continue
+        if len(recoveries) > max_recoveries:
+            hint = logs_hint(launch.out_dir)
+            raise AgileMLError(f"{len(recoveries)} lost workers; giving up ({hint})")
+        if replan is None and recovery == "stage" and launch.can_replace(backups):
+            launch.replace(backups)
+            recoveries[-1].mode = "stage"
+        else:  # the lost node is not replaced when the job re-plans
+            layout = restart_on(layout if replan is None else tuple(replan(nodes - 1)))
+        recoveries[-1].resumed_minibatch, recoveries[-1].layout = backups.done, layout
+    return _result(launch.results, launch.out_dir, len(layout), losses, recoveries, joins)
 
 
 def _check_run(
@@ -221,12 +260,29 @@ def _check_run(
         raise AgileMLError(f"evict={evict}: want (a stage, a minibatch count before the last)")
 
 
+def _check_faults(
+    faults: list[Fault],
+    backup: bool,
+    replan: Callable[[int], Layout] | None,
+    minibatches: int,
+) -> None:
+    """Refuse faults that cannot be injected (`run_pipeline` says which)."""
+    if faults and not backup:
+        raise AgileMLError("an injected fault needs backup=True (nothing to recover from)")
+    if any(f.kind == "join" for f in faults) and replan is None:
+        raise AgileMLError("an injected join needs replan (the layout for one more node)")
+    late = [f for f in faults if not 0 < f.at < minibatches]
+    if late:
+        raise AgileMLError(f"{late[0]}: want a minibatch count in 1..{minibatches - 1}")
+
+
 def _result(
     results: list[dict[str, Any]],
     out_dir: Path,
     stages: int,
     losses: dict[int, float],
     recoveries: list[Recovery],
+    joins: list[tuple[int, Layout]],
 ) -> PipelineResult:
     """The finished run: the stages' weights in layer order, every minibatch's loss (backed
     up before a recovery, or the last attempt's own), the stages' reports."""
@@ -241,6 +297,7 @@ def _result(
         stages=results,
         weights=weights,
         recoveries=recoveries,
+        joins=joins,
     )
 
 

@@ -17,7 +17,8 @@ launcher) after each update. `kill@N` SIGKILLs a worker of a middle stage once t
 has done N iterations; `evict@N` gives it the eviction notice instead: it leaves right after
 its next update is backed up, so nothing it computed is redone. Either way the node is gone
 (not replaced), the job re-plans for the nodes left and resumes from the last iteration every
-stage backed up. `join@N` is refused.
+stage backed up. `join@N` adds a node: the job re-plans for one more and every stage restarts
+from the last iteration backed up. Faults are injected in iteration order.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import check_job_code, load_job_code, seeded_model
+from orchestrator.agileml.pipeline.launch import Fault
 from orchestrator.agileml.pipeline.local import Layout, PipelineResult, run_pipeline
 from orchestrator.agileml.pipeline.planner import plan as plan_stages
 from orchestrator.agileml.pipeline.profiler import ModelProfile, profile_sequential
@@ -57,23 +59,18 @@ def check_pipeline_plan(plan: TrainPlan) -> None:
     """Refuse, before any process starts, what a pipeline run cannot do (UserError or
     JobCodeError naming the option or function and the fix)."""
     for injection in plan.injections:
-        if injection.kind == "join":
-            raise UserError(
-                "--inject join@N is not supported with --pipeline yet: a pipeline re-plans only "
-                "for fewer nodes. To fix: leave join out, or train data-parallel."
-            )
         if not 0 < injection.at < plan.iterations:
             raise UserError(
                 f"--inject {injection.kind}@{injection.at}: want an iteration in 1.."
                 f"{plan.iterations - 1}. To fix: inject within the run."
             )
-    if len(plan.injections) > 1:
+    joins = sum(1 for i in plan.injections if i.kind == "join")
+    leaving = len(plan.injections) - joins
+    if leaving > plan.nodes + joins - 1:
         raise UserError(
-            "--pipeline takes one injected fault per run for now. To fix: inject one "
-            "(e.g. --inject kill@150)."
+            f"--inject takes away {leaving} nodes of {plan.nodes + joins}; at least one must "
+            "stay. To fix: start more with --nodes."
         )
-    if plan.injections and plan.nodes < 2:
-        raise UserError("--inject with --pipeline needs --nodes 2 or more: one node must stay")
     if plan.checkpoint_every or plan.resume is not None:
         raise UserError(
             "--checkpoint-every and --resume are not supported with --pipeline yet. To fix: "
@@ -126,11 +123,7 @@ def train_pipeline_locally(
     started = time.monotonic()
     layout = plan_layout(plan, plan.nodes, plan.stages)
     m = microbatches_for(plan.global_batch, len(layout))
-    evict, notice = None, False
-    if plan.injections:
-        # a middle stage: its loss cuts the pipeline in two
-        evict = (len(layout) // 2, plan.injections[0].at * m)
-        notice = plan.injections[0].kind == "evict"
+    faults = [Fault(i.kind, i.at * m) for i in plan.injections]  # kills: a middle stage
 
     def replan(nodes: int) -> Layout:
         return plan_layout(plan, nodes, plan.stages)
@@ -154,8 +147,7 @@ def train_pipeline_locally(
         microbatch_size=plan.global_batch // m,
         seed=plan.seed,
         backup=True,
-        evict=evict,
-        notice=notice,
+        faults=faults,
         replan=replan,
         max_recoveries=MAX_RECOVERIES,
         timeout_s=120.0 + 5.0 * plan.iterations,
@@ -183,8 +175,13 @@ def _train_result(
     events: list[dict[str, Any]] = [
         {"at_s": 0.0, "kind": "planned", "stages": _describe(layout), "microbatches": m}
     ]
+    changes: list[dict[str, Any]] = []
+    for cut, joined in result.joins:
+        changes.append(
+            {"kind": "joined", "resumed_iteration": cut // m, "stages": _describe(joined)}
+        )
     for r in result.recoveries:
-        events.append(
+        changes.append(
             {
                 "kind": "recovered",
                 "stage": r.stage,
@@ -194,6 +191,7 @@ def _train_result(
                 "recovery_s": r.seconds,
             }
         )
+    events += sorted(changes, key=lambda e: int(e["resumed_iteration"]))
     out = TrainResult(
         model=model,
         iterations=plan.iterations,

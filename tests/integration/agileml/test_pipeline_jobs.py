@@ -95,6 +95,22 @@ def test_a_stage_whose_code_raises_fails_the_run_with_its_log_not_a_recovery(
         train_pipeline_locally(_plan(code=str(job)))
 
 
+def test_a_notice_a_join_and_a_kill_in_one_run_end_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node leaving on notice hands over through the reliable copy, the joiner makes the
+    job re-plan for one more node, the kill is recovered from the cut: flush still ends where
+    one process does (AdamW's state and the cosine schedule follow every re-plan)."""
+    result = train_pipeline_locally(
+        _plan(nodes=2, injections=tuple(parse_injections("evict@6,join@12,kill@18")))
+    )
+    changes = [(e["kind"], sum(r for _, _, r in e["stages"])) for e in result.events[1:]]
+    assert changes == [("recovered", 1), ("joined", 2), ("recovered", 1)], result.events
+    assert [e.get("notice") for e in result.events[1:]] == [True, None, False]
+    expected, _ = train_reference(
+        load_job_code(JOB), iterations=ITERATIONS, global_batch=GLOBAL_BATCH
+    )
+    assert relative_error(result.model, expected) <= 1e-5
+
+
 def test_layers_state_round_trips_with_buffers() -> None:
     """BatchNorm's running statistics and its integer batch count travel too."""
     code = load_job_code(JOBS / "bn_rmsprop")
@@ -136,7 +152,7 @@ def test_a_model_that_is_not_sequential_is_refused_with_the_fix(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"injections": tuple(parse_injections("join@5"))}, "join@N is not supported"),
+        ({"injections": tuple(parse_injections("kill@5,kill@6"))}, "takes away 2 nodes of 2"),
         ({"injections": tuple(parse_injections("kill@30"))}, "want an iteration in 1..23"),
         ({"stages": 9, "nodes": 4}, "--stages 9: the job has 7 layers and 4 nodes"),
     ],
@@ -183,7 +199,7 @@ def test_train_cli_pipeline_writes_weights_that_load_into_the_jobs_model(tmp_pat
     [
         (["--schedule", "2bw"], "--schedule and --stages need --pipeline"),
         (["--pipeline", "--schedule", "zigzag"], "--schedule"),
-        (["--pipeline", "--inject", "join@3"], "join@N is not supported with --pipeline"),
+        (["--pipeline", "--nodes", "2", "--inject", "kill@3,evict@4"], "takes away 2 nodes of 2"),
     ],
 )
 def test_train_cli_refuses_bad_pipeline_input_with_one_line_and_exit_2(
