@@ -141,6 +141,13 @@ def train_command(
         raise validation_to_user_error(exc) from None
     if not pipeline and (schedule != "flush" or stages is not None):
         raise UserError("--schedule and --stages need --pipeline", field="--pipeline")
+    if pipeline and (partitions is not None or overlap or reliable != 1):
+        raise UserError(
+            "--partitions, --overlap and --reliable are data-parallel options; a pipeline "
+            "backs its stages up to the launcher",
+            field="--pipeline",
+            fix="leave them out with --pipeline",
+        )
     if pipeline:
         from orchestrator.agileml.pipeline.trainrun import check_pipeline_plan
 

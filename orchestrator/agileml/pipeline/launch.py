@@ -168,7 +168,8 @@ class Launch:
         and a cut past the start to rewind to."""
         others = [p for w, p in enumerate(self.procs) if w not in self.lost]
         alive = all(p.poll() is None for p in others)
-        return len(self.lost) == 1 and alive and backups.done > 0
+        met = len(self.inboxes) == len(self.procs)  # this attempt's rendezvous completed
+        return len(self.lost) == 1 and alive and met and backups.done > 0
 
     def replace(self, backups: Backups) -> None:
         """Start a new process for the lost worker at the cut, and have every survivor
@@ -211,8 +212,8 @@ class Launch:
             if crashed:  # an error in the stage's code, not a lost node: retrying repeats it
                 raise AgileMLError(self._crash_report(crashed[0]))
             now = time.time()
-            for w, code in enumerate(codes):
-                if code == 0 and w not in done:
+            for w, code in enumerate(codes):  # a leaving worker exits too: see below
+                if code == 0 and w not in done and w not in leaving:
                     exited.setdefault(w, now)
             self.lost = [w for w, code in enumerate(codes) if code is not None and code < 0]
             self.lost += [w for w, at in exited.items() if now - at > EXIT_GRACE_S]
@@ -257,6 +258,7 @@ class Launch:
                     recoveries[-1].next_minibatch_at = time.time()
             elif header.detail == "done":
                 done.add(header.clock)
+                exited.pop(header.clock, None)
             elif header.detail == "leaving":
                 worker = self._worker_of(header.sender)
                 if worker is not None:
@@ -300,6 +302,7 @@ class Launch:
             self.joining = True
             return
         k = fault.stage if fault.stage is not None else len(self.layout) // 2
+        k = min(k, len(self.layout) - 1)  # the layout may have shrunk since
         notice = fault.kind == "evict"
         self.procs[self.workers.index((k, 0))].send_signal(
             signal.SIGUSR1 if notice else signal.SIGKILL
@@ -309,6 +312,7 @@ class Launch:
     def _new_attempt(self) -> str:
         """A new job id (messages of earlier attempts are dropped); returns the old one."""
         old = self.job_id
+        self.inboxes = {}  # known again once this attempt's rendezvous completes
         self.attempt += 1
         self._started_at = time.time()
         self.job_id = f"pipe-{secrets.token_hex(4)}"

@@ -221,6 +221,11 @@ def _supervise(
             layout = restart_on(tuple(replan(nodes + 1)))
             joins.append((backups.done, layout))
             continue
+        if backups.done >= common["minibatches"]:  # lost after the last update: all backed up
+            launch.kill_all()
+            recoveries[-1].resumed_minibatch, recoveries[-1].layout = backups.done, layout
+            return _result([], launch.out_dir, len(layout), losses, recoveries, joins,
+                           final=backups.weights)  # fmt: skip
         if len(recoveries) > max_recoveries:
             hint = logs_hint(launch.out_dir)
             raise AgileMLError(f"{len(recoveries)} lost workers; giving up ({hint})")
@@ -283,16 +288,23 @@ def _result(
     losses: dict[int, float],
     recoveries: list[Recovery],
     joins: list[tuple[int, Layout]],
+    final: np.ndarray | None = None,
 ) -> PipelineResult:
     """The finished run: the stages' weights in layer order, every minibatch's loss (backed
-    up before a recovery, or the last attempt's own), the stages' reports."""
-    weights = torch.cat(
-        [torch.from_numpy(np.load(out_dir / f"stage{k}.npy")) for k in range(stages)]
-    )
+    up before a recovery, or the last attempt's own), the stages' reports. `results` empty:
+    a worker was lost after every stage backed up its last update; the weights are the
+    reliable copy's (`final`)."""
+    if results:
+        files = [out_dir / f"stage{k}.npy" for k in range(stages)]
+        weights = torch.cat([torch.from_numpy(np.load(f)) for f in files])
+    else:
+        assert final is not None
+        weights = torch.from_numpy(final.copy())
     for r in results:  # the last attempt's own, backed up or not
         losses.update(zip(r["loss_minibatches"], r["losses"], strict=True))
+    spans = [(r["started"], r["ended"]) for r in results] or [(0.0, 0.0)]
     return PipelineResult(
-        seconds=max(r["ended"] for r in results) - min(r["started"] for r in results),
+        seconds=max(e for _, e in spans) - min(b for b, _ in spans),
         losses=[losses[m] for m in sorted(losses)],
         stages=results,
         weights=weights,

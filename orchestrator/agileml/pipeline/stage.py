@@ -128,7 +128,10 @@ class PipelineStage:
         layers = source.layers()[config.first_layer : config.last_layer + 1]
         self.module = nn.Sequential(*layers)
         self.names = [n for n, _ in self.module.named_parameters()]
-        self.live = [p.detach().clone() for p in self.module.parameters()]
+        # the weights, detached; frozen ones (requires_grad False) are not trained
+        self.live = [
+            p.detach().clone().requires_grad_(p.requires_grad) for p in self.module.parameters()
+        ]
         # the travelling state, layer by layer (see `source`): live weights, then buffers
         live_of = {id(p): w for p, w in zip(self.module.parameters(), self.live, strict=True)}
         self.state = [live_of.get(id(t), t) for layer in layers for t in layer_state(layer)]
@@ -191,7 +194,7 @@ class PipelineStage:
 
     @staticmethod
     def _leaves(values: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [v.detach().clone().requires_grad_(True) for v in values]
+        return [v.detach().clone().requires_grad_(v.requires_grad) for v in values]
 
     def rows(self, minibatch: int) -> torch.Tensor:
         """Microbatch `minibatch % M` of the global batch of iteration `minibatch // M`: the
@@ -263,10 +266,11 @@ class PipelineStage:
         with torch.no_grad():
             if self.optimizer is None:
                 for w, g in zip(self.live, self.acc, strict=True):
-                    w.add_(g, alpha=-self.config.lr)
+                    if w.requires_grad:
+                        w.add_(g, alpha=-self.config.lr)
             else:  # the job's own optimizer and schedule, on this stage's weights
                 for w, g in zip(self.live, self.acc, strict=True):
-                    w.grad = g.clone()
+                    w.grad = g.clone() if w.requires_grad else None
                 self.optimizer.step()
                 if self.scheduler is not None:
                     self.scheduler.step()
@@ -284,6 +288,12 @@ class PipelineStage:
             del self.versions[v]
             self.in_flight.pop(v, None)
 
+    def _optimizer_keys(self) -> list[str]:
+        """The weight key of each index of the optimizer's state: its param groups' order."""
+        assert self.optimizer is not None
+        key_of = {id(w): key for w, key in zip(self.live, self.param_keys, strict=True)}
+        return [key_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
     def optimizer_entries(self) -> dict[str, torch.Tensor]:
         """The optimizer's state per weight, keyed "<weight key>.<state key>" (see
         `param_keys`), so that it follows each layer into any later layout."""
@@ -291,7 +301,7 @@ class PipelineStage:
             return {}
         state = self.optimizer.state_dict()["state"]
         out = {}
-        for i, key in enumerate(self.param_keys):
+        for i, key in enumerate(self._optimizer_keys()):
             for name, value in state.get(i, {}).items():
                 tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
                 out[f"{key}.{name}"] = tensor.detach().clone().contiguous()
@@ -300,7 +310,7 @@ class PipelineStage:
     def _load_optimizer(self, entries: dict[str, torch.Tensor]) -> None:
         assert self.optimizer is not None
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for i, key in enumerate(self.param_keys):
+        for i, key in enumerate(self._optimizer_keys()):
             prefix = key + "."
             got = {k[len(prefix) :]: v for k, v in entries.items() if k.startswith(prefix)}
             if got:
@@ -447,7 +457,8 @@ class _StageRun:
         t0 = time.perf_counter()
         self._update()
         self.stage.busy_s += time.perf_counter() - t0
-        if NOTICE.is_set() and self.config.backup:  # handed over: the backup has it all
+        last = self.completed >= self.config.minibatches  # nothing left to hand over
+        if NOTICE.is_set() and self.config.backup and not last:  # the backup has it all
             self.link.send(self.config.rendezvous, "leaving", self.completed, {})
             raise _Leave
 

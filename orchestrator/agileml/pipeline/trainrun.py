@@ -31,7 +31,12 @@ from typing import Any
 import torch
 
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.jobcode import check_job_code, load_job_code, seeded_model
+from orchestrator.agileml.jobcode import (
+    JobCodeError,
+    check_job_code,
+    load_job_code,
+    seeded_model,
+)
 from orchestrator.agileml.pipeline.launch import Fault
 from orchestrator.agileml.pipeline.local import Layout, PipelineResult, run_pipeline
 from orchestrator.agileml.pipeline.planner import plan as plan_stages
@@ -64,13 +69,17 @@ def check_pipeline_plan(plan: TrainPlan) -> None:
                 f"--inject {injection.kind}@{injection.at}: want an iteration in 1.."
                 f"{plan.iterations - 1}. To fix: inject within the run."
             )
-    joins = sum(1 for i in plan.injections if i.kind == "join")
-    leaving = len(plan.injections) - joins
-    if leaving > plan.nodes + joins - 1:
-        raise UserError(
-            f"--inject takes away {leaving} nodes of {plan.nodes + joins}; at least one must "
-            "stay. To fix: start more with --nodes."
-        )
+    nodes = plan.nodes
+    for injection in plan.injections:  # in iteration order: a join may come too late
+        nodes += 1 if injection.kind == "join" else -1
+        if nodes < 1:
+            joins = sum(1 for i in plan.injections if i.kind == "join")
+            leaving = len(plan.injections) - joins
+            raise UserError(
+                f"--inject takes away {leaving} nodes of {plan.nodes + joins} (none left at "
+                f"{injection.kind}@{injection.at}); at least one must stay. To fix: start more "
+                "with --nodes."
+            )
     if plan.checkpoint_every or plan.resume is not None:
         raise UserError(
             "--checkpoint-every and --resume are not supported with --pipeline yet. To fix: "
@@ -79,6 +88,7 @@ def check_pipeline_plan(plan: TrainPlan) -> None:
     code = load_job_code(plan.code)
     check_job_code(code, global_batch=plan.global_batch, seed=plan.seed)
     layers = job_source(plan.code, plan.seed).layers()
+    _check_untied(layers)
     if plan.stages is not None and plan.stages > min(plan.nodes, len(layers)):
         raise UserError(
             f"--stages {plan.stages}: the job has {len(layers)} layers and {plan.nodes} nodes. "
@@ -95,6 +105,20 @@ def profile_job(code: str, *, seed: int, global_batch: int, workers: int) -> Mod
     size = global_batch // microbatches_for(global_batch, min(workers, len(layers)))
     x, _ = source.rows().take(torch.arange(size))
     return profile_sequential(layers, x)
+
+
+def _check_untied(layers: list[torch.nn.Module]) -> None:
+    """Refuse a weight shared by two layers: stages hold their own copies (JobCodeError)."""
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            first = owner.setdefault(id(p), index)
+            if first != index:
+                raise JobCodeError(
+                    f"layers {first} and {index} share the weight `{name}` (tied weights), "
+                    "which pipeline stages cannot keep in step. To fix: train this model "
+                    "data-parallel (without --pipeline), or untie the weights."
+                )
 
 
 def plan_layout(plan: TrainPlan, workers: int, stages: int | None = None) -> Layout:

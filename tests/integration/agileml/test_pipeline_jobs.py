@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.jobcode import JobCodeError, load_job_code
+from orchestrator.agileml.jobcode import JobCodeError, load_job_code, seeded_model
 from orchestrator.agileml.pipeline.source import job_layers, job_source, layer_sizes, load_layers
 from orchestrator.agileml.pipeline.trainrun import (
     check_pipeline_plan,
@@ -59,7 +59,7 @@ def test_flush_pipeline_of_a_users_job_equals_a_single_process_loop() -> None:
     assert result.evaluation["accuracy"] > 0.5
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_groups", "sgd"])
 def test_a_killed_stage_is_rebuilt_from_the_reliable_copy_and_the_weights_stay_exact(
     optimizer: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -111,6 +111,39 @@ def test_a_notice_a_join_and_a_kill_in_one_run_end_exact(monkeypatch: pytest.Mon
     assert relative_error(result.model, expected) <= 1e-5
 
 
+def test_frozen_layers_stay_as_they_were_and_the_rest_train_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ORCHESTRATOR_TEST_FROZEN", "1")
+    result = train_pipeline_locally(_plan(injections=tuple(parse_injections("kill@12"))))
+    code = load_job_code(JOB)
+    expected, _ = train_reference(code, iterations=ITERATIONS, global_batch=GLOBAL_BATCH)
+    assert relative_error(result.model, expected) <= 1e-5
+    assert torch.equal(result.model[0].weight, seeded_model(code, 0)[0].weight)  # untrained
+
+
+def test_an_eviction_after_the_last_update_ends_from_the_reliable_copy() -> None:
+    result = train_pipeline_locally(
+        _plan(injections=tuple(parse_injections(f"evict@{ITERATIONS - 1}")))
+    )
+    expected, _ = train_reference(
+        load_job_code(JOB), iterations=ITERATIONS, global_batch=GLOBAL_BATCH
+    )
+    assert relative_error(result.model, expected) <= 1e-5
+
+
+def test_weights_tied_across_layers_are_refused(tmp_path: Path) -> None:
+    job = tmp_path / "tied.py"
+    job.write_text(
+        JOB.read_text() + "\n\ndef stages(m):\n"
+        "    head = nn.Linear(96, 96)\n"
+        "    head.weight = m[2].weight\n"
+        "    return [*m, head]\n"
+    )
+    with pytest.raises(JobCodeError, match="share the weight `weight`"):
+        check_pipeline_plan(_plan(code=str(job)))
+
+
 def test_layers_state_round_trips_with_buffers() -> None:
     """BatchNorm's running statistics and its integer batch count travel too."""
     code = load_job_code(JOBS / "bn_rmsprop")
@@ -132,8 +165,8 @@ def test_a_model_that_is_not_sequential_is_refused_with_the_fix(tmp_path: Path) 
     job = tmp_path / "job.py"
     job.write_text(
         JOB.read_text().replace(
-            "def model() -> nn.Sequential:\n    return nn.Sequential(",
-            "def model() -> nn.Module:\n    return Wrapped(",
+            "def _layers() -> nn.Sequential:\n    return nn.Sequential(",
+            "def _layers() -> nn.Module:\n    return Wrapped(",
         )
         + "\n\nclass Wrapped(nn.Module):\n"
         "    def __init__(self, *layers):\n"

@@ -1,6 +1,7 @@
 """A test job for pipelines: a 7-module MLP as an nn.Sequential on scikit-learn's digits, with
 the optimizer named by ORCHESTRATOR_TEST_OPTIMIZER (adamw with a cosine schedule, the default;
-or sgd without momentum, whose state a restart does not need)."""
+adamw_groups: no weight decay on biases, a second param group; or sgd without momentum, whose
+state a restart does not need). ORCHESTRATOR_TEST_FROZEN=1 freezes the first layer."""
 
 import os
 
@@ -16,6 +17,13 @@ TRAIN = 1400
 
 
 def model() -> nn.Sequential:
+    m = _layers()
+    if os.environ.get("ORCHESTRATOR_TEST_FROZEN") == "1":
+        m[0].requires_grad_(False)
+    return m
+
+
+def _layers() -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(64, 96),
         nn.ReLU(),
@@ -36,8 +44,16 @@ def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer(params):  # type: ignore[no-untyped-def]
-    if os.environ.get("ORCHESTRATOR_TEST_OPTIMIZER") == "sgd":
+    kind = os.environ.get("ORCHESTRATOR_TEST_OPTIMIZER")
+    if kind == "sgd":
         return torch.optim.SGD(params, lr=0.2)
+    if kind == "adamw_groups":  # biases first: the state's order differs from the layers'
+        params = list(params)
+        groups = [
+            {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0},
+            {"params": [p for p in params if p.dim() > 1]},
+        ]
+        return torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.01)
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
 
 
