@@ -180,6 +180,7 @@ class Launch:
         except subprocess.TimeoutExpired:
             self.procs[lost].kill()
             self.procs[lost].wait()
+        inboxes = self.inboxes  # the survivors', from this attempt's rendezvous
         old_job = self._new_attempt()
         files = {k: self._cut_files(k, st, backups) for k, st in enumerate(self.layout)}
         for w, (k, _) in enumerate(self.workers):
@@ -188,7 +189,7 @@ class Launch:
             weights, optimizer = files[k]
             body = {"job_id": self.job_id, "first_minibatch": backups.done,
                     "weights": weights, "optimizer": optimizer}  # fmt: skip
-            self._send(self.inboxes[w], old_job, "rewind", wire.json_body(body))
+            self._send(inboxes[w], old_job, "rewind", wire.json_body(body))
         k, r = self.workers[lost]
         self.procs[lost] = self._spawn(k, r, backups.done, files[k])
 
