@@ -97,6 +97,9 @@ from orchestrator.agileml.wire import MessageKind
 
 log = logging.getLogger(__name__)
 
+#: Node states that count as members: heard from, expected to heartbeat.
+LIVE_STATES = (NodeState.ACTIVE, NodeState.READY, NodeState.LEAVING)
+
 SENDER = "coordinator"
 CONTROL_TIMEOUT_SECONDS = 15.0  # a configure, hand-off or restore op on a node
 ROSTER_RETRIES = 5  # a join scheduled too late is pushed later this many times
@@ -566,20 +569,18 @@ class Coordinator:
         log.error("hand-offs never acknowledged; failing their receivers", extra={
             "unsettled": done.unsettled, "nodes": receivers})  # fmt: skip
         settle(call, done.unsettled)
-        live = (NodeState.ACTIVE, NodeState.READY, NodeState.LEAVING)
         with self._lock:
-            failed = [n for n in receivers if self._membership.state(n) in live]
+            failed = [n for n in receivers if self._membership.state(n) in LIVE_STATES]
         if failed:
             self._fail(client, failed)
 
     def _alive(self, node: str) -> bool:
         """Heard from within the failure timeout and not failed or gone."""
-        live = (NodeState.ACTIVE, NodeState.READY, NodeState.LEAVING)
         with self._lock:
             info = self._nodes.get(node)
             return (
                 info is not None
-                and self._membership.state(node) in live
+                and self._membership.state(node) in LIVE_STATES
                 and self._now() - info.last_seen_s <= self.spec.failure_timeout_s
             )
 
@@ -663,12 +664,11 @@ class Coordinator:
 
     def _detect_failures(self) -> list[str]:
         now = self._now()
-        live = (NodeState.ACTIVE, NodeState.READY, NodeState.LEAVING)
         with self._lock:
             return sorted(
                 n
                 for n, info in self._nodes.items()
-                if self._membership.state(n) in live
+                if self._membership.state(n) in LIVE_STATES
                 and now - info.last_seen_s > self.spec.failure_timeout_s
             )
 

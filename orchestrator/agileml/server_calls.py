@@ -118,33 +118,46 @@ def rebalance(
         old = table.owner(p)
         if old != new:
             moves.setdefault(old, {})[p] = new
-    moved, unsettled = False, dict[str, dict[int, str]]()
+    unsettled: dict[str, dict[int, str]] = {}
     for old, targets in moves.items():
-        pending = dict(targets)
-        for _ in range(HANDOFF_ROUNDS):
-            body = {"op": "handoff", "moves": {p: endpoints[n] for p, n in pending.items()}}
-            try:
-                out = call(old, body)
-            except AgileMLError as exc:
-                log.error("handoff op failed", extra={"node": old, "error": str(exc)})
-                pending = {}
-                break
-            for p, version in out["versions"].items():
-                table.set(int(p), owners[int(p)], version)
-                moved = True
-            for p, why in out.get("refused", {}).items():
-                log.warning("hand-off refused", extra={"node": old, "partition": p, "error": why})
-            unknown = {int(p): pending[int(p)] for p in out.get("unknown", {})}
-            pending = {p: n for p, n in unknown.items() if alive(n)}
-            if len(pending) < len(unknown):
-                unsettled.setdefault(old, {}).update(
-                    {p: n for p, n in unknown.items() if p not in pending}
-                )
-            if not pending:
-                break
-        if pending:
-            unsettled.setdefault(old, {}).update(pending)
+        left = _hand_off(call, old, targets, owners=owners, table=table, endpoints=endpoints,
+                         alive=alive)  # fmt: skip
+        if left:
+            unsettled[old] = left
+    moved = any(table.owner(p) == owners[p] for targets in moves.values() for p in targets)
     return Rebalanced(moved, unsettled)
+
+
+def _hand_off(
+    call: NodeCall,
+    old: str,
+    targets: dict[int, str],
+    *,
+    owners: Mapping[int, str],
+    table: PartitionTable,
+    endpoints: Mapping[str, str],
+    alive: Callable[[str], bool],
+) -> dict[int, str]:
+    """`old`'s moves (partition -> receiver node), in up to HANDOFF_ROUNDS `handoff` ops;
+    returns those left unsettled (see `Rebalanced`)."""
+    pending, unsettled = dict(targets), dict[int, str]()
+    for _ in range(HANDOFF_ROUNDS):
+        body = {"op": "handoff", "moves": {p: endpoints[n] for p, n in pending.items()}}
+        try:
+            out = call(old, body)
+        except AgileMLError as exc:
+            log.error("handoff op failed", extra={"node": old, "error": str(exc)})
+            return unsettled
+        for p, version in out["versions"].items():
+            table.set(int(p), owners[int(p)], version)
+        for p, why in out.get("refused", {}).items():
+            log.warning("hand-off refused", extra={"node": old, "partition": p, "error": why})
+        unknown = {int(p): pending[int(p)] for p in out.get("unknown", {})}
+        pending = {p: n for p, n in unknown.items() if alive(n)}
+        unsettled.update({p: n for p, n in unknown.items() if p not in pending})
+        if not pending:
+            return unsettled
+    return {**unsettled, **pending}
 
 
 def settle(call: NodeCall, unsettled: Mapping[str, Mapping[int, str]]) -> None:

@@ -136,6 +136,8 @@ class Launch:
     ) -> None:
         self.ctx, self.inbox, self.rendezvous, self.token = ctx, inbox, rendezvous, token
         self.out_dir, self.deadline, self.common = out_dir, deadline, common
+        self._config = {k: v for k, v in common.items() if k != "sizes"}  # for StageConfig
+        self._offsets = np.cumsum([0, *common["sizes"]])  # each layer's start in the weights
         self.procs: list[subprocess.Popen[str]] = []
         self.workers: list[tuple[int, int]] = []  # (stage, replica) of each process
         self.inboxes: dict[int, str] = {}  # worker -> its inbox, from the last rendezvous
@@ -325,7 +327,7 @@ class Launch:
         """Stage k's weights and optimizer state at the cut, as files (None: initial)."""
         weights = optimizer = None
         if backups.weights is not None:
-            offsets = np.cumsum([0, *self.common["sizes"]])
+            offsets = self._offsets
             weights = str(self.out_dir / f"initial{self.attempt}-{k}.npy")
             np.save(weights, backups.weights[offsets[st.first_layer] : offsets[st.last_layer + 1]])
         entries = backups.optimizer_of(st.first_layer, st.last_layer)
@@ -338,7 +340,6 @@ class Launch:
         self, k: int, r: int, first_minibatch: int, files: tuple[str | None, str | None]
     ) -> subprocess.Popen[str]:
         st = self.layout[k]
-        common = {key: v for key, v in self.common.items() if key != "sizes"}
         config = StageConfig(
             job_id=self.job_id,
             stage=k,
@@ -354,7 +355,7 @@ class Launch:
             first_minibatch=first_minibatch,
             initial_weights=files[0],
             initial_optimizer=files[1],
-            **common,
+            **self._config,
         )
         name = f"stage{k}.{r}-{self.attempt}"
         path = self.out_dir / f"{name}.json"

@@ -152,11 +152,11 @@ def run_pipeline(
     model = model or ChainModelSpec()
     sizes = chain_sizes(model, seed, code)
     _check_layout(layout, len(sizes), schedule, minibatches, microbatches)
-    _check_run(layout, schedule, minibatches, microbatches, vertical_sync, backup, evict)
+    _check_run(layout, schedule, microbatches, vertical_sync)
     injected = [*faults]
     if evict is not None:
         injected.append(Fault("evict" if notice else "kill", evict[1], evict[0]))
-    _check_faults(injected, backup, replan, minibatches)
+    _check_faults(injected, layout, backup, replan, minibatches)
     token = secrets.token_bytes(32)
     ctx: zmq.Context[Any] = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -238,15 +238,7 @@ def _supervise(
     return _result(launch.results, launch.out_dir, len(layout), losses, recoveries, joins)
 
 
-def _check_run(
-    layout: Layout,
-    schedule: Schedule,
-    minibatches: int,
-    microbatches: int,
-    vertical_sync: bool,
-    backup: bool,
-    evict: tuple[int, int] | None,
-) -> None:
+def _check_run(layout: Layout, schedule: Schedule, microbatches: int, vertical_sync: bool) -> None:
     """Refuse run options that cannot work together (`run_pipeline` says which)."""
     if vertical_sync and any(st.replicas > 1 for st in layout):
         raise AgileMLError(
@@ -259,14 +251,11 @@ def _check_run(
             f"microbatches as there are stages: microbatches {microbatches} < "
             f"{len(layout)} stages"
         )
-    if evict is not None and not backup:
-        raise AgileMLError("an injected eviction needs backup=True (nothing to recover from)")
-    if evict is not None and not (0 <= evict[0] < len(layout) and 0 < evict[1] < minibatches):
-        raise AgileMLError(f"evict={evict}: want (a stage, a minibatch count before the last)")
 
 
 def _check_faults(
     faults: list[Fault],
+    layout: Layout,
     backup: bool,
     replan: Callable[[int], Layout] | None,
     minibatches: int,
@@ -276,9 +265,12 @@ def _check_faults(
         raise AgileMLError("an injected fault needs backup=True (nothing to recover from)")
     if any(f.kind == "join" for f in faults) and replan is None:
         raise AgileMLError("an injected join needs replan (the layout for one more node)")
-    late = [f for f in faults if not 0 < f.at < minibatches]
-    if late:
-        raise AgileMLError(f"{late[0]}: want a minibatch count in 1..{minibatches - 1}")
+    bad = [f for f in faults if not 0 < f.at < minibatches or not 0 <= (f.stage or 0) < len(layout)]
+    if bad:
+        raise AgileMLError(
+            f"{bad[0]}: want a minibatch count in 1..{minibatches - 1} and a stage in "
+            f"0..{len(layout) - 1}"
+        )
 
 
 def _result(
