@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -43,6 +43,42 @@ EXIT_GRACE_S = 2.0
 LEAVE_WAIT_S = 5.0
 
 
+class StageProcess(Protocol):
+    """A running stage worker, as `Launch` watches it: a local `subprocess.Popen`, or a
+    stage on another node (`pipeline.remote.RemoteStage`)."""
+
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def communicate(self, timeout: float | None = None) -> tuple[str, Any]: ...
+
+
+#: Starts the stage worker `name` (unique per attempt) with its config file: a local process
+#: (`spawn_local`) or one on a node of the job (`pipeline.remote.NodePool.spawn`).
+Spawn = Callable[[str, Path], StageProcess]
+
+
+def spawn_local(token: bytes, out_dir: Path, env: dict[str, str] | None = None) -> Spawn:
+    """Stage workers as processes of this machine; `name.log` in `out_dir` gets stderr."""
+
+    def spawn(name: str, config_path: Path) -> StageProcess:
+        run_env = {**os.environ, **(env or {}), AGILEML_TOKEN_ENV: token.hex(),
+                   "OMP_NUM_THREADS": "1"}  # fmt: skip
+        with (out_dir / f"{name}.log").open("w") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.agileml.pipeline.stage", str(config_path)],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=run_env,
+            )
+
+    return spawn
+
+
 @dataclass(frozen=True)
 class Fault:
     """An injected fault, due once the input stage has backed up `at` minibatches: `kill`
@@ -53,6 +89,17 @@ class Fault:
     kind: Literal["kill", "evict", "join"]
     at: int
     stage: int | None = None
+
+
+def _cut_tensors(weights: str | None, optimizer: str | None) -> dict[str, torch.Tensor]:
+    """A stage's slice of the cut as `rewind` tensors: `w` its weights, `o` its optimizer
+    state (a safetensors blob); from the files `Launch._cut_files` wrote."""
+    out: dict[str, torch.Tensor] = {}
+    if weights is not None:
+        out["w"] = torch.from_numpy(np.load(weights))
+    if optimizer is not None:
+        out["o"] = torch.frombuffer(bytearray(Path(optimizer).read_bytes()), dtype=torch.uint8)
+    return out
 
 
 def logs_hint(out_dir: Path) -> str:
@@ -133,12 +180,14 @@ class Launch:
         out_dir: Path,
         deadline: float,
         common: dict[str, Any],
+        spawn: Spawn | None = None,
     ) -> None:
         self.ctx, self.inbox, self.rendezvous, self.token = ctx, inbox, rendezvous, token
         self.out_dir, self.deadline, self.common = out_dir, deadline, common
+        self.spawn = spawn or spawn_local(token, out_dir)
         self._config = {k: v for k, v in common.items() if k != "sizes"}  # for StageConfig
         self._offsets = np.cumsum([0, *common["sizes"]])  # each layer's start in the weights
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[StageProcess] = []
         self.workers: list[tuple[int, int]] = []  # (stage, replica) of each process
         self.inboxes: dict[int, str] = {}  # worker -> its inbox, from the last rendezvous
         self.results: list[dict[str, Any]] = []
@@ -188,10 +237,8 @@ class Launch:
         for w, (k, _) in enumerate(self.workers):
             if w == lost:
                 continue
-            weights, optimizer = files[k]
-            body = {"job_id": self.job_id, "first_minibatch": backups.done,
-                    "weights": weights, "optimizer": optimizer}  # fmt: skip
-            self._send(inboxes[w], old_job, "rewind", wire.json_body(body))
+            body = wire.json_body({"job_id": self.job_id, "first_minibatch": backups.done})
+            self._send(inboxes[w], old_job, "rewind", {**body, **_cut_tensors(*files[k])})
         k, r = self.workers[lost]
         self.procs[lost] = self._spawn(k, r, backups.done, files[k])
 
@@ -338,7 +385,7 @@ class Launch:
 
     def _spawn(
         self, k: int, r: int, first_minibatch: int, files: tuple[str | None, str | None]
-    ) -> subprocess.Popen[str]:
+    ) -> StageProcess:
         st = self.layout[k]
         config = StageConfig(
             job_id=self.job_id,
@@ -360,15 +407,7 @@ class Launch:
         name = f"stage{k}.{r}-{self.attempt}"
         path = self.out_dir / f"{name}.json"
         path.write_text(config.model_dump_json())
-        env = {**os.environ, AGILEML_TOKEN_ENV: self.token.hex(), "OMP_NUM_THREADS": "1"}
-        with (self.out_dir / f"{name}.log").open("w") as log:
-            return subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.agileml.pipeline.stage", str(path)],
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=env,
-            )
+        return self.spawn(name, path)
 
     def _crash_report(self, worker: int, tail_lines: int = 12) -> str:
         stage, replica = self.workers[worker]

@@ -23,11 +23,13 @@ RECEIVE_TIMEOUT_S = 60.0
 
 class Rewind(Exception):  # noqa: N818 - a signal to the run loop, not an error
     """The launcher lost another worker: go back to the reliable copy's cut and run on under a
-    new job id (see `run_stage`). `body`: job_id, first_minibatch, weights, optimizer."""
+    new job id (see `run_stage`). `body`: job_id, first_minibatch; `cut`: the stage's weights
+    (`w`, flat) and optimizer state (`o`, a safetensors blob) at the cut, when there are any."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
+    def __init__(self, body: dict[str, Any], cut: dict[str, torch.Tensor]) -> None:
         super().__init__(f"rewind to minibatch {body.get('first_minibatch')}")
         self.body = body
+        self.cut = {k: v for k, v in cut.items() if k in ("w", "o")}
 
 
 class StageLink:
@@ -90,7 +92,7 @@ class StageLink:
                 continue  # unauthenticated or malformed: dropped unread
             ours = header.job_id == self.job_id  # not an earlier attempt's
             if ours and header.kind is MessageKind.PIPE and header.detail == "rewind":
-                raise Rewind(wire.parse_json_body(tensors))
+                raise Rewind(wire.parse_json_body(tensors), tensors)
             if (
                 ours
                 and header.kind is MessageKind.PIPE

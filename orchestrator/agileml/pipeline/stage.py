@@ -357,14 +357,7 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
             except _Leave:
                 return {"stage": config.stage, "replica": config.replica, "left": True}
             except Rewind as rewind:
-                config = config.model_copy(
-                    update={
-                        "job_id": rewind.body["job_id"],
-                        "first_minibatch": int(rewind.body["first_minibatch"]),
-                        "initial_weights": rewind.body.get("weights"),
-                        "initial_optimizer": rewind.body.get("optimizer"),
-                    }
-                )
+                config = _rewound(config, rewind)
                 stage.start_from(config)
                 link.restart(config.job_id)
         ended = time.time()
@@ -386,6 +379,22 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
         }
     finally:
         link.close()
+
+
+def _rewound(config: StageConfig, rewind: Rewind) -> StageConfig:
+    """The config to run on from a rewind's cut (its weights and optimizer state written to
+    files in the stage's `out_dir`, where `start_from` reads them)."""
+    weights = optimizer = None
+    prefix = Path(config.out_dir) / f"rewind{config.worker_index}-{rewind.body['job_id']}"
+    if "w" in rewind.cut:
+        weights = f"{prefix}.npy"
+        np.save(weights, rewind.cut["w"].numpy())
+    if "o" in rewind.cut:
+        optimizer = f"{prefix}.safetensors"
+        Path(optimizer).write_bytes(rewind.cut["o"].numpy().tobytes())
+    update = {"job_id": rewind.body["job_id"], "first_minibatch": int(rewind.body["first_minibatch"]),
+              "initial_weights": weights, "initial_optimizer": optimizer}  # fmt: skip
+    return config.model_copy(update=update)
 
 
 def _run_ops(config: StageConfig, run: _StageRun) -> None:
