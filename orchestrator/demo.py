@@ -25,12 +25,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 from rich.console import Console
 
-from orchestrator.agileml.hosting import HostedTraining, evaluate_weights
+from orchestrator.agileml.hosting import evaluate_weights
 from orchestrator.api.app import create_app
 from orchestrator.api.operations import submit_job
 from orchestrator.api.serve import BackgroundServer
@@ -54,6 +54,9 @@ from orchestrator.market.trace_source import bundled_prices_dir
 from orchestrator.settings import ApiSettings, ControllerSettings, Settings
 from orchestrator.store import JobRecord, JobState, RedisStore
 from orchestrator.units import SECONDS_PER_HOUR
+
+if TYPE_CHECKING:
+    from orchestrator.agileml.hosting import Hosted
 
 CONTROLLER_ID = "demo"
 NAMESPACE = "demo"
@@ -80,6 +83,15 @@ TRAINING: dict[str, Any] = {
     "min_nodes": 2,
     "failure_timeout_s": 3.0,  # many processes on few cores: be patient before "failed"
 }
+#: The demo job trained as a pipeline (`--pipeline`): the same job file, its layers in two
+#: stages (replicated over the instances held; the planner would pick one replicated stage for
+#: so small a model), a fixed number of iterations (a stage holds its schedule's operations).
+PIPELINE_TRAINING: dict[str, Any] = {
+    **{k: v for k, v in TRAINING.items() if k != "num_partitions"},
+    "parallelism": "pipeline",
+    "iterations": 20_000,
+    "stages": 2,
+}
 #: The moto bucket that holds the demo's artifacts (uploaded code, checkpoints, weights).
 ARTIFACT_BUCKET = "orchestrator-demo"
 #: Real seconds between two checkpoints of the demo job.
@@ -104,6 +116,7 @@ class DemoSummary:
     final_loss: float  # its loss at the last measurement before the job ended (NaN: none)
     training_iterations: int  # clocks completed by the AgileML workers
     training_events: list[str]  # what the elasticity controller did (started, evicted, ...)
+    parallelism: str = "data"  # or "pipeline" (`--pipeline`)
     # the returned weights (the job's final model.safetensors) on the held-out digits
     held_out_accuracy: float = math.nan
     held_out_loss: float = math.nan
@@ -111,15 +124,16 @@ class DemoSummary:
     weights_path: str = ""  # where they were copied (`weights_out`), "" if not
 
 
-def sample_job(budget_usd: float) -> JobSubmission:
-    """A 12 reference-GPU-hour job on up to 4 V100s (p3 types) that trains `TRAINING`."""
+def sample_job(budget_usd: float, *, pipeline: bool = False) -> JobSubmission:
+    """A 12 reference-GPU-hour job on up to 4 V100s (p3 types) that trains `TRAINING` (or
+    `PIPELINE_TRAINING`)."""
     return JobSubmission(
-        name="demo-training",
+        name="demo-pipeline" if pipeline else "demo-training",
         budget_usd=budget_usd,
         work_gpu_hours=12.0,
         max_gpus=4.0,
         instance_types=("p3.2xlarge", "p3.8xlarge", "p3.16xlarge"),
-        training=TRAINING,
+        training=PIPELINE_TRAINING if pipeline else TRAINING,
     )
 
 
@@ -152,7 +166,7 @@ class _World:
     where: str  # the Redis and moto URLs, for the first line
     launched: set[str] = field(default_factory=set)
     injected: int = 0
-    hosted: HostedTraining | None = None
+    hosted: Hosted | None = None
     loss_at_start: float = math.nan
     last_loss: float = math.nan
     next_training_s: float = 0.0
@@ -233,6 +247,7 @@ def run_demo(
     port: int | None = DEFAULT_PORT,
     linger_s: float = 0.0,
     weights_out: Path | None = None,
+    pipeline: bool = False,
 ) -> DemoSummary:
     """Run the demo until the job ends or `timeout_s` real seconds pass.
 
@@ -248,7 +263,7 @@ def run_demo(
     """
     console = console or Console()
     wall0 = time.monotonic()
-    job = sample_job(budget_usd)
+    job = sample_job(budget_usd, pipeline=pipeline)
     settings = demo_settings(speed=speed, start=start)
     with _offline_world(settings, seed=seed, port=port) as world:
         job = _with_uploaded_code(job, world.artifacts)
@@ -364,6 +379,7 @@ def _summary(world: _World, job: JobSubmission, wall0: float) -> DemoSummary:
         final_loss=round(world.last_loss, 4),
         training_iterations=0 if hosted is None else hosted.progress().iteration,
         training_events=[] if hosted is None else hosted.events(),
+        parallelism=str((job.training or {}).get("parallelism", "data")),
     )
 
 
@@ -423,7 +439,9 @@ def _print_summary(console: Console, s: DemoSummary) -> None:
         f"{s.evictions} evicted"
         + (f" ({s.injected_evictions} injected)" if s.injected_evictions else "")
         + f"; {s.orphans_after} left running. Training: loss {s.loss_at_start:.3f} -> "
-        f"{s.final_loss:.3f} in {s.training_iterations} AgileML iterations.",
+        f"{s.final_loss:.3f} in {s.training_iterations} "
+        + ("pipeline" if s.parallelism == "pipeline" else "AgileML")
+        + " iterations.",
         highlight=False,
     )
     if not math.isnan(s.held_out_accuracy):

@@ -13,7 +13,13 @@ from typing import Literal
 
 from orchestrator.cloud.imds import read_metadata
 from orchestrator.cloud.imds_wire import INSTANCE_ID_PATH, INSTANCE_TAG_PATH, LOCAL_IPV4_PATH
-from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER, TAG_CONTROLLER, TAG_JOB, TAG_TIER
+from orchestrator.cloud.instances import (
+    TAG_AGILEML_CONTROLLER,
+    TAG_CONTROLLER,
+    TAG_JOB,
+    TAG_PARALLELISM,
+    TAG_TIER,
+)
 from orchestrator.errors import UserError
 
 AgileMLTier = Literal["transient", "reliable"]
@@ -31,6 +37,7 @@ class InstanceIdentity:
     host: str = "127.0.0.1"  # the address the job's other nodes reach this one at
     controller_id: str | None = None
     agileml_controller: str | None = None  # the job's elasticity controller (None: no training)
+    parallelism: Literal["data", "pipeline"] = "data"  # pipeline: it runs stage workers
 
 
 def read_identity(metadata_url: str) -> InstanceIdentity:
@@ -41,7 +48,7 @@ def read_identity(metadata_url: str) -> InstanceIdentity:
             from the worker launch template, or instance tags are off in the metadata service).
         MetadataError: the metadata service is unreachable.
     """
-    keys = (TAG_JOB, TAG_TIER, TAG_CONTROLLER, TAG_AGILEML_CONTROLLER)
+    keys = (TAG_JOB, TAG_TIER, TAG_CONTROLLER, TAG_AGILEML_CONTROLLER, TAG_PARALLELISM)
     tag_paths = {key: INSTANCE_TAG_PATH + key for key in keys}
     found = read_metadata(metadata_url, [INSTANCE_ID_PATH, LOCAL_IPV4_PATH, *tag_paths.values()])
     job_id, tier = found[tag_paths[TAG_JOB]], found[tag_paths[TAG_TIER]]
@@ -59,4 +66,5 @@ def read_identity(metadata_url: str) -> InstanceIdentity:
         host=found[LOCAL_IPV4_PATH] or "127.0.0.1",
         controller_id=found[tag_paths[TAG_CONTROLLER]],
         agileml_controller=found[tag_paths[TAG_AGILEML_CONTROLLER]],
+        parallelism="pipeline" if found[tag_paths[TAG_PARALLELISM]] == "pipeline" else "data",
     )

@@ -32,6 +32,7 @@ from orchestrator.cloud.notices import InterruptionNotice
 
 if TYPE_CHECKING:
     from orchestrator.agileml.node import AgileMLNode, NodeResult
+    from orchestrator.agileml.pipeline.node import PipelineNode
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class InstanceAgent:
         self.parent_pid = parent_pid
         self.loop_interval_s = loop_interval_s
         self.outcome = AgentOutcome()
-        self.node: AgileMLNode | None = None
+        self.node: AgileMLNode | PipelineNode | None = None
         self._token = token
 
     def on_notice(self, notice: InterruptionNotice) -> None:
@@ -172,16 +173,28 @@ class InstanceAgent:
         # start (and see notices) at once
         from orchestrator.agileml.elasticity import NodeTier
         from orchestrator.agileml.node import AgileMLNode
+        from orchestrator.agileml.pipeline.node import PipelineNode
 
         assert self._token is not None
-        node = AgileMLNode(
-            ident.instance_id,
-            NodeTier(ident.tier),
-            job_id=ident.job_id,
-            controller=ident.agileml_controller,
-            token=self._token,
-            host=ident.host,
-        )
+        node: AgileMLNode | PipelineNode
+        if ident.parallelism == "pipeline":
+            node = PipelineNode(
+                ident.instance_id,
+                ident.tier,
+                job_id=ident.job_id,
+                controller=ident.agileml_controller,
+                token=self._token,
+                host=ident.host,
+            )
+        else:
+            node = AgileMLNode(
+                ident.instance_id,
+                NodeTier(ident.tier),
+                job_id=ident.job_id,
+                controller=ident.agileml_controller,
+                token=self._token,
+                host=ident.host,
+            )
         self.node = node
 
         def train() -> None:

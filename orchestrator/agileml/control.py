@@ -92,6 +92,13 @@ class TrainingSpec(BaseModel):
     # the artifact store (location string) that uploaded code (`code` = "sha256:<hex>") is
     # fetched from (see `orchestrator.artifacts.code`)
     code_store: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    # `pipeline`: the job's layers split into stages across its nodes (PipeDream's planner,
+    # see `pipeline.hosted`) instead of data-parallel workers; needs `code` whose model() is an
+    # nn.Sequential (or has a stages() hook). `schedule` and `stages` (the depth; default: the
+    # planner's) apply to pipeline jobs only
+    parallelism: Literal["data", "pipeline"] = "data"
+    schedule: Literal["flush", "gpipe", "1f1b", "2bw"] = "flush"
+    stages: Annotated[int, Field(ge=1, le=1024)] | None = None
 
     @model_validator(mode="after")
     def _timeouts(self) -> TrainingSpec:
@@ -100,6 +107,13 @@ class TrainingSpec(BaseModel):
                 f"horizon_clocks ({self.horizon_clocks}) must exceed slack + 1 "
                 f"({self.slack + 1}); otherwise workers stall at the horizon"
             )
+        if self.parallelism == "pipeline" and self.code is None:
+            raise ValueError(
+                "parallelism `pipeline` needs the job's code (a job file whose model() is an "
+                "nn.Sequential); the built-in example models train data-parallel only"
+            )
+        if self.parallelism == "data" and (self.stages is not None or self.schedule != "flush"):
+            raise ValueError("schedule and stages apply to parallelism `pipeline` only")
         if self.failure_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError(
                 f"failure_timeout_s ({self.failure_timeout_s}) must exceed two heartbeats "

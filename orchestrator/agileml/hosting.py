@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -27,12 +27,19 @@ from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.parts import ModelParts, TrainingParts, model_parts, training_parts
 
+if TYPE_CHECKING:
+    from orchestrator.agileml.pipeline.hosted import HostedPipeline
+
+    #: A hosted job's training: data-parallel (`HostedTraining`) or a pipeline.
+    Hosted: TypeAlias = "HostedTraining | HostedPipeline"
+
 __all__ = [
     "AgileMLError",
     "HostedTraining",
     "TrainingSpec",
     "TrainingStatus",
     "evaluate_weights",
+    "host_training",
     "validate_training_section",
 ]
 
@@ -91,6 +98,10 @@ class HostedTraining:
             reassigned_rows=progress.reassigned_rows,
             stage_transitions=progress.stage_transitions,
         )
+
+    def stages(self) -> list[dict[str, Any]]:
+        """A pipeline job's stages (see `HostedPipeline.stages`): none for data-parallel."""
+        return []
 
     def events(self) -> list[str]:
         """What the elasticity controller did so far, one line each (started, evicted, ...)."""
@@ -195,6 +206,23 @@ def evaluate_weights(code: str | Path, weights: Path) -> dict[str, float]:
     model.eval()
     with torch.no_grad():
         return {k: float(v) for k, v in job.evaluate(model).items()}
+
+
+def host_training(
+    spec: TrainingSpec, *, token: bytes, host: str, port: int
+) -> HostedTraining | HostedPipeline:
+    """Start hosting the job's training on `host:port`: a data-parallel job's elasticity
+    controller, or a pipeline job's supervisor (`parallelism: pipeline`).
+
+    Raises:
+        zmq.ZMQError: the port is taken (a host tries the next one).
+        AgileMLError / JobCodeError: a pipeline job's code cannot be loaded.
+    """
+    if spec.parallelism == "pipeline":
+        from orchestrator.agileml.pipeline.hosted import HostedPipeline  # planner, profiler
+
+        return HostedPipeline.start(spec, token=token, host=host, port=port)
+    return HostedTraining.start(spec, token=token, host=host, port=port)
 
 
 HOST_SET_FIELDS = ("checkpoint_dir", "resume_from", "code_store")

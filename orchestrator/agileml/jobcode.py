@@ -98,16 +98,22 @@ def code_path(spec: TrainingSpec, *, with_data: bool = True) -> str:
     """
     if spec.code is None:
         raise JobCodeError("the job names no code", fix="set the training section's code")
-    if with_data:
-        use_data(spec.data)
-    if not is_code_ref(spec.code):
-        return spec.code
-    if spec.code_store is None:
+    return resolve_code(spec.code, spec.code_store, spec.data if with_data else None)
+
+
+def resolve_code(code: str, code_store: str | None, data: str | None = None) -> str:
+    """`code_path` from the fields themselves: a path as it is, uploaded code fetched from
+    `code_store`; `data` (if given) fetched first and named in $ORCHESTRATOR_DATA_DIR."""
+    if data is not None:
+        use_data(data)
+    if not is_code_ref(code):
+        return code
+    if code_store is None:
         raise JobCodeError(
-            f"the job's code is {spec.code} but no artifact store was given to fetch it from",
+            f"the job's code is {code} but no artifact store was given to fetch it from",
             fix="run the job through the controller (it sets code_store), or name a file",
         )
-    return str(fetch_code(folder_at(spec.code_store), spec.code))
+    return str(fetch_code(folder_at(code_store), code))
 
 
 def load_job_code(path: str | Path) -> JobCode:

@@ -26,7 +26,12 @@ from orchestrator.store.events import (
     ReleaseEvent,
     StateEvent,
 )
-from orchestrator.store.models import InstanceRecord, JobRecord, TrainingReport
+from orchestrator.store.models import (
+    InstanceRecord,
+    JobRecord,
+    PipelineStageReport,
+    TrainingReport,
+)
 from orchestrator.store.protocol import Store
 
 #: Points kept of a long series (evenly thinned, the last point always kept).
@@ -44,6 +49,7 @@ class TrainingBody(BaseModel):
     loss: float | None = None  # finite (allow_inf_nan above); some losses go below 0
     reassigned: Annotated[int, Field(ge=0)] = 0
     stage_transitions: Annotated[int, Field(ge=0)] = 0
+    stages: Annotated[tuple[PipelineStageReport, ...], Field(max_length=1024)] = ()
 
 
 def tier_of(record: InstanceRecord) -> str:
@@ -180,11 +186,18 @@ def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
                 for r in store.training(job_id)
             ]
         ),
+        "pipeline": [st.model_dump(mode="json") for st in _latest_stages(store, job_id)],
         "events": [
             {"id": eid, "t": e.at_s, "kind": e.kind.value, "text": describe_event(e)}
             for eid, e in reversed(events[-EVENTS_SHOWN:])
         ],
     }
+
+
+def _latest_stages(store: Store, job_id: str) -> tuple[PipelineStageReport, ...]:
+    """A pipeline job's stages as last reported (none for a data-parallel job)."""
+    latest = store.latest_training(job_id)
+    return () if latest is None else latest.stages
 
 
 def describe_event(event: Event) -> str:

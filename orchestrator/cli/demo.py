@@ -49,6 +49,14 @@ def demo(
             help="Copy the weights the job hands back (model.safetensors) to this path.",
         ),
     ] = None,
+    pipeline: Annotated[
+        bool,
+        typer.Option(
+            "--pipeline",
+            help="Train the job as a pipeline (its layers in stages across the instances) "
+            "instead of data-parallel.",
+        ),
+    ] = False,
 ) -> None:
     """The offline demo: Redis, a moto EC2 server, replayed 2020 prices and p3 evictions, the
     controller and local instance agents, running one job with a budget to the end, watched on a
@@ -75,6 +83,7 @@ def demo(
         port=None if no_dashboard else port,
         linger_s=linger,
         weights_out=weights_out,
+        pipeline=pipeline,
     )
     if json_summary is not None:
         write_summary(summary, json_summary)

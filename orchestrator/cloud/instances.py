@@ -23,6 +23,9 @@ TAG_TIER = "orchestrator:tier"  # "spot" | "reliable"
 #: Where a training job's AgileML elasticity controller listens (`tcp://host:port`), set by
 #: the controller's `TrainingHost` on AWS and read by `orchestrator worker start`.
 TAG_AGILEML_CONTROLLER = "orchestrator:agileml-controller"
+#: How a training job trains: `pipeline` (its agents run stage workers, `agileml.pipeline`);
+#: absent: data-parallel (AgileML nodes).
+TAG_PARALLELISM = "orchestrator:parallelism"
 #: The spot max price the instance was launched with; DescribeInstances does not report it.
 TAG_MAX_PRICE = "orchestrator:max-price-usd-per-hour"
 

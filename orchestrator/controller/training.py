@@ -36,10 +36,11 @@ import logging
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from orchestrator.agileml.hosting import AgileMLError, HostedTraining, TrainingSpec
+from orchestrator.agileml.hosting import AgileMLError, TrainingSpec, host_training
 from orchestrator.artifacts import (
     FINAL_INFO,
     WEIGHTS,
@@ -48,10 +49,19 @@ from orchestrator.artifacts import (
     folder_at,
     folder_name,
 )
-from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER
+from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER, TAG_PARALLELISM
 from orchestrator.errors import UserError
 from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
-from orchestrator.store import JobRecord, NotFoundError, Store, TrainingReport
+from orchestrator.store import (
+    JobRecord,
+    NotFoundError,
+    PipelineStageReport,
+    Store,
+    TrainingReport,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.agileml.hosting import Hosted
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +119,7 @@ class TrainingHost:
         self.base_port = base_port
         self.max_jobs = max_jobs
         self._lock = threading.Lock()
-        self._hosted: dict[str, tuple[HostedTraining, int]] = {}
+        self._hosted: dict[str, tuple[Hosted, int]] = {}
 
     def endpoint(self, job_id: str) -> str | None:
         """Where the job's workers join, None when it is not hosted."""
@@ -117,7 +127,7 @@ class TrainingHost:
             hosted = self._hosted.get(job_id)
         return None if hosted is None else f"tcp://{self.advertise_host}:{hosted[1]}"
 
-    def hosted(self, job_id: str) -> HostedTraining | None:
+    def hosted(self, job_id: str) -> Hosted | None:
         """The job's hosted training, None when it is not hosted."""
         with self._lock:
             hosted = self._hosted.get(job_id)
@@ -138,7 +148,12 @@ class TrainingHost:
                 self._hosted[job_id] = self._start(spec, self.store.training_ports().get(job_id))
                 self.store.set_training_port(job_id, self._hosted[job_id][1])
         endpoint = self.endpoint(job_id)
-        return {TAG_AGILEML_CONTROLLER: endpoint} if endpoint else {}
+        if not endpoint:
+            return {}
+        tags = {TAG_AGILEML_CONTROLLER: endpoint}
+        if spec.parallelism == "pipeline":
+            tags[TAG_PARALLELISM] = "pipeline"
+        return tags
 
     def step(self, now_s: float) -> None:
         """Host again the jobs hosted before a restart; report every hosted job's training;
@@ -220,7 +235,7 @@ class TrainingHost:
         artifacts.final.write_bytes(FINAL_INFO, (json.dumps(info, indent=2) + "\n").encode())
         log.info("final weights written", extra={"job_id": job_id, **info})
 
-    def _keep_artifacts(self, job: JobRecord, training: HostedTraining) -> None:
+    def _keep_artifacts(self, job: JobRecord, training: Hosted) -> None:
         """Assemble the newest checkpoint's weights; write the final weights once the
         training is done or the job has ended."""
         artifacts = self.artifacts(job.job_id)
@@ -235,7 +250,7 @@ class TrainingHost:
         except Exception as exc:  # noqa: BLE001 - a full disk, a torn file: log, try again
             log.warning("artifacts of %s not written: %r", job.job_id, exc)
 
-    def _start(self, spec: TrainingSpec, preferred: int | None) -> tuple[HostedTraining, int]:
+    def _start(self, spec: TrainingSpec, preferred: int | None) -> tuple[Hosted, int]:
         spec = self._with_artifacts(spec)
         used = {port for _, port in self._hosted.values()}
         used |= {p for j, p in self.store.training_ports().items() if j != spec.job_id}
@@ -244,9 +259,7 @@ class TrainingHost:
             if port in used:
                 continue
             try:
-                training = HostedTraining.start(
-                    spec, token=self._token, host=self.bind_host, port=port
-                )
+                training = host_training(spec, token=self._token, host=self.bind_host, port=port)
             except Exception as exc:  # noqa: BLE001 - the port is taken: try the next one
                 log.warning("port busy", extra={"port": port, "error": str(exc)})
                 continue
@@ -267,7 +280,7 @@ class TrainingHost:
             hosted[0].stop()
             log.info("agileml controller stopped", extra={"job_id": job_id})
 
-    def _report(self, job: JobRecord, training: HostedTraining, now_s: float) -> None:
+    def _report(self, job: JobRecord, training: Hosted, now_s: float) -> None:
         status = training.progress()
         self.store.append_training(
             job.job_id,
@@ -277,6 +290,7 @@ class TrainingHost:
                 loss=status.loss,
                 reassigned=status.reassigned_rows,
                 stage_transitions=status.stage_transitions,
+                stages=tuple(PipelineStageReport(**st) for st in training.stages()),
             ),
         )
         if self.work_from_iterations and not job.state.is_terminal:

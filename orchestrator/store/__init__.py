@@ -46,6 +46,7 @@ from orchestrator.store.models import (
     JobRecord,
     JobState,
     LedgerEntry,
+    PipelineStageReport,
     PriceSnapshot,
     TrainingReport,
 )
@@ -79,5 +80,6 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreUnavailableError",
+    "PipelineStageReport",
     "TrainingReport",
 ]

@@ -242,9 +242,22 @@ class PriceSnapshot(BaseModel):
     prices: dict[str, NonNegative]
 
 
+class PipelineStageReport(BaseModel):
+    """One stage of a pipeline job as it runs now: its layers (inclusive) and the instances of
+    its replicas."""
+
+    model_config = _RECORD_CONFIG
+
+    stage: Annotated[int, Field(ge=0)]
+    first_layer: Annotated[int, Field(ge=0)]
+    last_layer: Annotated[int, Field(ge=0)]
+    nodes: tuple[Annotated[str, Field(max_length=128)], ...] = ()
+
+
 class TrainingReport(BaseModel):
     """What a job's training runtime reports (pushed through the controller): its iteration,
-    the model's loss, and the cumulative FlexRR reassignments and AgileML stage transitions."""
+    the model's loss, the cumulative FlexRR reassignments and AgileML stage transitions, and,
+    for a pipeline job, its stages now."""
 
     model_config = _RECORD_CONFIG
 
@@ -253,3 +266,4 @@ class TrainingReport(BaseModel):
     loss: Annotated[float, Field(allow_inf_nan=False)] | None = None  # some losses go below 0
     reassigned: Annotated[int, Field(ge=0)] = 0
     stage_transitions: Annotated[int, Field(ge=0)] = 0
+    stages: Annotated[tuple[PipelineStageReport, ...], Field(max_length=1024)] = ()

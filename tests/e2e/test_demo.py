@@ -68,6 +68,75 @@ def test_the_offline_demo_finishes_within_budget_and_its_dashboard_follows_it_li
                     "checked in a browser")  # fmt: skip
 
 
+@pytest.mark.slow
+def test_the_offline_demo_trains_a_pipeline_job_whose_stages_the_dashboard_shows(tmp_path):
+    """`orchestrator demo --pipeline`: the same job as a two-stage pipeline on the spot
+    instances, through the eviction (a lost stage is rebuilt on the next instance, or the job
+    re-plans), within budget, no orphans; the dashboard lists the stages and their instances."""
+    summary_path = tmp_path / "summary.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "demo", "--pipeline", "--json-summary",
+         str(summary_path), "--port", "0", "--linger", "10"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    lines = _lines_of(proc)
+    output: list[str] = []
+    stages_seen: list[list[dict[str, Any]]] = []
+    try:
+        url = _dashboard_url(lines, output, timeout_s=60)
+        api = url.removesuffix("/dashboard")
+        deadline = time.monotonic() + 280
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                page = _job(api)
+            except (httpx.HTTPError, ValueError):
+                break  # the demo stopped serving
+            if page.get("pipeline") and page["pipeline"] not in stages_seen:
+                stages_seen.append(page["pipeline"])
+            if page.get("job", {}).get("state") == "succeeded":
+                if have_browser():
+                    _see_stages_in_chromium(url, page["pipeline"])
+                break
+            time.sleep(1)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output += _drain(lines)
+    text = "".join(output)
+    assert proc.returncode == 0, text[-4000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["parallelism"] == "pipeline"
+    assert summary["job_state"] == "succeeded"
+    assert summary["spent_usd"] <= summary["budget_usd"]
+    assert summary["evictions"] >= 1 and summary["orphans_after"] == 0
+    assert summary["training_iterations"] > 0
+    assert summary["held_out_accuracy"] >= 0.8
+    events = summary["training_events"]
+    assert events[0].startswith("profiled ") and events[1].startswith("planned [[0, ")
+    assert any(e.startswith(("replaced stage", "re-planned")) for e in events), events
+    assert stages_seen and all(len(stages) == 2 for stages in stages_seen), stages_seen
+    assert "pipeline iterations" in text
+
+
+def _see_stages_in_chromium(url: str, stages: list[dict[str, Any]]) -> None:
+    driver = chromium()
+    try:
+        driver.get(url)
+        until(lambda: body_data(driver, "job") == "job-demo", 30, "the dashboard to show the job")
+        rows = '[data-testid="pipeline"] tbody tr'
+        until(lambda: len(driver.find_elements("css selector", rows)) == len(stages), 10,
+              "the pipeline table to list the stages")  # fmt: skip
+        panel = driver.find_element("css selector", "#pipeline-panel")
+        assert panel.is_displayed()
+        cells = driver.find_elements("css selector", rows + " td:last-child")
+        assert [c.text for c in cells] == [", ".join(st["nodes"]) for st in stages]
+    finally:
+        driver.quit()
+
+
 def test_demo_refuses_a_non_positive_budget():
     proc = subprocess.run(
         [sys.executable, "-m", "orchestrator", "demo", "--budget", "0"],

@@ -53,7 +53,9 @@ class StageProcess(Protocol):
     def kill(self) -> None: ...
     def wait(self, timeout: float | None = None) -> int: ...
     def send_signal(self, sig: int) -> None: ...
-    def communicate(self, timeout: float | None = None) -> tuple[str, Any]: ...
+    def communicate(
+        self, input: str | None = None, timeout: float | None = None
+    ) -> tuple[str, Any]: ...
 
 
 #: Starts the stage worker `name` (unique per attempt) with its config file: a local process
@@ -248,9 +250,11 @@ class Launch:
         backups: Backups,
         recoveries: list[Recovery],
         on_backup: Callable[[int, dict[int, float]], None] | None = None,
+        watch: Callable[[], str | None] | None = None,
     ) -> str:
         """Rendezvous and watch until every worker is done ("done"), one is lost ("lost": its
-        index in `lost`; nothing is stopped here) or an injected join is due ("join")."""
+        index in `lost`; nothing is stopped here), an injected join is due ("join"), or
+        `watch()` (asked every poll) returns an outcome of its own."""
         procs, workers = self.procs, len(self.procs)
         hellos: dict[int, str] = {}
         done: set[int] = set()
@@ -283,6 +287,8 @@ class Launch:
             if self.joining:
                 self.joining = False
                 return "join"
+            if watch is not None and (outcome := watch()) is not None:
+                return outcome
             remaining = int((self.deadline - time.monotonic()) * 1000)
             if remaining <= 0:
                 hint = logs_hint(self.out_dir)

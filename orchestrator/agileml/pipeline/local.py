@@ -151,7 +151,7 @@ def run_pipeline(
     layout = tuple(layout)
     model = model or ChainModelSpec()
     sizes = chain_sizes(model, seed, code)
-    _check_layout(layout, len(sizes), schedule, minibatches, microbatches)
+    check_layout(layout, len(sizes), schedule, minibatches, microbatches)
     _check_run(layout, schedule, microbatches, vertical_sync)
     injected = [*faults]
     if evict is not None:
@@ -209,7 +209,7 @@ def _supervise(
         launch.kill_all()
         backups.forget_partial()  # minibatches not every stage backed up are redone
         left = common["minibatches"] - backups.done
-        _check_layout(new, len(common["sizes"]), common["schedule"], left, common["microbatches"])
+        check_layout(new, len(common["sizes"]), common["schedule"], left, common["microbatches"])
         launch.start(new, backups, _spread(emulated, planned, new))
         return new
 
@@ -305,9 +305,10 @@ def _result(
     )
 
 
-def _check_layout(
+def check_layout(
     layout: Layout, layers: int, schedule: Schedule, minibatches: int, microbatches: int
 ) -> None:
+    """Refuse a layout that does not cover the layers in order or deadlocks (AgileMLError)."""
     expected = 0
     for st in layout:
         if st.first_layer != expected:

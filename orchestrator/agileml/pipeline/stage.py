@@ -392,8 +392,9 @@ def _rewound(config: StageConfig, rewind: Rewind) -> StageConfig:
     if "o" in rewind.cut:
         optimizer = f"{prefix}.safetensors"
         Path(optimizer).write_bytes(rewind.cut["o"].numpy().tobytes())
-    update = {"job_id": rewind.body["job_id"], "first_minibatch": int(rewind.body["first_minibatch"]),
-              "initial_weights": weights, "initial_optimizer": optimizer}  # fmt: skip
+    update = {"job_id": rewind.body["job_id"], "initial_weights": weights,
+              "first_minibatch": int(rewind.body["first_minibatch"]),
+              "initial_optimizer": optimizer}  # fmt: skip
     return config.model_copy(update=update)
 
 

@@ -447,6 +447,21 @@
     }
   }
 
+  function renderPipeline(page) {
+    var stages = page.pipeline || [];
+    $("pipeline-panel").hidden = !stages.length;  // data-parallel jobs have no stages
+    var body = $("pipeline-rows");
+    clear(body);
+    stages.forEach(function (st) {
+      var tr = el("tr", { "data-stage": String(st.stage) });
+      tr.appendChild(el("td", { "class": "num" }, String(st.stage)));
+      tr.appendChild(el("td", null, st.first_layer === st.last_layer ? String(st.first_layer)
+        : st.first_layer + "–" + st.last_layer));
+      tr.appendChild(el("td", null, st.nodes.join(", ")));
+      body.appendChild(tr);
+    });
+  }
+
   function renderEvents(page) {
     var body = $("event-rows");
     clear(body);
@@ -472,6 +487,7 @@
     renderPrices(page, dom);
     renderNodes(page, dom);
     renderTraining(page, dom);
+    renderPipeline(page);
     renderEvents(page);
   }
 

@@ -563,7 +563,8 @@ def test_dashboard_data_follows_the_contract(client: TestClient, store: Store) -
     assert summary["cost_per_work_usd"] == pytest.approx(0.12)
     page = client.get(f"/v1/jobs/{job_id}/dashboard").json()
     assert set(page) == {"now_s", "job", "spend", "prices", "nodes", "marks", "training",
-                         "events"}  # fmt: skip
+                         "pipeline", "events"}  # fmt: skip
+    assert page["pipeline"] == []  # a data-parallel job has no stages
     assert page["job"] == summary
     assert page["spend"] == [
         {"t": 5.0, "spent_usd": 0.15, "work_done_gpu_hours": 1.25, "projected_cost_usd": 2.5,
@@ -592,6 +593,25 @@ def test_training_reports_need_the_token_and_valid_numbers(
     )
     assert "iteration" in error["field"]
     assert store.training(job_id) == []
+
+
+def test_a_pipeline_jobs_page_lists_its_stages_as_last_reported(
+    client: TestClient, store: Store
+) -> None:
+    job_id = submit(client)["job_id"]
+    stages = [{"stage": 0, "first_layer": 0, "last_layer": 2, "nodes": ["i-1", "i-2"]},
+              {"stage": 1, "first_layer": 3, "last_layer": 6, "nodes": ["i-3"]}]  # fmt: skip
+    body = {"iteration": 5, "stages": stages}
+    assert client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json=body).status_code == 202
+    assert client.get(f"/v1/jobs/{job_id}/dashboard").json()["pipeline"] == stages
+    moved = [{**stages[0], "nodes": ["i-4"]}]
+    body = {"iteration": 9, "stages": moved}
+    assert client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json=body).status_code == 202
+    assert client.get(f"/v1/jobs/{job_id}/dashboard").json()["pipeline"] == moved
+    bad = {"iteration": 9, "stages": [{"stage": -1, "first_layer": 0, "last_layer": 0}]}
+    error = error_of(client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json=bad), 422)
+    assert "stages" in error["field"]
+    assert len(store.training(job_id)) == 2
 
 
 def test_dashboard_page_and_its_assets_are_served(client: TestClient) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+import torch
 from moto import mock_aws
 from support.redis_server import free_port
 
@@ -519,3 +520,86 @@ def test_a_restarted_controller_hosts_its_training_jobs_again_on_the_same_ports(
         second.step(1.0)  # an ended job's controller stops and its port is free again
         assert second.endpoint("job-a") is None
         assert set(store.training_ports()) == {"job-b"}
+
+
+def test_the_controller_hosts_a_pipeline_job_whose_instance_agents_run_its_stages(store, tmp_path):
+    """A job with `parallelism: pipeline`: `TrainingHost` starts its supervisor and tags the
+    launch with the parallelism; the instance agents read the tags and run stage workers; the
+    host reports the stages to the store (the dashboard's table); an agent's interruption
+    notice makes its stage leave after its next backed-up update, and an instance that comes up
+    next takes its place alone; the final weights equal one process's loop over the same
+    batches (flush)."""
+    from datetime import UTC, datetime
+
+    from safetensors.torch import load_file
+
+    from orchestrator.agileml.jobcode import load_job_code
+    from orchestrator.agileml.reference import train_reference
+    from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER, TAG_PARALLELISM
+    from orchestrator.cloud.notices import InterruptionNotice
+    from orchestrator.controller.training import TrainingHost
+    from orchestrator.jobspec import JobSubmission
+    from orchestrator.store import JobRecord
+
+    code = Path(__file__).parents[2] / "support" / "jobs" / "digits_pipeline.py"
+    training = dict(code=str(code), parallelism="pipeline", stages=2, iterations=60,
+                    global_batch=64, min_nodes=2, failure_timeout_s=2.0)  # fmt: skip
+    job = JobSubmission(name="pipe", budget_usd=10.0, work_gpu_hours=2.0, training=training)
+    store.create_job(JobRecord.submit("job-pp", job.model_dump(mode="json"), 10.0, 0.0))
+    token = bytes(range(32))
+    host = TrainingHost(store, token=token, advertise_host="127.0.0.1", bind_host="127.0.0.1",
+                        base_port=free_port(), artifacts_root=tmp_path / "artifacts")  # fmt: skip
+    agents: dict[str, InstanceAgent] = {}
+    threads: list[threading.Thread] = []
+    stop = threading.Event()
+
+    def start_agent(instance_id: str, tags: dict[str, str]) -> None:
+        imds = MetadataMock(instance_id, tags={TAG_JOB: "job-pp", TAG_TIER: "spot", **tags})
+        imds.start()
+        try:
+            identity = read_identity(imds.base_url)
+        finally:
+            imds.stop()
+        assert identity.parallelism == "pipeline"
+        agent = InstanceAgent(identity, token=token, metadata_url=None)
+        agents[instance_id] = agent
+        threads.append(threading.Thread(target=agent.run, args=(stop,), daemon=True))
+        threads[-1].start()
+
+    with host:
+        tags = host.tags_for("job-pp")
+        assert tags[TAG_PARALLELISM] == "pipeline" and TAG_AGILEML_CONTROLLER in tags
+        start_agent("i-0a", tags)
+        start_agent("i-0b", tags)
+        hosted = host.hosted("job-pp")
+        deadline = time.monotonic() + 120
+        noticed = None
+        while not hosted.done:
+            assert time.monotonic() < deadline and hosted.error is None, hosted.events()
+            host.step(time.time())
+            stages = store.latest_training("job-pp")
+            if noticed is None and stages is not None and stages.iteration >= 10:
+                assert [len(st.nodes) for st in stages.stages] == [1, 1]
+                noticed = stages.stages[1].nodes[0]
+                agents[noticed].on_notice(InterruptionNotice(
+                    instance_id=noticed, kind="interruption", action="terminate",
+                    notice_time=datetime.now(UTC), received_at_s=time.time()))  # fmt: skip
+                while noticed in hosted.pool.nodes():
+                    time.sleep(0.05)
+                start_agent("i-0c", tags)
+            time.sleep(0.1)
+        events = hosted.events()
+        assert any(e.startswith("replaced stage 1 on i-0c") for e in events), events
+        host.step(time.time())
+        last = store.latest_training("job-pp")
+        assert last.iteration == 60 and last.stages[1].nodes == ("i-0c",)
+        host.save_final("job-pp")
+        final = host.artifacts("job-pp").final
+        weights = load_file(str(Path(final.location) / "model.safetensors"))
+    stop.set()
+    for thread in threads:
+        thread.join(20)
+    assert not any(t.is_alive() for t in threads)
+    ref, _ = train_reference(load_job_code(str(code)), iterations=60, global_batch=64)
+    for name, value in ref.state_dict().items():
+        assert torch.allclose(weights[name], value, atol=1e-5), name

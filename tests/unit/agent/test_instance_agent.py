@@ -12,7 +12,13 @@ import pytest
 from orchestrator.agent.identity import InstanceIdentity, read_identity
 from orchestrator.agent.instance import InstanceAgent
 from orchestrator.agent.work import WorkMeter
-from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER, TAG_CONTROLLER, TAG_JOB, TAG_TIER
+from orchestrator.cloud.instances import (
+    TAG_AGILEML_CONTROLLER,
+    TAG_CONTROLLER,
+    TAG_JOB,
+    TAG_PARALLELISM,
+    TAG_TIER,
+)
 from orchestrator.cloud.local.metadata_mock import MetadataMock
 from orchestrator.errors import UserError
 
@@ -40,6 +46,15 @@ def test_the_identity_comes_from_the_instance_tags_with_the_aws_tier_mapped_to_a
         instance_id="i-0abc", job_id="job-3", tier="transient", host="10.0.0.9",
         controller_id="prod", agileml_controller="tcp://10.0.0.5:29500",
     )  # fmt: skip
+
+
+def test_a_pipeline_jobs_instance_knows_it_runs_stage_workers_from_its_tags() -> None:
+    tags = {TAG_JOB: "job-3", TAG_TIER: "spot", TAG_PARALLELISM: "pipeline",
+            TAG_AGILEML_CONTROLLER: "tcp://10.0.0.5:29500"}  # fmt: skip
+    with MetadataMock("i-0abc", tags=tags) as imds:
+        assert read_identity(imds.base_url).parallelism == "pipeline"
+    with MetadataMock("i-0abc", tags={**tags, TAG_PARALLELISM: "bogus"}) as imds:
+        assert read_identity(imds.base_url).parallelism == "data"
 
 
 def test_an_instance_with_an_unknown_tier_tag_is_refused_with_how_to_launch_it() -> None:

@@ -124,3 +124,22 @@ def test_missing_files_are_named(tmp_path: Path) -> None:
         load_job_code(tmp_path)
     with pytest.raises(JobCodeError, match="not a Python file"):
         load_job_code(_job(tmp_path, GOOD, name="job.txt"))
+
+
+def test_a_pipeline_job_needs_its_code_and_pipeline_options_need_a_pipeline():
+    from pydantic import ValidationError
+
+    from orchestrator.agileml.control import TrainingSpec
+    from orchestrator.jobspec import JobSubmission
+
+    with pytest.raises(ValidationError, match="needs the job's code"):
+        TrainingSpec(job_id="j", parallelism="pipeline")
+    with pytest.raises(ValidationError, match="parallelism `pipeline` only"):
+        TrainingSpec(job_id="j", code="job.py", schedule="1f1b")
+    with pytest.raises(ValidationError, match="schedule"):
+        TrainingSpec(job_id="j", code="job.py", parallelism="pipeline", schedule="zigzag")
+    with pytest.raises(ValueError, match="needs the job's code"):
+        JobSubmission(name="p", budget_usd=1.0, work_gpu_hours=1.0,
+                      training={"parallelism": "pipeline"})  # fmt: skip
+    spec = TrainingSpec(job_id="j", code="job.py", parallelism="pipeline", stages=2)
+    assert (spec.schedule, spec.stages) == ("flush", 2)

@@ -1,0 +1,408 @@
+"""`HostedPipeline`: a pipeline job (`parallelism: pipeline`) run on the instances a controller
+holds for it, with the interface `hosting.HostedTraining` has for data-parallel jobs.
+
+The supervisor listens where the job's launch tag says (`remote.NodePool`): every instance's
+agent registers there as a node. Once `min_nodes` have, the first of them profiles the job's
+layers (on its data, which the controller never fetches) and PipeDream's planner lays them out
+on those nodes (stages, replicas); each node runs one stage worker.
+From then on the supervisor works as the local launcher does (`launch.Launch`:
+rendezvous, backups of every stage's weights and optimizer state at each consistent cut,
+faults), with these policies for a footprint that changes under it:
+- a node lost (evicted, with or without notice) is replaced by a node that registers within
+  `REPLACE_WAIT_S`: only the lost stage restarts there, from the cut, while the others rewind in
+  place (stage-only recovery). With no node to take its place the job re-plans for the nodes
+  left and every stage restarts from the cut;
+- a node that registers while the pipeline runs is used by re-planning for every node held
+  (every stage restarts from the cut).
+Microbatches per iteration are fixed at the first plan, so every layout runs the same
+optimizer steps (flush/gpipe: the same as one process).
+
+Failure semantics: a stage that crashes (an error in the job's code) ends the training with
+that stage's log tail as `error`; the controller's job goes on until it ends (no retries of a
+deterministic failure). The backups live in this process, on the controller node (on-demand):
+a controller restart starts the pipeline again from the initial model (no checkpoints yet).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from orchestrator.agileml import checkpoints
+from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.hosting import TrainingStatus
+from orchestrator.agileml.jobcode import code_path, load_job_code, seeded_model
+from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery, StageProcess
+from orchestrator.agileml.pipeline.local import chain_sizes, check_layout, describe
+from orchestrator.agileml.pipeline.planner import plan as plan_stages
+from orchestrator.agileml.pipeline.profiler import ModelProfile
+from orchestrator.agileml.pipeline.remote import NodePool
+from orchestrator.agileml.pipeline.schedule import Schedule
+from orchestrator.agileml.pipeline.source import ChainModelSpec, job_layers, load_layers
+from orchestrator.agileml.pipeline.trainrun import microbatches_for
+
+log = logging.getLogger(__name__)
+
+#: Seconds a lost stage waits for a node to take its place before the job re-plans.
+REPLACE_WAIT_S = 15.0
+#: The link bandwidth the planner assumes between instances of a job (bytes/s: 10 Gbit/s).
+INSTANCE_BYTES_PER_S = 1.25e9
+#: Seconds a node may take to profile the job's layers (it loads the job and its data first).
+PROFILE_TIMEOUT_S = 300.0
+#: Schedules of a few updates are enough to find a deadlock (the orders repeat per update).
+CHECK_UPDATES = 4
+
+
+class HostedPipeline:
+    """One pipeline job's supervisor, hosted (see the module docstring)."""
+
+    def __init__(
+        self,
+        spec: TrainingSpec,
+        *,
+        token: bytes,
+        host: str,
+        port: int,
+        replace_wait_s: float = REPLACE_WAIT_S,
+    ) -> None:
+        if spec.code is None:
+            raise AgileMLError("a pipeline job needs its code (training.code)")
+        self.spec = spec
+        self._token = token
+        self.code = code_path(spec, with_data=False)  # the data stays on the nodes
+        self.out_dir = Path(tempfile.mkdtemp(prefix="pipeline-hosted-"))
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        rendezvous_port = self.inbox.bind_to_random_port(f"tcp://{host}")
+        welcome = {"rendezvous_port": rendezvous_port, "code": spec.code,
+                   "code_store": spec.code_store, "data": spec.data}  # fmt: skip
+        self.pool = NodePool(
+            job_id=spec.job_id, token=token, host=host, port=port, out_dir=self.out_dir,
+            welcome=welcome, failure_timeout_s=max(spec.failure_timeout_s, 3.0),
+        )  # fmt: skip
+        self.endpoint = f"tcp://{host}:{self.pool.port}"
+        self._lock = threading.Lock()
+        self._halt = threading.Event()
+        self._events: list[str] = []
+        self._error: str | None = None
+        self._done = False
+        self._iteration = 0
+        self._loss: float | None = None
+        self._final: np.ndarray | None = None
+        self.backups = Backups()
+        self.recoveries: list[Recovery] = []
+        self.layout: Layout = ()
+        self.placement: list[str] = []  # node of each worker (stages in order, replicas within)
+        self.microbatches = 0
+        self.replace_wait_s = replace_wait_s
+        self._recovery_told = True
+        self._thread = threading.Thread(target=self._supervise, name="pipeline", daemon=True)
+
+    @classmethod
+    def start(
+        cls, spec: TrainingSpec, *, token: bytes, host: str, port: int, **options: Any
+    ) -> HostedPipeline:
+        """Bind `host:port` for the job's nodes and start supervising (`options`: those of
+        the constructor).
+
+        Raises:
+            zmq.ZMQError: the port is taken (a host tries the next one).
+        """
+        hosted = cls(spec, token=token, host=host, port=port, **options)
+        try:
+            hosted.pool.start()
+        except BaseException:
+            hosted.stop()
+            raise
+        hosted._thread.start()
+        return hosted
+
+    # --- what a host reads --------------------------------------------------------------
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def progress(self) -> TrainingStatus:
+        with self._lock:
+            return TrainingStatus(self._iteration, self._loss, 0, 0)
+
+    def events(self) -> list[str]:
+        with self._lock:
+            return [*self._events]
+
+    def stages(self) -> list[dict[str, Any]]:
+        """The layout running now: per stage its layers and the nodes of its replicas."""
+        with self._lock:
+            out, w = [], 0
+            for k, st in enumerate(self.layout):
+                nodes = self.placement[w : w + st.replicas]
+                out.append({"stage": k, "first_layer": st.first_layer,
+                            "last_layer": st.last_layer, "nodes": nodes})  # fmt: skip
+                w += st.replicas
+            return out
+
+    def model_loss(self, timeout_s: float = 1.0) -> float | None:
+        """The mean loss of the last iteration's microbatches (the stages' own)."""
+        with self._lock:
+            return self._loss
+
+    def initial_loss(self) -> float:
+        model = self._model(None)
+        job = load_job_code(self.code)
+        data = job.dataset()
+        rows = min(len(data), 2048)
+        x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(rows)), strict=True))
+        with torch.no_grad():
+            return float(job.loss(model(x), y))
+
+    def evaluate(self, timeout_s: float = 1.0) -> dict[str, float] | None:
+        job = load_job_code(self.code)
+        if job.evaluate is None:
+            return None
+        model = self._model(self._weights())
+        model.eval()
+        with torch.no_grad():
+            return {k: float(v) for k, v in job.evaluate(model).items()}
+
+    def save_weights(self, folder: checkpoints.Location, timeout_s: float = 10.0) -> int:
+        """Write the model of the last cut (every iteration once `done`) into `folder`."""
+        weights = self._weights()
+        with self._lock:
+            iterations = self._iteration
+        checkpoints.save_weights(self._model(weights), folder)
+        return iterations
+
+    def save_checkpoint_weights(self, checkpoint: Any, folder: Any) -> int:
+        raise AgileMLError("pipeline jobs do not write checkpoints yet")
+
+    def stop(self) -> None:
+        """Stop the supervisor; every node is told to stop its workers."""
+        self._halt.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30.0)
+        self.pool.stop()
+        self.inbox.close()
+        self.ctx.term()
+        shutil.rmtree(self.out_dir, ignore_errors=True)
+
+    # --- supervision ----------------------------------------------------------------------
+
+    def _weights(self) -> np.ndarray | None:
+        with self._lock:
+            return self._final if self._final is not None else self.backups.weights
+
+    def _model(self, weights: np.ndarray | None) -> torch.nn.Module:
+        job = load_job_code(self.code)
+        model = seeded_model(job, self.spec.seed)
+        if weights is not None:
+            load_layers(job_layers(job, model), torch.from_numpy(weights.copy()))
+        return model
+
+    def _event(self, line: str) -> None:
+        log.info("pipeline: %s", line, extra={"job_id": self.spec.job_id})
+        with self._lock:
+            self._events.append(line)
+
+    def _supervise(self) -> None:
+        try:
+            self._run()
+        except AgileMLError as exc:
+            self._error = str(exc)
+            self._event(f"failed {exc}")
+        except Exception as exc:  # noqa: BLE001 - reported as the job's training error
+            log.exception("pipeline supervisor failed")
+            self._error = repr(exc)
+            self._event(f"failed {exc!r}")
+
+    def _wait_nodes(self, count: int, timeout_s: float = math.inf) -> list[str] | None:
+        deadline = time.monotonic() + timeout_s
+        while not self._halt.is_set() and time.monotonic() < deadline:
+            nodes = [n for n in self.pool.nodes() if n not in self.pool.busy()]
+            if len(nodes) >= count:
+                return nodes
+            time.sleep(0.1)
+        return None
+
+    def _run(self) -> None:
+        spec = self.spec
+        nodes = self._wait_nodes(spec.min_nodes)
+        if nodes is None:
+            return
+        profile = self._profile(nodes)
+        if profile is None:
+            return
+        layout = self._plan(profile, len(nodes))
+        m = self.microbatches = microbatches_for(spec.global_batch, len(layout))
+        minibatches = spec.iterations * m
+        sizes = chain_sizes(ChainModelSpec(), spec.seed, self.code)
+        check_layout(layout, len(sizes), Schedule(spec.schedule),
+                     min(minibatches, CHECK_UPDATES * m * len(nodes)), m)  # fmt: skip
+        common = dict(model=ChainModelSpec(), code=self.code, sizes=sizes,
+                      schedule=Schedule(spec.schedule), minibatches=minibatches, microbatches=m,
+                      microbatch_size=spec.global_batch // m, lr=spec.lr, seed=spec.seed,
+                      vertical_sync=False, backup=True)  # fmt: skip
+        launch = Launch(self.ctx, self.inbox, "tcp://supervisor", self._token, self.out_dir,
+                        time.monotonic() + 1e9, common, spawn=self._spawn)  # fmt: skip
+        losses: dict[int, float] = {}
+        self._start(launch, layout, nodes)
+        self._event(f"planned {describe(layout)} on {' '.join(self.placement)}")
+        while not self._halt.is_set():
+            outcome = launch.run(losses, self.backups, self.recoveries, self._on_backup,
+                                 watch=self._watch)  # fmt: skip
+            if outcome == "halted":
+                return
+            if outcome == "done":
+                self._finish(launch)
+                return
+            if self.backups.done >= minibatches:  # lost after every stage's last update
+                self._finish(launch)
+                return
+            if outcome == "join":
+                free = [n for n in self.pool.nodes() if n not in self.placement]
+                self._restart(launch, profile, self.placement + free, "joined")
+                continue
+            self._recover(launch, profile)
+
+    def _profile(self, nodes: list[str]) -> ModelProfile | None:
+        """The job's layers timed on its first node that answers (on its data; None: halted).
+
+        Raises:
+            AgileMLError: the job's code failed there (its error).
+        """
+        spec = self.spec
+        while not self._halt.is_set():
+            node = nodes[0]
+            body = {"seed": spec.seed, "global_batch": spec.global_batch, "workers": len(nodes)}
+            self.pool.command(node, "profile", body)
+            deadline = time.monotonic() + PROFILE_TIMEOUT_S
+            while node not in self.pool.profiles and node in self.pool.nodes():
+                if self._halt.is_set() or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            answer = self.pool.profiles.pop(node, None)
+            if answer is not None and "error" in answer:
+                raise AgileMLError(
+                    f"profiling the job's layers on {node} failed: {answer['error']}"
+                )
+            if answer is not None:
+                self._event(f"profiled {len(answer['profile']['layers'])} layers on {node}")
+                return ModelProfile.model_validate(answer["profile"])
+            nodes = self._wait_nodes(spec.min_nodes) or []  # that node went: ask another
+        return None
+
+    def _recover(self, launch: Launch, profile: ModelProfile) -> None:
+        """A worker was lost: replace it alone on a node that takes its place, else re-plan."""
+        self._recovery_told = False
+        (lost,) = launch.lost[:1]
+        recovery = self.recoveries[-1]
+        gone = self.placement[lost]
+        self._event(f"lost stage {recovery.stage} on {gone} (minibatch {self.backups.done})")
+        survivors = [
+            n for i, n in enumerate(self.placement) if i != lost and n in self.pool.nodes()
+        ]
+        spare = self._wait_nodes(1, self.replace_wait_s) if len(launch.lost) == 1 else None
+        if spare and launch.can_replace(self.backups):
+            with self._lock:
+                self.placement[lost] = spare[0]
+            launch.replace(self.backups)
+            recovery.mode, recovery.resumed_minibatch = "stage", self.backups.done
+            recovery.layout = self.layout
+            self._event(f"replaced stage {recovery.stage} on {spare[0]} from iteration "
+                        f"{self.backups.done // self.microbatches}")  # fmt: skip
+            return
+        launch.kill_all()
+        self.backups.forget_partial()
+        nodes = survivors + (spare or [])
+        if not nodes:
+            self._event("no node left: waiting for one")
+            nodes = self._wait_nodes(1) or []
+            if not nodes:
+                return
+        self._restart(launch, profile, nodes, "re-planned")
+        recovery.resumed_minibatch, recovery.layout = self.backups.done, self.layout
+
+    def _restart(self, launch: Launch, profile: ModelProfile, nodes: list[str], why: str) -> None:
+        launch.kill_all()
+        self.backups.forget_partial()
+        layout = self._plan(profile, len(nodes))
+        left = launch.common["minibatches"] - self.backups.done
+        check_layout(layout, len(launch.common["sizes"]), launch.common["schedule"],
+                      min(left, CHECK_UPDATES * self.microbatches * len(nodes)),
+                      self.microbatches)  # fmt: skip
+        self._start(launch, layout, nodes)
+        self._event(f"{why}: {describe(layout)} on {' '.join(self.placement)} from iteration "
+                    f"{self.backups.done // self.microbatches}")  # fmt: skip
+
+    def _plan(self, profile: ModelProfile, workers: int) -> Layout:
+        depth = None if self.spec.stages is None else min(self.spec.stages, workers)
+        plan = plan_stages(profile, workers, INSTANCE_BYTES_PER_S, stages=depth)
+        return tuple(plan.stages)
+
+    def _start(self, launch: Launch, layout: Layout, nodes: list[str]) -> None:
+        workers = sum(st.replicas for st in layout)
+        with self._lock:
+            self.layout, self.placement = layout, list(nodes[:workers])
+        zeros = [0.0] * len(layout)
+        launch.start(layout, self.backups, (zeros, zeros))
+
+    def _spawn(self, name: str, config_path: Path) -> StageProcess:
+        config = json.loads(config_path.read_text())
+        worker = sum(st.replicas for st in self.layout[: config["stage"]]) + config["replica"]
+        files = {
+            Path(config[key]).name: Path(config[key]).read_bytes()
+            for key in ("initial_weights", "initial_optimizer")
+            if config.get(key)
+        }
+        return self.pool.spawn(self.placement[worker], name, config, files)
+
+    def _watch(self) -> str | None:
+        if self._halt.is_set():
+            return "halted"
+        held = self.pool.nodes()
+        if any(n not in held for n in self.placement):
+            return None  # a node of the layout is leaving: a new one is its replacement
+        free = [n for n in held if n not in self.placement]
+        return "join" if free else None
+
+    def _on_backup(self, done: int, losses: dict[int, float]) -> None:
+        last = self.recoveries[-1] if self.recoveries else None
+        if last is not None and last.seconds is not None and not self._recovery_told:
+            self._recovery_told = True
+            self._event(f"running again {last.seconds:.2f} s after stage {last.stage} was lost")
+        m = self.microbatches
+        recent = [losses[k] for k in sorted(losses)[-m:]] if losses else []
+        with self._lock:
+            self._iteration = done // m
+            if recent:
+                self._loss = sum(recent) / len(recent)
+
+    def _finish(self, launch: Launch) -> None:
+        if launch.results:
+            files = [self.out_dir / f"stage{k}.npy" for k in range(len(self.layout))]
+            final = np.concatenate([np.load(f) for f in files])
+        else:
+            assert self.backups.weights is not None
+            final = self.backups.weights
+        with self._lock:
+            self._final = final
+            self._iteration = self.spec.iterations
+            self._done = True
+        self._event(f"done: {self.spec.iterations} iterations")

@@ -1,0 +1,312 @@
+"""The nodes of a hosted pipeline job and the stage workers they run, seen from its supervisor.
+
+Each instance of the job runs a `pipeline.node.PipelineNode` (in the instance agent) that
+connects here (DEALER to this ROUTER), registers, and heartbeats. The supervisor starts a stage
+worker on a node with `NodePool.spawn` (the config and its slice of the cut travel in the
+message; the node writes them to its own disk and starts `pipeline.stage`), and watches it as a
+`RemoteStage`: a `Popen`-like handle whose exit code arrives with the node's `exited` report,
+or is -9 once the node stops heartbeating (lost with its instance). The final weights a stage
+writes and the end of its log come back in the same report, into the supervisor's folder, so
+`launch.Launch` reads them as it does for local processes.
+
+Messages (authenticated `pipe` messages of the job, JSON bodies; files as `f:<name>` blobs):
+node -> pool `register {host, tier}`, `heartbeat`, `exited {name, code, stdout, log}` + files,
+`notice` (its instance is being evicted: no new work), `gone` (its workers left), `profiled
+{profile | error}`; pool -> node `welcome {rendezvous_port, code, code_store, data}`, `profile
+{seed, global_batch, workers}`, `run {name, config}` + files, `signal {name, signal}`,
+`kill {name}`, `shutdown`.
+
+Failure semantics: a node silent for `failure_timeout_s` is lost: its workers' exit codes
+become -9 and it gets no more work (if it comes back it registers as a new node). Messages
+that do not authenticate, or come from a node not registered, are dropped unread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.errors import WireError
+from orchestrator.agileml.wire import MessageKind
+
+log = logging.getLogger(__name__)
+
+#: The exit code of a worker whose node was lost (as if SIGKILLed with its instance).
+LOST_CODE = -9
+POLL_MS = 50
+
+
+def file_tensors(files: dict[str, bytes]) -> dict[str, torch.Tensor]:
+    """Files as message tensors (`f:<name>`, uint8)."""
+    return {
+        f"f:{name}": torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for name, data in files.items()
+        if data
+    }
+
+
+def tensor_files(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """The files of a message (see `file_tensors`); names are plain file names."""
+    out = {}
+    for key, t in tensors.items():
+        name = key.removeprefix("f:")
+        if key.startswith("f:") and name == Path(name).name and name not in ("", ".", ".."):
+            out[name] = t.numpy().tobytes()
+    return out
+
+
+@dataclass
+class RemoteNode:
+    """A registered node: its ROUTER identity, address and tier, when it was last heard."""
+
+    node_id: str
+    identity: bytes
+    host: str
+    tier: str
+    last_seen: float
+    leaving: bool = False  # it had its notice: no new work
+    workers: set[str] = field(default_factory=set)
+
+
+class RemoteStage:
+    """A stage worker on a node (see the module docstring); `Popen`'s methods `Launch` uses."""
+
+    def __init__(self, pool: NodePool, node_id: str, name: str) -> None:
+        self.pool, self.node_id, self.name = pool, node_id, name
+        self.returncode: int | None = None
+        self.stdout = ""
+        self._exited = threading.Event()
+
+    def exited(self, code: int, stdout: str = "") -> None:
+        if not self._exited.is_set():
+            self.returncode, self.stdout = code, stdout
+            self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(self.name, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            self.pool.command(self.node_id, "kill", {"name": self.name})
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            self.pool.command(self.node_id, "signal", {"name": self.name, "signal": int(sig)})
+
+    def communicate(
+        self, input: str | None = None, timeout: float | None = None
+    ) -> tuple[str, Any]:
+        self.wait(timeout)
+        return self.stdout, None
+
+
+class NodePool:
+    """The job's nodes (see the module docstring). `start()` binds and runs the pool's thread;
+    `welcome` is what a registering node is told (rendezvous port, where the code is)."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        token: bytes,
+        host: str,
+        port: int,
+        out_dir: Path,
+        welcome: dict[str, Any],
+        failure_timeout_s: float,
+    ) -> None:
+        self.job_id, self._token, self.out_dir = job_id, token, out_dir
+        self.welcome, self.failure_timeout_s = welcome, failure_timeout_s
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self._lock = threading.Lock()
+        self._nodes: dict[str, RemoteNode] = {}  # in registration order
+        self._stages: dict[str, RemoteStage] = {}
+        self._outbox: collections.deque[tuple[str, str, dict[str, torch.Tensor]]] = (
+            collections.deque()
+        )
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="pipeline-nodes", daemon=True)
+        self.events: list[str] = []  # registered / lost / gone, one line each
+        self.profiles: dict[str, dict[str, Any]] = {}  # node -> its `profiled` body
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Tell every node to stop its workers, then close."""
+        for node_id in self.nodes():
+            self.command(node_id, "shutdown", {})
+        deadline = time.monotonic() + 1.0
+        while self._outbox and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        self.sock.close(linger=500)
+        self.ctx.term()
+
+    def nodes(self) -> list[str]:
+        """The live nodes that take work, in registration order."""
+        with self._lock:
+            return [n.node_id for n in self._nodes.values() if not n.leaving]
+
+    def tiers(self) -> dict[str, str]:
+        with self._lock:
+            return {n.node_id: n.tier for n in self._nodes.values()}
+
+    def busy(self) -> set[str]:
+        """Nodes with a worker still running."""
+        with self._lock:
+            return {
+                n.node_id
+                for n in self._nodes.values()
+                if any(self._stages[w].returncode is None for w in n.workers if w in self._stages)
+            }
+
+    def spawn(
+        self, node_id: str, name: str, config: dict[str, Any], files: dict[str, bytes]
+    ) -> RemoteStage:
+        """Start worker `name` on `node_id` with `config` (a StageConfig as JSON) and its
+        files; a node that is gone gives a worker already lost."""
+        stage = RemoteStage(self, node_id, name)
+        with self._lock:
+            self._stages[name] = stage
+            node = self._nodes.get(node_id)
+            if node is None:
+                stage.exited(LOST_CODE)
+                return stage
+            node.workers.add(name)
+        self.command(node_id, "run", {"name": name, "config": config}, file_tensors(files))
+        return stage
+
+    def command(
+        self,
+        node_id: str,
+        detail: str,
+        body: dict[str, Any],
+        files: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Queue a message to a node (sent by the pool's thread)."""
+        self._outbox.append((node_id, detail, {**wire.json_body(body), **(files or {})}))
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            self._flush()
+            if self.sock.poll(POLL_MS):
+                while True:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._receive(frames)
+            self._expire(time.monotonic())
+
+    def _flush(self) -> None:
+        while self._outbox:
+            node_id, detail, tensors = self._outbox.popleft()
+            with self._lock:
+                node = self._nodes.get(node_id)
+            if node is None:
+                continue
+            self._send(node.identity, detail, tensors)
+
+    def _send(self, identity: bytes, detail: str, tensors: dict[str, torch.Tensor]) -> None:
+        self._seq += 1
+        fields = {"kind": MessageKind.PIPE, "job_id": self.job_id, "sender": "supervisor",
+                  "seq": self._seq, "clock": 0, "detail": detail}  # fmt: skip
+        try:
+            self.sock.send_multipart([identity, *wire.encode(fields, tensors, self._token)])
+        except zmq.ZMQError as exc:
+            log.warning("send to a node failed", extra={"detail": detail, "error": str(exc)})
+
+    def _receive(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        identity = frames[0]
+        try:
+            header, tensors = wire.decode(frames[1:], self._token)
+            body = wire.parse_json_body(tensors)
+        except WireError:
+            return  # not ours or malformed: dropped unread
+        if header.job_id != self.job_id or header.kind is not MessageKind.PIPE:
+            return
+        node_id, now = header.sender, time.monotonic()
+        if header.detail == "register":
+            self._register(node_id, identity, body, now)
+            return
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None or node.identity != identity:
+                return  # lost and not registered again, or an impostor's identity
+            node.last_seen = now
+            if header.detail == "profiled":
+                self.profiles[node_id] = body
+            if header.detail in ("notice", "gone"):
+                node.leaving = True
+                self.events.append(f"{header.detail} {node_id}")
+            if header.detail != "exited":
+                return
+            stage = self._stages.get(str(body.get("name")))
+        if stage is None:
+            return
+        for name, data in tensor_files(tensors).items():
+            (self.out_dir / name).write_bytes(data)
+        if body.get("log"):
+            (self.out_dir / f"{stage.name}.log").write_text(str(body["log"]))
+        stage.exited(int(body.get("code", 1)), str(body.get("stdout", "")))
+
+    def _register(self, node_id: str, identity: bytes, body: dict[str, Any], now: float) -> None:
+        with self._lock:
+            old = self._nodes.pop(node_id, None)
+            self._nodes[node_id] = RemoteNode(
+                node_id,
+                identity,
+                str(body.get("host", "")),
+                str(body.get("tier", "transient")),
+                now,
+            )
+        if old is not None:  # it restarted: what it ran is gone
+            self._lose_workers(old)
+        self.events.append(f"registered {node_id}")
+        self._send(identity, "welcome", wire.json_body(self.welcome))
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            lost = [n for n in self._nodes.values() if now - n.last_seen > self.failure_timeout_s]
+            for node in lost:
+                del self._nodes[node.node_id]
+        for node in lost:
+            self.events.append(f"lost {node.node_id}")
+            log.warning("pipeline node lost", extra={"node": node.node_id})
+            self._lose_workers(node)
+
+    def _lose_workers(self, node: RemoteNode) -> None:
+        for name in node.workers:
+            stage = self._stages.get(name)
+            if stage is not None:
+                stage.exited(LOST_CODE)

@@ -1,0 +1,176 @@
+"""A pipeline job hosted as the controller hosts it (`host_training` with `parallelism:
+pipeline`), its nodes real `PipelineNode`s talking over real sockets and running real stage
+processes: the planner lays the job out on the nodes that registered; a node lost with its
+instance (no notice) or leaving on notice is replaced alone by a node that takes its place, or
+the job re-plans for the nodes left; under `flush` the weights equal one process's loop."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from safetensors.torch import load_file
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.hosting import host_training
+from orchestrator.agileml.jobcode import load_job_code
+from orchestrator.agileml.pipeline.hosted import HostedPipeline
+from orchestrator.agileml.pipeline.node import PipelineNode
+from orchestrator.agileml.reference import train_reference
+from orchestrator.agileml.wire import MessageKind
+
+JOB = Path(__file__).parents[2] / "support" / "jobs" / "digits_pipeline.py"
+GLOBAL_BATCH = 64
+
+
+class Nodes:
+    """PipelineNodes on threads of this process (their stages are real processes)."""
+
+    def __init__(self, endpoint: str, token: bytes, job_id: str) -> None:
+        self.endpoint, self.token, self.job_id = endpoint, token, job_id
+        self.nodes: dict[str, PipelineNode] = {}
+        self.threads: list[threading.Thread] = []
+
+    def start(self, name: str) -> PipelineNode:
+        node = PipelineNode(
+            name, "transient", job_id=self.job_id, controller=self.endpoint, token=self.token
+        )
+        thread = threading.Thread(target=node.run, daemon=True)
+        thread.start()
+        self.nodes[name], self.threads = node, [*self.threads, thread]
+        return node
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=15)
+        assert not any(t.is_alive() for t in self.threads), "a node did not stop"
+
+
+def _spec(iterations: int, **changes: object) -> TrainingSpec:
+    fields = {"job_id": "pipe-job", "code": str(JOB), "parallelism": "pipeline",
+              "iterations": iterations, "global_batch": GLOBAL_BATCH, "min_nodes": 3,
+              "failure_timeout_s": 2.0, "stages": 3}  # fmt: skip
+    return TrainingSpec.model_validate({**fields, **changes})
+
+
+def _run(hosted: HostedPipeline, nodes: Nodes, fault=None, timeout_s: float = 150.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    faulted = False
+    while not hosted.done and hosted.error is None:
+        assert time.monotonic() < deadline, f"not done in time: {hosted.events()}"
+        if fault is not None and not faulted and hosted.progress().iteration >= 10:
+            faulted = True
+            fault(nodes)
+        time.sleep(0.2)
+    assert hosted.error is None, hosted.error
+
+
+def _weights_equal_reference(hosted: HostedPipeline, tmp_path: Path, iterations: int) -> None:
+    hosted.save_weights(tmp_path)
+    got = load_file(str(tmp_path / "model.safetensors"))
+    ref, _ = train_reference(
+        load_job_code(str(JOB)), iterations=iterations, global_batch=GLOBAL_BATCH
+    )
+    for name, value in ref.state_dict().items():
+        assert torch.allclose(got[name], value, atol=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault_kind", [None, "notice_spare", "lost_no_spare"])
+def test_a_hosted_pipeline_trains_on_its_nodes_through_a_lost_node(tmp_path, fault_kind):
+    token = secrets.token_bytes(32)
+    iterations = 40
+    hosted = host_training(_spec(iterations), token=token, host="127.0.0.1", port=0)
+    assert isinstance(hosted, HostedPipeline)
+    hosted.replace_wait_s = 8.0 if fault_kind == "notice_spare" else 1.0
+    nodes = Nodes(hosted.endpoint, token, "pipe-job")
+    for i in range(3):
+        nodes.start(f"n{i}")
+    lost: list[str] = []
+
+    def fault(nodes: Nodes) -> None:
+        stage1 = hosted.stages()[1]["nodes"][0]
+        lost.append(stage1)
+        if fault_kind == "notice_spare":
+            nodes.nodes[stage1].leave()  # the eviction notice; then a new instance comes up
+            deadline = time.monotonic() + 5
+            while stage1 in hosted.pool.nodes() and time.monotonic() < deadline:
+                time.sleep(0.05)  # as on EC2: the notice comes before a new instance boots
+            nodes.start("n3")
+        else:
+            nodes.nodes[stage1].stop()  # gone with its instance: no heartbeat, no report
+
+    try:
+        _run(hosted, nodes, fault if fault_kind else None)
+        events = hosted.events()
+        assert events[0].startswith("profiled 7 layers on n"), events
+        assert events[1].startswith("planned [[0, "), events
+        assert hosted.progress().iteration == iterations
+        if fault_kind == "notice_spare":
+            assert any(e.startswith(f"lost stage 1 on {lost[0]}") for e in events), events
+            assert any(e.startswith("replaced stage 1 on n3") for e in events), events
+            assert not any(e.startswith(("re-planned", "joined")) for e in events), events
+        elif fault_kind == "lost_no_spare":
+            assert any(e.startswith("re-planned: ") for e in events), events
+            assert len({n for st in hosted.stages() for n in st["nodes"]}) == 2
+        else:
+            assert [len(st["nodes"]) for st in hosted.stages()] == [1, 1, 1]
+        _weights_equal_reference(hosted, tmp_path, iterations)
+    finally:
+        hosted.stop()
+    nodes.join()  # told to shut down by stop()
+
+
+@pytest.mark.slow
+def test_a_node_that_registers_while_the_pipeline_runs_is_used_by_re_planning(tmp_path):
+    token = secrets.token_bytes(32)
+    iterations = 150  # the join comes at 10: long before the end
+    hosted = host_training(_spec(iterations, min_nodes=2, stages=None), token=token,
+                           host="127.0.0.1", port=0)  # fmt: skip
+    assert isinstance(hosted, HostedPipeline)
+    nodes = Nodes(hosted.endpoint, token, "pipe-job")
+    nodes.start("n0")
+    nodes.start("n1")
+    try:
+        _run(hosted, nodes, lambda ns: ns.start("n2"))
+        assert any(e.startswith("joined: ") for e in hosted.events()), hosted.events()
+        assert sum(len(st["nodes"]) for st in hosted.stages()) == 3
+        _weights_equal_reference(hosted, tmp_path, iterations)
+    finally:
+        hosted.stop()
+    nodes.join()
+
+
+def test_the_supervisor_drops_forged_and_unregistered_messages_and_stays_up():
+    token = secrets.token_bytes(32)
+    hosted = host_training(_spec(4), token=token, host="127.0.0.1", port=0)
+    assert isinstance(hosted, HostedPipeline)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(hosted.endpoint)
+    fields = {"kind": MessageKind.PIPE, "job_id": "pipe-job", "sender": "n9", "seq": 1,
+              "clock": 0, "detail": "register"}  # fmt: skip
+    try:
+        sock.send_multipart(wire.encode(fields, wire.json_body({}), b"x" * 32))  # wrong token
+        sock.send_multipart([b"garbage", b"more"])
+        exited = {**fields, "detail": "exited"}  # from a node that never registered
+        sock.send_multipart(wire.encode(exited, wire.json_body({"name": "x"}), token))
+        assert not sock.poll(500), "a forged message was answered"
+        assert hosted.pool.nodes() == []
+        sock.send_multipart(wire.encode(fields, wire.json_body({"host": "h"}), token))
+        assert sock.poll(3000), "a registration with the job's token was not answered"
+        header, body = wire.decode(sock.recv_multipart(), token)
+        assert header.detail == "welcome"
+        assert wire.parse_json_body(body)["code"] == str(JOB)
+        assert hosted.pool.nodes() == ["n9"]
+    finally:
+        sock.close()
+        ctx.term()
+        hosted.stop()
