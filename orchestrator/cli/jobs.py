@@ -127,6 +127,9 @@ def submit(
         body = submission.model_dump(mode="json")
         if submission.training and submission.training.get("code"):
             body["training"]["code"] = _upload_code(client, submission.training, job_file, check)
+            rates = _pipeline_rates(submission, job_file) if check else None
+            if rates is not None:
+                body["gpu_work_rates"] = rates
         job = client.submit(body)
         job_id = str(job["job_id"])
         typer.echo(job_id)
@@ -191,6 +194,37 @@ def _upload_code(client: Any, training: dict[str, Any], job_file: Path, check: b
     ref = str(client.upload_code(code_ref(packed), packed)["code"])
     err.print(f"uploaded {path} ({len(packed) / 1024:.0f} KiB) as {ref[:19]}...", highlight=False)
     return ref
+
+
+def _pipeline_rates(submission: Any, job_file: Path) -> dict[str, float] | None:
+    """For a pipeline job without its own `gpu_work_rates`: the catalog's rates times the
+    planner's parallel efficiency on `max_gpus` GPUs, from a profile of its layers here, so
+    that BidBrain buys for the throughput the pipeline will have (None: not a pipeline job,
+    or its data is not here to profile on)."""
+    training = submission.training or {}
+    if training.get("parallelism") != "pipeline" or submission.gpu_work_rates is not None:
+        return None
+    data = training.get("data")
+    if data is not None and not Path(str(data)).is_dir():
+        err.print("not sizing the pipeline here: its data is on the nodes", highlight=False)
+        return None
+    from orchestrator.agileml.hosting import validate_training_section
+    from orchestrator.agileml.pipeline.trainrun import size_pipeline_submission
+    from orchestrator.market.catalog import Catalog
+
+    spec = validate_training_section(training)
+    workers = max(1, int(submission.max_gpus))
+    code = str(job_file.parent / Path(str(training["code"])).expanduser())
+    sizing = size_pipeline_submission(code, seed=spec.seed, global_batch=spec.global_batch,
+                                      workers=workers,
+                                      gpu_work_rates=Catalog.load().gpu_work_rates)  # fmt: skip
+    err.print(
+        f"pipeline: the planner's parallel efficiency on {workers} GPUs is "
+        f"{sizing.parallel_efficiency:.2f}; BidBrain counts each GPU at that share of its "
+        "catalog rate (set gpu_work_rates to override)",
+        highlight=False,
+    )
+    return dict(sizing.gpu_work_rates)
 
 
 def _read_job_file(path: Path) -> dict[str, Any]:

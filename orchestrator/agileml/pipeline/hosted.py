@@ -51,14 +51,12 @@ from orchestrator.agileml.pipeline.profiler import ModelProfile
 from orchestrator.agileml.pipeline.remote import NodePool
 from orchestrator.agileml.pipeline.schedule import Schedule
 from orchestrator.agileml.pipeline.source import ChainModelSpec, job_layers, load_layers
-from orchestrator.agileml.pipeline.trainrun import microbatches_for
+from orchestrator.agileml.pipeline.trainrun import INSTANCE_BYTES_PER_S, microbatches_for
 
 log = logging.getLogger(__name__)
 
 #: Seconds a lost stage waits for a node to take its place before the job re-plans.
 REPLACE_WAIT_S = 15.0
-#: The link bandwidth the planner assumes between instances of a job (bytes/s: 10 Gbit/s).
-INSTANCE_BYTES_PER_S = 1.25e9
 #: Seconds a node may take to profile the job's layers (it loads the job and its data first).
 PROFILE_TIMEOUT_S = 300.0
 #: Schedules of a few updates are enough to find a deadlock (the orders repeat per update).

@@ -92,10 +92,7 @@ class PipelineNode:
                 return NodeResult(self.node_id, ended="lost_controller")
             return NodeResult(self.node_id, ended=self._serve(sock, welcome, workdir))
         finally:
-            for proc, _ in self.procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            self._kill_all(report=False)
             sock.close()
             ctx.term()
             shutil.rmtree(workdir, ignore_errors=True)
@@ -155,7 +152,12 @@ class PipelineNode:
                 detail, body, files = got
                 if detail == "shutdown":
                     return "done"
-                if detail == "run":
+                if detail == "reregister":  # a restarted supervisor: what ran here is void
+                    self._kill_all(report=False)
+                    self._send(sock, "register", {"host": self.host, "tier": self.tier})
+                elif detail == "welcome":
+                    rendezvous = f"tcp://{host}:{int(body['rendezvous_port'])}"
+                elif detail == "run":
                     self._start(body, files, workdir, spawn, code=code, rendezvous=rendezvous)
                 elif detail == "profile":
                     self._profile(code, body)
@@ -178,6 +180,14 @@ class PipelineNode:
                 self._send(sock, "gone", {})
                 return "left"
         return "stopped"
+
+    def _kill_all(self, *, report: bool) -> None:
+        for proc, config in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if not report:
+                config["_reported"] = True
 
     def _profile(self, code: str, body: dict[str, Any]) -> None:
         """Time the job's layers here, on a thread (heartbeats go on); the result is sent

@@ -14,11 +14,12 @@ node -> pool `register {host, tier}`, `heartbeat`, `exited {name, code, stdout, 
 `notice` (its instance is being evicted: no new work), `gone` (its workers left), `profiled
 {profile | error}`; pool -> node `welcome {rendezvous_port, code, code_store, data}`, `profile
 {seed, global_batch, workers}`, `run {name, config}` + files, `signal {name, signal}`,
-`kill {name}`, `shutdown`.
+`kill {name}`, `shutdown`, and `reregister` to a node that heartbeats unregistered (after a
+supervisor restart, or once declared lost: it registers again with nothing running).
 
 Failure semantics: a node silent for `failure_timeout_s` is lost: its workers' exit codes
-become -9 and it gets no more work (if it comes back it registers as a new node). Messages
-that do not authenticate, or come from a node not registered, are dropped unread.
+become -9 and it gets no more work. Messages that do not authenticate, or come from a node not
+registered (but a heartbeat: told to register again), are dropped unread.
 """
 
 from __future__ import annotations
@@ -262,7 +263,10 @@ class NodePool:
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None or node.identity != identity:
-                return  # lost and not registered again, or an impostor's identity
+                unknown = node is None and header.detail == "heartbeat"
+                if unknown:  # this pool restarted, or declared it lost: it registers again
+                    self._send(identity, "reregister", wire.json_body({}))
+                return
             node.last_seen = now
             if header.detail == "profiled":
                 self.profiles[node_id] = body

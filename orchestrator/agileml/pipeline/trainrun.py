@@ -24,7 +24,7 @@ from the last iteration backed up. Faults are injected in iteration order.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +42,15 @@ from orchestrator.agileml.pipeline.local import Layout, PipelineResult, run_pipe
 from orchestrator.agileml.pipeline.planner import plan as plan_stages
 from orchestrator.agileml.pipeline.profiler import ModelProfile, profile_sequential
 from orchestrator.agileml.pipeline.schedule import Schedule
+from orchestrator.agileml.pipeline.sizing import PipelineSizing, size_pipeline_job
 from orchestrator.agileml.pipeline.source import job_layers, job_source, load_layers
 from orchestrator.agileml.trainrun import TrainPlan, TrainProgress, TrainResult
 from orchestrator.errors import UserError
 
 #: The link bandwidth the planner assumes between local processes (loopback, bytes/s).
 LOOPBACK_BYTES_PER_S = 1e9
+#: The link bandwidth the planner assumes between instances of a job (bytes/s: 10 Gbit/s).
+INSTANCE_BYTES_PER_S = 1.25e9
 #: Microbatches per iteration aim at this many per stage (PipeDream-Flush fills a pipeline of S
 #: stages with S in flight; twice that keeps the bubble at a third of a step or less).
 MICROBATCHES_PER_STAGE = 2
@@ -105,6 +108,17 @@ def profile_job(code: str, *, seed: int, global_batch: int, workers: int) -> Mod
     size = global_batch // microbatches_for(global_batch, min(workers, len(layers)))
     x, _ = source.rows().take(torch.arange(size))
     return profile_sequential(layers, x)
+
+
+def size_pipeline_submission(
+    code: str, *, seed: int, global_batch: int, workers: int, gpu_work_rates: Mapping[str, float]
+) -> PipelineSizing:
+    """BidBrain's view of a pipeline job on up to `workers` GPUs (`sizing`): its layers (tied
+    weights refused) profiled here, the planner's parallel efficiency applied to the catalog's
+    rates `gpu_work_rates`. Raises JobCodeError, ProfileError, PlanError (UserErrors)."""
+    _check_untied(job_source(code, seed).layers())
+    profile = profile_job(code, seed=seed, global_batch=global_batch, workers=workers)
+    return size_pipeline_job(profile, workers, INSTANCE_BYTES_PER_S, 1, gpu_work_rates)
 
 
 def _check_untied(layers: list[torch.nn.Module]) -> None:

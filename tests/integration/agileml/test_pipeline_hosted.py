@@ -174,3 +174,40 @@ def test_the_supervisor_drops_forged_and_unregistered_messages_and_stays_up():
         sock.close()
         ctx.term()
         hosted.stop()
+
+
+def test_a_node_heartbeating_unregistered_is_told_to_register_again():
+    """After a supervisor restart (or once declared lost) a node's heartbeats name a node the
+    pool does not know: it is told to register again (and then gets work again)."""
+    token = secrets.token_bytes(32)
+    hosted = host_training(_spec(4, failure_timeout_s=0.5), token=token, host="127.0.0.1",
+                           port=0)  # fmt: skip
+    assert isinstance(hosted, HostedPipeline)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(hosted.endpoint)
+
+    def send(detail: str, seq: int) -> None:
+        fields = {"kind": MessageKind.PIPE, "job_id": "pipe-job", "sender": "n1", "seq": seq,
+                  "clock": 0, "detail": detail}  # fmt: skip
+        sock.send_multipart(wire.encode(fields, wire.json_body({"host": "h"}), token))
+
+    def answer() -> str | None:
+        return wire.decode(sock.recv_multipart(), token)[0].detail if sock.poll(3000) else None
+
+    try:
+        send("register", 1)
+        assert answer() == "welcome"
+        deadline = time.monotonic() + 10
+        while hosted.pool.nodes() and time.monotonic() < deadline:
+            time.sleep(0.1)  # silent past failure_timeout_s (3 s at least): lost
+        assert hosted.pool.nodes() == [] and "lost n1" in hosted.pool.events
+        send("heartbeat", 2)
+        assert answer() == "reregister"
+        send("register", 3)
+        assert answer() == "welcome" and hosted.pool.nodes() == ["n1"]
+    finally:
+        sock.close()
+        ctx.term()
+        hosted.stop()

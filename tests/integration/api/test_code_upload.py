@@ -114,3 +114,39 @@ def test_with_an_s3_store_the_api_takes_code_and_hands_back_weights(tmp_path: Pa
         ckpt.write_bytes("checkpoint.json", b"{}")
         tar = client.get("/v1/jobs/job-s3/checkpoint", headers=AUTH)
         assert tar.status_code == 200 and b"part-0000.safetensors" in tar.content
+
+
+def test_submitting_a_pipeline_job_sizes_it_for_bidbrain_from_the_planner(tmp_path: Path) -> None:
+    """`parallelism: pipeline` without `gpu_work_rates`: submit profiles the job's layers here
+    and sets each GPU model's rate to the catalog's times the planner's parallel efficiency on
+    max_gpus GPUs, so BidBrain buys for the pipeline's throughput, not for perfect scaling."""
+    from orchestrator.api.serve import BackgroundServer
+    from orchestrator.market.catalog import Catalog
+
+    store = MemoryStore()
+    shutil.copy(JOBS / "digits_pipeline.py", tmp_path / "job.py")
+    spec = {
+        "name": "pipe", "budget_usd": 5, "work_gpu_hours": 1, "max_gpus": 4,
+        "training": {"code": "job.py", "global_batch": 64, "iterations": 10,
+                     "parallelism": "pipeline"},
+    }  # fmt: skip
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    script = shutil.which("orchestrator")
+    assert script is not None
+    with BackgroundServer(create_app(store, _settings(tmp_path / "store"))) as server:
+        cmd = [script, "submit", str(tmp_path / "job.yaml"), "--api", server.url, "--token",
+               "t0ken"]  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        assert "parallel efficiency on 4 GPUs" in run.stderr
+        rates = store.get_job(run.stdout.strip()).spec["gpu_work_rates"]
+        catalog = Catalog.load().gpu_work_rates
+        assert set(rates) == set(catalog)
+        ratios = {rates[m] / catalog[m] for m in catalog}
+        assert len({round(r, 9) for r in ratios}) == 1  # one efficiency for every model
+        assert 0 < ratios.pop() <= 1
+        given = {**spec, "gpu_work_rates": {"V100": 0.5}}  # the user's own rates win
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(given))
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert run.returncode == 0 and "parallel efficiency" not in run.stderr, run.stderr
+        assert store.get_job(run.stdout.strip()).spec["gpu_work_rates"] == {"V100": 0.5}
