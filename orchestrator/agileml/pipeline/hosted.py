@@ -13,7 +13,8 @@ faults), with these policies for a footprint that changes under it:
   place (stage-only recovery). With no node to take its place the job re-plans for the nodes
   left and every stage restarts from the cut;
 - a node that registers while the pipeline runs is used by re-planning for every node held
-  (every stage restarts from the cut).
+  (every stage restarts from the cut) once it has been there `failure_timeout_s` + 1 s (it may
+  be the replacement of a node whose loss is not known yet).
 Microbatches per iteration are fixed at the first plan, so every layout runs the same
 optimizer steps (flush/gpipe: the same as one process).
 
@@ -106,6 +107,7 @@ class HostedPipeline:
         self.placement: list[str] = []  # node of each worker (stages in order, replicas within)
         self.microbatches = 0
         self.replace_wait_s = replace_wait_s
+        self.join_settle_s = self.pool.failure_timeout_s + 1.0  # see `_watch`
         self._recovery_told = True
         self._thread = threading.Thread(target=self._supervise, name="pipeline", daemon=True)
 
@@ -274,8 +276,10 @@ class HostedPipeline:
                 self._finish(launch)
                 return
             if outcome == "join":
-                free = [n for n in self.pool.nodes() if n not in self.placement]
-                self._restart(launch, profile, self.placement + free, "joined")
+                held = self.pool.nodes()
+                free = [n for n in held if n not in self.placement]
+                placed = [n for n in self.placement if n in held]
+                self._restart(launch, profile, placed + free, "joined")
                 continue
             self._recover(launch, profile)
 
@@ -378,7 +382,10 @@ class HostedPipeline:
         if any(n not in held for n in self.placement):
             return None  # a node of the layout is leaving: a new one is its replacement
         free = [n for n in held if n not in self.placement]
-        return "join" if free else None
+        # a node that came just now may be the replacement of one lost but not yet known lost
+        # (its heartbeats stop `failure_timeout_s` before the pool says so): wait that long
+        settle = self.join_settle_s
+        return "join" if any(self.pool.registered_for(n) >= settle for n in free) else None
 
     def _on_backup(self, done: int, losses: dict[int, float]) -> None:
         last = self.recoveries[-1] if self.recoveries else None

@@ -75,6 +75,7 @@ class RemoteNode:
     host: str
     tier: str
     last_seen: float
+    registered_at: float = 0.0
     leaving: bool = False  # it had its notice: no new work
     workers: set[str] = field(default_factory=set)
 
@@ -175,6 +176,12 @@ class NodePool:
         """The live nodes that take work, in registration order."""
         with self._lock:
             return [n.node_id for n in self._nodes.values() if not n.leaving]
+
+    def registered_for(self, node_id: str) -> float:
+        """Seconds since the node registered (0: not registered)."""
+        with self._lock:
+            node = self._nodes.get(node_id)
+            return 0.0 if node is None else time.monotonic() - node.registered_at
 
     def tiers(self) -> dict[str, str]:
         with self._lock:
@@ -293,6 +300,7 @@ class NodePool:
                 str(body.get("host", "")),
                 str(body.get("tier", "transient")),
                 now,
+                registered_at=now,
             )
         if old is not None:  # it restarted: what it ran is gone
             self._lose_workers(old)

@@ -134,6 +134,7 @@ def test_a_node_that_registers_while_the_pipeline_runs_is_used_by_re_planning(tm
     hosted = host_training(_spec(iterations, min_nodes=2, stages=None), token=token,
                            host="127.0.0.1", port=0)  # fmt: skip
     assert isinstance(hosted, HostedPipeline)
+    hosted.join_settle_s = 0.5  # no loss to tell it from here
     nodes = Nodes(hosted.endpoint, token, "pipe-job")
     nodes.start("n0")
     nodes.start("n1")
