@@ -115,7 +115,9 @@ def test_the_offline_demo_trains_a_pipeline_job_whose_stages_the_dashboard_shows
     assert summary["training_iterations"] > 0
     assert summary["held_out_accuracy"] >= 0.8
     events = summary["training_events"]
-    assert events[0].startswith("profiled ") and events[1].startswith("planned [[0, ")
+    assert events[0].startswith("profiled ")
+    assert events[1].startswith("backups on i-") and events[1].endswith("(reliable)")
+    assert events[2].startswith("planned [[0, ")
     assert any(e.startswith(("replaced stage", "re-planned")) for e in events), events
     assert stages_seen and all(len(stages) == 2 for stages in stages_seen), stages_seen
     assert "pipeline iterations" in text

@@ -7,7 +7,9 @@ layers (on its data, which the controller never fetches) and PipeDream's planner
 on those nodes (stages, replicas); each node runs one stage worker.
 From then on the supervisor works as the local launcher does (`launch.Launch`:
 rendezvous, backups of every stage's weights and optimizer state at each consistent cut,
-faults), with these policies for a footprint that changes under it:
+faults; the backups go to a `holder.BackupHolder` on the first reliable (on-demand) node when
+the job has one, which runs a stage worker too, as every AgileML node is a worker; else they
+stay here), with these policies for a footprint that changes under it:
 - a node lost (evicted, with or without notice) is replaced by a node that registers within
   `REPLACE_WAIT_S`: only the lost stage restarts there, from the cut, while the others rewind in
   place (stage-only recovery). With no node to take its place the job re-plans for the nodes
@@ -20,8 +22,8 @@ optimizer steps (flush/gpipe: the same as one process).
 
 Failure semantics: a stage that crashes (an error in the job's code) ends the training with
 that stage's log tail as `error`; the controller's job goes on until it ends (no retries of a
-deterministic failure). The backups live in this process, on the controller node (on-demand):
-a controller restart starts the pipeline again from the initial model (no checkpoints yet).
+deterministic failure). A controller restart starts the pipeline again from the initial
+model (the holder's cut is not resumed yet; no checkpoints).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.hosting import TrainingStatus
 from orchestrator.agileml.jobcode import code_path, load_job_code, seeded_model
+from orchestrator.agileml.pipeline.holder import RemoteBackups
 from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery, StageProcess
 from orchestrator.agileml.pipeline.local import chain_sizes, check_layout, describe
 from orchestrator.agileml.pipeline.planner import plan as plan_stages
@@ -101,7 +104,8 @@ class HostedPipeline:
         self._iteration = 0
         self._loss: float | None = None
         self._final: np.ndarray | None = None
-        self.backups = Backups()
+        self.backups: Backups = Backups()  # RemoteBackups when a reliable node holds them
+        self.holder: str | None = None  # that node
         self.recoveries: list[Recovery] = []
         self.layout: Layout = ()
         self.placement: list[str] = []  # node of each worker (stages in order, replicas within)
@@ -207,7 +211,8 @@ class HostedPipeline:
 
     def _weights(self) -> np.ndarray | None:
         with self._lock:
-            return self._final if self._final is not None else self.backups.weights
+            final = self._final
+        return final if final is not None else self.backups.weights  # the holder's: a request
 
     def _model(self, weights: np.ndarray | None) -> torch.nn.Module:
         job = load_job_code(self.code)
@@ -225,6 +230,8 @@ class HostedPipeline:
         try:
             self._run()
         except AgileMLError as exc:
+            if self._halt.is_set():
+                return  # stopped: the job ended and its instances went first
             self._error = str(exc)
             self._event(f"failed {exc}")
         except Exception as exc:  # noqa: BLE001 - reported as the job's training error
@@ -235,7 +242,7 @@ class HostedPipeline:
     def _wait_nodes(self, count: int, timeout_s: float = math.inf) -> list[str] | None:
         deadline = time.monotonic() + timeout_s
         while not self._halt.is_set() and time.monotonic() < deadline:
-            nodes = [n for n in self.pool.nodes() if n not in self.pool.busy()]
+            nodes = [n for n in self._held() if n not in self.pool.busy()]
             if len(nodes) >= count:
                 return nodes
             time.sleep(0.1)
@@ -249,16 +256,17 @@ class HostedPipeline:
         profile = self._profile(nodes)
         if profile is None:
             return
+        sizes = chain_sizes(ChainModelSpec(), spec.seed, self.code)
+        backup_to = self._place_backups(nodes, sizes)
         layout = self._plan(profile, len(nodes))
         m = self.microbatches = microbatches_for(spec.global_batch, len(layout))
         minibatches = spec.iterations * m
-        sizes = chain_sizes(ChainModelSpec(), spec.seed, self.code)
         check_layout(layout, len(sizes), Schedule(spec.schedule),
                      min(minibatches, CHECK_UPDATES * m * len(nodes)), m)  # fmt: skip
         common = dict(model=ChainModelSpec(), code=self.code, sizes=sizes,
                       schedule=Schedule(spec.schedule), minibatches=minibatches, microbatches=m,
                       microbatch_size=spec.global_batch // m, lr=spec.lr, seed=spec.seed,
-                      vertical_sync=False, backup=True)  # fmt: skip
+                      vertical_sync=False, backup=True, backup_to=backup_to)  # fmt: skip
         launch = Launch(self.ctx, self.inbox, "tcp://supervisor", self._token, self.out_dir,
                         time.monotonic() + 1e9, common, spawn=self._spawn)  # fmt: skip
         losses: dict[int, float] = {}
@@ -276,12 +284,32 @@ class HostedPipeline:
                 self._finish(launch)
                 return
             if outcome == "join":
-                held = self.pool.nodes()
+                held = self._held()
                 free = [n for n in held if n not in self.placement]
                 placed = [n for n in self.placement if n in held]
                 self._restart(launch, profile, placed + free, "joined")
                 continue
             self._recover(launch, profile)
+
+    def _held(self) -> list[str]:
+        """The nodes that take stage workers (every live one not leaving; the holder too, as
+        every AgileML node is a worker)."""
+        return self.pool.nodes()
+
+    def _place_backups(self, nodes: list[str], sizes: list[int]) -> str | None:
+        """The reliable copy on the first reliable node: its holder's endpoint (the stages
+        back up there); None: no reliable node, kept here."""
+        tiers = self.pool.tiers()
+        reliable = [n for n in nodes if tiers.get(n) == "reliable"]
+        if reliable:
+            answer = self.pool.request(reliable[0], "hold", {}, timeout_s=30.0)
+            if answer is not None:
+                self.holder = reliable[0]
+                self.backups = RemoteBackups(self.pool, reliable[0], sizes)
+                self._event(f"backups on {reliable[0]} (reliable)")
+                return str(answer[0]["endpoint"])
+        self._event("backups on the supervisor (no reliable instance to hold them)")
+        return None
 
     def _profile(self, nodes: list[str]) -> ModelProfile | None:
         """The job's layers timed on its first node that answers (on its data; None: halted).
@@ -317,9 +345,7 @@ class HostedPipeline:
         recovery = self.recoveries[-1]
         gone = self.placement[lost]
         self._event(f"lost stage {recovery.stage} on {gone} (minibatch {self.backups.done})")
-        survivors = [
-            n for i, n in enumerate(self.placement) if i != lost and n in self.pool.nodes()
-        ]
+        survivors = [n for i, n in enumerate(self.placement) if i != lost and n in self._held()]
         spare = self._wait_nodes(1, self.replace_wait_s) if len(launch.lost) == 1 else None
         if spare and launch.can_replace(self.backups):
             with self._lock:
@@ -378,7 +404,7 @@ class HostedPipeline:
     def _watch(self) -> str | None:
         if self._halt.is_set():
             return "halted"
-        held = self.pool.nodes()
+        held = self._held()
         if any(n not in held for n in self.placement):
             return None  # a node of the layout is leaving: a new one is its replacement
         free = [n for n in held if n not in self.placement]

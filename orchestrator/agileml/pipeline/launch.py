@@ -147,11 +147,11 @@ class Backups:
         done: int,
         stage: int,
         stages: int,
-        weights: np.ndarray,
+        weights: np.ndarray | None,
         optimizer: dict[str, torch.Tensor] | None = None,
     ) -> None:
         parts = self._partial.setdefault(done, {})
-        parts[stage] = (weights, optimizer or {})
+        parts[stage] = (np.zeros(0, np.float32) if weights is None else weights, optimizer or {})
         if len(parts) == stages and done > self.done:
             self.done = done
             self.weights = np.concatenate([parts[k][0] for k in range(stages)])
@@ -168,6 +168,20 @@ class Backups:
 
     def forget_partial(self) -> None:
         self._partial.clear()
+
+    def begin(self, job_id: str, workers: list[tuple[int, int]], stages: int) -> None:
+        """A new attempt starts from the cut (a holder elsewhere drops older messages)."""
+        self.forget_partial()
+
+    def cut_of(
+        self, first_layer: int, last_layer: int, offsets: np.ndarray
+    ) -> tuple[np.ndarray | None, dict[str, torch.Tensor]]:
+        """Layers first_layer..last_layer at the cut: their weights (None: the initial ones)
+        and optimizer entries; `offsets[i]` is layer i's start in the flat weights."""
+        if self.weights is None:
+            return None, self.optimizer_of(first_layer, last_layer)
+        flat = self.weights[offsets[first_layer] : offsets[last_layer + 1]]
+        return flat, self.optimizer_of(first_layer, last_layer)
 
 
 class Launch:
@@ -209,12 +223,13 @@ class Launch:
         empty)."""
         self._new_attempt()
         self.layout, self._times = layout, times
-        self.procs, self.workers = [], []
+        self.procs = []
+        self.workers = [(k, r) for k, st in enumerate(layout) for r in range(st.replicas)]
+        backups.begin(self.job_id, self.workers, len(layout))
         for k, st in enumerate(layout):
             files = self._cut_files(k, st, backups)
             for r in range(st.replicas):
                 self.procs.append(self._spawn(k, r, backups.done, files))
-                self.workers.append((k, r))
 
     def can_replace(self, backups: Backups) -> bool:
         """Whether `replace` can recover: one worker lost, every other one still running,
@@ -235,6 +250,7 @@ class Launch:
             self.procs[lost].wait()
         inboxes = self.inboxes  # the survivors', from this attempt's rendezvous
         old_job = self._new_attempt()
+        backups.begin(self.job_id, self.workers, len(self.layout))
         files = {k: self._cut_files(k, st, backups) for k, st in enumerate(self.layout)}
         for w, (k, _) in enumerate(self.workers):
             if w == lost:
@@ -348,7 +364,7 @@ class Launch:
         if replica == 0:
             blob = tensors["o"].numpy().tobytes() if "o" in tensors else b""
             optimizer = load_entries(blob) if blob else None
-            weights = tensors["w"].numpy().copy()
+            weights = tensors["w"].numpy().copy() if "w" in tensors else None
             backups.add(included, stage, len(self.layout), weights, optimizer)
         losses.update(zip(tensors["mb"].tolist(), tensors["loss"].tolist(), strict=True))
         if not self.faults or stage != 0 or included < self.faults[0].at:
@@ -379,11 +395,10 @@ class Launch:
     ) -> tuple[str | None, str | None]:
         """Stage k's weights and optimizer state at the cut, as files (None: initial)."""
         weights = optimizer = None
-        if backups.weights is not None:
-            offsets = self._offsets
+        flat, entries = backups.cut_of(st.first_layer, st.last_layer, self._offsets)
+        if flat is not None:
             weights = str(self.out_dir / f"initial{self.attempt}-{k}.npy")
-            np.save(weights, backups.weights[offsets[st.first_layer] : offsets[st.last_layer + 1]])
-        entries = backups.optimizer_of(st.first_layer, st.last_layer)
+            np.save(weights, flat)
         if entries:
             optimizer = str(self.out_dir / f"optimizer{self.attempt}-{k}.safetensors")
             save_file(entries, optimizer)

@@ -31,12 +31,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import torch
 import zmq
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import WireError
 from orchestrator.agileml.jobcode import resolve_code
 from orchestrator.agileml.node import NodeResult
+from orchestrator.agileml.pipeline.holder import BackupHolder
 from orchestrator.agileml.pipeline.launch import StageProcess, spawn_local
 from orchestrator.agileml.pipeline.remote import LOST_CODE, file_tensors, tensor_files
 from orchestrator.agileml.wire import MessageKind
@@ -71,6 +73,7 @@ class PipelineNode:
         self.procs: dict[str, tuple[StageProcess, dict[str, Any]]] = {}
         self.ran: list[str] = []  # every worker it was given, in order
         self._profiled: dict[str, Any] | None = None  # a profile to send (see `_profile`)
+        self.holder: BackupHolder | None = None  # on a reliable node: the job's backups
 
     def leave(self) -> None:
         """The eviction notice: the workers leave after their next backed-up update."""
@@ -93,6 +96,8 @@ class PipelineNode:
             return NodeResult(self.node_id, ended=self._serve(sock, welcome, workdir))
         finally:
             self._kill_all(report=False)
+            if self.holder is not None:
+                self.holder.stop()
             sock.close()
             ctx.term()
             shutil.rmtree(workdir, ignore_errors=True)
@@ -103,11 +108,13 @@ class PipelineNode:
         detail: str,
         body: dict[str, Any],
         files: dict[str, bytes] | None = None,
+        tensors: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self._seq += 1
         fields = {"kind": MessageKind.PIPE, "job_id": self.job_id, "sender": self.node_id,
                   "seq": self._seq, "clock": 0, "detail": detail}  # fmt: skip
-        tensors = {**wire.json_body(body), **file_tensors(files or {})}
+        frames = {**wire.json_body(body), **file_tensors(files or {}), **(tensors or {})}
+        tensors = frames
         sock.send_multipart(wire.encode(fields, tensors, self._token))
 
     def _receive(
@@ -161,6 +168,8 @@ class PipelineNode:
                     self._start(body, files, workdir, spawn, code=code, rendezvous=rendezvous)
                 elif detail == "profile":
                     self._profile(code, body)
+                elif detail in ("hold", "begin", "cut"):
+                    self._hold(sock, detail, body, rendezvous)
                 elif detail in ("signal", "kill") and body.get("name") in self.procs:
                     proc = self.procs[str(body["name"])][0]
                     if proc.poll() is None:
@@ -180,6 +189,25 @@ class PipelineNode:
                 self._send(sock, "gone", {})
                 return "left"
         return "stopped"
+
+    def _hold(
+        self, sock: zmq.Socket[Any], detail: str, body: dict[str, Any], rendezvous: str
+    ) -> None:
+        """The supervisor's requests to this node as the job's backup holder (`holder`)."""
+        reply: dict[str, Any] = {"rid": body.get("rid")}
+        tensors: dict[str, torch.Tensor] = {}
+        if detail == "hold":
+            if self.holder is None:
+                self.holder = BackupHolder(self._token, self.job_id, self.host, rendezvous)
+                self.holder.start()
+            reply["endpoint"] = self.holder.endpoint
+        elif self.holder is None:
+            return  # not the holder (it restarted): no answer, the supervisor gives up
+        elif detail == "begin":
+            reply.update(self.holder.begin(body))
+        else:
+            tensors = self.holder.cut(body)
+        self._send(sock, "reply", reply, tensors=tensors)
 
     def _kill_all(self, *, report: bool) -> None:
         for proc, config in self.procs.values():

@@ -14,7 +14,8 @@ node -> pool `register {host, tier}`, `heartbeat`, `exited {name, code, stdout, 
 `notice` (its instance is being evicted: no new work), `gone` (its workers left), `profiled
 {profile | error}`; pool -> node `welcome {rendezvous_port, code, code_store, data}`, `profile
 {seed, global_batch, workers}`, `run {name, config}` + files, `signal {name, signal}`,
-`kill {name}`, `shutdown`, and `reregister` to a node that heartbeats unregistered (after a
+`kill {name}`, `shutdown`, the backup holder's requests `hold`, `begin`, `cut` (answered by
+`reply {rid, ...}`; see `holder`), and `reregister` to a node that heartbeats unregistered (after a
 supervisor restart, or once declared lost: it registers again with nothing running).
 
 Failure semantics: a node silent for `failure_timeout_s` is lost: its workers' exit codes
@@ -155,6 +156,9 @@ class NodePool:
         self._thread = threading.Thread(target=self._serve, name="pipeline-nodes", daemon=True)
         self.events: list[str] = []  # registered / lost / gone, one line each
         self.profiles: dict[str, dict[str, Any]] = {}  # node -> its `profiled` body
+        self._waiting: dict[int, threading.Event] = {}  # requests not answered yet
+        self._answers: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+        self._rid = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -172,10 +176,10 @@ class NodePool:
         self.sock.close(linger=500)
         self.ctx.term()
 
-    def nodes(self) -> list[str]:
-        """The live nodes that take work, in registration order."""
+    def nodes(self, *, include_leaving: bool = False) -> list[str]:
+        """The live nodes that take work (and those leaving), in registration order."""
         with self._lock:
-            return [n.node_id for n in self._nodes.values() if not n.leaving]
+            return [n.node_id for n in self._nodes.values() if include_leaving or not n.leaving]
 
     def registered_for(self, node_id: str) -> float:
         """Seconds since the node registered (0: not registered)."""
@@ -211,6 +215,23 @@ class NodePool:
             node.workers.add(name)
         self.command(node_id, "run", {"name": name, "config": config}, file_tensors(files))
         return stage
+
+    def request(
+        self, node_id: str, detail: str, body: dict[str, Any], timeout_s: float
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+        """Ask a node and wait for its `reply` (its body and tensors); None when it does not
+        answer in time or is lost meanwhile."""
+        with self._lock:
+            self._rid += 1
+            rid, done = self._rid, threading.Event()
+            self._waiting[rid] = done
+        self.command(node_id, detail, {**body, "rid": rid})
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(0.1):
+            if time.monotonic() > deadline or node_id not in self.nodes(include_leaving=True):
+                self._waiting.pop(rid, None)
+                return None
+        return self._answers.pop(rid)
 
     def command(
         self,
@@ -277,6 +298,11 @@ class NodePool:
             node.last_seen = now
             if header.detail == "profiled":
                 self.profiles[node_id] = body
+            if header.detail == "reply" and body.get("rid") in self._waiting:
+                rid = body["rid"]
+                answer = {k: v for k, v in tensors.items() if k != "body"}
+                self._answers[rid] = (body, answer)
+                self._waiting.pop(rid).set()
             if header.detail in ("notice", "gone"):
                 node.leaving = True
                 self.events.append(f"{header.detail} {node_id}")

@@ -93,6 +93,8 @@ class StageConfig(BaseModel):
     # after every update, send the weights to the launcher (the reliable tier keeps them) with
     # the number of minibatches they include, so a lost stage can be re-created from there
     backup: bool = False
+    # where the backups go: a reliable node's holder (`pipeline.holder`); None: `rendezvous`
+    backup_to: str | None = None
 
     @model_validator(mode="after")
     def _replica_in_range(self) -> StageConfig:
@@ -490,7 +492,7 @@ class _StageRun:
         tensors = {"w": weights, "loss": losses, "mb": indexes}
         if optimizer is not None:
             tensors["o"] = optimizer
-        self.link.send(config.rendezvous, "backup", self.completed, tensors)
+        self.link.send(config.backup_to or config.rendezvous, "backup", self.completed, tensors)
 
 
 def _replicas_sum(

@@ -37,9 +37,9 @@ class Nodes:
         self.nodes: dict[str, PipelineNode] = {}
         self.threads: list[threading.Thread] = []
 
-    def start(self, name: str) -> PipelineNode:
+    def start(self, name: str, tier: str = "transient") -> PipelineNode:
         node = PipelineNode(
-            name, "transient", job_id=self.job_id, controller=self.endpoint, token=self.token
+            name, tier, job_id=self.job_id, controller=self.endpoint, token=self.token
         )
         thread = threading.Thread(target=node.run, daemon=True)
         thread.start()
@@ -82,21 +82,35 @@ def _weights_equal_reference(hosted: HostedPipeline, tmp_path: Path, iterations:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault_kind", [None, "notice_spare", "lost_no_spare"])
-def test_a_hosted_pipeline_trains_on_its_nodes_through_a_lost_node(tmp_path, fault_kind):
+@pytest.mark.parametrize(
+    ("fault_kind", "holder"),
+    [(None, False), ("notice_spare", False), ("lost_no_spare", False), ("notice_spare", True),
+     ("lost_no_spare", True)],
+)  # fmt: skip
+def test_a_hosted_pipeline_trains_on_its_nodes_through_a_lost_node(tmp_path, fault_kind, holder):
+    """With `holder`, a reliable node joins too: it holds the backups (and runs a stage
+    worker, as every node does), and the stages resume from its copy."""
     token = secrets.token_bytes(32)
     iterations = 40
-    hosted = host_training(_spec(iterations), token=token, host="127.0.0.1", port=0)
+    spec = _spec(iterations, min_nodes=4 if holder else 3)
+    hosted = host_training(spec, token=token, host="127.0.0.1", port=0)
     assert isinstance(hosted, HostedPipeline)
     hosted.replace_wait_s = 8.0 if fault_kind == "notice_spare" else 1.0
     nodes = Nodes(hosted.endpoint, token, "pipe-job")
+    if holder:
+        nodes.start("r0", "reliable")
     for i in range(3):
         nodes.start(f"n{i}")
     lost: list[str] = []
+    lost_stage: list[int] = []
 
     def fault(nodes: Nodes) -> None:
-        stage1 = hosted.stages()[1]["nodes"][0]
+        # a spot node past the input stage (the reliable one is not evicted)
+        stage, stage1 = next(
+            (st["stage"], n) for st in hosted.stages()[1:] for n in st["nodes"] if n != "r0"
+        )
         lost.append(stage1)
+        lost_stage.append(stage)
         if fault_kind == "notice_spare":
             nodes.nodes[stage1].leave()  # the eviction notice; then a new instance comes up
             deadline = time.monotonic() + 5
@@ -109,16 +123,22 @@ def test_a_hosted_pipeline_trains_on_its_nodes_through_a_lost_node(tmp_path, fau
     try:
         _run(hosted, nodes, fault if fault_kind else None)
         events = hosted.events()
-        assert events[0].startswith("profiled 7 layers on n"), events
-        assert events[1].startswith("planned [[0, "), events
+        assert events[0].startswith("profiled 7 layers on "), events
+        if holder:
+            assert events[1] == "backups on r0 (reliable)", events
+            assert hosted.holder == "r0" and nodes.nodes["r0"].holder is not None
+        else:
+            assert events[1].startswith("backups on the supervisor"), events
+        assert events[2].startswith("planned [[0, "), events
         assert hosted.progress().iteration == iterations
         if fault_kind == "notice_spare":
-            assert any(e.startswith(f"lost stage 1 on {lost[0]}") for e in events), events
-            assert any(e.startswith("replaced stage 1 on n3") for e in events), events
+            k = lost_stage[0]
+            assert any(e.startswith(f"lost stage {k} on {lost[0]}") for e in events), events
+            assert any(e.startswith(f"replaced stage {k} on n3") for e in events), events
             assert not any(e.startswith(("re-planned", "joined")) for e in events), events
         elif fault_kind == "lost_no_spare":
             assert any(e.startswith("re-planned: ") for e in events), events
-            assert len({n for st in hosted.stages() for n in st["nodes"]}) == 2
+            assert len({n for st in hosted.stages() for n in st["nodes"]}) == (3 if holder else 2)
         else:
             assert [len(st["nodes"]) for st in hosted.stages()] == [1, 1, 1]
         _weights_equal_reference(hosted, tmp_path, iterations)
@@ -130,11 +150,11 @@ def test_a_hosted_pipeline_trains_on_its_nodes_through_a_lost_node(tmp_path, fau
 @pytest.mark.slow
 def test_a_node_that_registers_while_the_pipeline_runs_is_used_by_re_planning(tmp_path):
     token = secrets.token_bytes(32)
-    iterations = 150  # the join comes at 10: long before the end
+    iterations = 600  # the join comes at 10: long before the end
     hosted = host_training(_spec(iterations, min_nodes=2, stages=None), token=token,
                            host="127.0.0.1", port=0)  # fmt: skip
     assert isinstance(hosted, HostedPipeline)
-    hosted.join_settle_s = 0.5  # no loss to tell it from here
+    hosted.join_settle_s = 0.2  # no loss to tell it from here
     nodes = Nodes(hosted.endpoint, token, "pipe-job")
     nodes.start("n0")
     nodes.start("n1")

@@ -1,0 +1,192 @@
+"""The reliable copy of a hosted pipeline job on one of its reliable (on-demand) instances.
+
+A pipeline job's stages back their weights and optimizer state up after every update. With a
+reliable instance in the job, those backups go to a `BackupHolder` there (in its node, as a
+BackupPS is in AgileML), not to the supervisor: the holder keeps the last consistent cut
+(`launch.Backups`) and forwards each backup to the supervisor without its weights (the count
+and the losses, which is all the supervisor decides on). When the supervisor (re)starts stages
+it asks the holder, through the node pool, for the cut (`RemoteBackups`): `begin` (a new
+attempt: older messages are dropped from then on; the cut's count) and `cut` (a stage's layers'
+weights and optimizer state). A reliable instance is on-demand: it is not evicted; if it is lost
+anyway, the supervisor's requests fail and the training ends with that error.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import zmq
+from safetensors.torch import load as load_entries
+from safetensors.torch import save as save_entries
+
+from orchestrator.agileml import wire
+from orchestrator.agileml.errors import AgileMLError, WireError
+from orchestrator.agileml.pipeline.launch import Backups
+from orchestrator.agileml.wire import MessageKind
+
+if TYPE_CHECKING:
+    from orchestrator.agileml.pipeline.remote import NodePool
+
+#: Seconds the supervisor waits for the holder's answer (a cut may be the whole model).
+REQUEST_TIMEOUT_S = 60.0
+
+
+class BackupHolder:
+    """The holder, on a reliable node (see the module docstring): `start()` binds its inbox
+    on `host` (its `endpoint`) and runs its thread; backups of attempts other than the current
+    one are dropped."""
+
+    def __init__(self, token: bytes, job_id: str, host: str, rendezvous: str) -> None:
+        self._token, self.job_id, self.rendezvous = token, job_id, rendezvous
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://{host}:{self.inbox.bind_to_random_port(f'tcp://{host}')}"
+        self.forward = self.ctx.socket(zmq.PUSH)
+        self.forward.setsockopt(zmq.LINGER, 1000)
+        self.forward.connect(rendezvous)
+        self.backups = Backups()
+        self.attempt = ""  # the job id of the current attempt
+        self.workers: list[tuple[int, int]] = []
+        self.stages = 0
+        self.sizes: list[int] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._seq = 0
+        self._thread = threading.Thread(target=self._serve, name="backup-holder", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.inbox.close()
+        self.forward.close()
+        self.ctx.term()
+
+    def begin(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A new attempt (`job_id`, `workers` [[stage, replica], ...], `stages`, `sizes`):
+        partial cuts are dropped; returns the cut's count."""
+        with self._lock:
+            self.attempt = str(body["job_id"])
+            self.workers = [(int(k), int(r)) for k, r in body["workers"]]
+            self.stages, self.sizes = int(body["stages"]), [int(n) for n in body["sizes"]]
+            self.backups.forget_partial()
+            return {"done": self.backups.done}
+
+    def cut(self, body: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Layers `first`..`last` at the cut: `w` (absent: the initial weights) and `o` (the
+        optimizer entries, a safetensors blob; absent: none)."""
+        first, last = int(body["first"]), int(body["last"])
+        with self._lock:
+            offsets = np.cumsum([0, *self.sizes])
+            flat, entries = self.backups.cut_of(first, last, offsets)
+        out: dict[str, torch.Tensor] = {}
+        if flat is not None:
+            out["w"] = torch.from_numpy(flat.copy())
+        if entries:
+            out["o"] = torch.frombuffer(bytearray(save_entries(entries)), dtype=torch.uint8)
+        return out
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.inbox.poll(100):
+                continue
+            try:
+                header, tensors = wire.decode(self.inbox.recv_multipart(), self._token)
+            except WireError:
+                continue  # not ours or malformed: dropped unread
+            with self._lock:
+                if header.job_id != self.attempt or header.detail != "backup":
+                    continue  # an earlier attempt's
+                self._file(header, tensors)
+            self._forward(header, tensors)
+
+    def _file(self, header: wire.Header, tensors: dict[str, torch.Tensor]) -> None:
+        try:
+            worker = int((header.sender or "").removeprefix("worker"))
+            stage, replica = self.workers[worker]
+        except (ValueError, IndexError):
+            return
+        if replica != 0 or header.clock is None or "w" not in tensors:
+            return  # replicas hold the same weights: replica 0 backs the stage up
+        blob = tensors["o"].numpy().tobytes() if "o" in tensors else b""
+        optimizer = load_entries(blob) if blob else None
+        weights = tensors["w"].numpy().copy()
+        self.backups.add(header.clock, stage, self.stages, weights, optimizer)
+
+    def _forward(self, header: wire.Header, tensors: dict[str, torch.Tensor]) -> None:
+        """The backup to the supervisor without its weights and optimizer state."""
+        self._seq += 1
+        fields = {"kind": MessageKind.PIPE, "job_id": header.job_id, "sender": header.sender,
+                  "seq": self._seq, "clock": header.clock, "detail": "backup"}  # fmt: skip
+        light = {k: v for k, v in tensors.items() if k in ("loss", "mb")}
+        self.forward.send_multipart(wire.encode(fields, light, self._token))
+
+
+class RemoteBackups(Backups):
+    """The supervisor's view of the cut a `BackupHolder` keeps on node `holder`: counts from
+    the forwarded backups; the weights and optimizer state asked for when needed.
+
+    Raises (from `begin`, `cut_of`, `weights`):
+        AgileMLError: the holder did not answer (its reliable instance is gone).
+    """
+
+    def __init__(self, pool: NodePool, holder: str, sizes: list[int]) -> None:
+        super().__init__()
+        self.pool, self.holder, self.sizes = pool, holder, sizes
+
+    def add(
+        self,
+        done: int,
+        stage: int,
+        stages: int,
+        weights: np.ndarray | None,
+        optimizer: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        parts = self._partial.setdefault(done, {})
+        parts[stage] = (np.zeros(0, np.float32), {})
+        if len(parts) == stages and done > self.done:
+            self.done = done
+            self._partial = {s: p for s, p in self._partial.items() if s > done}
+
+    def begin(self, job_id: str, workers: list[tuple[int, int]], stages: int) -> None:
+        self.forget_partial()
+        body = {"job_id": job_id, "workers": workers, "stages": stages, "sizes": self.sizes}
+        answer, _ = self._ask("begin", body)
+        self.done = int(answer["done"])
+
+    def cut_of(
+        self, first_layer: int, last_layer: int, offsets: np.ndarray
+    ) -> tuple[np.ndarray | None, dict[str, torch.Tensor]]:
+        _, tensors = self._ask("cut", {"first": first_layer, "last": last_layer})
+        flat = tensors["w"].numpy().copy() if "w" in tensors else None
+        entries = load_entries(tensors["o"].numpy().tobytes()) if "o" in tensors else {}
+        return flat, entries
+
+    @property
+    def weights(self) -> np.ndarray | None:
+        """The whole model at the holder's cut (None: the initial weights)."""
+        if not self.sizes:
+            return None
+        flat, _ = self.cut_of(0, len(self.sizes) - 1, np.cumsum([0, *self.sizes]))
+        return flat
+
+    @weights.setter
+    def weights(self, value: np.ndarray | None) -> None:
+        pass  # set by Backups.__init__; the holder has the weights
+
+    def _ask(
+        self, detail: str, body: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        answer = self.pool.request(self.holder, detail, body, timeout_s=REQUEST_TIMEOUT_S)
+        if answer is None:
+            raise AgileMLError(
+                f"the reliable instance {self.holder} holding the pipeline's backups did not "
+                f"answer ({detail}); the job cannot resume without them"
+            )
+        return answer
