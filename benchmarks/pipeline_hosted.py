@@ -3,7 +3,8 @@
 The supervisor the controller hosts (`agileml.pipeline.hosted`) and one `PipelineNode` per
 instance (as in the instance agents; here on threads of this process, each running its stage
 worker as a real process) train the package's digits CNN (`orchestrator/jobs/digits_cnn.py`)
-as a 3-stage flush pipeline on 3 nodes. At iteration `--fault-at` the node of stage 1:
+as a 3-stage flush pipeline on 3 nodes: one reliable (it holds the backups, `pipeline.holder`,
+and runs a stage) and two spot. At iteration `--fault-at` the spot node of a later stage:
 
 - `notice_replacement`: gets the eviction notice; a new node registers once the supervisor
   knows (as on EC2, where a replacement boots after the notice): stage-only recovery;
@@ -58,13 +59,14 @@ def run(scenario: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     nodes: dict[str, PipelineNode] = {}
     threads: list[threading.Thread] = []
 
-    def start(name: str) -> None:
-        nodes[name] = PipelineNode(name, "transient", job_id="bench",
+    def start(name: str, tier: str = "transient") -> None:
+        nodes[name] = PipelineNode(name, tier, job_id="bench",
                                    controller=hosted.endpoint, token=token)  # fmt: skip
         threads.append(threading.Thread(target=nodes[name].run, daemon=True))
         threads[-1].start()
 
-    for i in range(3):
+    start("r0", "reliable")  # the job's on-demand instance: it holds the backups
+    for i in range(2):
         start(f"n{i}")
     started = time.monotonic()
     fault_at: float | None = None
@@ -101,7 +103,7 @@ def _fault(
     nodes: dict[str, PipelineNode],
     start: Callable[[str], None],
 ) -> None:
-    victim = hosted.stages()[1]["nodes"][0]
+    victim = next(n for st in hosted.stages()[1:] for n in st["nodes"] if n != "r0")  # spot
     if scenario == "notice_replacement":
         nodes[victim].leave()
         deadline = time.monotonic() + 5

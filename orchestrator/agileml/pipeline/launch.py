@@ -63,22 +63,63 @@ class StageProcess(Protocol):
 Spawn = Callable[[str, Path], StageProcess]
 
 
-def spawn_local(token: bytes, out_dir: Path, env: dict[str, str] | None = None) -> Spawn:
+def spawn_local(token: bytes, out_dir: Path) -> Spawn:
     """Stage workers as processes of this machine; `name.log` in `out_dir` gets stderr."""
+    return LocalSpawner(token, out_dir)
 
-    def spawn(name: str, config_path: Path) -> StageProcess:
-        run_env = {**os.environ, **(env or {}), AGILEML_TOKEN_ENV: token.hex(),
-                   "OMP_NUM_THREADS": "1"}  # fmt: skip
-        with (out_dir / f"{name}.log").open("w") as log:
+
+class LocalSpawner:
+    """Starts stage workers as processes of this machine (see `spawn_local`). After
+    `prestart()` one process is kept started ahead (Python, torch and the runtime imported:
+    seconds off a replacement's start) and the next worker is handed to it; `close()` stops
+    the one not used."""
+
+    def __init__(self, token: bytes, out_dir: Path) -> None:
+        self.token, self.out_dir = token, out_dir
+        self._ready: tuple[subprocess.Popen[str], Path] | None = None
+        self._standby = False
+
+    def prestart(self) -> None:
+        self._standby = True
+        self._refill()
+
+    def __call__(self, name: str, config_path: Path) -> StageProcess:
+        log_path = self.out_dir / f"{name}.log"
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0].poll() is None:
+            proc, standby_log = ready
+            standby_log.rename(log_path)  # its open log follows the rename
+            assert proc.stdin is not None
+            proc.stdin.write(f"{config_path}\n")
+            proc.stdin.close()
+            proc.stdin = None  # closed: communicate() must not flush it
+        else:
+            proc = self._start(str(config_path), log_path)
+        self._refill()
+        return proc
+
+    def close(self) -> None:
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0].poll() is None:
+            ready[0].kill()
+            ready[0].wait()
+
+    def _refill(self) -> None:
+        if self._standby and self._ready is None:
+            log_path = self.out_dir / f"standby-{secrets.token_hex(4)}.log"
+            self._ready = (self._start("--standby", log_path), log_path)
+
+    def _start(self, argument: str, log_path: Path) -> subprocess.Popen[str]:
+        env = {**os.environ, AGILEML_TOKEN_ENV: self.token.hex(), "OMP_NUM_THREADS": "1"}
+        with log_path.open("w") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.agileml.pipeline.stage", str(config_path)],
+                [sys.executable, "-m", "orchestrator.agileml.pipeline.stage", argument],
+                stdin=subprocess.PIPE if argument == "--standby" else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
-                env=run_env,
+                env=env,
             )
-
-    return spawn
 
 
 @dataclass(frozen=True)

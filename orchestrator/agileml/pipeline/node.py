@@ -39,7 +39,7 @@ from orchestrator.agileml.errors import WireError
 from orchestrator.agileml.jobcode import resolve_code
 from orchestrator.agileml.node import NodeResult
 from orchestrator.agileml.pipeline.holder import BackupHolder
-from orchestrator.agileml.pipeline.launch import StageProcess, spawn_local
+from orchestrator.agileml.pipeline.launch import LocalSpawner, StageProcess
 from orchestrator.agileml.pipeline.remote import LOST_CODE, file_tensors, tensor_files
 from orchestrator.agileml.wire import MessageKind
 
@@ -74,6 +74,7 @@ class PipelineNode:
         self.ran: list[str] = []  # every worker it was given, in order
         self._profiled: dict[str, Any] | None = None  # a profile to send (see `_profile`)
         self.holder: BackupHolder | None = None  # on a reliable node: the job's backups
+        self._spawner: LocalSpawner | None = None
 
     def leave(self) -> None:
         """The eviction notice: the workers leave after their next backed-up update."""
@@ -96,6 +97,8 @@ class PipelineNode:
             return NodeResult(self.node_id, ended=self._serve(sock, welcome, workdir))
         finally:
             self._kill_all(report=False)
+            if self._spawner is not None:
+                self._spawner.close()
             if self.holder is not None:
                 self.holder.stop()
             sock.close()
@@ -147,7 +150,8 @@ class PipelineNode:
         code = resolve_code(str(welcome["code"]), welcome.get("code_store"), welcome.get("data"))
         host = urlparse(self.controller).hostname or "127.0.0.1"
         rendezvous = f"tcp://{host}:{int(welcome['rendezvous_port'])}"
-        spawn = spawn_local(self._token, workdir)
+        spawn = self._spawner = LocalSpawner(self._token, workdir)
+        spawn.prestart()  # a replacement's stage starts without waiting for its imports
         next_beat = 0.0
         notified = False
         while not self._stop.is_set():
