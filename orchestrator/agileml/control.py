@@ -9,6 +9,7 @@ eviction says `leaving`; once its partitions are handed off and its last clock i
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import zmq
@@ -120,6 +121,18 @@ class TrainingSpec(BaseModel):
                 f"(2 x {self.heartbeat_s}); otherwise a live node is taken for dead"
             )
         return self
+
+
+@dataclass(frozen=True)
+class TrainingStatus:
+    """A job's training as its host hears it (`hosting`): the furthest iteration reported,
+    the mean of the latest losses (None before the first), FlexRR's reassigned rows and
+    AgileML's stage transitions so far."""
+
+    iteration: int
+    loss: float | None
+    reassigned_rows: int
+    stage_transitions: int
 
 
 class Adoption(BaseModel):

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 from orchestrator.agileml import checkpoints
-from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.control import TrainingSpec, TrainingStatus
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import load_job_code
@@ -42,18 +41,6 @@ __all__ = [
     "host_training",
     "validate_training_section",
 ]
-
-
-@dataclass(frozen=True)
-class TrainingStatus:
-    """A job's training as its elasticity controller hears it: the furthest iteration a node
-    reported, the mean of the nodes' losses at the latest iteration any reported (None before
-    the first), FlexRR's reassigned rows and AgileML's stage transitions so far."""
-
-    iteration: int
-    loss: float | None
-    reassigned_rows: int
-    stage_transitions: int
 
 
 class HostedTraining:

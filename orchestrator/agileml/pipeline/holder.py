@@ -140,19 +140,8 @@ class RemoteBackups(Backups):
         super().__init__()
         self.pool, self.holder, self.sizes = pool, holder, sizes
 
-    def add(
-        self,
-        done: int,
-        stage: int,
-        stages: int,
-        weights: np.ndarray | None,
-        optimizer: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        parts = self._partial.setdefault(done, {})
-        parts[stage] = (np.zeros(0, np.float32), {})
-        if len(parts) == stages and done > self.done:
-            self.done = done
-            self._partial = {s: p for s, p in self._partial.items() if s > done}
+    def _keep(self, parts: list[tuple[np.ndarray, dict[str, torch.Tensor]]]) -> None:
+        pass  # the forwarded backups carry no weights: the holder keeps them
 
     def begin(self, job_id: str, workers: list[tuple[int, int]], stages: int) -> None:
         self.forget_partial()

@@ -43,9 +43,8 @@ import torch
 import zmq
 
 from orchestrator.agileml import checkpoints
-from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.control import TrainingSpec, TrainingStatus
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.hosting import TrainingStatus
 from orchestrator.agileml.jobcode import code_path, load_job_code, seeded_model
 from orchestrator.agileml.pipeline.holder import RemoteBackups
 from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery, StageProcess
@@ -91,10 +90,16 @@ class HostedPipeline:
         rendezvous_port = self.inbox.bind_to_random_port(f"tcp://{host}")
         welcome = {"rendezvous_port": rendezvous_port, "code": spec.code,
                    "code_store": spec.code_store, "data": spec.data}  # fmt: skip
-        self.pool = NodePool(
-            job_id=spec.job_id, token=token, host=host, port=port, out_dir=self.out_dir,
-            welcome=welcome, failure_timeout_s=max(spec.failure_timeout_s, 3.0),
-        )  # fmt: skip
+        try:
+            self.pool = NodePool(
+                job_id=spec.job_id, token=token, host=host, port=port, out_dir=self.out_dir,
+                welcome=welcome, failure_timeout_s=max(spec.failure_timeout_s, 3.0),
+            )  # fmt: skip
+        except BaseException:  # the port is taken: nothing of this attempt stays
+            self.inbox.close()
+            self.ctx.term()
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+            raise
         self.endpoint = f"tcp://{host}:{self.pool.port}"
         self._lock = threading.Lock()
         self._halt = threading.Event()
@@ -235,6 +240,8 @@ class HostedPipeline:
             self._error = str(exc)
             self._event(f"failed {exc}")
         except Exception as exc:  # noqa: BLE001 - reported as the job's training error
+            if self._halt.is_set():
+                return
             log.exception("pipeline supervisor failed")
             self._error = repr(exc)
             self._event(f"failed {exc!r}")
@@ -328,6 +335,10 @@ class HostedPipeline:
                     break
                 time.sleep(0.05)
             answer = self.pool.profiles.pop(node, None)
+            if answer is None and node in self.pool.nodes() and not self._halt.is_set():
+                raise AgileMLError(
+                    f"profiling the job's layers on {node} took over {PROFILE_TIMEOUT_S:g} s"
+                )
             if answer is not None and "error" in answer:
                 raise AgileMLError(
                     f"profiling the job's layers on {node} failed: {answer['error']}"
@@ -340,6 +351,8 @@ class HostedPipeline:
 
     def _recover(self, launch: Launch, profile: ModelProfile) -> None:
         """A worker was lost: replace it alone on a node that takes its place, else re-plan."""
+        if self._halt.is_set():
+            return
         self._recovery_told = False
         (lost,) = launch.lost[:1]
         recovery = self.recoveries[-1]
@@ -347,6 +360,8 @@ class HostedPipeline:
         self._event(f"lost stage {recovery.stage} on {gone} (minibatch {self.backups.done})")
         survivors = [n for i, n in enumerate(self.placement) if i != lost and n in self._held()]
         spare = self._wait_nodes(1, self.replace_wait_s) if len(launch.lost) == 1 else None
+        if self._halt.is_set():
+            return
         if spare and launch.can_replace(self.backups):
             with self._lock:
                 self.placement[lost] = spare[0]
@@ -368,6 +383,8 @@ class HostedPipeline:
         recovery.resumed_minibatch, recovery.layout = self.backups.done, self.layout
 
     def _restart(self, launch: Launch, profile: ModelProfile, nodes: list[str], why: str) -> None:
+        if self._halt.is_set():
+            return
         launch.kill_all()
         self.backups.forget_partial()
         layout = self._plan(profile, len(nodes))

@@ -195,9 +195,13 @@ class Backups:
         parts[stage] = (np.zeros(0, np.float32) if weights is None else weights, optimizer or {})
         if len(parts) == stages and done > self.done:
             self.done = done
-            self.weights = np.concatenate([parts[k][0] for k in range(stages)])
-            self.optimizer = {key: t for k in range(stages) for key, t in parts[k][1].items()}
+            self._keep([parts[k] for k in range(stages)])
             self._partial = {s: p for s, p in self._partial.items() if s > done}
+
+    def _keep(self, parts: list[tuple[np.ndarray, dict[str, torch.Tensor]]]) -> None:
+        """The new cut's weights and optimizer state, stage by stage."""
+        self.weights = np.concatenate([weights for weights, _ in parts])
+        self.optimizer = {key: t for _, entries in parts for key, t in entries.items()}
 
     def optimizer_of(self, first_layer: int, last_layer: int) -> dict[str, torch.Tensor]:
         """The optimizer entries of layers first_layer..last_layer."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import shutil
 import signal
 import tempfile
@@ -40,7 +41,7 @@ from orchestrator.agileml.jobcode import resolve_code
 from orchestrator.agileml.node import NodeResult
 from orchestrator.agileml.pipeline.holder import BackupHolder
 from orchestrator.agileml.pipeline.launch import LocalSpawner, StageProcess
-from orchestrator.agileml.pipeline.remote import LOST_CODE, file_tensors, tensor_files
+from orchestrator.agileml.pipeline.remote import LOST_CODE, NAME, file_tensors, tensor_files
 from orchestrator.agileml.wire import MessageKind
 
 log = logging.getLogger(__name__)
@@ -89,12 +90,24 @@ class PipelineNode:
         ctx: zmq.Context[Any] = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
+        # one identity for the whole run: a TCP reconnect does not make it a stranger
+        sock.setsockopt(zmq.ROUTING_ID, f"{self.node_id}-{secrets.token_hex(4)}".encode())
         sock.connect(self.controller)
         try:
-            welcome = self._register(sock)
+            # where the job's code and data are; fetched before registering, so that a node
+            # taking work has them (and no download outlasts the heartbeat timeout)
+            welcome = self._register(sock, "hello")
             if welcome is None:
                 return NodeResult(self.node_id, ended="lost_controller")
-            return NodeResult(self.node_id, ended=self._serve(sock, welcome, workdir))
+            code = resolve_code(
+                str(welcome["code"]), welcome.get("code_store"), welcome.get("data")
+            )
+            self._spawner = LocalSpawner(self._token, workdir)
+            self._spawner.prestart()  # a replacement's stage starts without waiting on imports
+            welcome = self._register(sock, "register")
+            if welcome is None:
+                return NodeResult(self.node_id, ended="lost_controller")
+            return NodeResult(self.node_id, ended=self._serve(sock, welcome, workdir, code))
         finally:
             self._kill_all(report=False)
             if self._spawner is not None:
@@ -134,9 +147,10 @@ class PipelineNode:
             return None
         return header.detail or "", body, tensor_files(tensors)
 
-    def _register(self, sock: zmq.Socket[Any]) -> dict[str, Any] | None:
+    def _register(self, sock: zmq.Socket[Any], detail: str) -> dict[str, Any] | None:
+        """`hello` (the job's welcome only) or `register` (take work), until welcomed."""
         while not self._stop.is_set():
-            self._send(sock, "register", {"host": self.host, "tier": self.tier})
+            self._send(sock, detail, {"host": self.host, "tier": self.tier})
             deadline = time.monotonic() + REGISTER_RETRY_S
             while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
                 got = self._receive(sock, int(min(left, 0.2) * 1000))
@@ -145,13 +159,14 @@ class PipelineNode:
                     return got[1]
         return None
 
-    def _serve(self, sock: zmq.Socket[Any], welcome: dict[str, Any], workdir: Path) -> str:
+    def _serve(
+        self, sock: zmq.Socket[Any], welcome: dict[str, Any], workdir: Path, code: str
+    ) -> str:
         """Run what the supervisor says until shutdown ("done"), leave ("left") or stop."""
-        code = resolve_code(str(welcome["code"]), welcome.get("code_store"), welcome.get("data"))
         host = urlparse(self.controller).hostname or "127.0.0.1"
         rendezvous = f"tcp://{host}:{int(welcome['rendezvous_port'])}"
-        spawn = self._spawner = LocalSpawner(self._token, workdir)
-        spawn.prestart()  # a replacement's stage starts without waiting for its imports
+        spawn = self._spawner
+        assert spawn is not None  # `run` made it
         next_beat = 0.0
         notified = False
         while not self._stop.is_set():
@@ -165,6 +180,9 @@ class PipelineNode:
                     return "done"
                 if detail == "reregister":  # a restarted supervisor: what ran here is void
                     self._kill_all(report=False)
+                    if self.holder is not None:  # its cut and inbox were the old one's
+                        self.holder.stop()
+                        self.holder = None
                     self._send(sock, "register", {"host": self.host, "tier": self.tier})
                 elif detail == "welcome":
                     rendezvous = f"tcp://{host}:{int(body['rendezvous_port'])}"
@@ -249,6 +267,9 @@ class PipelineNode:
     ) -> None:
         name = str(body["name"])
         config = dict(body["config"])
+        if not NAME.match(name) or not isinstance(config.get("stage"), int):
+            log.warning("a malformed run request was refused", extra={"name": name[:80]})
+            return
         for key in ("initial_weights", "initial_optimizer"):
             if config.get(key):  # the supervisor's path: the file came with the message
                 local = workdir / f"{name}-{Path(config[key]).name}"

@@ -10,7 +10,8 @@ writes and the end of its log come back in the same report, into the supervisor'
 `launch.Launch` reads them as it does for local processes.
 
 Messages (authenticated `pipe` messages of the job, JSON bodies; files as `f:<name>` blobs):
-node -> pool `register {host, tier}`, `heartbeat`, `exited {name, code, stdout, log}` + files,
+node -> pool `hello` (answered by `welcome`: it fetches the job's code and data, then) `register
+{host, tier}`, `heartbeat`, `exited {name, code, stdout, log}` + files,
 `notice` (its instance is being evicted: no new work), `gone` (its workers left), `profiled
 {profile | error}`; pool -> node `welcome {rendezvous_port, code, code_store, data}`, `profile
 {seed, global_batch, workers}`, `run {name, config}` + files, `signal {name, signal}`,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import subprocess
 import threading
 import time
@@ -46,6 +48,10 @@ log = logging.getLogger(__name__)
 #: The exit code of a worker whose node was lost (as if SIGKILLed with its instance).
 LOST_CODE = -9
 POLL_MS = 50
+#: Seconds a node has to report a worker's exit after it was killed (see `RemoteStage.wait`).
+EXIT_REPORT_S = 60.0
+#: Worker names the pool hands out (`stage{k}.{r}-{attempt}`): plain file names.
+NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 def file_tensors(files: dict[str, bytes]) -> dict[str, torch.Tensor]:
@@ -99,8 +105,12 @@ class RemoteStage:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if not self._exited.wait(timeout):
-            raise subprocess.TimeoutExpired(self.name, timeout or 0.0)
+        """Its exit code; with no `timeout`, a node that has not reported the exit within
+        `EXIT_REPORT_S` is taken as lost (LOST_CODE) rather than waited on forever."""
+        if not self._exited.wait(EXIT_REPORT_S if timeout is None else timeout):
+            if timeout is not None:
+                raise subprocess.TimeoutExpired(self.name, timeout)
+            self.exited(LOST_CODE)
         assert self.returncode is not None
         return self.returncode
 
@@ -140,15 +150,20 @@ class NodePool:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if port:
-            self.sock.bind(f"tcp://{host}:{port}")
-            self.port = port
-        else:
-            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self.sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+            else:
+                self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self.sock.close()
+            self.ctx.term()
+            raise
         self._lock = threading.Lock()
         self._nodes: dict[str, RemoteNode] = {}  # in registration order
         self._stages: dict[str, RemoteStage] = {}
-        self._outbox: collections.deque[tuple[str, str, dict[str, torch.Tensor]]] = (
+        self._outbox: collections.deque[tuple[bytes, str, dict[str, torch.Tensor]]] = (
             collections.deque()
         )
         self._seq = 0
@@ -164,8 +179,8 @@ class NodePool:
         self._thread.start()
 
     def stop(self) -> None:
-        """Tell every node to stop its workers, then close."""
-        for node_id in self.nodes():
+        """Tell every node (leaving ones too) to stop its workers, then close."""
+        for node_id in self.nodes(include_leaving=True):
             self.command(node_id, "shutdown", {})
         deadline = time.monotonic() + 1.0
         while self._outbox and time.monotonic() < deadline:
@@ -240,8 +255,12 @@ class NodePool:
         body: dict[str, Any],
         files: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Queue a message to a node (sent by the pool's thread)."""
-        self._outbox.append((node_id, detail, {**wire.json_body(body), **(files or {})}))
+        """Queue a message to a node as registered now (sent by the pool's thread; dropped
+        if it registers again before: what was meant for it then is void)."""
+        with self._lock:
+            node = self._nodes.get(node_id)
+        if node is not None:
+            self._outbox.append((node.identity, detail, {**wire.json_body(body), **(files or {})}))
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -252,17 +271,19 @@ class NodePool:
                         frames = self.sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._receive(frames)
+                    try:
+                        self._receive(frames)
+                    except Exception as exc:  # noqa: BLE001 - one bad message, not the pool
+                        log.warning("pipeline node message dropped", extra={"error": repr(exc)})
             self._expire(time.monotonic())
 
     def _flush(self) -> None:
         while self._outbox:
-            node_id, detail, tensors = self._outbox.popleft()
+            identity, detail, tensors = self._outbox.popleft()
             with self._lock:
-                node = self._nodes.get(node_id)
-            if node is None:
-                continue
-            self._send(node.identity, detail, tensors)
+                current = any(n.identity == identity for n in self._nodes.values())
+            if current:
+                self._send(identity, detail, tensors)
 
     def _send(self, identity: bytes, detail: str, tensors: dict[str, torch.Tensor]) -> None:
         self._seq += 1
@@ -282,9 +303,14 @@ class NodePool:
             body = wire.parse_json_body(tensors)
         except WireError:
             return  # not ours or malformed: dropped unread
+        if not isinstance(body, dict):
+            return
         if header.job_id != self.job_id or header.kind is not MessageKind.PIPE:
             return
         node_id, now = header.sender, time.monotonic()
+        if header.detail == "hello":  # where the job's code is: no work for it yet
+            self._send(identity, "welcome", wire.json_body(self.welcome))
+            return
         if header.detail == "register":
             self._register(node_id, identity, body, now)
             return
@@ -298,21 +324,23 @@ class NodePool:
             node.last_seen = now
             if header.detail == "profiled":
                 self.profiles[node_id] = body
-            if header.detail == "reply" and body.get("rid") in self._waiting:
-                rid = body["rid"]
+            rid = body.get("rid") if header.detail == "reply" else None
+            waiting = self._waiting.pop(rid, None) if isinstance(rid, int) else None
+            if waiting is not None:
                 answer = {k: v for k, v in tensors.items() if k != "body"}
-                self._answers[rid] = (body, answer)
-                self._waiting.pop(rid).set()
+                self._answers[body["rid"]] = (body, answer)
+                waiting.set()
             if header.detail in ("notice", "gone"):
                 node.leaving = True
                 self.events.append(f"{header.detail} {node_id}")
             if header.detail != "exited":
                 return
             stage = self._stages.get(str(body.get("name")))
-        if stage is None:
-            return
+        if stage is None or stage.node_id != node_id:
+            return  # not a worker of that node
         for name, data in tensor_files(tensors).items():
-            (self.out_dir / name).write_bytes(data)
+            if name.startswith("stage") and name.endswith(".npy"):  # its final weights
+                (self.out_dir / name).write_bytes(data)
         if body.get("log"):
             (self.out_dir / f"{stage.name}.log").write_text(str(body["log"]))
         stage.exited(int(body.get("code", 1)), str(body.get("stdout", "")))
