@@ -232,3 +232,44 @@ def test_a_node_heartbeating_unregistered_is_told_to_register_again():
         sock.close()
         ctx.term()
         hosted.stop()
+
+
+def test_a_workers_exit_counts_only_from_its_own_node_and_only_stage_weights_are_kept():
+    token = secrets.token_bytes(32)
+    hosted = host_training(_spec(4), token=token, host="127.0.0.1", port=0)
+    assert isinstance(hosted, HostedPipeline)
+    ctx = zmq.Context()
+    socks = {}
+    try:
+        for name in ("n1", "n2"):
+            sock = socks[name] = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(hosted.endpoint)
+            fields = {"kind": MessageKind.PIPE, "job_id": "pipe-job", "sender": name, "seq": 1,
+                      "clock": 0, "detail": "register"}  # fmt: skip
+            sock.send_multipart(wire.encode(fields, wire.json_body({"host": "h"}), token))
+            assert sock.poll(3000) and wire.decode(sock.recv_multipart(), token)[0].detail
+        stage = hosted.pool.spawn("n1", "stage0.0-1", {"stage": 0}, {})
+        assert socks["n1"].poll(3000)  # the run command reached n1
+        assert wire.decode(socks["n1"].recv_multipart(), token)[0].detail == "run"
+
+        def exited(sender: str, files: dict[str, bytes]) -> None:
+            fields = {"kind": MessageKind.PIPE, "job_id": "pipe-job", "sender": sender,
+                      "seq": 2, "clock": 0, "detail": "exited"}  # fmt: skip
+            tensors = {**wire.json_body({"name": "stage0.0-1", "code": 0, "stdout": "{}"}),
+                       **{f"f:{k}": torch.frombuffer(bytearray(v), dtype=torch.uint8)
+                          for k, v in files.items()}}  # fmt: skip
+            socks[sender].send_multipart(wire.encode(fields, tensors, token))
+
+        exited("n2", {"stage0.npy": b"forged"})  # not n2's worker
+        time.sleep(0.5)
+        assert stage.poll() is None and not (hosted.out_dir / "stage0.npy").exists()
+        exited("n1", {"stage0.npy": b"weights", "initial9-0.npy": b"not a result"})
+        assert stage.wait(5) == 0
+        assert (hosted.out_dir / "stage0.npy").read_bytes() == b"weights"
+        assert not (hosted.out_dir / "initial9-0.npy").exists()
+    finally:
+        for sock in socks.values():
+            sock.close()
+        ctx.term()
+        hosted.stop()
