@@ -4,11 +4,13 @@ A pipeline job's stages back their weights and optimizer state up after every up
 reliable instance in the job, those backups go to a `BackupHolder` there (in its node, as a
 BackupPS is in AgileML), not to the supervisor: the holder keeps the last consistent cut
 (`launch.Backups`) and forwards each backup to the supervisor without its weights (the count
-and the losses, which is all the supervisor decides on). When the supervisor (re)starts stages
-it asks the holder, through the node pool, for the cut (`RemoteBackups`): `begin` (a new
-attempt: older messages are dropped from then on; the cut's count) and `cut` (a stage's layers'
-weights and optimizer state). A reliable instance is on-demand: it is not evicted; if it is lost
-anyway, the supervisor's requests fail and the training ends with that error.
+and the losses, which is all the supervisor decides on). It outlives a supervisor: a restarted
+controller's supervisor finds the holder's cut and resumes the job from there. When the
+supervisor (re)starts stages it asks the holder, through the node pool, for the cut
+(`RemoteBackups`): `begin` (a new attempt: older messages are dropped from then on; the cut's
+count) and `cut` (a stage's layers' weights and optimizer state). A reliable instance is
+on-demand: it is not evicted; if it is lost anyway, the supervisor's requests fail and the
+training ends with that error.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class BackupHolder:
         self.workers: list[tuple[int, int]] = []
         self.stages = 0
         self.sizes: list[int] = []
+        self.microbatches = 0  # the job's microbatches per iteration (what `done` counts)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._seq = 0
@@ -75,8 +78,26 @@ class BackupHolder:
             self.attempt = str(body["job_id"])
             self.workers = [(int(k), int(r)) for k, r in body["workers"]]
             self.stages, self.sizes = int(body["stages"]), [int(n) for n in body["sizes"]]
+            self.microbatches = int(body.get("microbatches", 0))
             self.backups.forget_partial()
             return {"done": self.backups.done}
+
+    def state(self) -> dict[str, Any]:
+        """Where stages back up to, and the cut it holds (a restarted supervisor resumes from
+        it: `done` minibatches of `microbatches` per iteration)."""
+        with self._lock:
+            return {"endpoint": self.endpoint, "done": self.backups.done,
+                    "microbatches": self.microbatches}  # fmt: skip
+
+    def retarget(self, rendezvous: str) -> None:
+        """Forward to this supervisor inbox from now on (a restarted supervisor's)."""
+        with self._lock:
+            if rendezvous != self.rendezvous:
+                self.forward.close()
+                self.forward = self.ctx.socket(zmq.PUSH)
+                self.forward.setsockopt(zmq.LINGER, 1000)
+                self.forward.connect(rendezvous)
+                self.rendezvous = rendezvous
 
     def cut(self, body: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Layers `first`..`last` at the cut: `w` (absent: the initial weights) and `o` (the
@@ -104,7 +125,7 @@ class BackupHolder:
                 if header.job_id != self.attempt or header.detail != "backup":
                     continue  # an earlier attempt's
                 self._file(header, tensors)
-            self._forward(header, tensors)
+                self._forward(header, tensors)
 
     def _file(self, header: wire.Header, tensors: dict[str, torch.Tensor]) -> None:
         try:
@@ -139,13 +160,15 @@ class RemoteBackups(Backups):
     def __init__(self, pool: NodePool, holder: str, sizes: list[int]) -> None:
         super().__init__()
         self.pool, self.holder, self.sizes = pool, holder, sizes
+        self.microbatches = 0  # told to the holder with each attempt
 
     def _keep(self, parts: list[tuple[np.ndarray, dict[str, torch.Tensor]]]) -> None:
         pass  # the forwarded backups carry no weights: the holder keeps them
 
     def begin(self, job_id: str, workers: list[tuple[int, int]], stages: int) -> None:
         self.forget_partial()
-        body = {"job_id": job_id, "workers": workers, "stages": stages, "sizes": self.sizes}
+        body = {"job_id": job_id, "workers": workers, "stages": stages, "sizes": self.sizes,
+                "microbatches": self.microbatches}  # fmt: skip
         answer, _ = self._ask("begin", body)
         self.done = int(answer["done"])
 

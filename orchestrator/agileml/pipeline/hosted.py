@@ -22,8 +22,9 @@ optimizer steps (flush/gpipe: the same as one process).
 
 Failure semantics: a stage that crashes (an error in the job's code) ends the training with
 that stage's log tail as `error`; the controller's job goes on until it ends (no retries of a
-deterministic failure). A controller restart starts the pipeline again from the initial
-model (the holder's cut is not resumed yet; no checkpoints).
+deterministic failure). A restarted controller's supervisor resumes from the holder's cut (the
+nodes are told to register again; the holder keeps its cut); without a reliable instance it
+starts again from the initial model (pipeline jobs write no checkpoints yet).
 """
 
 from __future__ import annotations
@@ -264,9 +265,11 @@ class HostedPipeline:
         if profile is None:
             return
         sizes = chain_sizes(ChainModelSpec(), spec.seed, self.code)
-        backup_to = self._place_backups(nodes, sizes)
+        backup_to, resumed_m = self._place_backups(nodes, sizes)
         layout = self._plan(profile, len(nodes))
-        m = self.microbatches = microbatches_for(spec.global_batch, len(layout))
+        m = self.microbatches = resumed_m or microbatches_for(spec.global_batch, len(layout))
+        if isinstance(self.backups, RemoteBackups):
+            self.backups.microbatches = m
         minibatches = spec.iterations * m
         check_layout(layout, len(sizes), Schedule(spec.schedule),
                      min(minibatches, CHECK_UPDATES * m * len(nodes)), m)  # fmt: skip
@@ -303,20 +306,28 @@ class HostedPipeline:
         every AgileML node is a worker)."""
         return self.pool.nodes()
 
-    def _place_backups(self, nodes: list[str], sizes: list[int]) -> str | None:
+    def _place_backups(self, nodes: list[str], sizes: list[int]) -> tuple[str | None, int]:
         """The reliable copy on the first reliable node: its holder's endpoint (the stages
-        back up there); None: no reliable node, kept here."""
+        back up there; None: no reliable node, kept here) and, when the holder already has a
+        cut (this supervisor restarted), the microbatches per iteration it counts in (else 0)."""
         tiers = self.pool.tiers()
         reliable = [n for n in nodes if tiers.get(n) == "reliable"]
         if reliable:
             answer = self.pool.request(reliable[0], "hold", {}, timeout_s=30.0)
             if answer is not None:
+                state = answer[0]
                 self.holder = reliable[0]
                 self.backups = RemoteBackups(self.pool, reliable[0], sizes)
                 self._event(f"backups on {reliable[0]} (reliable)")
-                return str(answer[0]["endpoint"])
+                done, m = int(state.get("done", 0)), int(state.get("microbatches", 0))
+                if done > 0 and m > 0:
+                    with self._lock:
+                        self._iteration = done // m
+                    self._event(f"resumed from iteration {done // m}: the cut on {reliable[0]}")
+                    return str(state["endpoint"]), m
+                return str(state["endpoint"]), 0
         self._event("backups on the supervisor (no reliable instance to hold them)")
-        return None
+        return None, 0
 
     def _profile(self, nodes: list[str]) -> ModelProfile | None:
         """The job's layers timed on its first node that answers (on its data; None: halted).

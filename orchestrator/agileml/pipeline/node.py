@@ -179,13 +179,12 @@ class PipelineNode:
                 if detail == "shutdown":
                     return "done"
                 if detail == "reregister":  # a restarted supervisor: what ran here is void
-                    self._kill_all(report=False)
-                    if self.holder is not None:  # its cut and inbox were the old one's
-                        self.holder.stop()
-                        self.holder = None
+                    self._kill_all(report=False)  # the holder keeps its cut: resumed from there
                     self._send(sock, "register", {"host": self.host, "tier": self.tier})
                 elif detail == "welcome":
                     rendezvous = f"tcp://{host}:{int(body['rendezvous_port'])}"
+                    if self.holder is not None:
+                        self.holder.retarget(rendezvous)
                 elif detail == "run":
                     self._start(body, files, workdir, spawn, code=code, rendezvous=rendezvous)
                 elif detail == "profile":
@@ -222,7 +221,8 @@ class PipelineNode:
             if self.holder is None:
                 self.holder = BackupHolder(self._token, self.job_id, self.host, rendezvous)
                 self.holder.start()
-            reply["endpoint"] = self.holder.endpoint
+            self.holder.retarget(rendezvous)
+            reply.update(self.holder.state())
         elif self.holder is None:
             return  # not the holder (it restarted): no answer, the supervisor gives up
         elif detail == "begin":

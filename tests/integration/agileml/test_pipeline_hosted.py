@@ -7,6 +7,7 @@ the job re-plans for the nodes left; under `flush` the weights equal one process
 from __future__ import annotations
 
 import secrets
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -273,3 +274,52 @@ def test_a_workers_exit_counts_only_from_its_own_node_and_only_stage_weights_are
             sock.close()
         ctx.term()
         hosted.stop()
+
+
+def _crash(hosted: HostedPipeline) -> None:
+    """The controller process dies: its supervisor and pool stop with no word to the nodes."""
+    hosted._halt.set()
+    hosted._thread.join(timeout=30)
+    hosted.pool._stop.set()
+    hosted.pool._thread.join(timeout=5)
+    hosted.pool.sock.close(linger=0)
+    hosted.pool.ctx.term()
+    hosted.inbox.close()
+    hosted.ctx.term()
+
+
+@pytest.mark.slow
+def test_a_restarted_supervisor_resumes_from_the_reliable_holders_cut(tmp_path):
+    """The controller dies mid-training and a new one hosts the job on the same port: the
+    nodes are told to register again, the holder on the reliable node still has the cut, and
+    the job resumes from it, ending where a run that never stopped does (flush)."""
+    from support.redis_server import free_port
+
+    token = secrets.token_bytes(32)
+    iterations, port = 120, free_port()
+    spec = _spec(iterations, min_nodes=3, stages=2)
+    first = host_training(spec, token=token, host="127.0.0.1", port=port)
+    assert isinstance(first, HostedPipeline)
+    nodes = Nodes(first.endpoint, token, "pipe-job")
+    nodes.start("r0", "reliable")
+    nodes.start("n0")
+    nodes.start("n1")
+    second = None
+    try:
+        deadline = time.monotonic() + 120
+        while first.progress().iteration < 40:
+            assert time.monotonic() < deadline and first.error is None, first.events()
+            time.sleep(0.05)
+        _crash(first)
+        second = host_training(spec, token=token, host="127.0.0.1", port=port)
+        assert isinstance(second, HostedPipeline)
+        _run(second, nodes)
+        events = second.events()
+        resumed = [e for e in events if e.startswith("resumed from iteration ")]
+        assert resumed and int(resumed[0].split()[3].rstrip(":")) >= 40, events
+        _weights_equal_reference(second, tmp_path, iterations)
+    finally:
+        if second is not None:
+            second.stop()
+        shutil.rmtree(first.out_dir, ignore_errors=True)
+    nodes.join()
