@@ -15,6 +15,7 @@ training ends with that error.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -146,7 +147,10 @@ class BackupHolder:
         fields = {"kind": MessageKind.PIPE, "job_id": header.job_id, "sender": header.sender,
                   "seq": self._seq, "clock": header.clock, "detail": "backup"}  # fmt: skip
         light = {k: v for k, v in tensors.items() if k in ("loss", "mb")}
-        self.forward.send_multipart(wire.encode(fields, light, self._token))
+        # never block (the lock is held): to a supervisor that is gone, once its queue is full,
+        # they are dropped (a new one learns the cut from `begin`)
+        with contextlib.suppress(zmq.Again):
+            self.forward.send_multipart(wire.encode(fields, light, self._token), zmq.NOBLOCK)
 
 
 class RemoteBackups(Backups):

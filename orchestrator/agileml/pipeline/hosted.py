@@ -265,14 +265,17 @@ class HostedPipeline:
         if profile is None:
             return
         sizes = chain_sizes(ChainModelSpec(), spec.seed, self.code)
-        backup_to, resumed_m = self._place_backups(nodes, sizes)
+        backup_to, resumed_m, resumed = self._place_backups(nodes, sizes)
         layout = self._plan(profile, len(nodes))
         m = self.microbatches = resumed_m or microbatches_for(spec.global_batch, len(layout))
         if isinstance(self.backups, RemoteBackups):
             self.backups.microbatches = m
         minibatches = spec.iterations * m
+        if resumed >= minibatches:  # the controller went after the last update: all backed up
+            self._finish(None)
+            return
         check_layout(layout, len(sizes), Schedule(spec.schedule),
-                     min(minibatches, CHECK_UPDATES * m * len(nodes)), m)  # fmt: skip
+                     min(minibatches - resumed, CHECK_UPDATES * m * len(nodes)), m)  # fmt: skip
         common = dict(model=ChainModelSpec(), code=self.code, sizes=sizes,
                       schedule=Schedule(spec.schedule), minibatches=minibatches, microbatches=m,
                       microbatch_size=spec.global_batch // m, lr=spec.lr, seed=spec.seed,
@@ -306,10 +309,11 @@ class HostedPipeline:
         every AgileML node is a worker)."""
         return self.pool.nodes()
 
-    def _place_backups(self, nodes: list[str], sizes: list[int]) -> tuple[str | None, int]:
+    def _place_backups(self, nodes: list[str], sizes: list[int]) -> tuple[str | None, int, int]:
         """The reliable copy on the first reliable node: its holder's endpoint (the stages
         back up there; None: no reliable node, kept here) and, when the holder already has a
-        cut (this supervisor restarted), the microbatches per iteration it counts in (else 0)."""
+        cut (this supervisor restarted), the microbatches per iteration it counts in and the
+        minibatches in it (else 0, 0)."""
         tiers = self.pool.tiers()
         reliable = [n for n in nodes if tiers.get(n) == "reliable"]
         if reliable:
@@ -324,10 +328,10 @@ class HostedPipeline:
                     with self._lock:
                         self._iteration = done // m
                     self._event(f"resumed from iteration {done // m}: the cut on {reliable[0]}")
-                    return str(state["endpoint"]), m
-                return str(state["endpoint"]), 0
+                    return str(state["endpoint"]), m, done
+                return str(state["endpoint"]), 0, 0
         self._event("backups on the supervisor (no reliable instance to hold them)")
-        return None, 0
+        return None, 0, 0
 
     def _profile(self, nodes: list[str]) -> ModelProfile | None:
         """The job's layers timed on its first node that answers (on its data; None: halted).
@@ -453,13 +457,15 @@ class HostedPipeline:
             if recent:
                 self._loss = sum(recent) / len(recent)
 
-    def _finish(self, launch: Launch) -> None:
-        if launch.results:
+    def _finish(self, launch: Launch | None) -> None:
+        """Done: the final weights from the stages' results, else from the reliable copy."""
+        if launch is not None and launch.results:
             files = [self.out_dir / f"stage{k}.npy" for k in range(len(self.layout))]
             final = np.concatenate([np.load(f) for f in files])
         else:
-            assert self.backups.weights is not None
-            final = self.backups.weights
+            weights = self.backups.weights  # the holder's: one request
+            assert weights is not None
+            final = weights
         with self._lock:
             self._final = final
             self._iteration = self.spec.iterations

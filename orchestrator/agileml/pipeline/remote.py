@@ -163,7 +163,7 @@ class NodePool:
         self._lock = threading.Lock()
         self._nodes: dict[str, RemoteNode] = {}  # in registration order
         self._stages: dict[str, RemoteStage] = {}
-        self._outbox: collections.deque[tuple[bytes, str, dict[str, torch.Tensor]]] = (
+        self._outbox: collections.deque[tuple[RemoteNode, str, dict[str, torch.Tensor]]] = (
             collections.deque()
         )
         self._seq = 0
@@ -244,7 +244,9 @@ class NodePool:
         deadline = time.monotonic() + timeout_s
         while not done.wait(0.1):
             if time.monotonic() > deadline or node_id not in self.nodes(include_leaving=True):
-                self._waiting.pop(rid, None)
+                with self._lock:
+                    self._waiting.pop(rid, None)
+                    self._answers.pop(rid, None)
                 return None
         return self._answers.pop(rid)
 
@@ -260,7 +262,7 @@ class NodePool:
         with self._lock:
             node = self._nodes.get(node_id)
         if node is not None:
-            self._outbox.append((node.identity, detail, {**wire.json_body(body), **(files or {})}))
+            self._outbox.append((node, detail, {**wire.json_body(body), **(files or {})}))
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -279,11 +281,11 @@ class NodePool:
 
     def _flush(self) -> None:
         while self._outbox:
-            identity, detail, tensors = self._outbox.popleft()
+            node, detail, tensors = self._outbox.popleft()
             with self._lock:
-                current = any(n.identity == identity for n in self._nodes.values())
+                current = self._nodes.get(node.node_id) is node  # not registered again since
             if current:
-                self._send(identity, detail, tensors)
+                self._send(node.identity, detail, tensors)
 
     def _send(self, identity: bytes, detail: str, tensors: dict[str, torch.Tensor]) -> None:
         self._seq += 1
