@@ -55,7 +55,7 @@ class BackupHolder:
         self.attempt = ""  # the job id of the current attempt
         self.workers: list[tuple[int, int]] = []
         self.stages = 0
-        self.sizes: list[int] = []
+        self.offsets = np.zeros(1, dtype=np.int64)  # each layer's start in the flat weights
         self.microbatches = 0  # the job's microbatches per iteration (what `done` counts)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -78,7 +78,8 @@ class BackupHolder:
         with self._lock:
             self.attempt = str(body["job_id"])
             self.workers = [(int(k), int(r)) for k, r in body["workers"]]
-            self.stages, self.sizes = int(body["stages"]), [int(n) for n in body["sizes"]]
+            self.stages = int(body["stages"])
+            self.offsets = np.cumsum([0, *(int(n) for n in body["sizes"])])
             self.microbatches = int(body.get("microbatches", 0))
             self.backups.forget_partial()
             return {"done": self.backups.done}
@@ -105,8 +106,7 @@ class BackupHolder:
         optimizer entries, a safetensors blob; absent: none)."""
         first, last = int(body["first"]), int(body["last"])
         with self._lock:
-            offsets = np.cumsum([0, *self.sizes])
-            flat, entries = self.backups.cut_of(first, last, offsets)
+            flat, entries = self.backups.cut_of(first, last, self.offsets)
         out: dict[str, torch.Tensor] = {}
         if flat is not None:
             out["w"] = torch.from_numpy(flat.copy())

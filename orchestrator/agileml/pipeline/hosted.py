@@ -29,6 +29,7 @@ starts again from the initial model (pipeline jobs write no checkpoints yet).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -46,7 +47,8 @@ import zmq
 from orchestrator.agileml import checkpoints
 from orchestrator.agileml.control import TrainingSpec, TrainingStatus
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.agileml.jobcode import code_path, load_job_code, seeded_model
+from orchestrator.agileml.jobcode import JobCode, code_path, load_job_code, seeded_model
+from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.pipeline.holder import RemoteBackups
 from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery, StageProcess
 from orchestrator.agileml.pipeline.local import chain_sizes, check_layout, describe
@@ -175,16 +177,13 @@ class HostedPipeline:
             return self._loss
 
     def initial_loss(self) -> float:
-        model = self._model(None)
-        job = load_job_code(self.code)
-        data = job.dataset()
-        rows = min(len(data), 2048)
-        x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(rows)), strict=True))
-        with torch.no_grad():
-            return float(job.loss(model(x), y))
+        """The model's loss on the training set before any update (the offline demo's; it
+        reads the job's data here, as `HostedTraining.initial_loss` does)."""
+        parts = training_parts(self.spec)
+        return parts.loss_of(parts.initial_model)
 
     def evaluate(self, timeout_s: float = 1.0) -> dict[str, float] | None:
-        job = load_job_code(self.code)
+        job = self._job
         if job.evaluate is None:
             return None
         model = self._model(self._weights())
@@ -220,8 +219,13 @@ class HostedPipeline:
             final = self._final
         return final if final is not None else self.backups.weights  # the holder's: a request
 
+    @functools.cached_property
+    def _job(self) -> JobCode:
+        """The job's functions, imported once (on first use, not at hosting)."""
+        return load_job_code(self.code)
+
     def _model(self, weights: np.ndarray | None) -> torch.nn.Module:
-        job = load_job_code(self.code)
+        job = self._job
         model = seeded_model(job, self.spec.seed)
         if weights is not None:
             load_layers(job_layers(job, model), torch.from_numpy(weights.copy()))
@@ -235,22 +239,19 @@ class HostedPipeline:
     def _supervise(self) -> None:
         try:
             self._run()
-        except AgileMLError as exc:
-            if self._halt.is_set():
-                return  # stopped: the job ended and its instances went first
-            self._error = str(exc)
-            self._event(f"failed {exc}")
         except Exception as exc:  # noqa: BLE001 - reported as the job's training error
             if self._halt.is_set():
-                return
-            log.exception("pipeline supervisor failed")
-            self._error = repr(exc)
-            self._event(f"failed {exc!r}")
+                return  # stopped: the job ended and its instances went first
+            if not isinstance(exc, AgileMLError):
+                log.exception("pipeline supervisor failed")
+            self._error = str(exc) if isinstance(exc, AgileMLError) else repr(exc)
+            self._event(f"failed {self._error}")
 
     def _wait_nodes(self, count: int, timeout_s: float = math.inf) -> list[str] | None:
         deadline = time.monotonic() + timeout_s
         while not self._halt.is_set() and time.monotonic() < deadline:
-            nodes = [n for n in self._held() if n not in self.pool.busy()]
+            busy = self.pool.busy()
+            nodes = [n for n in self.pool.nodes() if n not in busy]
             if len(nodes) >= count:
                 return nodes
             time.sleep(0.1)
@@ -274,14 +275,13 @@ class HostedPipeline:
         if resumed >= minibatches:  # the controller went after the last update: all backed up
             self._finish(None)
             return
-        check_layout(layout, len(sizes), Schedule(spec.schedule),
-                     min(minibatches - resumed, CHECK_UPDATES * m * len(nodes)), m)  # fmt: skip
         common = dict(model=ChainModelSpec(), code=self.code, sizes=sizes,
                       schedule=Schedule(spec.schedule), minibatches=minibatches, microbatches=m,
                       microbatch_size=spec.global_batch // m, lr=spec.lr, seed=spec.seed,
                       vertical_sync=False, backup=True, backup_to=backup_to)  # fmt: skip
         launch = Launch(self.ctx, self.inbox, "tcp://supervisor", self._token, self.out_dir,
                         time.monotonic() + 1e9, common, spawn=self._spawn)  # fmt: skip
+        self._check(launch, layout, minibatches - resumed)
         losses: dict[int, float] = {}
         self._start(launch, layout, nodes)
         self._event(f"planned {describe(layout)} on {' '.join(self.placement)}")
@@ -297,17 +297,12 @@ class HostedPipeline:
                 self._finish(launch)
                 return
             if outcome == "join":
-                held = self._held()
+                held = self.pool.nodes()
                 free = [n for n in held if n not in self.placement]
                 placed = [n for n in self.placement if n in held]
                 self._restart(launch, profile, placed + free, "joined")
                 continue
             self._recover(launch, profile)
-
-    def _held(self) -> list[str]:
-        """The nodes that take stage workers (every live one not leaving; the holder too, as
-        every AgileML node is a worker)."""
-        return self.pool.nodes()
 
     def _place_backups(self, nodes: list[str], sizes: list[int]) -> tuple[str | None, int, int]:
         """The reliable copy on the first reliable node: its holder's endpoint (the stages
@@ -373,7 +368,8 @@ class HostedPipeline:
         recovery = self.recoveries[-1]
         gone = self.placement[lost]
         self._event(f"lost stage {recovery.stage} on {gone} (minibatch {self.backups.done})")
-        survivors = [n for i, n in enumerate(self.placement) if i != lost and n in self._held()]
+        held = self.pool.nodes()
+        survivors = [n for i, n in enumerate(self.placement) if i != lost and n in held]
         spare = self._wait_nodes(1, self.replace_wait_s) if len(launch.lost) == 1 else None
         if self._halt.is_set():
             return
@@ -386,8 +382,6 @@ class HostedPipeline:
             self._event(f"replaced stage {recovery.stage} on {spare[0]} from iteration "
                         f"{self.backups.done // self.microbatches}")  # fmt: skip
             return
-        launch.kill_all()
-        self.backups.forget_partial()
         nodes = survivors + (spare or [])
         if not nodes:
             self._event("no node left: waiting for one")
@@ -403,13 +397,18 @@ class HostedPipeline:
         launch.kill_all()
         self.backups.forget_partial()
         layout = self._plan(profile, len(nodes))
-        left = launch.common["minibatches"] - self.backups.done
-        check_layout(layout, len(launch.common["sizes"]), launch.common["schedule"],
-                      min(left, CHECK_UPDATES * self.microbatches * len(nodes)),
-                      self.microbatches)  # fmt: skip
+        self._check(launch, layout, launch.common["minibatches"] - self.backups.done)
         self._start(launch, layout, nodes)
         self._event(f"{why}: {describe(layout)} on {' '.join(self.placement)} from iteration "
                     f"{self.backups.done // self.microbatches}")  # fmt: skip
+
+    def _check(self, launch: Launch, layout: Layout, left: int) -> None:
+        """Refuse a layout that cannot run the `left` minibatches (AgileMLError); a few
+        updates show a deadlock (the orders repeat per update)."""
+        common, m = launch.common, self.microbatches
+        workers = sum(st.replicas for st in layout)
+        check_layout(layout, len(common["sizes"]), common["schedule"],
+                     min(left, CHECK_UPDATES * m * workers), m)  # fmt: skip
 
     def _plan(self, profile: ModelProfile, workers: int) -> Layout:
         depth = None if self.spec.stages is None else min(self.spec.stages, workers)
@@ -436,7 +435,7 @@ class HostedPipeline:
     def _watch(self) -> str | None:
         if self._halt.is_set():
             return "halted"
-        held = self._held()
+        held = self.pool.nodes()
         if any(n not in held for n in self.placement):
             return None  # a node of the layout is leaving: a new one is its replacement
         free = [n for n in held if n not in self.placement]

@@ -130,8 +130,7 @@ class PipelineNode:
         fields = {"kind": MessageKind.PIPE, "job_id": self.job_id, "sender": self.node_id,
                   "seq": self._seq, "clock": 0, "detail": detail}  # fmt: skip
         frames = {**wire.json_body(body), **file_tensors(files or {}), **(tensors or {})}
-        tensors = frames
-        sock.send_multipart(wire.encode(fields, tensors, self._token))
+        sock.send_multipart(wire.encode(fields, frames, self._token))
 
     def _receive(
         self, sock: zmq.Socket[Any], timeout_ms: int
