@@ -11,6 +11,7 @@ processes, models and data, and the replacement starts from the cut.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
@@ -35,6 +36,8 @@ from orchestrator.agileml.pipeline.stage import StageConfig
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.lifecycle import KEEP_LOGS_ENV, keep_logs
+
+log = logging.getLogger(__name__)
 
 Layout = tuple[PlannedStage, ...]
 #: A worker that exited cleanly without its `done` arriving within this long was lost.
@@ -380,18 +383,28 @@ class Launch:
                 worker = self._worker_of(header.sender)
                 if worker is not None:
                     leaving[worker] = (header.clock, time.time())
-        self.results = []
-        for proc in procs:
+        self.results = self._collect(backups)
+        return "done"
+
+    def _collect(self, backups: Backups) -> list[dict[str, Any]]:
+        """Every worker's report, sorted by (stage, replica). A worker lost after it said
+        `done` (its node went before the exit report) is no failure when every stage backed
+        up the last update: [] then, and the weights are the reliable copy's."""
+        results = []
+        complete = backups.done >= self.common["minibatches"]
+        for proc in self.procs:
             try:
                 stdout, _ = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise AgileMLError(f"a stage did not exit ({logs_hint(self.out_dir)})") from None
             lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+            if proc.returncode is not None and proc.returncode < 0 and complete:
+                log.warning("a stage's node went after its last update: the reliable copy")
+                return []
             if proc.returncode != 0 or not lines:
                 raise AgileMLError(f"a stage failed ({logs_hint(self.out_dir)})")
-            self.results.append(json.loads(lines[-1]))
-        self.results.sort(key=lambda r: (r["stage"], r["replica"]))
-        return "done"
+            results.append(json.loads(lines[-1]))
+        return sorted(results, key=lambda r: (r["stage"], r["replica"]))
 
     def _on_backup(
         self,

@@ -235,7 +235,8 @@ def _supervise(
         else:  # the lost node is not replaced when the job re-plans
             layout = restart_on(layout if replan is None else tuple(replan(nodes - 1)))
         recoveries[-1].resumed_minibatch, recoveries[-1].layout = backups.done, layout
-    return _result(launch.results, launch.out_dir, len(layout), losses, recoveries, joins)
+    final = None if launch.results else backups.weights  # a node went after the last update
+    return _result(launch.results, launch.out_dir, len(layout), losses, recoveries, joins, final)
 
 
 def _check_run(layout: Layout, schedule: Schedule, microbatches: int, vertical_sync: bool) -> None:
