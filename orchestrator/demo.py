@@ -138,12 +138,15 @@ def sample_job(budget_usd: float, *, pipeline: bool = False) -> JobSubmission:
 
 
 def demo_settings(*, speed: float, start: str) -> Settings:
-    """The controller's settings: replayed us-east-1 prices from `start` at `speed`, and an API
-    token nobody is shown (the demo's API is for watching)."""
+    """The controller's settings: replayed us-east-1 prices from `start` at `speed`, an API
+    token nobody is shown (the demo's API is for watching) and a read-only one, in the
+    dashboard's link."""
     return Settings(
         controller_id=CONTROLLER_ID,
         region=REGION,
-        api=ApiSettings(token=SecretStr(secrets.token_hex(16))),
+        api=ApiSettings(
+            token=SecretStr(secrets.token_hex(16)), read_token=SecretStr(secrets.token_hex(16))
+        ),
         controller=ControllerSettings(
             prices=(bundled_prices_dir(REGION),), replay_start=start, speed=speed
         ),
@@ -268,14 +271,17 @@ def run_demo(
     with _offline_world(settings, seed=seed, port=port) as world:
         job = _with_uploaded_code(job, world.artifacts)
         submit_job(world.store, job, now_s=world.clock.now(), new_id=lambda: JOB_ID)
-        _announce(console, world, job, speed)
+        _announce(console, world, job, speed, settings)
         _run(world, job, console, deadline=wall0 + timeout_s)
         world.fleet.step()  # stops the agents of the instances the controller released
         if console.is_terminal:
             console.print()
         if world.server is not None and linger_s > 0:
+            link = _dashboard_link(world.server, settings)
             console.print(
-                f"Serving the dashboard {linger_s:g} s more: {world.server.url}/dashboard"
+                f"Serving the dashboard {linger_s:g} s more: {link}",
+                highlight=False,
+                soft_wrap=True,
             )
             time.sleep(linger_s)
         summary = _summary(world, job, wall0)
@@ -284,7 +290,15 @@ def run_demo(
     return summary
 
 
-def _announce(console: Console, world: _World, job: JobSubmission, speed: float) -> None:
+def _dashboard_link(server: BackgroundServer, settings: Settings) -> str:
+    """The dashboard's URL with the read-only token (opening it sets the page's cookie)."""
+    read = settings.api.read_token
+    return f"{server.url}/dashboard" + (f"?token={read.get_secret_value()}" if read else "")
+
+
+def _announce(
+    console: Console, world: _World, job: JobSubmission, speed: float, settings: Settings
+) -> None:
     console.print(
         f"[bold]Offline demo[/bold]: job {JOB_ID} ({job.work_gpu_hours:g} GPU-hours on up "
         f"to {job.max_gpus:g} V100s, budget ${job.budget_usd:g}) from "
@@ -293,7 +307,8 @@ def _announce(console: Console, world: _World, job: JobSubmission, speed: float)
         highlight=False,
     )
     if world.server is not None:
-        console.print(f"Dashboard: {world.server.url}/dashboard", highlight=False)
+        link = _dashboard_link(world.server, settings)
+        console.print(f"Dashboard: {link}", highlight=False, soft_wrap=True)  # one line: a link
 
 
 def _run(world: _World, job: JobSubmission, console: Console, *, deadline: float) -> None:

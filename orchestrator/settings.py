@@ -26,6 +26,8 @@ from orchestrator.errors import UserError
 ENV_PREFIX = "ORCHESTRATOR_"
 ENV_NESTED_DELIMITER = "__"
 API_TOKEN_ENV = f"{ENV_PREFIX}API{ENV_NESTED_DELIMITER}TOKEN"
+API_READ_TOKEN_ENV = f"{ENV_PREFIX}API{ENV_NESTED_DELIMITER}READ_TOKEN"
+API_CA_CERT_ENV = f"{ENV_PREFIX}API{ENV_NESTED_DELIMITER}CA_CERT"
 #: The config file read when `Settings.load` is given none.
 CONFIG_FILE_ENV = f"{ENV_PREFIX}CONFIG_FILE"
 #: The config file `Settings.load` reads (a context variable: `Settings()` itself has no
@@ -44,10 +46,39 @@ class ApiSettings(BaseModel):
     port: Annotated[int, Field(ge=1, le=65535)] = 8750
     token: SecretStr | None = Field(
         None,
-        description="bearer token every mutating call must carry; the server refuses to start "
-        "without one, the CLI sends it when set",
+        description="bearer token every call but /healthz must carry (reads may carry "
+        "read_token instead); the server refuses to start without one, the CLI sends it",
+    )
+    read_token: SecretStr | None = Field(
+        None,
+        description="a read-only token for dashboards, scrapers and watchers: it reads jobs, "
+        "costs, events, the dashboard's data and /metrics, and changes nothing (nor downloads "
+        "weights); the CLI sends it when `token` is unset",
     )
     url: str = Field("http://127.0.0.1:8750", description="the API the CLI talks to")
+    tls_cert: Path | None = Field(
+        None,
+        description="the server's certificate (PEM, its chain after it): with tls_key, the "
+        "API speaks HTTPS only",
+    )
+    tls_key: Path | None = Field(None, description="the private key of tls_cert (PEM)")
+    tls_secret: str | None = Field(
+        None,
+        description="a Secrets Manager secret (ARN or name) holding the certificate and key "
+        'as JSON {"certificate": PEM, "private_key": PEM}, read by `controller start` when '
+        "tls_cert is unset",
+    )
+    tls_self_signed: bool = Field(
+        False,
+        description="`controller start` makes a self-signed certificate for this node's "
+        "addresses (kept, and published to the artifact store as tls/api-cert.pem for the "
+        "CLI's ca_cert) when no certificate is given (the AWS deployment's default)",
+    )
+    ca_cert: Path | None = Field(
+        None,
+        description="the CLI trusts the API's certificate if this PEM signed it (a "
+        "self-signed certificate is its own); None: the system's CAs",
+    )
     token_secret: str | None = Field(
         None,
         description="a Secrets Manager secret (ARN or name) holding the token, read by "
@@ -69,6 +100,41 @@ class ApiSettings(BaseModel):
                 field=API_TOKEN_ENV,
             )
         return self.token
+
+    @field_validator("tls_secret", "token_secret", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value
+
+    def require_tls(self) -> tuple[Path, Path] | None:
+        """The certificate and key files to serve HTTPS with (None: plain HTTP), checked
+        readable before a server starts.
+
+        Raises:
+            UserError: only one of the two is set, or a file cannot be read.
+        """
+        if self.tls_cert is None and self.tls_key is None:
+            return None
+        if self.tls_cert is None or self.tls_key is None:
+            missing = "TLS_CERT" if self.tls_cert is None else "TLS_KEY"
+            raise UserError(
+                "HTTPS needs both a certificate and its key, and only one is set",
+                fix=f"set {ENV_PREFIX}API{ENV_NESTED_DELIMITER}{missing} too, or neither "
+                "(plain HTTP)",
+                field=f"{ENV_PREFIX}API{ENV_NESTED_DELIMITER}{missing}",
+            )
+        for name, path in (("TLS_CERT", self.tls_cert), ("TLS_KEY", self.tls_key)):
+            if not os.access(path, os.R_OK) or not path.is_file():
+                raise UserError(
+                    f"cannot read {path}",
+                    fix="give the path of a PEM file this user can read",
+                    field=f"{ENV_PREFIX}API{ENV_NESTED_DELIMITER}{name}",
+                )
+        return self.tls_cert, self.tls_key
+
+    def client_token(self) -> SecretStr | None:
+        """What the CLI sends: the token, else the read-only one."""
+        return self.token or self.read_token
 
 
 #: The most training jobs a controller hosts AgileML controllers for (one port each, from

@@ -1,20 +1,25 @@
 """The controller's HTTP API: submit, list, inspect and cancel jobs; health; Prometheus metrics.
 
-    POST /v1/jobs                     (token) a JobSubmission -> 201, the new queued job
-    GET  /v1/jobs[?state=S]           {"jobs": [job, ...]}, oldest submission first
-    GET  /v1/jobs/{id}                the job
-    POST /v1/jobs/{id}/cancel         (token) queued -> cancelled (200); running -> cancelling
+Access: (write) needs the API token; (read) the API token or the read-only one, as
+`Authorization: Bearer <token>`, or the dashboard's cookie; (open) nothing.
+
+    POST /v1/jobs                     (write) a JobSubmission -> 201, the new queued job
+    GET  /v1/jobs[?state=S]           (read) {"jobs": [job, ...]}, oldest submission first
+    GET  /v1/jobs/{id}                (read) the job
+    POST /v1/jobs/{id}/cancel         (write) queued -> cancelled (200); running -> cancelling
                                       (202: the controller releases its instances, then ends it)
-    GET  /v1/jobs/{id}/cost           spent, budget, projected cost, evictions, ledger entries
-    GET  /v1/jobs/{id}/events[?since=ID&limit=N]
-    GET  /v1/jobs/{id}/weights        (token) model.safetensors: final, else the newest checkpoint's
-    GET  /v1/jobs/{id}/checkpoint     (token) the newest checkpoint, a tar of its folder
-    POST /v1/jobs/{id}/training       (token) the runtime's progress: iteration, loss, counters
-    GET  /v1/dashboard                every job's summary (static/CONTRACT.md)
-    GET  /v1/jobs/{id}/dashboard      one job's summary and series (static/CONTRACT.md)
-    GET  /dashboard                   the live dashboard page (assets under /static)
-    GET  /healthz                     200 when Redis answers, else 503 "degraded"
-    GET  /metrics                     Prometheus text, read from the store at scrape time
+    GET  /v1/jobs/{id}/cost           (read) spent, budget, projected cost, evictions, ledger
+    GET  /v1/jobs/{id}/events[?since=ID&limit=N]   (read)
+    GET  /v1/jobs/{id}/weights        (write) model.safetensors: final, else the newest
+                                      checkpoint's
+    GET  /v1/jobs/{id}/checkpoint     (write) the newest checkpoint, a tar of its folder
+    POST /v1/jobs/{id}/training       (write) the runtime's progress: iteration, loss, counters
+    GET  /v1/dashboard                (read) every job's summary (static/CONTRACT.md)
+    GET  /v1/jobs/{id}/dashboard      (read) one job's summary and series (static/CONTRACT.md)
+    GET  /dashboard[?token=T]         (open) the live dashboard page (assets under /static);
+                                      with a token, sets the read-only cookie and redirects
+    GET  /healthz                     (open) 200 when Redis answers, else 503 "degraded"
+    GET  /metrics                     (read) Prometheus text, read from the store at scrape time
 
 The routes only parse and render; what a request does to the store is decided in
 `operations.py` (the store is the only state: the app keeps none, so any number of API
@@ -41,7 +46,14 @@ from starlette.concurrency import run_in_threadpool
 
 from orchestrator import __version__
 from orchestrator.api import error_body
-from orchestrator.api.errors import as_user, bearer_auth, install_error_handlers
+from orchestrator.api.errors import (
+    READ_COOKIE,
+    READ_FIX,
+    ApiError,
+    TokenAuth,
+    as_user,
+    install_error_handlers,
+)
 from orchestrator.api.files import (
     check_code_uploaded,
     checkpoint_tar,
@@ -83,7 +95,8 @@ def create_app(
     Raises:
         UserError: `settings.api.token` is not set (the API refuses to run unauthenticated).
     """
-    authorized = [Depends(bearer_auth(settings.api.require_token()))]
+    auth = TokenAuth(settings.api.require_token(), settings.api.read_token)
+    writes, reads = [Depends(auth.write)], [Depends(auth.read)]
     app = FastAPI(
         title="orchestrator",
         version=__version__,
@@ -91,11 +104,11 @@ def create_app(
     )
     install_error_handlers(app)
     artifacts = folder_at(settings.training.store_location)
-    app.include_router(_job_routes(store, clock, new_id, authorized, artifacts))
-    app.include_router(_code_routes(authorized, artifacts))
-    app.include_router(_runtime_routes(store, clock, on_notice, authorized))
-    app.include_router(_dashboard_routes(store, clock))
-    app.include_router(_health_routes(store, settings))
+    app.include_router(_job_routes(store, clock, new_id, (writes, reads), artifacts))
+    app.include_router(_code_routes(writes, artifacts))
+    app.include_router(_runtime_routes(store, clock, on_notice, writes))
+    app.include_router(_dashboard_routes(store, clock, auth, reads))
+    app.include_router(_health_routes(store, settings, reads))
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 
@@ -108,11 +121,12 @@ def _job_routes(
     store: Store,
     clock: Clock,
     new_id: Callable[[], str],
-    authorized: list[DependsParam],
+    access: tuple[list[DependsParam], list[DependsParam]],
     artifacts_root: Folder,
 ) -> APIRouter:
     """Submit, list, read, cancel; cost, events; weights and checkpoints."""
     router = APIRouter()
+    authorized, reads = access
 
     @router.post("/v1/jobs", status_code=201, dependencies=authorized)
     def submit(submission: JobSubmission) -> dict[str, Any]:
@@ -120,13 +134,13 @@ def _job_routes(
         check_code_uploaded(artifacts_root, (submission.training or {}).get("code"))
         return _job_json(submit_job(store, submission, now_s=clock(), new_id=new_id))
 
-    @router.get("/v1/jobs")
+    @router.get("/v1/jobs", dependencies=reads)
     def list_jobs(state: JobState | None = None) -> dict[str, Any]:
         """Every job, or those in `state`, oldest submission first."""
         jobs = store.list_jobs(None if state is None else [state])
         return {"jobs": [_job_json(job) for job in jobs]}
 
-    @router.get("/v1/jobs/{job_id}")
+    @router.get("/v1/jobs/{job_id}", dependencies=reads)
     def get_job(job_id: str) -> dict[str, Any]:
         """The job's record: state, budget, spend, work done, version, message, spec."""
         return _job_json(store.get_job(job_id))
@@ -138,7 +152,7 @@ def _job_routes(
         response.status_code = 200 if job.state.is_terminal else 202
         return _job_json(job)
 
-    @router.get("/v1/jobs/{job_id}/cost")
+    @router.get("/v1/jobs/{job_id}/cost", dependencies=reads)
     def cost(job_id: str) -> dict[str, Any]:
         """Spent, budget, remaining, projected cost, evictions and ledger entries."""
         return job_cost(store, job_id)
@@ -164,7 +178,7 @@ def _job_routes(
             background=BackgroundTask(path.unlink, missing_ok=True),
         )
 
-    @router.get("/v1/jobs/{job_id}/events")
+    @router.get("/v1/jobs/{job_id}/events", dependencies=reads)
     def events(
         job_id: str,
         since: Annotated[str, Query(pattern=_STREAM_ID_RE.pattern)] = "-",
@@ -228,16 +242,18 @@ def _runtime_routes(
     return router
 
 
-def _dashboard_routes(store: Store, clock: Clock) -> APIRouter:
+def _dashboard_routes(
+    store: Store, clock: Clock, auth: TokenAuth, reads: list[DependsParam]
+) -> APIRouter:
     """The dashboard's data and page (its assets are mounted under /static)."""
     router = APIRouter()
 
-    @router.get("/v1/dashboard")
+    @router.get("/v1/dashboard", dependencies=reads)
     def dashboard_fleet() -> dict[str, Any]:
         """Every job's summary for the dashboard (dashboard/static/CONTRACT.md)."""
         return fleet(store, clock())
 
-    @router.get("/v1/jobs/{job_id}/dashboard")
+    @router.get("/v1/jobs/{job_id}/dashboard", dependencies=reads)
     def dashboard_job(job_id: str) -> dict[str, Any]:
         """One job's summary and series for the dashboard (dashboard/static/CONTRACT.md)."""
         return job_dashboard(store, job_id, clock())
@@ -246,15 +262,27 @@ def _dashboard_routes(store: Store, clock: Clock) -> APIRouter:
     def root() -> RedirectResponse:
         return RedirectResponse("dashboard")
 
-    @router.get("/dashboard", response_class=HTMLResponse)
-    def dashboard_page() -> HTMLResponse:
-        """The live dashboard: the fleet, one job's spend, prices, nodes, training, events."""
-        return HTMLResponse(dashboard_html())
+    @router.get("/dashboard", response_class=HTMLResponse, response_model=None)
+    def dashboard_page(
+        request: Request, token: Annotated[str | None, Query(max_length=4096)] = None
+    ) -> Response:
+        """The live dashboard: the fleet, one job's spend, prices, nodes, training, events.
+        Opened with `?token=` (the API token or the read-only one), it sets the read-only
+        cookie the page's data calls carry, and redirects to itself without the token."""
+        if token is None:
+            return HTMLResponse(dashboard_html())
+        cookie = auth.cookie_for(token)
+        if cookie is None:
+            raise ApiError(403, "the token in the dashboard's link is wrong", fix=READ_FIX)
+        page = RedirectResponse("dashboard", status_code=303)
+        page.set_cookie(READ_COOKIE, cookie, httponly=True, samesite="strict",
+                        secure=request.url.scheme == "https")  # fmt: skip
+        return page
 
     return router
 
 
-def _health_routes(store: Store, settings: Settings) -> APIRouter:
+def _health_routes(store: Store, settings: Settings, reads: list[DependsParam]) -> APIRouter:
     """Health and Prometheus metrics."""
     router = APIRouter()
     registry = CollectorRegistry(auto_describe=False)
@@ -270,7 +298,7 @@ def _health_routes(store: Store, settings: Settings) -> APIRouter:
             return JSONResponse(body, status_code=503)
         return {"status": "ok", "redis": "ok", "controller_id": settings.controller_id}
 
-    @router.get("/metrics", response_class=Response)
+    @router.get("/metrics", response_class=Response, dependencies=reads)
     def metrics() -> Response:
         """Prometheus text exposition, read from the store now."""
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

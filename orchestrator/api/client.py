@@ -8,6 +8,7 @@ submit may or may not have been applied, and the message says to check.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -18,6 +19,7 @@ import httpx
 from pydantic import SecretStr
 
 from orchestrator.errors import UserError
+from orchestrator.settings import API_CA_CERT_ENV as CA_CERT_ENV
 
 DOWNLOAD_TIMEOUT_S = 300.0  # weights and checkpoints are large
 DEFAULT_TIMEOUT_S = 5.0  # the API answers from Redis in milliseconds; 5 s means it is stuck
@@ -59,6 +61,7 @@ class ApiClient:
         token: str | SecretStr | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         *,
+        ca_cert: Path | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -68,8 +71,20 @@ class ApiClient:
         if secret:
             headers["Authorization"] = f"Bearer {secret}"
         try:
+            verify = ssl.create_default_context(cafile=ca_cert) if ca_cert else True
+        except (OSError, ssl.SSLError) as exc:
+            raise UserError(
+                f"cannot read the CA certificate {ca_cert}: {exc}",
+                fix=f"point {CA_CERT_ENV} at a PEM certificate (for a self-signed API: its own)",
+                field=CA_CERT_ENV,
+            ) from None
+        try:
             self._http = httpx.Client(
-                base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport
+                base_url=self.base_url,
+                headers=headers,
+                timeout=timeout_s,
+                transport=transport,
+                verify=verify,
             )
         except (httpx.InvalidURL, ValueError) as exc:
             raise _bad_url(self.base_url, exc) from None
@@ -209,6 +224,14 @@ class ApiClient:
                 "submitting again",
             ) from None
         except httpx.ConnectError as exc:
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                raise UserError(
+                    f"the controller API at {self.base_url} has a certificate this client does "
+                    f"not trust ({exc})",
+                    fix=f"set {CA_CERT_ENV} to the CA that signed it (a self-signed "
+                    "certificate: the server's own PEM; the AWS stack's: see its outputs)",
+                    field=CA_CERT_ENV,
+                ) from None
             raise _unreachable(self.base_url, str(exc) or type(exc).__name__) from None
         except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
             raise _bad_url(self.base_url, exc) from None

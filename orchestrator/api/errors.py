@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from orchestrator.api import error_body, validation_error
 from orchestrator.api.operations import JobEndedError
 from orchestrator.errors import UserError
-from orchestrator.settings import API_TOKEN_ENV
+from orchestrator.settings import API_READ_TOKEN_ENV, API_TOKEN_ENV
 from orchestrator.store import (
     ConflictError,
     IllegalTransitionError,
@@ -46,35 +46,79 @@ class ApiError(UserError):
         self.headers = headers
 
 
-def bearer_auth(token: SecretStr) -> Callable[[Request], None]:
-    """A dependency refusing requests without `Authorization: Bearer <token>` (401/403)."""
-    expected = token.get_secret_value().encode()
+#: The dashboard's cookie: read access only, whichever token opened the page.
+READ_COOKIE = "orchestrator_read"
+READ_FIX = (
+    f"send `Authorization: Bearer <token>` with the API token or the read-only one "
+    f"({API_READ_TOKEN_ENV}); a browser opens the dashboard once as /dashboard?token=<token>"
+)
 
-    def check(request: Request) -> None:
-        header = request.headers.get("authorization")
-        if header is None:
+
+class TokenAuth:
+    """The API's two access levels, as FastAPI dependencies: `write` needs the API token
+    (`Authorization: Bearer <token>`); `read` the API token, the read-only token, or the
+    dashboard's cookie (which `cookie_for` gives for either token and which reads only)."""
+
+    def __init__(self, token: SecretStr, read_token: SecretStr | None = None) -> None:
+        self._token = token.get_secret_value().strip().encode()
+        self._read = read_token.get_secret_value().strip().encode() if read_token else None
+        # derived from the API token: a new token voids every cookie given out before
+        self._cookie = hmac.new(self._token, b"orchestrator dashboard read", "sha256").hexdigest()
+
+    def write(self, request: Request) -> None:
+        given = _bearer(request, AUTH_FIX)
+        if given is None:
+            raise ApiError(401, "this call needs an API token and none was sent", fix=AUTH_FIX,
+                           headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        if self._read is not None and hmac.compare_digest(given, self._read):
             raise ApiError(
-                401,
-                "this call needs an API token and none was sent",
-                fix=AUTH_FIX,
-                headers={"WWW-Authenticate": "Bearer"},
+                403,
+                "the read-only token cannot change anything or download weights",
+                fix=f"send the API token ({API_TOKEN_ENV}) for this call",
             )
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            raise ApiError(
-                401,
-                "the Authorization header is not `Bearer <token>`",
-                fix=AUTH_FIX,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        if not hmac.compare_digest(given.strip().encode(), expected):
+        if not hmac.compare_digest(given, self._token):
             raise ApiError(
                 403,
                 "the API token is wrong",
                 fix=f"use the token the server was started with ({API_TOKEN_ENV})",
             )
 
-    return check
+    def read(self, request: Request) -> None:
+        given = _bearer(request, READ_FIX)
+        if given is None:
+            cookie = request.cookies.get(READ_COOKIE, "")
+            if cookie and hmac.compare_digest(cookie.encode(), self._cookie.encode()):
+                return
+            raise ApiError(401, "this call needs a token and none was sent", fix=READ_FIX,
+                           headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        if not self._reads(given):
+            raise ApiError(403, "the token is wrong", fix=READ_FIX)
+
+    def cookie_for(self, given: str) -> str | None:
+        """The dashboard's cookie value for a token given in its link (None: a wrong one)."""
+        return self._cookie if self._reads(given.strip().encode()) else None
+
+    def _reads(self, given: bytes) -> bool:
+        ok = hmac.compare_digest(given, self._token)
+        if self._read is not None:
+            ok = hmac.compare_digest(given, self._read) or ok
+        return ok
+
+
+def _bearer(request: Request, fix: str) -> bytes | None:
+    """The bearer token sent (None: no Authorization header).
+
+    Raises:
+        ApiError: 401, the header is not `Bearer <token>`.
+    """
+    header = request.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise ApiError(401, "the Authorization header is not `Bearer <token>`", fix=fix,
+                       headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+    return given.strip().encode()
 
 
 def as_user(exc: Exception) -> UserError:

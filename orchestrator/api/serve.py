@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
 
 import uvicorn
@@ -17,13 +18,20 @@ START_TIMEOUT_S = 10.0
 
 
 class BackgroundServer:
-    """uvicorn on `host:port` (0: a free port) in a daemon thread; `url` once started.
+    """uvicorn on `host:port` (0: a free port) in a daemon thread; `url` once started;
+    HTTPS with `tls` (a certificate and its key, PEM files).
 
     Raises (on enter):
         UserError: the port is taken, or the server did not start in time.
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -36,7 +44,10 @@ class BackgroundServer:
                 field="--port",
             ) from None
         self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self.scheme = "https" if tls else "http"
+        cert, key = tls or (None, None)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                ssl_certfile=cert, ssl_keyfile=key)  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
@@ -44,7 +55,7 @@ class BackgroundServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def __enter__(self) -> BackgroundServer:
         self._thread.start()

@@ -83,6 +83,7 @@ def start(
         running_controller,
         serve_api,
         wait_for_stop,
+        with_api_tls_files,
         with_api_token,
     )
 
@@ -98,7 +99,7 @@ def start(
         max_running_jobs=max_running_jobs,
     )
     if not no_api:
-        settings = with_api_token(settings)
+        settings = with_api_tls_files(with_api_token(settings))
     with running_controller(settings, on_tick=_print_tick) as running:
         out.print(
             f"controller {settings.controller_id} running in {settings.region} "

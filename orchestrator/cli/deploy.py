@@ -104,6 +104,14 @@ def deploy(
     runtime_ports: RuntimePortsOption = "1024-65535",
     agileml_port: AgileMLPortOption = 29500,
     no_session_manager: NoSessionManagerOption = False,
+    api_tls_secret: Annotated[
+        str | None,
+        typer.Option(
+            "--api-tls-secret",
+            help='Secrets Manager ARN of the API\'s certificate and key, JSON {"certificate": '
+            'PEM, "private_key": PEM} [default: a self-signed one].',
+        ),
+    ] = None,
     template_out: TemplateOutOption = None,
     dry_run: DryRunOption = False,
     teardown: TeardownOption = False,
@@ -135,6 +143,7 @@ def deploy(
             "session_manager": not no_session_manager,
             "controller_image_parameter": controller_image_parameter,
             "worker_image_parameter": worker_image_parameter,
+            "api_tls_secret_arn": api_tls_secret,
         }
     )
     rendered = render()
@@ -187,7 +196,15 @@ def _deploy(
     out.print(
         f"The API token: aws secretsmanager get-secret-value --secret-id {api_arn} "
         "--query SecretString --output text\n"
-        f"Watch: {outputs.get('ApiUrl', '')}/dashboard (from {params.api_allowed_cidr})",
+        + (
+            ""
+            if params.api_tls_secret_arn
+            else "The API's self-signed certificate, once the controller has started: aws s3 cp "
+            f"{outputs.get('ApiCertificateUrl', '')} api-cert.pem; export "
+            "ORCHESTRATOR_API__CA_CERT=$PWD/api-cert.pem\n"
+        )
+        + f"Watch: {outputs.get('ApiUrl', '')}/dashboard?token=<token> (from "
+        f"{params.api_allowed_cidr})",
         highlight=False,
     )
 

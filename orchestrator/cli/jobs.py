@@ -455,11 +455,13 @@ def serve(
 
     settings = Settings.load()
     settings.api.require_token()  # refuse before touching Redis or binding a port
+    settings.api.require_tls()
     import uvicorn
 
     from orchestrator.api.app import create_app
     from orchestrator.store import RedisStore
 
+    tls = settings.api.require_tls()
     store = RedisStore.connect(settings.redis_url)
     try:
         uvicorn.run(
@@ -467,6 +469,8 @@ def serve(
             host=host or settings.api.host,
             port=port or settings.api.port,
             log_level="info",
+            ssl_certfile=tls and tls[0],
+            ssl_keyfile=tls and tls[1],
         )
     finally:
         store.close()
@@ -481,7 +485,9 @@ def _client(api: str | None, token: str | None) -> ApiClient:
     from orchestrator.settings import Settings
 
     settings = Settings.load()
-    return ApiClient(api or settings.api.url, token or settings.api.token)
+    return ApiClient(
+        api or settings.api.url, token or settings.api.client_token(), ca_cert=settings.api.ca_cert
+    )
 
 
 def _wait_until_ended(client: ApiClient, job_id: str, *, timeout_s: float) -> dict[str, Any]:

@@ -95,8 +95,10 @@ def serve_api(running: RunningController) -> None:
     from orchestrator.api.app import create_app
 
     settings = running.settings
+    tls = settings.api.require_tls()
     app = create_app(running.store, settings, clock=running.clock, on_notice=running.service.notify)
-    uvicorn.run(app, host=settings.api.host, port=settings.api.port, log_level="warning")
+    uvicorn.run(app, host=settings.api.host, port=settings.api.port, log_level="warning",
+                ssl_certfile=tls and tls[0], ssl_keyfile=tls and tls[1])  # fmt: skip
 
 
 def wait_for_stop() -> None:
@@ -129,6 +131,39 @@ def with_api_token(settings: Settings) -> Settings:
         api = settings.api.model_copy(update={"token": SecretStr(token)})
         settings = settings.model_copy(update={"api": api})
     settings.api.require_token()
+    return settings
+
+
+def with_api_tls_files(settings: Settings) -> Settings:
+    """`settings` with the API's certificate and key files: as given, from `api.tls_secret`,
+    or self-signed for this node's addresses (see `controller.tls`); checked readable.
+
+    Raises:
+        UserError: the secret cannot be read, or a file is missing.
+    """
+    from orchestrator.artifacts import folder_at
+    from orchestrator.cloud.errors import MetadataError
+    from orchestrator.cloud.imds import read_metadata
+    from orchestrator.cloud.imds_wire import IMDS_BASE_URL, LOCAL_IPV4_PATH, PUBLIC_IPV4_PATH
+    from orchestrator.cloud.secrets import read_secret
+    from orchestrator.controller.tls import with_api_tls
+
+    def addresses() -> list[str]:
+        try:
+            found = read_metadata(IMDS_BASE_URL, [LOCAL_IPV4_PATH, PUBLIC_IPV4_PATH])
+        except MetadataError:  # not on EC2: this machine's loopback names only
+            return []
+        return [address for address in found.values() if address]
+
+    settings = with_api_tls(
+        settings,
+        addresses=addresses,
+        artifacts=folder_at(settings.training.store_location),
+        read_secret=lambda secret_id: read_secret(
+            secret_id, settings.region, endpoint_url=settings.controller.endpoint_url
+        ),
+    )
+    settings.api.require_tls()  # before anything starts: a bad path is refused at once
     return settings
 
 

@@ -26,7 +26,8 @@ from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
 INFRA_DIR = Path(__file__).parent / "infra"
 TEMPLATE_NAME = "controller.yaml"
 BOOT_SCRIPTS = ("controller-boot.sh", "worker-boot.sh")
-#: The shortest CIDR prefix the API may be opened to (it speaks plain HTTP).
+#: The shortest CIDR prefix the API may be opened to (HTTPS with a bearer token, but a smaller
+#: surface is still the better one).
 MIN_API_PREFIX = 8
 #: CloudFormation's limit for a template passed inline (TemplateBody).
 MAX_TEMPLATE_BODY_BYTES = 51_200
@@ -57,6 +58,10 @@ class DeployParams(BaseModel):
     #: Secrets Manager ARNs of the tokens (`StackDeployer.ensure_secrets` creates them).
     api_token_secret_arn: str | None = None
     worker_token_secret_arn: str | None = None
+    #: The API's certificate and key (None: the controller makes a self-signed one).
+    api_tls_secret_arn: Annotated[
+        str | None, Field(pattern=r"^arn:aws[a-z-]*:secretsmanager:[^\s]+$")
+    ] = None
 
     @field_validator("worker_subnet_ids")
     @classmethod
@@ -123,6 +128,7 @@ class DeployParams(BaseModel):
             "PackageSpec": self.package,
             "RedisMode": self.redis,
             "EnableSessionManager": "true" if self.session_manager else "false",
+            "ApiTlsSecretArn": self.api_tls_secret_arn or "",
         }
         if self.api_token_secret_arn and self.worker_token_secret_arn:
             values["ApiTokenSecretArn"] = self.api_token_secret_arn
@@ -148,6 +154,7 @@ OPTION_OF = {
     "session_manager": "--no-session-manager",
     "api_token_secret_arn": "--api-token-secret",
     "worker_token_secret_arn": "--worker-token-secret",
+    "api_tls_secret_arn": "--api-tls-secret",
 }
 
 

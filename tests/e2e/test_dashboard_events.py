@@ -36,7 +36,7 @@ def test_state_events_from_the_api_show_their_state_in_the_events_table(redis_ur
                 return
             driver = chromium()
             try:
-                driver.get(f"{srv.url}/dashboard#job={job_id}")
+                driver.get(f"{srv.url}/dashboard?token={token}#job={job_id}")  # sets the cookie
                 until(lambda: body_data(driver, "job") == job_id, 20, f"the page to show {job_id}")
                 rows = driver.find_elements("css selector", 'table[data-testid="events"] tbody tr')
                 shown = [row.text for row in rows]

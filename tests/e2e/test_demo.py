@@ -86,7 +86,7 @@ def test_the_offline_demo_trains_a_pipeline_job_whose_stages_the_dashboard_shows
     stages_seen: list[list[dict[str, Any]]] = []
     try:
         url = _dashboard_url(lines, output, timeout_s=60)
-        api = url.removesuffix("/dashboard")
+        api = url  # the dashboard link carries the read-only token
         deadline = time.monotonic() + 280
         while proc.poll() is None and time.monotonic() < deadline:
             try:
@@ -157,7 +157,7 @@ def _watch_in_chromium(url: str, tmp_path: Path) -> None:
     """While the demo runs: the page follows the API's spend and evictions within LIVE_LAG_S.
     Once the job has ended: every number and chart matches the API; a screenshot is saved; the
     report of the job renders the same."""
-    api = url.removesuffix("/dashboard")
+    api = url  # the dashboard link carries the read-only token
     driver = chromium()
     try:
         driver.get(url)
@@ -175,8 +175,8 @@ def _watch_in_chromium(url: str, tmp_path: Path) -> None:
         driver.save_screenshot(str(ARTIFACTS / "dashboard-demo.png"))
         report = tmp_path / "report.html"
         cli = subprocess.run(
-            [sys.executable, "-m", "orchestrator", "report", "job-demo", "--api", api,
-             "--out", str(report)],
+            [sys.executable, "-m", "orchestrator", "report", "job-demo", "--api", _base(api),
+             "--token", _read_token(api), "--out", str(report)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert cli.returncode == 0, cli.stdout + cli.stderr
@@ -264,12 +264,27 @@ def _value(driver: Any, testid: str) -> float:
     return float(raw) if raw else float("nan")
 
 
-def _job(api: str) -> dict[str, Any]:
-    return httpx.get(f"{api}/v1/jobs/job-demo/dashboard", timeout=10).json()
+def _base(link: str) -> str:
+    """The API's URL, from the dashboard's link."""
+    return link.split("/dashboard")[0]
 
 
-def _fleet(api: str) -> dict[str, Any]:
-    return httpx.get(f"{api}/v1/dashboard", timeout=10).json()
+def _read_token(link: str) -> str:
+    """The read-only token in the dashboard's link."""
+    return link.split("?token=")[1]
+
+
+def _get(link: str, path: str) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {_read_token(link)}"}
+    return httpx.get(f"{_base(link)}{path}", headers=headers, timeout=10).json()
+
+
+def _job(link: str) -> dict[str, Any]:
+    return _get(link, "/v1/jobs/job-demo/dashboard")
+
+
+def _fleet(link: str) -> dict[str, Any]:
+    return _get(link, "/v1/dashboard")
 
 
 # --- the demo's output
@@ -298,7 +313,7 @@ def _dashboard_url(lines: queue.Queue[str | None], output: list[str], timeout_s:
         if line is None:
             break
         output.append(line)
-        match = re.search(r"Dashboard: (http://\S+/dashboard)", line)
+        match = re.search(r"Dashboard: (http://\S+/dashboard\?token=\w+)", line)
         if match:
             return match.group(1)
     raise AssertionError("the demo printed no dashboard URL:\n" + "".join(output)[-3000:])

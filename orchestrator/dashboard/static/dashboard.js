@@ -558,6 +558,11 @@
 
   function getJson(url) {
     return fetch(url, { cache: "no-store" }).then(function (r) {
+      if (r.status === 401 || r.status === 403) {
+        throw new Error("this dashboard needs a token: open it once as " +
+          "/dashboard?token=<token>, with the API token or the read-only one " +
+          "(ORCHESTRATOR_API__READ_TOKEN)");
+      }
       if (!r.ok) {
         return r.text().then(function (t) { throw new Error(url + ": HTTP " + r.status + " " + t.slice(0, 200)); });
       }

@@ -54,6 +54,8 @@ REPO = Path(__file__).resolve().parents[3]
 NS = "apitest"
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+READ_TOKEN = "r3ad-only-token"
+READ = {"Authorization": f"Bearer {READ_TOKEN}"}
 SPEC: dict[str, Any] = {"name": "resnet", "budget_usd": 40.0, "work_gpu_hours": 20.0}
 SERVER_START_TIMEOUT_S = 5.0
 CLI_TIMEOUT_S = 30.0
@@ -82,7 +84,9 @@ def store(redis_url: str) -> Iterator[Store]:
 def settings_for(redis_url: str, token: str | None = TOKEN) -> Settings:
     return Settings(
         redis_url=redis_url,
-        api=ApiSettings(token=None if token is None else SecretStr(token)),
+        api=ApiSettings(
+            token=None if token is None else SecretStr(token), read_token=SecretStr(READ_TOKEN)
+        ),
     )
 
 
@@ -181,11 +185,11 @@ def test_submit_get_list_then_cancel_queued_job_ends_cancelled(
     assert job["budget_usd"] == 40.0 and job["spent_usd"] == 0.0
     assert job["spec"]["work_gpu_hours"] == 20.0 and job["submitted_at"] == 1_000.0
 
-    got = client.get(f"/v1/jobs/{job_id}").json()
+    got = client.get(f"/v1/jobs/{job_id}", headers=READ).json()
     assert got == job
     for key in ("state", "budget_usd", "spent_usd", "work_done_gpu_hours", "version", "message"):
         assert key in got
-    assert [j["job_id"] for j in client.get("/v1/jobs").json()["jobs"]] == [job_id]
+    assert [j["job_id"] for j in client.get("/v1/jobs", headers=READ).json()["jobs"]] == [job_id]
 
     clock.now_s = 1_500.0
     response = client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH)
@@ -200,11 +204,11 @@ def test_submit_get_list_then_cancel_queued_job_ends_cancelled(
 def test_list_filters_by_state_and_names_a_bad_state(client: TestClient, store: Store) -> None:
     first, second = submit(client, name="a"), submit(client, name="b")
     to_state(store, second["job_id"], JobState.RUNNING)
-    running = client.get("/v1/jobs", params={"state": "running"}).json()["jobs"]
+    running = client.get("/v1/jobs", params={"state": "running"}, headers=READ).json()["jobs"]
     assert [j["job_id"] for j in running] == [second["job_id"]]
-    queued = client.get("/v1/jobs", params={"state": "queued"}).json()["jobs"]
+    queued = client.get("/v1/jobs", params={"state": "queued"}, headers=READ).json()["jobs"]
     assert [j["job_id"] for j in queued] == [first["job_id"]]
-    error = error_of(client.get("/v1/jobs", params={"state": "sleeping"}), 422)
+    error = error_of(client.get("/v1/jobs", params={"state": "sleeping"}, headers=READ), 422)
     assert error["field"] == "state" and "sleeping" in error["message"]
 
 
@@ -283,6 +287,67 @@ def test_cancel_gives_up_with_409_after_bounded_conflicts(store: Store, redis_ur
 
 
 # --- authentication
+
+
+READS = ["/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/cost", "/v1/jobs/{id}/events",
+         "/v1/dashboard", "/v1/jobs/{id}/dashboard", "/metrics"]  # fmt: skip
+
+
+def test_reads_need_a_token_and_the_read_only_one_reads_everything(client: TestClient) -> None:
+    job_id = submit(client)["job_id"]
+    for path in (p.format(id=job_id) for p in READS):
+        missing = error_of(client.get(path), 401)
+        assert "ORCHESTRATOR_API__READ_TOKEN" in missing["fix"], path
+        assert (
+            "wrong"
+            in error_of(client.get(path, headers={"Authorization": "Bearer x"}), 403)["message"]
+        )
+        assert client.get(path, headers=READ).status_code == 200, path
+        assert client.get(path, headers=AUTH).status_code == 200, path
+    assert client.get("/healthz").status_code == 200  # a load balancer's check: open
+    assert client.get("/dashboard").status_code == 200  # the page: no data in it
+
+
+def test_the_read_only_token_changes_nothing(client: TestClient, store: Store) -> None:
+    job_id = submit(client)["job_id"]
+    before = store.get_job(job_id)
+    calls = [
+        ("POST", "/v1/jobs", {"json": SPEC}),
+        ("POST", f"/v1/jobs/{job_id}/cancel", {}),
+        ("POST", f"/v1/jobs/{job_id}/training", {"json": {"iteration": 3}}),
+        ("GET", f"/v1/jobs/{job_id}/weights", {}),
+        ("GET", f"/v1/jobs/{job_id}/checkpoint", {}),
+        ("PUT", "/v1/code/sha256:" + "0" * 64, {"content": b"x"}),
+        ("POST", "/v1/notices", {"json": {}}),
+    ]
+    for method, path, kwargs in calls:
+        refused = error_of(client.request(method, path, headers=READ, **kwargs), 403)
+        assert "read-only" in refused["message"], path
+    assert [j.job_id for j in store.list_jobs()] == [job_id]
+    assert store.get_job(job_id) == before
+    assert store.training(job_id) == []
+
+
+def test_the_dashboard_link_with_a_token_sets_a_cookie_that_only_reads(
+    client: TestClient, store: Store, redis_url: str, clock: FakeClock
+) -> None:
+    job_id = submit(client)["job_id"]
+    assert error_of(client.get("/dashboard", params={"token": "nope"}), 403)
+    assert "orchestrator_read" not in client.cookies
+    opened = client.get("/dashboard", params={"token": READ_TOKEN}, follow_redirects=False)
+    assert opened.status_code == 303 and opened.headers["location"] == "dashboard"
+    set_cookie = opened.headers["set-cookie"].lower()
+    assert "httponly" in set_cookie and "samesite=strict" in set_cookie
+    assert READ_TOKEN not in set_cookie and TOKEN not in set_cookie  # derived, not the token
+    assert client.get("/v1/dashboard").status_code == 200  # the cookie, sent by the client
+    assert client.get(f"/v1/jobs/{job_id}/dashboard").status_code == 200
+    assert error_of(client.post("/v1/jobs", json=SPEC), 401)  # a cookie never writes
+    assert error_of(client.get(f"/v1/jobs/{job_id}/weights"), 401)
+    assert len(store.list_jobs()) == 1
+    # a new API token voids the cookies given out under the old one
+    other = settings_for(redis_url, token="another-token")
+    with TestClient(create_app(store, other, clock=clock), cookies=dict(client.cookies)) as c:
+        assert error_of(c.get("/v1/dashboard"), 401)
 
 
 @pytest.mark.parametrize("path", ["/v1/jobs", "/v1/jobs/job-12345678/cancel"])
@@ -371,7 +436,7 @@ def test_cost_reports_spend_latest_projection_evictions_and_ledger(
     client: TestClient, store: Store
 ) -> None:
     job_id = submit(client)["job_id"]
-    assert client.get(f"/v1/jobs/{job_id}/cost").json()["projected_usd"] is None
+    assert client.get(f"/v1/jobs/{job_id}/cost", headers=READ).json()["projected_usd"] is None
     store.append_ledger(charge(job_id, 0.0))
     store.append_ledger(charge(job_id, 600.0))
     for event in [
@@ -381,7 +446,7 @@ def test_cost_reports_spend_latest_projection_evictions_and_ledger(
         eviction_event(job_id, "i-2"),
     ]:
         store.append_event(event)
-    cost = client.get(f"/v1/jobs/{job_id}/cost").json()
+    cost = client.get(f"/v1/jobs/{job_id}/cost", headers=READ).json()
     assert cost["spent_usd"] == pytest.approx(0.3)
     assert cost["budget_usd"] == 40.0 and cost["remaining_usd"] == pytest.approx(39.7)
     assert cost["projected_usd"] == 33.25  # the latest decision's
@@ -390,13 +455,15 @@ def test_cost_reports_spend_latest_projection_evictions_and_ledger(
 
 def test_events_since_returns_only_newer_events(client: TestClient, store: Store) -> None:
     job_id = submit(client)["job_id"]
-    page = client.get(f"/v1/jobs/{job_id}/events").json()
+    page = client.get(f"/v1/jobs/{job_id}/events", headers=READ).json()
     assert [e["kind"] for e in page["events"]] == ["state"]
     store.append_event(launch_event(job_id, "i-1", at_s=7.0))
-    newer = client.get(f"/v1/jobs/{job_id}/events", params={"since": page["next_since"]}).json()
+    newer = client.get(
+        f"/v1/jobs/{job_id}/events", params={"since": page["next_since"]}, headers=READ
+    ).json()
     assert [(e["kind"], e["at_s"]) for e in newer["events"]] == [("launch", 7.0)]
     assert newer["next_since"] == newer["events"][0]["id"]
-    bad = client.get(f"/v1/jobs/{job_id}/events", params={"since": "yesterday"})
+    bad = client.get(f"/v1/jobs/{job_id}/events", params={"since": "yesterday"}, headers=READ)
     assert error_of(bad, 422)["field"] == "since"
 
 
@@ -425,12 +492,12 @@ def test_healthz_is_503_degraded_after_redis_stops() -> None:
                 assert health.json()["redis"] == "unavailable"
                 assert "ORCHESTRATOR_REDIS_URL" in health.json()["error"]["fix"]
 
-                listing = error_of(c.get("/v1/jobs"), 503)
+                listing = error_of(c.get("/v1/jobs", headers=READ), 503)
                 assert "cannot reach Redis" in listing["message"]
                 assert "ORCHESTRATOR_REDIS_URL" in listing["fix"]
                 assert error_of(c.post("/v1/jobs", json=SPEC, headers=AUTH), 503)["fix"]
 
-                scrape = c.get("/metrics")
+                scrape = c.get("/metrics", headers=READ)
                 assert scrape.status_code == 200 and "orchestrator_store_up 0.0" in scrape.text
         finally:
             store.close()
@@ -484,7 +551,7 @@ def test_metrics_expose_spend_projection_evictions_nodes_prices_and_training(
     job_id = _feed_a_running_job(client, store)
     submit(client, name="other")
 
-    response = client.get("/metrics")
+    response = client.get("/metrics", headers=READ)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     samples = scrape_samples(response.text)
@@ -526,7 +593,7 @@ def test_every_metric_the_grafana_dashboard_queries_exists_in_a_live_scrape(
     import re
 
     _feed_a_running_job(client, store)
-    exported = {name for name, _ in scrape_samples(client.get("/metrics").text)}
+    exported = {name for name, _ in scrape_samples(client.get("/metrics", headers=READ).text)}
     board = json.loads((REPO / "dashboards" / "grafana" / "orchestrator.json").read_text())
     queried = {
         name
@@ -555,13 +622,13 @@ def scrape_samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], fl
 
 def test_dashboard_data_follows_the_contract(client: TestClient, store: Store) -> None:
     job_id = _feed_a_running_job(client, store)
-    fleet = client.get("/v1/dashboard").json()
+    fleet = client.get("/v1/dashboard", headers=READ).json()
     (summary,) = fleet["jobs"]
     assert summary["job_id"] == job_id and summary["evictions"] == 2
     assert summary["nodes_alive"] == {"reliable": 0, "transient": 2}
     assert summary["iterations"] == 42 and summary["loss"] == 0.5
     assert summary["cost_per_work_usd"] == pytest.approx(0.12)
-    page = client.get(f"/v1/jobs/{job_id}/dashboard").json()
+    page = client.get(f"/v1/jobs/{job_id}/dashboard", headers=READ).json()
     assert set(page) == {"now_s", "job", "spend", "prices", "nodes", "marks", "training",
                          "pipeline", "events"}  # fmt: skip
     assert page["pipeline"] == []  # a data-parallel job has no stages
@@ -580,7 +647,7 @@ def test_dashboard_data_follows_the_contract(client: TestClient, store: Store) -
     assert "warned" in page["marks"][2]["detail"] and "no warning" in page["marks"][3]["detail"]
     assert page["training"][0]["iteration"] == 42
     assert page["events"][0]["kind"] == "eviction" and len(page["events"]) == 7
-    assert client.get("/v1/jobs/job-nope/dashboard").status_code == 404
+    assert client.get("/v1/jobs/job-nope/dashboard", headers=READ).status_code == 404
 
 
 def test_training_reports_need_the_token_and_valid_numbers(
@@ -603,11 +670,11 @@ def test_a_pipeline_jobs_page_lists_its_stages_as_last_reported(
               {"stage": 1, "first_layer": 3, "last_layer": 6, "nodes": ["i-3"]}]  # fmt: skip
     body = {"iteration": 5, "stages": stages}
     assert client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json=body).status_code == 202
-    assert client.get(f"/v1/jobs/{job_id}/dashboard").json()["pipeline"] == stages
+    assert client.get(f"/v1/jobs/{job_id}/dashboard", headers=READ).json()["pipeline"] == stages
     moved = [{**stages[0], "nodes": ["i-4"]}]
     body = {"iteration": 9, "stages": moved}
     assert client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json=body).status_code == 202
-    assert client.get(f"/v1/jobs/{job_id}/dashboard").json()["pipeline"] == moved
+    assert client.get(f"/v1/jobs/{job_id}/dashboard", headers=READ).json()["pipeline"] == moved
     bad = {"iteration": 9, "stages": [{"stage": -1, "first_layer": 0, "last_layer": 0}]}
     error = error_of(client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json=bad), 422)
     assert "stages" in error["field"]

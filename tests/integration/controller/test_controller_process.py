@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import boto3
 import httpx
@@ -16,6 +18,7 @@ from moto.server import ThreadedMotoServer
 from support.redis_server import free_port
 
 from orchestrator.api.client import ApiClient
+from orchestrator.errors import UserError
 from orchestrator.market.trace_source import bundled_prices_dir
 from orchestrator.store.protocol import Store
 
@@ -31,10 +34,18 @@ def moto_url() -> Iterator[str]:
     server.stop()
 
 
-def start_controller(redis_url: str, moto_url: str, api_port: int) -> subprocess.Popen:
-    """`orchestrator controller start` on the moto server, replaying prices 600x."""
+def start_controller(
+    redis_url: str,
+    moto_url: str,
+    api_port: int,
+    extra_env: dict[str, str] | None = None,
+    ca_cert: Path | None = None,
+) -> subprocess.Popen:
+    """`orchestrator controller start` on the moto server, replaying prices 600x; with
+    `ca_cert`, its API is reached over HTTPS trusting that certificate (once it exists)."""
     env = {
         **os.environ,
+        **(extra_env or {}),
         "ORCHESTRATOR_REDIS_URL": redis_url,
         "ORCHESTRATOR_API__TOKEN": TOKEN,
         "ORCHESTRATOR_API__PORT": str(api_port),
@@ -64,13 +75,14 @@ def start_controller(redis_url: str, moto_url: str, api_port: int) -> subprocess
         stderr=subprocess.STDOUT,
         text=True,
     )
-    api = f"http://127.0.0.1:{api_port}"
-    deadline = time.monotonic() + 20
+    api = f"{'https' if ca_cert else 'http'}://127.0.0.1:{api_port}"
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{api}/healthz", timeout=1).status_code == 200:
+            verify = ssl.create_default_context(cafile=ca_cert) if ca_cert else True
+            if httpx.get(f"{api}/healthz", timeout=1, verify=verify).status_code == 200:
                 return proc
-        except httpx.HTTPError:
+        except (httpx.HTTPError, OSError):  # OSError: the certificate is not there yet
             time.sleep(0.2)
     proc.kill()
     pytest.fail(f"controller API did not come up: {proc.communicate()[0]}")
@@ -172,6 +184,39 @@ def test_controller_process_runs_a_submitted_job_and_takes_notices(
     assert "notice" in kinds
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) is not None
+
+
+def test_a_self_signed_controller_serves_https_with_the_certificate_it_publishes(
+    store, redis_url, moto_url, tmp_path
+):
+    """As the AWS stack runs it (`api.tls_self_signed`): the certificate is made at the
+    first start, published to the artifact store, trusted by a client given it, and kept
+    across a restart."""
+    api_port = free_port()
+    artifacts = tmp_path / "artifacts"
+    env = {"ORCHESTRATOR_API__TLS_SELF_SIGNED": "true", "HOME": str(tmp_path / "home"),
+           "ORCHESTRATOR_TRAINING__ARTIFACTS_DIR": str(artifacts)}  # fmt: skip
+    published = artifacts / "tls" / "api-cert.pem"
+    api = f"https://127.0.0.1:{api_port}"
+    proc = start_controller(redis_url, moto_url, api_port, env, ca_cert=published)
+    try:
+        with ApiClient(api, TOKEN, ca_cert=published) as client:
+            job_id = client.submit({"name": "tls", "budget_usd": 1, "work_gpu_hours": 1})["job_id"]
+        with ApiClient(api, TOKEN) as untrusting, pytest.raises(UserError) as refused:
+            untrusting.list_jobs()
+        assert refused.value.field == "ORCHESTRATOR_API__CA_CERT"
+        key = tmp_path / "home" / ".local" / "share" / "orchestrator" / "tls" / "api-key.pem"
+        assert key.stat().st_mode & 0o077 == 0  # the key: its user's only
+        first = published.read_bytes()
+    finally:
+        stop(proc)
+    proc = start_controller(redis_url, moto_url, api_port, env, ca_cert=published)
+    try:
+        assert published.read_bytes() == first  # kept: clients trusting it still do
+        with ApiClient(api, TOKEN, ca_cert=published) as client:
+            assert client.get_job(job_id)["job_id"] == job_id
+    finally:
+        stop(proc)
 
 
 @pytest.mark.slow

@@ -184,6 +184,22 @@ def test_parameters_refuse_the_world_and_malformed_ids():
     assert names <= set(load_template(render().body)["Parameters"])
 
 
+def test_the_api_speaks_https_with_a_self_signed_or_a_given_certificate():
+    template = load_template(render().body)
+    assert "https://" in json.dumps(template["Outputs"]["ApiUrl"]["Value"])
+    user_data = json.dumps(template["Resources"]["ControllerInstance"]["Properties"]["UserData"])
+    assert "ORCHESTRATOR_API__TLS_SELF_SIGNED=true" in user_data
+    assert "ORCHESTRATOR_API__TLS_SECRET=${ApiTlsSecretArn}" in user_data
+    values = {p["ParameterKey"]: p["ParameterValue"] for p in _params().cloudformation()}
+    assert values["ApiTlsSecretArn"] == ""  # self-signed
+    arn = "arn:aws:secretsmanager:us-east-1:123456789012:secret:api-tls-AbCdEf"
+    given = {p["ParameterKey"]: p["ParameterValue"]
+             for p in _params(api_tls_secret_arn=arn).cloudformation()}  # fmt: skip
+    assert given["ApiTlsSecretArn"] == arn
+    with pytest.raises(ValueError):
+        _params(api_tls_secret_arn="my-cert")
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "orchestrator", "deploy", *args],
