@@ -40,6 +40,7 @@ from orchestrator.agileml.examples import (
     shard,
 )
 from orchestrator.cloud.local.redis_process import free_port
+from orchestrator.lifecycle import exit_on_signals
 
 
 def chain_factory(**kwargs: Any) -> ModelFactory:
@@ -284,6 +285,7 @@ def ddp_seconds_per_iteration(
 
 
 def main() -> None:
+    exit_on_signals()  # a SIGTERM unwinds: the ranks are stopped
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(FACTORIES), default="mlr")
     parser.add_argument("--features", type=int, default=5000)

@@ -92,9 +92,9 @@ def run_mode(args: argparse.Namespace, pattern: Any, mode: str, job_id: str) -> 
         for i in range(args.workers):
             job.add_node(f"w{i:02d}", NodeTier.RELIABLE)
         _, outcomes = job.finish(TIMEOUT_S)
-    bad = {n: o.ended for n, o in outcomes.items() if o.ended != "done"}
-    if bad:
-        raise RuntimeError(f"{job_id}: nodes did not finish: {bad} (logs: {job.log_dir})")
+        bad = {n: o.ended for n, o in outcomes.items() if o.ended != "done"}
+        if bad:  # raised inside the block: ORCHESTRATOR_KEEP_LOGS=1 keeps (and names) the logs
+            raise RuntimeError(f"{job_id}: nodes did not finish: {bad}")
     measured = args.iterations - 1 - WARMUP_CLOCKS
     busy = sum(o.straggler.get("busy_s", 0.0) for o in outcomes.values())
     rows = sum(o.straggler.get("own_rows", 0.0) for o in outcomes.values())

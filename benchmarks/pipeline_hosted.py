@@ -85,6 +85,8 @@ def run(scenario: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         hosted.save_weights(out / scenario)
     finally:
         hosted.stop()
+        for node in nodes.values():  # each removes its workdir on the way out
+            node.stop()
         for thread in threads:
             thread.join(timeout=15)
     result: dict[str, Any] = {"wall_s": round(wall, 2), "events": hosted.events()}

@@ -78,9 +78,19 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=None, help="keep the reports and ledger here")
     args = parser.parse_args()
-    out = args.out or Path(tempfile.mkdtemp(prefix="sim-targets-"))
-    out.mkdir(parents=True, exist_ok=True)
-    common = simulate_args(args.starts)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        result = measure(args.starts, args.out)
+    else:  # the outputs go with the temporary folder
+        with tempfile.TemporaryDirectory(prefix="sim-targets-") as tmp:
+            result = measure(args.starts, Path(tmp))
+        result["outputs"] = None
+    print(json.dumps(result))
+
+
+def measure(starts: int, out: Path) -> dict:
+    """The simulations, their timings and the targets; reports and ledger written to `out`."""
+    common = simulate_args(starts)
     per_second, per_second_s = run([*common, "--billing", "per-second"])
     hourly, hourly_s = run([*common, "--billing", "hourly-refund"])
     ledger, report = out / "ledger.jsonl.gz", out / "per-second.json"
@@ -91,8 +101,8 @@ def main() -> None:
     s = per_second["strategies"]
     bb = s["bidbrain"]["cost_vs_ondemand"]
     kept = ("cost_vs_ondemand", "runtime_vs_ondemand", "evictions_mean", "completed_fraction")
-    result = {
-        "starts": args.starts,
+    return {
+        "starts": starts,
         "per_second": {n: {k: v[k] for k in kept} for n, v in s.items()},
         "hourly_refund": {
             n: {k: v[k] for k in ("cost_vs_ondemand", "free_compute_fraction")}
@@ -112,7 +122,6 @@ def main() -> None:
         },
         "outputs": str(out),
     }
-    print(json.dumps(result))
 
 
 if __name__ == "__main__":

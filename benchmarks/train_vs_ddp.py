@@ -28,14 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
@@ -177,12 +175,6 @@ def _median(values: Iterable[float]) -> float:
     return round(statistics.median(values), 5)
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM as SystemExit, so that `finally` and context managers stop every process."""
-    del frame
-    sys.exit(128 + signum)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     summary = " ".join(__doc__.split("\n\n")[0].split())
     parser = argparse.ArgumentParser(description=summary)
@@ -222,7 +214,6 @@ def main(argv: list[str] | None = None) -> None:
     exit_on_signals()  # a SIGTERM unwinds: temporary folders and child processes go
     args = parse_args(argv)
     os.environ.pop(PAUSE_ENV, None)  # inherited by the node processes and the DDP ranks
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     common = {"global_batch": args.global_batch, "iterations": args.iterations, "seed": args.seed}
     transient = args.nodes - RELIABLE
     runs = []

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.artifacts.code import is_code_ref
-from orchestrator.lifecycle import keep_logs
+from orchestrator.lifecycle import remove_run_dir
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -72,18 +71,25 @@ class LocalJob:
         self._killed: set[str] = set()
         self._held: set[str] = set()  # started, not released yet
         # a log folder made here is removed on every exit (a crashed node's error carries the
-        # end of its log), kept after an error with ORCHESTRATOR_KEEP_LOGS=1 (`keep_logs`)
+        # end of its log), kept after an error with ORCHESTRATOR_KEEP_LOGS=1 (`remove_run_dir`)
         self._own_log_dir = log_dir is None
         self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="agileml-"))
 
     def __enter__(self) -> LocalJob:
-        self.coordinator.start()
+        try:
+            self.coordinator.start()
+        except BaseException:  # `with` runs no __exit__ when __enter__ raised; no node ran
+            if self._own_log_dir:
+                remove_run_dir(self._log_dir, failed=False)
+            raise
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close()
-        if self._own_log_dir and not (exc_type is not None and keep_logs()):
-            shutil.rmtree(self._log_dir, ignore_errors=True)
+        try:
+            self.close()
+        finally:  # also when a second signal interrupts close()
+            if self._own_log_dir:
+                remove_run_dir(self._log_dir, failed=exc_type is not None)
 
     def add_node(self, node_id: str, tier: NodeTier, *, held: bool = False) -> None:
         """Start a node process; it joins, loads its data and says ready on its own.

@@ -19,7 +19,6 @@ import json
 import math
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -260,10 +259,8 @@ def train_locally(
     check_plan(plan)
     spec = train_spec(plan)
     started = time.monotonic()
-    with (
-        tempfile.TemporaryDirectory(prefix="orchestrator-train-") as tmp,
-        LocalJob(spec, log_dir=log_dir or Path(tmp)) as job,
-    ):
+    # the nodes' logs: in `log_dir`, else a temporary folder of the job's (`LocalJob`)
+    with LocalJob(spec, log_dir=log_dir) as job:
         for i in range(plan.reliable):
             job.add_node(f"r{i}", NodeTier.RELIABLE)
         transient = [f"t{i}" for i in range(plan.nodes)]

@@ -1,6 +1,7 @@
-"""Nothing is left behind on any exit path: `orchestrator train` stopped by SIGTERM removes its
-temporary folders and stops its node or stage processes; one SIGKILLed (which cannot clean up)
-leaves no process behind either, since its children exit when their parent is gone."""
+"""Nothing is left behind on any exit path: `orchestrator train` removes its temporary folders
+when it succeeds, fails or is stopped by SIGTERM, and stops its node or stage processes; one
+SIGKILLed (which cannot clean up) leaves no process behind either, since its children exit when
+their parent is gone."""
 
 from __future__ import annotations
 
@@ -77,6 +78,96 @@ def _start_training(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str],
 def _ours(folder: Path) -> list[str]:
     """What the run left in its temp folder (not torch's own compile cache)."""
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("torchinductor"))
+
+
+# a linear model on random rows (no scikit-learn to import: quicker); in a node process (the
+# launcher has no AgileML token) the loss marks that a node computes, and raises from its
+# second call when asked to
+MARKED_JOB = """
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+CALLS = 0
+
+
+def model():
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def dataset():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g))
+
+
+def loss(output, target):
+    global CALLS
+    if "ORCHESTRATOR_AGILEML_TOKEN" in os.environ:
+        CALLS += 1
+        Path(os.environ["LIFECYCLE_MARKER"]).touch()
+        if CALLS > 1 and os.environ.get("LIFECYCLE_FAIL") == "1":
+            raise RuntimeError("the job's loss failed")
+        time.sleep(float(os.environ.get("LIFECYCLE_PAUSE_S", "0")))
+    return nn.functional.cross_entropy(output, target)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+"""
+
+
+def _train_marked(
+    tmp_path: Path, iterations: int, **env: str
+) -> tuple[subprocess.Popen[str], Path, Path]:
+    """`orchestrator train` of MARKED_JOB on one transient and one reliable node, with TMPDIR
+    a fresh folder; returns the process, that folder and the marker a computing node makes."""
+    job, temp, marker = tmp_path / "job.py", tmp_path / "tmp", tmp_path / "computing"
+    temp.mkdir(parents=True)
+    job.write_text(MARKED_JOB)
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("ORCHESTRATOR_KEEP_LOGS", "ORCHESTRATOR_AGILEML_TOKEN")}  # fmt: skip
+    full_env.update(TMPDIR=str(temp), LIFECYCLE_MARKER=str(marker), **env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "train", str(job), "--nodes", "1",
+         "--iterations", str(iterations), "--global-batch", "16"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env,
+    )  # fmt: skip
+    return proc, temp, marker
+
+
+def test_every_exit_of_a_training_run_removes_its_temporary_folders(tmp_path: Path) -> None:
+    """A run that succeeds, one whose node fails, one stopped by SIGTERM while its nodes
+    compute (the three at once, to be quick)."""
+    runs = {
+        "success": _train_marked(tmp_path / "success", 5),
+        "error": _train_marked(tmp_path / "error", 5, LIFECYCLE_FAIL="1"),
+        "sigterm": _train_marked(tmp_path / "sigterm", 3000, LIFECYCLE_PAUSE_S="0.05"),
+    }
+    stderr: dict[str, str] = {}
+    try:
+        proc, temp, marker = runs["sigterm"]
+        _wait_for("a node to compute", lambda: marker.exists() or proc.poll() is not None)
+        assert proc.poll() is None
+        assert any(p.name.startswith("agileml-") for p in temp.iterdir())  # there, in use
+        proc.send_signal(signal.SIGTERM)
+        for ending, (proc, _, _) in runs.items():
+            stderr[ending] = proc.communicate(timeout=120)[1]
+    finally:
+        for proc, _, _ in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert runs["success"][0].returncode == 0, stderr["success"]
+    # (not its exit status: `orchestrator.cli.main` drops the 1 that `train` exits with)
+    assert "error: training failed" in stderr["error"]
+    assert runs["sigterm"][0].returncode == SIGTERM_EXIT_STATUS, stderr["sigterm"]
+    for ending, (_, temp, marker) in runs.items():
+        assert marker.exists(), ending  # a node computed: the run got as far as training
+        assert _ours(temp) == [], ending  # no agileml-* (nor any other folder of ours) left
 
 
 @pytest.mark.slow

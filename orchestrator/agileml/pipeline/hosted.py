@@ -205,12 +205,14 @@ class HostedPipeline:
     def stop(self) -> None:
         """Stop the supervisor; every node is told to stop its workers."""
         self._halt.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30.0)
-        self.pool.stop()
-        self.inbox.close()
-        self.ctx.term()
-        shutil.rmtree(self.out_dir, ignore_errors=True)
+        try:
+            if self._thread.is_alive():
+                self._thread.join(timeout=30.0)
+            self.pool.stop()
+            self.inbox.close()
+            self.ctx.term()
+        finally:  # also when one of these raises (or a signal interrupts them)
+            shutil.rmtree(self.out_dir, ignore_errors=True)
 
     # --- supervision ----------------------------------------------------------------------
 

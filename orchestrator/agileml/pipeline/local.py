@@ -22,7 +22,6 @@ so the replayed minibatches see fresher weights than they would have: close, not
 from __future__ import annotations
 
 import secrets
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +50,7 @@ from orchestrator.agileml.pipeline.source import (
     job_source,
     layer_sizes,
 )
-from orchestrator.lifecycle import keep_logs
+from orchestrator.lifecycle import remove_run_dir
 
 
 def chain_layout(boundaries: list[tuple[int, int]], replicas: list[int] | None = None) -> Layout:
@@ -181,11 +180,12 @@ def run_pipeline(
         failed = True
         raise
     finally:
-        launch.kill_all()
-        inbox.close()
-        ctx.term()
-        if not (failed and keep_logs()):  # the stages' logs, with ORCHESTRATOR_KEEP_LOGS=1
-            shutil.rmtree(out_dir, ignore_errors=True)
+        try:
+            launch.kill_all()
+            inbox.close()
+            ctx.term()
+        finally:  # also when a second signal interrupts the above
+            remove_run_dir(out_dir, failed=failed)  # the stages' logs (ORCHESTRATOR_KEEP_LOGS)
 
 
 def _supervise(

@@ -86,13 +86,13 @@ class PipelineNode:
         self._stop.set()
 
     def run(self) -> NodeResult:
-        workdir = Path(tempfile.mkdtemp(prefix="pipeline-node-"))
         ctx: zmq.Context[Any] = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
         # one identity for the whole run: a TCP reconnect does not make it a stranger
         sock.setsockopt(zmq.ROUTING_ID, f"{self.node_id}-{secrets.token_hex(4)}".encode())
         sock.connect(self.controller)
+        workdir = Path(tempfile.mkdtemp(prefix="pipeline-node-"))  # the stages' logs and files
         try:
             # where the job's code and data are; fetched before registering, so that a node
             # taking work has them (and no download outlasts the heartbeat timeout)
@@ -109,14 +109,16 @@ class PipelineNode:
                 return NodeResult(self.node_id, ended="lost_controller")
             return NodeResult(self.node_id, ended=self._serve(sock, welcome, workdir, code))
         finally:
-            self._kill_all(report=False)
-            if self._spawner is not None:
-                self._spawner.close()
-            if self.holder is not None:
-                self.holder.stop()
-            sock.close()
-            ctx.term()
-            shutil.rmtree(workdir, ignore_errors=True)
+            try:
+                self._kill_all(report=False)
+                if self._spawner is not None:
+                    self._spawner.close()
+                if self.holder is not None:
+                    self.holder.stop()
+                sock.close()
+                ctx.term()
+            finally:  # also when one of these raises
+                shutil.rmtree(workdir, ignore_errors=True)
 
     def _send(
         self,

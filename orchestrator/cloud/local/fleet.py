@@ -207,6 +207,9 @@ class LocalFleet:
             log_dir = self._tmp.name
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # the agents' TMPDIR: an agent SIGKILLed at its stop deadline cannot remove its own
+        # temporary folders (a pipeline node's), so the fleet removes them on `close`
+        self._agents_tmp = tempfile.TemporaryDirectory(prefix="orchestrator-agents-")
         self.nodes: dict[str, LocalNode] = {}
         self._jobs: set[str] = set()
         self._redis = redis.Redis.from_url(
@@ -220,6 +223,9 @@ class LocalFleet:
             self._redis.ping()
         except redis.exceptions.RedisError as exc:
             self._redis.close()
+            self._agents_tmp.cleanup()
+            if self._tmp is not None:
+                self._tmp.cleanup()
             raise ReportsUnavailableError(f"Redis does not answer: {exc}") from exc
         self._closed = False
 
@@ -397,7 +403,7 @@ class LocalFleet:
             "--report-interval-s", repr(self.report_interval_s),
             "--notice-poll-s", repr(self.notice_poll_s),
         ]  # fmt: skip
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=self._agents_tmp.name)
         if self.training_token is not None:
             env[AGILEML_TOKEN_ENV] = self.training_token.hex()
         source_root = str(Path(orchestrator.__file__).resolve().parents[1])
@@ -440,8 +446,8 @@ class LocalFleet:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop every agent and mock, close the Redis clients, delete the temporary log
-        directory (a `log_dir` given is kept). Idempotent."""
+        """Stop every agent and mock, close the Redis clients, delete the agents' temporary
+        folders and the temporary log directory (a `log_dir` given is kept). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -451,6 +457,7 @@ class LocalFleet:
             )
         finally:
             self._redis.close()
+            self._agents_tmp.cleanup()
             if self._tmp is not None:
                 self._tmp.cleanup()
 
