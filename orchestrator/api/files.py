@@ -88,6 +88,9 @@ def checkpoint_tar(root: Folder, job_id: str) -> tuple[Path, str]:
         raise ApiError(
             409, f"checkpoint {name} went away while it was read", fix="ask again"
         ) from exc
+    except BaseException:  # any other failure: the temporary tar goes too
+        os.unlink(tar_path)
+        raise
     return Path(tar_path), name
 
 
