@@ -6,11 +6,12 @@ controller turns it into the `JobSpec` BidBrain plans with.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.market.catalog import Catalog, InstanceType
@@ -54,9 +55,11 @@ class IterationTime(BaseModel):
 
 class JobSubmission(BaseModel):
     """A job as submitted. Work is in reference-GPU-hours (one V100 for an hour = 1), given as
-    `work_gpu_hours` or, for a training job, as its iterations times `iteration_time`."""
+    `work_gpu_hours` or, for a training job, as its iterations times `iteration_time`.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    Every number is finite: the spec travels as JSON (the CLI's request, the API's answers)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     name: str = Field(description="letters, digits, '.', '_' and '-', up to 64")
     budget_usd: Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -101,9 +104,20 @@ class JobSubmission(BaseModel):
         try:
             iterations = validate_training_section(training).iterations
             timing = IterationTime.model_validate(data["iteration_time"])
-        except ValueError:  # (ValidationError too) the fields' own checks name it
-            return data
-        work = timing.work_gpu_hours(iterations, data.get("gpu_work_rates") or {})
+            rates = _GPU_WORK_RATES.validate_python(data.get("gpu_work_rates") or {})
+        except ValueError:  # (ValidationError too) that field's own check names it, and is
+            # the first error: work_gpu_hours, checked before training and gpu_work_rates, is
+            # not reported missing (this placeholder never survives: that check fails)
+            return {**data, "work_gpu_hours": 1.0}
+        try:
+            work = timing.work_gpu_hours(iterations, rates)
+        except OverflowError:  # an int iterations beyond any float
+            work = math.inf
+        if not 0 < work < math.inf:
+            raise ValueError(
+                "training.iterations times iteration_time.seconds_per_iteration is no positive, "
+                f"finite amount of work ({work} reference-GPU-hours); give smaller or larger values"
+            )
         return {**data, "work_gpu_hours": work}
 
     @field_validator("training")
@@ -131,7 +145,8 @@ class JobSubmission(BaseModel):
         known = Catalog.load().regions()
         for region in value:
             if region not in known:
-                raise ValueError(f"unknown region {region!r}; known: {', '.join(known)}")
+                shown = region if len(region) <= 64 else f"{region[:61]}..."
+                raise ValueError(f"unknown region {shown!r}; known: {', '.join(known)}")
         if not value:
             raise ValueError("give at least one region")
         return value
@@ -178,6 +193,10 @@ class JobSubmission(BaseModel):
             time_value_usd_per_hour=self.time_value_usd_per_hour,
             gpu_work_rates=rates,
         )
+
+
+#: `gpu_work_rates` as the field checks it (for the work from `iteration_time`, before it is)
+_GPU_WORK_RATES = TypeAdapter(dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]])
 
 
 def _catalog_type(name: str) -> InstanceType:

@@ -303,12 +303,19 @@ def read_config_file(path: Path, *, option: str = CONFIG_FILE_ENV) -> dict[str, 
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise UserError(
-            f"cannot read config {path}: {exc.strerror}",
+            f"cannot read config {path}: {why}",
             field=option,
-            fix="pass an existing YAML or JSON file",
+            fix="pass an existing YAML or JSON file (UTF-8)",
+        ) from None
+    except RecursionError:
+        raise UserError(
+            f"config {path} is nested too deeply to read",
+            field=option,
+            fix="write settings as `key: value` lines, a few levels deep at most",
         ) from None
     except yaml.YAMLError as exc:
         raise UserError(

@@ -47,10 +47,10 @@ class TrainingSpec(BaseModel):
 
     Raises:
         pydantic.ValidationError: naming the field, e.g. a global batch smaller than the
-            number of partitions' minimum or a slack below 0.
+            number of partitions' minimum or a slack below 0, or a number that is not finite.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     job_id: NodeId
     # the user's job file (or directory with job.py) on the nodes' machines (see `jobcode`);

@@ -59,10 +59,11 @@ class StageThresholds(BaseModel):
     """Transient:reliable ratios above which stages 2 and 3 start; 0 < stage2 < stage3.
 
     Raises:
-        pydantic.ValidationError: on construction, for thresholds out of order or not positive.
+        pydantic.ValidationError: on construction, for thresholds out of order, not positive
+            or not finite.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     stage2_above: float = 1.0
     stage3_above: float = 15.0

@@ -39,11 +39,15 @@ from orchestrator.artifacts import folder_at
 from orchestrator.artifacts.code import fetch_code, is_code_ref
 from orchestrator.artifacts.data import use_data
 from orchestrator.errors import UserError
+from orchestrator.lifecycle import SIGTERM_EXIT_STATUS
 
 REQUIRED = ("model", "dataset", "loss", "optimizer")
 OPTIONAL = ("scheduler", "collate", "evaluate", "stages")
 ENTRY_FILE = "job.py"  # the module a job directory must hold
 CHECK_ROWS = 4
+#: What a job's code may raise that becomes a JobCodeError: any Exception, and the SystemExit
+#: of a script's habits (sys.exit(), argparse); KeyboardInterrupt goes on unwinding
+USER_CODE_ERRORS = (Exception, SystemExit)
 
 
 class JobCodeError(UserError):
@@ -138,6 +142,13 @@ def load_job_code(path: str | Path) -> JobCode:
     return JobCode(path=file, **found)
 
 
+def _unless_stopping(exc: BaseException) -> None:
+    """Re-raise the SystemExit of SIGTERM or SIGHUP (`lifecycle.exit_on_signals`) that arrived
+    while the job's code ran: the process is being stopped, not failing."""
+    if isinstance(exc, SystemExit) and exc.code == SIGTERM_EXIT_STATUS:
+        raise exc
+
+
 def _import(file: Path) -> ModuleType:
     digest = hashlib.sha1(str(file).encode()).hexdigest()[:12]
     name = f"orchestrator_job_{digest}"
@@ -152,7 +163,8 @@ def _import(file: Path) -> ModuleType:
         sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
+        _unless_stopping(exc)
         raise JobCodeError(f"importing {file} failed: {type(exc).__name__}: {exc}") from exc
     sys.modules[name] = module
     return module
@@ -193,7 +205,8 @@ def seeded_model(code: JobCode, seed: int) -> nn.Module:
         torch.manual_seed(seed)
         try:
             model = code.model()
-        except Exception as exc:
+        except USER_CODE_ERRORS as exc:
+            _unless_stopping(exc)
             raise JobCodeError(f"model() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise JobCodeError(f"model() returned {type(model).__name__}, not a torch.nn.Module")
@@ -212,14 +225,16 @@ def check_job_code(code: JobCode, *, global_batch: int, seed: int = 0) -> JobChe
     x, y = rows.take(torch.arange(min(CHECK_ROWS, len(rows))))
     try:
         out = model(x)
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
+        _unless_stopping(exc)
         raise JobCodeError(
             f"model()(inputs) raised on a batch of {CHECK_ROWS} collated items: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
     try:
         value = code.loss(out, y)
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
+        _unless_stopping(exc)
         raise JobCodeError(f"loss(output, target) raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -251,12 +266,14 @@ def optimizer_plan(
         plan = OptimizerPlan.from_model(model, code.optimizer, code.scheduler, buffer_sizes)
     except AgileMLError as exc:
         raise JobCodeError(f"optimizer(params): {exc}") from exc
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
+        _unless_stopping(exc)
         raise JobCodeError(f"optimizer(params) raised {type(exc).__name__}: {exc}") from exc
     if code.scheduler is not None:
         try:
             scheduler = code.scheduler(code.optimizer(model.parameters()))
-        except Exception as exc:
+        except USER_CODE_ERRORS as exc:
+            _unless_stopping(exc)
             raise JobCodeError(f"scheduler(optimizer) raised {type(exc).__name__}: {exc}") from exc
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise JobCodeError(
@@ -273,7 +290,8 @@ def dataset_rows(code: JobCode) -> DatasetRows:
     """The job's training set, addressed by row. Raises JobCodeError."""
     try:
         data = code.dataset()
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
+        _unless_stopping(exc)
         raise JobCodeError(f"dataset() raised {type(exc).__name__}: {exc}") from exc
     if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
         raise JobCodeError(
@@ -282,8 +300,14 @@ def dataset_rows(code: JobCode) -> DatasetRows:
         )
     try:
         return DatasetRows(data, code.collate)
-    except ValueError as exc:
+    except ValueError as exc:  # empty, or a negative __len__
         raise JobCodeError(f"dataset(): {exc}") from exc
+    except USER_CODE_ERRORS as exc:  # its __len__ raised, or returned no int
+        _unless_stopping(exc)
+        raise JobCodeError(
+            f"len(dataset()) failed: {type(exc).__name__}: {exc}. To fix: make __len__ return "
+            "the number of items (an int)."
+        ) from exc
 
 
 def _check_dataset(code: JobCode, global_batch: int) -> DatasetRows:
@@ -293,7 +317,11 @@ def _check_dataset(code: JobCode, global_batch: int) -> DatasetRows:
             f"dataset() has {len(rows)} items, fewer than the global batch ({global_batch}). "
             f"To fix: use a smaller --global-batch."
         )
-    item = rows.dataset[0]
+    try:
+        item = rows.dataset[0]
+    except USER_CODE_ERRORS as exc:
+        _unless_stopping(exc)
+        raise JobCodeError(f"dataset()[0] raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         raise JobCodeError(
             f"dataset()[0] is a {type(item).__name__}, not an (input, target) pair. To fix: "
@@ -301,7 +329,8 @@ def _check_dataset(code: JobCode, global_batch: int) -> DatasetRows:
         )
     try:
         rows.take(torch.arange(min(CHECK_ROWS, len(rows))))
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
+        _unless_stopping(exc)
         who = "collate(items)" if code.collate is not None else "collating dataset items"
         raise JobCodeError(f"{who} failed: {type(exc).__name__}: {exc}") from exc
     return rows

@@ -37,7 +37,7 @@ class AppParams(BaseModel):
       one iteration).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     phi: Annotated[float, Field(gt=0, le=1)] = 1.0
     add_overhead_s: Annotated[float, Field(ge=0)] = 240.0

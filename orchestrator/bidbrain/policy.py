@@ -40,9 +40,10 @@ WIDE_BID_DELTAS_USD = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 
 class BidBrainSettings(BaseModel):
-    """Knobs of the decision, with the paper's values where it gave them (seed 002 §4.3-4.4)."""
+    """Knobs of the decision, with the paper's values where it gave them (seed 002 §4.3-4.4).
+    Every number is finite (an infinite renew lead or interval cannot be scheduled)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     decision_interval_s: float = Field(120.0, gt=0, description="periodic decision (2 min)")
     renew_period_s: float = Field(

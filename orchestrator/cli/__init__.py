@@ -36,7 +36,11 @@ def main() -> None:
     and SIGHUP unwind (temporary folders removed, child processes stopped) and exit 143."""
     exit_on_signals()
     try:
-        app(standalone_mode=False)
+        # without standalone mode click returns a command's `typer.Exit(code)` instead of
+        # exiting: a command that failed would exit 0
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except UserError as exc:
         if DEBUG["on"]:
             raise

@@ -26,6 +26,8 @@ err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, widt
 # A pipe or a CI log gets a wide table rather than rich's 80-column default.
 out = Console() if sys.stdout.isatty() else Console(width=140)
 DEBUG = {"on": False}
+#: How much of an offending input an error message quotes (as the API's errors do).
+MAX_QUOTED_INPUT_CHARS = 80
 
 #: pydantic field -> the CLI option that sets it, for error messages
 _OPTION_OF_FIELD = {
@@ -77,8 +79,12 @@ def validation_to_user_error(exc: ValidationError, config_file: Path | None = No
     fix = f"pass a valid value for {option}"
     if first.get("type") == "extra_forbidden":
         fix = f"remove {option}: it is not a setting (the README lists them under Configuration)"
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    got = repr(first.get("input"))
+    if len(got) > MAX_QUOTED_INPUT_CHARS:
+        got = got[: MAX_QUOTED_INPUT_CHARS - 3] + "..."
     return UserError(
-        f"{option}: {first.get('msg', 'invalid value')} (got {first.get('input')!r}){where}",
+        f"{option}: {msg} (got {got}){where}",
         fix=fix,
         field=option,
     )

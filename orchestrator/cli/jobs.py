@@ -31,6 +31,7 @@ from orchestrator.errors import UserError
 
 if TYPE_CHECKING:
     from orchestrator.api.client import ApiClient
+    from orchestrator.jobspec import JobSubmission
 
 #: How often `--wait` polls the API. A controller tick is several seconds; 1 s feels live.
 WAIT_POLL_S = 1.0
@@ -103,26 +104,7 @@ def submit(
     relative to JOB.yaml) is checked, packed and uploaded to the controller's artifact store;
     the job's nodes fetch it (and install its requirements.txt) before they join.
     """
-    from pydantic import ValidationError
-
-    from orchestrator.api import validation_error
-    from orchestrator.jobspec import JobSubmission
-
-    data = _read_job_file(job_file)
-    if budget is not None:
-        data["budget_usd"] = budget
-    try:
-        submission = JobSubmission.model_validate(data)
-    except ValidationError as exc:
-        options = {"budget_usd": "--budget"} if budget is not None else {}
-        error = validation_error(exc.errors(), options=options, what=f"job spec {job_file}")
-        from_option = error.field in options
-        raise UserError(
-            error.message if from_option else f"{job_file}: {error.message}",
-            fix=error.fix,
-            field=error.field,
-            path=None if from_option else str(job_file),
-        ) from None
+    submission = load_submission(job_file, budget)
     with _client(api, token) as client:
         body = submission.model_dump(mode="json")
         if submission.training and submission.training.get("code"):
@@ -227,6 +209,34 @@ def _pipeline_rates(submission: Any, job_file: Path) -> dict[str, float] | None:
     return dict(sizing.gpu_work_rates)
 
 
+def load_submission(job_file: Path, budget: float | None = None) -> JobSubmission:
+    """The job file as a validated submission (`budget`, when given, over its budget_usd).
+
+    Raises:
+        UserError: the file cannot be read or parsed, or a field is invalid (named).
+    """
+    from pydantic import ValidationError
+
+    from orchestrator.api import validation_error
+    from orchestrator.jobspec import JobSubmission
+
+    data = _read_job_file(job_file)
+    if budget is not None:
+        data["budget_usd"] = budget
+    try:
+        return JobSubmission.model_validate(data)
+    except ValidationError as exc:
+        options = {"budget_usd": "--budget"} if budget is not None else {}
+        error = validation_error(exc.errors(), options=options, what=f"job spec {job_file}")
+        from_option = error.field in options
+        raise UserError(
+            error.message if from_option else f"{job_file}: {error.message}",
+            fix=error.fix,
+            field=error.field,
+            path=None if from_option else str(job_file),
+        ) from None
+
+
 def _read_job_file(path: Path) -> dict[str, Any]:
     """The job file's mapping.
 
@@ -251,6 +261,13 @@ def _read_job_file(path: Path) -> dict[str, Any]:
             field="JOB.yaml",
             path=str(path),
             fix="fix the syntax at the position shown",
+        ) from None
+    except RecursionError:  # the YAML parser recurses once per level of nesting
+        raise UserError(
+            f"job file {path} nests lists or mappings too deeply to read",
+            field="JOB.yaml",
+            path=str(path),
+            fix="a job spec is a flat mapping with a few nested sections (see the README)",
         ) from None
     if not isinstance(data, dict):
         raise UserError(

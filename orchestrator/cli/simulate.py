@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Annotated, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from pydantic import ValidationError
 
 from orchestrator.cli.app import app, err, out, validation_to_user_error
 from orchestrator.errors import UserError
+
+if TYPE_CHECKING:  # the simulator loads only when a command runs
+    from orchestrator.sim.runner import SimConfig
 
 T = TypeVar("T")
 
@@ -109,12 +112,10 @@ def simulate(
     config_file: ConfigOption = None,
 ) -> None:
     """Compare strategies on replayed spot prices and evictions from many start times."""
-    from orchestrator.settings import read_config_file
     from orchestrator.sim.report import render_table
-    from orchestrator.sim.runner import load_world, sim_config
+    from orchestrator.sim.runner import load_world
     from orchestrator.sim.runner import simulate as run_simulation
 
-    settings = read_config_file(config_file, option="--config") if config_file else {}
     given = {
         "prices": tuple(prices) if prices else None,
         "availability": availability,
@@ -129,25 +130,27 @@ def simulate(
         "max_scale": max_scale,
         "workers": workers,
     }
-    try:
-        config = sim_config({**settings, **{k: v for k, v in given.items() if v is not None}})
-    except ValidationError as exc:
-        raise validation_to_user_error(exc, config_file) from None
-    if plot is not None and not plot.parent.is_dir():
-        raise UserError(
-            f"cannot write plot {plot}: folder {plot.parent} does not exist",
-            field="--plot",
-            fix="create the folder or pass another path",
-        )
+    config = simulation_config(config_file, given)
+    if plot is not None:
+        _check_plot_path(plot)
     world = load_world(config)
-    with _open_for_writing(ledger, "--ledger") as ledger_file:
-        report = _with_progress(
-            lambda progress: run_simulation(
-                config, world=world, ledger_out=ledger_file, on_progress=progress
-            ),
-            total=config.starts,
-            label=f"simulating {len(config.strategies)} strategies",
-        )
+    try:
+        with _open_for_writing(ledger, "--ledger") as ledger_file:
+            report = _with_progress(
+                lambda progress: run_simulation(
+                    config, world=world, ledger_out=ledger_file, on_progress=progress
+                ),
+                total=config.starts,
+                label=f"simulating {len(config.strategies)} strategies",
+            )
+    except OSError as exc:  # the simulation itself reads and writes nothing else
+        if ledger is None:
+            raise
+        raise UserError(
+            f"cannot write {ledger}: {exc.strerror or exc}",
+            field="--ledger",
+            fix="pass a path on a disk with room, in a folder you can write to",
+        ) from None
     if as_json:
         sys.stdout.write(json.dumps(report.as_dict()) + "\n")
     else:
@@ -156,6 +159,49 @@ def simulate(
         saved = _save_plot(plot, config, world, report)
         if not as_json:
             out.print(saved)
+
+
+def simulation_config(config_file: Path | None, given: Mapping[str, Any]) -> SimConfig:
+    """The run's settings: the config file's, with the options given (not None) over them.
+
+    Raises:
+        UserError: the file cannot be read, or a setting is invalid (naming its option).
+    """
+    from orchestrator.settings import read_config_file
+    from orchestrator.sim.runner import sim_config
+
+    settings = read_config_file(config_file, option="--config") if config_file else {}
+    try:
+        return sim_config({**settings, **{k: v for k, v in given.items() if v is not None}})
+    except ValidationError as exc:
+        raise validation_to_user_error(exc, config_file) from None
+
+
+def _check_plot_path(plot: Path) -> None:
+    """Refuse, before simulating, a --plot that cannot be written: no such folder, or a name
+    whose suffix is neither .html (the run report) nor an image format matplotlib writes.
+
+    Raises:
+        UserError: naming --plot.
+    """
+    if not plot.parent.is_dir():
+        raise UserError(
+            f"cannot write plot {plot}: folder {plot.parent} does not exist",
+            field="--plot",
+            fix="create the folder or pass another path",
+        )
+    if plot.suffix.lower() in (".html", ".htm"):
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if plot.suffix.lower().removeprefix(".") not in formats:
+        raise UserError(
+            f"cannot write plot {plot}: its name ends in neither .html (the run report) nor an "
+            "image format",
+            field="--plot",
+            fix=f"name a .html file or an image: .{', .'.join(formats)}",
+        )
 
 
 def _save_plot(plot: Path, config: Any, world: Any, report: Any) -> str:

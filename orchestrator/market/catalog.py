@@ -294,8 +294,9 @@ class Catalog:
             [wanted] if wanted in self._types else difflib.get_close_matches(wanted, self.names())
         )
         hint = f" Did you mean {', '.join(repr(m) for m in matches)}?" if matches else ""
+        shown = name if len(name) <= 64 else f"{name[:61]}..."  # not a whole file's worth
         raise UnknownInstanceTypeError(
-            f"unknown instance type {name!r}.{hint}",
+            f"unknown instance type {shown!r}.{hint}",
             fix=f"use one of the catalog's instance types: {', '.join(self.names())}",
             field="instance_type",
             path=self.path,

@@ -57,9 +57,11 @@ class RuntimeParams(BaseModel):
     * `capacity_cooldown_s` 600: a node noticed before it was even ready means the market is out
       of capacity; it is avoided this long.
     * AgileML's σ and λ come from the job's `AppParams` (seed 002 Table 4.2).
+
+    Every value is finite (the engine schedules events at these offsets).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     boot_s: float = Field(180.0, ge=0)
     checkpoint_s: float = Field(60.0, gt=0)

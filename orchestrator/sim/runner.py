@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import IO, Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchestrator.bidbrain.baselines import CheapestFailoverPolicy, OnDemandPolicy
 from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.bidbrain.policy import BidBrainSettings
 from orchestrator.market.billing import billing_model
-from orchestrator.market.catalog import Catalog
+from orchestrator.market.catalog import Catalog, InstanceType
+from orchestrator.market.errors import UnknownInstanceTypeError
 from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_datetime
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
@@ -39,9 +40,9 @@ DEFAULT_STRATEGIES = (
 
 
 class SimConfig(BaseModel):
-    """One `orchestrator simulate` invocation."""
+    """One `orchestrator simulate` invocation (every number finite)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     prices: tuple[Path, ...]
     availability: Path | None = None
@@ -49,13 +50,13 @@ class SimConfig(BaseModel):
     job_hours: Annotated[float, Field(gt=0, le=24 * 14)] = 20.0
     nodes: Annotated[int, Field(gt=0, le=4096)] = 16
     starts: Annotated[int, Field(gt=0, le=100_000)] = 1000
-    seed: int = 1
+    seed: Annotated[int, Field(ge=0)] = 1  # numpy's generators take no negative seed
     billing: str = "per-second"
     reference_type: str = "p3.2xlarge"
     max_scale: Annotated[float, Field(ge=1.0, le=16.0)] = 1.0
     budget_usd: Annotated[float, Field(gt=0)] | None = None
     reliable_type: str = "m5.xlarge"
-    reliable_count: Annotated[int, Field(ge=0)] = 1
+    reliable_count: Annotated[int, Field(ge=0, le=64)] = 1  # as a submitted job's
     time_value_usd_per_hour: Annotated[float, Field(ge=0)] | None = None
     app: AppParams = AppParams()
     runtime: RuntimeParams = RuntimeParams()
@@ -64,6 +65,30 @@ class SimConfig(BaseModel):
     gpu_work_rates: dict[str, Annotated[float, Field(gt=0)]] | None = Field(
         None, description="work rate per GPU model, merged over the catalog's (V100 = 1.0)"
     )
+
+    @field_validator("reference_type")
+    @classmethod
+    def _reference_gpu_type(cls, value: str) -> str:
+        if not _catalog_type(value).is_gpu:
+            raise ValueError(f"{value} has no GPU; the job's work is measured in GPUs of a type")
+        return value
+
+    @field_validator("reliable_type")
+    @classmethod
+    def _reliable_type(cls, value: str) -> str:
+        _catalog_type(value)
+        return value
+
+
+def _catalog_type(name: str) -> InstanceType:
+    """The catalog's entry, or a ValueError with its message (and the known types when it
+    suggests none), so that the error names the setting or option, not only the type."""
+    catalog = Catalog.load()
+    try:
+        return catalog.get(name)
+    except UnknownInstanceTypeError as exc:
+        known = "" if "Did you mean" in exc.message else f" Known: {', '.join(catalog.names())}"
+        raise ValueError(exc.message + known) from None
 
 
 def sim_config(settings: Mapping[str, Any]) -> SimConfig:
@@ -74,7 +99,8 @@ def sim_config(settings: Mapping[str, Any]) -> SimConfig:
         pydantic.ValidationError: a setting is invalid (the caller names its option).
         UserError: an unknown strategy or billing model (listing the valid ones).
     """
-    config = SimConfig(**{"prices": (bundled_prices_dir("us-east-1"),), **settings})
+    # model_validate, not SimConfig(**...): a config file's key may be no string (`1: 2`)
+    config = SimConfig.model_validate({"prices": (bundled_prices_dir("us-east-1"),), **settings})
     billing_model(config.billing)
     get_strategies(list(config.strategies))
     return config

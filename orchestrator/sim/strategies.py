@@ -143,7 +143,10 @@ def run_oracle(world: World, job: JobSpec, start_s: float, keep_ledger: bool) ->
                     count,
                 )
             )
-        work_left_s -= rate * (end - t)
+        # done at `finish`: subtracting the work of (end - t) instead would leave a residue
+        # (t is ~1.6e9 s, so end - t is off by up to 1e-7 s) that a next `finish` rounding to
+        # `t` could never use up
+        work_left_s = 0.0 if end >= finish else work_left_s - rate * (end - t)
         t = end
         i += 1
     compute_s = (t - start_s) * rate

@@ -162,7 +162,7 @@ def test_every_exit_of_a_training_run_removes_its_temporary_folders(tmp_path: Pa
                 proc.kill()
                 proc.wait()
     assert runs["success"][0].returncode == 0, stderr["success"]
-    # (not its exit status: `orchestrator.cli.main` drops the 1 that `train` exits with)
+    assert runs["error"][0].returncode == 1, stderr["error"]  # `main` once dropped this 1
     assert "error: training failed" in stderr["error"]
     assert runs["sigterm"][0].returncode == SIGTERM_EXIT_STATUS, stderr["sigterm"]
     for ending, (_, temp, marker) in runs.items():
