@@ -8,7 +8,8 @@ eviction says `leaving`; once its partitions are handed off and its last clock i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -24,6 +25,8 @@ from orchestrator.agileml.wire import MessageKind
 from orchestrator.straggler.spec import StragglerSpec
 
 NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+#: How often a control call asks whether the node it waits on is gone.
+GONE_CHECK_S = 0.25
 
 
 class ModelSpec(BaseModel):
@@ -273,12 +276,20 @@ class ControlClient:
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._seq = 0
 
-    def call(self, endpoint: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send `body` to `endpoint`; returns the JSON object it answers.
+    def call(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        timeout_s: float,
+        gone: Callable[[], bool] | None = None,
+    ) -> dict[str, Any]:
+        """Send `body` to `endpoint`; returns the JSON object it answers. `gone` is asked
+        while waiting: once it says the node is gone (it stopped heartbeating), the call
+        gives up rather than wait out `timeout_s` on a dead node.
 
         Raises:
-            ControlError: no answer within `timeout_s` (the socket is then reset), or an
-                unauthenticated, malformed or `error` answer.
+            ControlError: no answer within `timeout_s` or from a node `gone` (the socket is
+                then reset), or an unauthenticated, malformed or `error` answer.
         """
         sock = self._socks.get(endpoint)
         if sock is None:
@@ -294,14 +305,24 @@ class ControlClient:
             "seq": self._seq,
         }
         sock.send_multipart(wire.encode(header, wire.json_body(body), self._token))
+        deadline, why = time.monotonic() + timeout_s, "timeout"
         try:
-            got = wire.await_reply(sock, self._seq, self._token, timeout_s)
+            while (left := deadline - time.monotonic()) > 0:
+                slice_s = left if gone is None else min(left, GONE_CHECK_S)
+                got = wire.await_reply(sock, self._seq, self._token, slice_s)
+                if got is not None:
+                    break
+                if gone is not None and gone():
+                    why = "the node stopped heartbeating"
+                    break
+            else:
+                got = None
         except WireError as exc:
             raise ControlError(endpoint, str(exc.reason)) from exc
         if got is None:
             sock.close(linger=0)  # a late answer must not meet the next call
             del self._socks[endpoint]
-            raise ControlError(endpoint, "timeout")
+            raise ControlError(endpoint, why)
         reply, tensors = got
         if reply.kind is MessageKind.ERROR:
             raise ControlError(endpoint, reply.detail or "error")

@@ -76,6 +76,7 @@ from orchestrator.agileml.errors import (
     AgileMLError,
     NoReliableNodeError,
     PartitionsLostError,
+    RecoveryError,
     WireError,
 )
 from orchestrator.agileml.horizon import HorizonSpan
@@ -376,11 +377,16 @@ class Coordinator:
                     pass
                 try:
                     self._step(client, batch)
-                except (NoReliableNodeError, PartitionsLostError) as exc:
+                except (NoReliableNodeError, PartitionsLostError, RecoveryError) as exc:
                     self._abort(str(exc))
                     return
                 except (AgileMLError, ValidationError) as exc:
                     log.exception("reconfiguration failed", extra={"error": str(exc)})
+                except Exception as exc:  # noqa: BLE001 - this thread must not die silently
+                    # nothing else detects failures or reconfigures: a stalled job is worse
+                    log.exception("reconfiguration crashed")
+                    self._abort(f"the elasticity controller failed: {type(exc).__name__}: {exc}")
+                    return
         finally:
             client.close()
 
@@ -518,7 +524,10 @@ class Coordinator:
         assert view.roster is not None
         for n in failed:
             self._move(n, NodeState.FAILED)
-        plan = plan_roles(self._nodes_in(NodeState.ACTIVE, NodeState.READY), self.spec.thresholds)
+        # only active nodes take over: a node ready in the same batch has not had the roster
+        # yet (a partition restored on it refused every roster after; the job hung). It joins
+        # through `_scale_up` right after, as any joiner.
+        plan = plan_roles(self._nodes_in(NodeState.ACTIVE), self.spec.thresholds)
         endpoints = self._endpoints()
         lost = [p for p in range(self.spec.num_partitions) if self._table.owner(p) in failed]
         epoch, restart = view.epoch, view.restart_clock
@@ -548,10 +557,18 @@ class Coordinator:
         kind = "rolled_back" if lost else "failed"
         detail = f"epoch {epoch}, redo from clock {restart}; " if lost else ""
         self._record(kind, failed, detail + f"shares adopted: {ranges}")
-        if set(roster.members(self._horizon + 1)) != set(plan.workers):
-            # the stage changed (e.g. reliable nodes compute again): past the horizon
-            self._schedule(client, plan, lambda r, clock: r.with_change(clock, plan.workers))
-        self._rebalance(client, plan)
+        try:
+            if set(roster.members(self._horizon + 1)) != set(plan.workers):
+                # the stage changed (e.g. reliable nodes compute again): past the horizon
+                self._schedule(client, plan, lambda r, clock: r.with_change(clock, plan.workers))
+            self._rebalance(client, plan)
+        except AgileMLError as exc:
+            if any(self._silent(n) for n in self._live_nodes()):
+                # another node went meanwhile: the next step fails it and recovers again
+                log.warning("recovery cut short by another failure", extra={"error": str(exc)})
+                return
+            # the failed nodes are gone: nothing would retry this; a stalled job is worse
+            raise RecoveryError(f"recovering from the loss of {failed} failed: {exc}") from exc
 
     def _rebalance(self, client: ControlClient, plan: RolePlan) -> None:
         """Hand partitions to the plan's serving nodes with as few moves as possible. A
@@ -608,8 +625,8 @@ class Coordinator:
         timeout = quick if body["op"] == "configure" else CONTROL_TIMEOUT_SECONDS
         if body["op"] == "handoff":  # each move may wait out its receiver's ack
             timeout += len(body["moves"]) * HANDOFF_TIMEOUT_SECONDS
-        try:
-            out = client.call(endpoint, body, timeout)
+        try:  # a node that stopped heartbeating is not waited on (the detector fails it)
+            out = client.call(endpoint, body, timeout, gone=lambda: self._silent(node))
         except ControlError as exc:
             raise AgileMLError(f"{body['op']} on {node}: {exc.reason}") from exc
         if not out.get("ok"):
@@ -663,14 +680,15 @@ class Coordinator:
         return {p: endpoints[reliable[p % len(reliable)]] for p in range(self.spec.num_partitions)}
 
     def _detect_failures(self) -> list[str]:
-        now = self._now()
         with self._lock:
-            return sorted(
-                n
-                for n, info in self._nodes.items()
-                if self._membership.state(n) in LIVE_STATES
-                and now - info.last_seen_s > self.spec.failure_timeout_s
-            )
+            live = [n for n in self._nodes if self._membership.state(n) in LIVE_STATES]
+        return sorted(n for n in live if self._silent(n))
+
+    def _silent(self, node: str) -> bool:
+        """No heartbeat from `node` for `failure_timeout_s`: the detector takes it as failed."""
+        with self._lock:
+            info = self._nodes.get(node)
+            return info is None or self._now() - info.last_seen_s > self.spec.failure_timeout_s
 
     def _check_done(self) -> None:
         view = self.view()

@@ -117,6 +117,12 @@ class PartitionsLostError(AgileMLError):
     cannot go on; the elasticity controller aborts it instead of waiting."""
 
 
+class RecoveryError(AgileMLError):
+    """The job could not be reconfigured after a node failure (its partitions restored, but
+    the roster or their owners not settled): nothing would retry it, so the elasticity
+    controller aborts the job with this reason instead of leaving it stalled."""
+
+
 class IllegalNodeTransitionError(ElasticityError):
     """A membership move that the lifecycle table does not allow; the node's state is unchanged.
 

@@ -1,4 +1,6 @@
-"""`LocalRedis`: a throwaway `redis-server` for the demo (free loopback port, no persistence).
+"""`LocalRedis`: a throwaway `redis-server` for the demo (free loopback port, no persistence
+unless asked: the chaos soak crashes and restarts one that keeps an append-only file, as the
+AWS controller's does).
 
 The same procedure as the tests' `tests/support/redis_server.py`, in the package because the demo
 needs it: start `redis-server` on a free 127.0.0.1 port with persistence off and a private
@@ -50,16 +52,20 @@ class LocalRedis:
         with LocalRedis() as r:
             store = RedisStore.connect(r.url, namespace="demo")
 
-    Nothing is persisted: stopping the server loses its data (its directory is deleted).
+    Nothing is persisted unless `persist` (an append-only file fsynced on every write, which
+    `crash_restart` keeps); stopping the server loses its data (its directory is deleted).
 
     Raises (on start):
         RedisProcessError: the binary is missing ("apt-get install redis-server"), or no
             server answered PING within `READY_TIMEOUT_SECONDS` after `START_ATTEMPTS` tries.
     """
 
-    def __init__(self, binary: str = "redis-server", *, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, binary: str = "redis-server", *, host: str = "127.0.0.1", persist: bool = False
+    ) -> None:
         self.binary = binary
         self.host = host
+        self.persist = persist
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
@@ -95,21 +101,7 @@ class LocalRedis:
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
                 port = free_port(self.host)
-                argv = [
-                    path,
-                    "--port", str(port),
-                    "--bind", self.host,
-                    "--save", "",
-                    "--appendonly", "no",
-                    "--dir", self._workdir.name,
-                    "--logfile", str(logfile),
-                ]  # fmt: skip
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.STDOUT,
-                )
+                proc = self._spawn(path, port, logfile)
                 if _wait_ready(proc, f"redis://{self.host}:{port}/0"):
                     self._proc, self.port = proc, port
                     log.info("redis-server started", extra={"port": port, "pid": proc.pid})
@@ -129,6 +121,49 @@ class LocalRedis:
         except BaseException:
             self._cleanup_dir()
             raise
+
+    def crash_restart(self) -> None:
+        """SIGKILL the server and start it again on the same port and directory (with
+        `persist`, with every acknowledged write).
+
+        Raises:
+            RedisProcessError: not running, or the new server did not answer PING in time.
+        """
+        if self._proc is None or self._workdir is None:
+            raise RedisProcessError("the local redis-server is not running", fix="start it first")
+        self._proc.kill()
+        self._proc.wait()
+        path = shutil.which(self.binary)
+        assert path is not None  # it started once
+        logfile = Path(self._workdir.name) / "redis.log"
+        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+        while True:  # the port may linger a moment after the kill
+            proc = self._spawn(path, self.port, logfile)
+            if _wait_ready(proc, f"redis://{self.host}:{self.port}/0"):
+                self._proc = proc
+                return
+            _stop(proc)
+            if time.monotonic() > deadline:
+                self._proc = None
+                raise RedisProcessError(f"redis-server did not come back on port {self.port}")
+            time.sleep(0.05)
+
+    def _spawn(self, path: str, port: int, logfile: Path) -> subprocess.Popen[bytes]:
+        assert self._workdir is not None
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else [
+            "--appendonly", "no"]  # fmt: skip
+        argv = [
+            path,
+            "--port", str(port),
+            "--bind", self.host,
+            "--save", "",
+            *persistence,
+            "--dir", self._workdir.name,
+            "--logfile", str(logfile),
+        ]  # fmt: skip
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
 
     def stop(self) -> None:
         """SIGTERM the server by pid (SIGKILL after `STOP_TIMEOUT_SECONDS`), reap it and delete
