@@ -70,6 +70,7 @@ def soak(
         "unbilled_or_double_billed": world["unbilled_or_double_billed"],
         "hung": world["hung"] + runtime["hung"],
         "ended_without_reason": world["no_reason"] + runtime["no_reason"],
+        "unexpected_aborts": runtime["unexpected_aborts"],
         "recovery_s_p50": percentile(every, 50),
         "recovery_s_p99": percentile(every, 99),
         "recovery_s_by_kind": {

@@ -16,7 +16,15 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -100,6 +108,18 @@ class ApiSettings(BaseModel):
                 field=API_TOKEN_ENV,
             )
         return self.token
+
+    @model_validator(mode="after")
+    def _read_token_differs(self) -> ApiSettings:
+        token, read = self.token, self.read_token
+        if token is None or read is None:
+            return self
+        if token.get_secret_value().strip() == read.get_secret_value().strip():
+            raise ValueError(
+                "read_token equals token: every change would be refused as read-only; "
+                "give the read-only token a value of its own"
+            )
+        return self
 
     @field_validator("tls_secret", "token_secret", mode="before")
     @classmethod

@@ -11,7 +11,8 @@ small integers, so float32 sums are exact). Faults, at random moments of a runni
 - `notice_on_time`: a transient node gets its notice (SIGUSR1) and leaves after its hand-off;
 - `notice_twice`: two notices in a row;
 - `notice_then_kill`: the notice, then SIGKILL 0-0.5 s later (the hand-off may not finish);
-- `kill_reliable`: the reliable node is SIGKILLed (rarely): the job must abort and say why.
+- `kill_reliable`: the reliable node is SIGKILLed (rarely): the job must abort and say why;
+  an abort after any other fault is counted as unexpected (a finding).
 
 Each lost transient node is replaced by a new one (as BidBrain buys a replacement). Recovery:
 seconds from the fault to the next clock any node completes. A job that makes no progress for
@@ -58,7 +59,9 @@ class RuntimeOptions:
 class _Outcome:
     jobs: int = 0
     succeeded: int = 0
-    aborted_with_reason: int = 0
+    aborted_with_reason: int = 0  # after their reliable node was killed, as they must
+    unexpected_aborts: int = 0  # any other abort: a finding (its reason in `abort_reasons`)
+    abort_reasons: list[str] | None = None
     no_reason: int = 0
     hung: int = 0
     lost_updates: int = 0
@@ -68,6 +71,7 @@ class _Outcome:
     hung_job: bool = False  # the current job hung: not checked further
     hung_details: list[dict[str, Any]] | None = None  # per hang: the last fault, the events
     last_fault: str = ""
+    reliable_killed: bool = False  # in the current job
 
 
 def run_runtime(options: RuntimeOptions, log: FaultLog) -> dict[str, Any]:
@@ -87,9 +91,10 @@ def run_runtime(options: RuntimeOptions, log: FaultLog) -> dict[str, Any]:
             data_seed=rng.randrange(1 << 30),
         )
         out.jobs += 1
-        out.hung_job = False
+        out.hung_job = out.reliable_killed = False
         _run_job(spec, options, rng, log, out, deadline=wall0 + options.max_wall_s)
-    counts = {k: v for k, v in out.__dict__.items() if k not in ("hung_job", "last_fault")}
+    per_job = ("hung_job", "last_fault", "reliable_killed")
+    counts = {k: v for k, v in out.__dict__.items() if k not in per_job}
     return {**counts, "wall_s": round(time.monotonic() - wall0, 1)}
 
 
@@ -121,6 +126,7 @@ def _run_job(
             log.fault(kind)
             out.last_fault = f"{kind} {victim} at clock {clock}"
             if kind == "kill_reliable":
+                out.reliable_killed = True
                 if _ended_by_abort(job, out):
                     log.recovered("kill_reliable (to the abort)", time.monotonic() - t0)
                     return
@@ -191,14 +197,21 @@ def _ended_by_abort(job: LocalJob, out: _Outcome) -> bool:
     if not job.coordinator.wait_done(WATCHDOG_S):
         out.hung += 1
         return True
-    error = job.coordinator.error
-    if error is None:
+    if job.coordinator.error is None:
         return False
-    if error.strip():
+    _count_abort(job, out)
+    return True
+
+
+def _count_abort(job: LocalJob, out: _Outcome) -> None:
+    error = job.coordinator.error or ""
+    if not error.strip():
+        out.no_reason += 1
+    elif out.reliable_killed:
         out.aborted_with_reason += 1
     else:
-        out.no_reason += 1
-    return True
+        out.unexpected_aborts += 1
+        out.abort_reasons = [*(out.abort_reasons or []), f"{out.last_fault}: {error[:200]}"]
 
 
 def _finish(job: LocalJob, spec: TrainingSpec, out: _Outcome) -> None:
@@ -207,10 +220,8 @@ def _finish(job: LocalJob, spec: TrainingSpec, out: _Outcome) -> None:
     except AgileMLError as exc:
         if "not done" in str(exc):
             out.hung += 1
-        elif job.coordinator.error:
-            out.aborted_with_reason += 1
         else:
-            out.no_reason += 1
+            _count_abort(job, out)
         return
     out.succeeded += 1
     got, want = torch.cat(params), additive_expected(spec, spec.iterations)

@@ -329,8 +329,9 @@ def check(soak: _Soak) -> dict[str, Any]:
     """The invariants once every job has ended (or the soak gave up on them):
 
     - `orphans`: instances of this controller EC2 still runs;
-    - `unbilled_or_double_billed`: instances whose ledger entries do not cover their life
-      (launch to end) exactly once, instances EC2 ran that the store never recorded, and
+    - `unbilled_or_double_billed`: instances whose ledger entries do not cover their recorded
+      life (launch to end, in the controller's clock) exactly once, instances of an ended job
+      never ended (so never billed), instances EC2 ran that the store never recorded, and
       ledger entries of no recorded instance;
     - `over_budget_usd`: the sum over jobs of spend beyond the budget;
     - `no_reason`: jobs that ended other than succeeded without a message;
@@ -356,6 +357,9 @@ def check(soak: _Soak) -> dict[str, Any]:
             if entry.instance_id not in records:
                 bad_billing.append(entry.instance_id)
         for rec in soak.store.list_instances(job_id):
+            if rec.ended_at is None and job.state.is_terminal:
+                bad_billing.append(rec.instance_id)  # never ended, so never billed
+                continue
             spans = sorted((e.start_s, e.end_s) for e in ledger if e.instance_id == rec.instance_id)
             if not _covers_once(spans, rec.launched_at, rec.ended_at):
                 bad_billing.append(rec.instance_id)

@@ -103,6 +103,9 @@ LIVE_STATES = (NodeState.ACTIVE, NodeState.READY, NodeState.LEAVING)
 
 SENDER = "coordinator"
 CONTROL_TIMEOUT_SECONDS = 15.0  # a configure, hand-off or restore op on a node
+#: A control call stops waiting on a node silent for this many failure timeouts: by then the
+#: detector has failed it (a busy node that answers late would otherwise be taken for dead).
+GONE_AFTER = 3.0
 ROSTER_RETRIES = 5  # a join scheduled too late is pushed later this many times
 POLL_MS = 50
 
@@ -532,14 +535,19 @@ class Coordinator:
         lost = [p for p in range(self.spec.num_partitions) if self._table.owner(p) in failed]
         epoch, restart = view.epoch, view.restart_clock
         call = functools.partial(self._call, client)
-        if lost:
-            epoch, restart, upto = roll_back(
-                call, view=view, failed=failed, plan=plan, table=self._table,
-                endpoints=self._endpoints(),
-            )  # fmt: skip
-            ranges = {f: (restart, upto) for f in failed}
-        else:
-            ranges = {f: unfinished_clocks(call, f, self._table) for f in failed}
+        try:
+            if lost:
+                epoch, restart, upto = roll_back(
+                    call, view=view, failed=failed, plan=plan, table=self._table,
+                    endpoints=self._endpoints(),
+                )  # fmt: skip
+                ranges = {f: (restart, upto) for f in failed}
+            else:
+                ranges = {f: unfinished_clocks(call, f, self._table) for f in failed}
+        except AgileMLError as exc:  # the nodes are FAILED: no later step would restore them
+            if isinstance(exc, PartitionsLostError):
+                raise
+            raise RecoveryError(f"restoring what {failed} held failed: {exc}") from exc
         roster, adoptions = without_failed(view.roster, view.adoptions, ranges)
         backups = self._backups(plan, endpoints)
         if not self._configure_all(client, roster, backups, epoch):
@@ -625,8 +633,8 @@ class Coordinator:
         timeout = quick if body["op"] == "configure" else CONTROL_TIMEOUT_SECONDS
         if body["op"] == "handoff":  # each move may wait out its receiver's ack
             timeout += len(body["moves"]) * HANDOFF_TIMEOUT_SECONDS
-        try:  # a node that stopped heartbeating is not waited on (the detector fails it)
-            out = client.call(endpoint, body, timeout, gone=lambda: self._silent(node))
+        try:  # a node silent for long is not waited on (the detector fails it meanwhile)
+            out = client.call(endpoint, body, timeout, gone=lambda: self._silent(node, GONE_AFTER))
         except ControlError as exc:
             raise AgileMLError(f"{body['op']} on {node}: {exc.reason}") from exc
         if not out.get("ok"):
@@ -684,11 +692,13 @@ class Coordinator:
             live = [n for n in self._nodes if self._membership.state(n) in LIVE_STATES]
         return sorted(n for n in live if self._silent(n))
 
-    def _silent(self, node: str) -> bool:
-        """No heartbeat from `node` for `failure_timeout_s`: the detector takes it as failed."""
+    def _silent(self, node: str, timeouts: float = 1.0) -> bool:
+        """No heartbeat from `node` for `timeouts` x `failure_timeout_s` (1: the detector
+        takes it as failed)."""
+        limit = timeouts * self.spec.failure_timeout_s
         with self._lock:
             info = self._nodes.get(node)
-            return info is None or self._now() - info.last_seen_s > self.spec.failure_timeout_s
+            return info is None or self._now() - info.last_seen_s > limit
 
     def _check_done(self) -> None:
         view = self.view()

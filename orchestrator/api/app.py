@@ -22,8 +22,9 @@ Access: (write) needs the API token; (read) the API token or the read-only one, 
     GET  /metrics                     (read) Prometheus text, read from the store at scrape time
 
 The routes only parse and render; what a request does to the store is decided in
-`operations.py` (the store is the only state: the app keeps none, so any number of API
-processes may serve the same Redis), the metrics are read in `metrics.py`, and every error is
+`operations.py` (the store is the only state: the app keeps none but what it has folded of
+the append-only event logs, `views.EventTallies`, so any number of API processes may serve the
+same Redis), the metrics are read in `metrics.py`, and every error is
 mapped to JSON in `errors.py` (`orchestrator.api.error_body`): 401/403 auth, 404 unknown
 job, 409 illegal move or lost race, 422 invalid input naming the field, 400 other user errors,
 503 Redis unreachable, 500 anything else.
@@ -47,12 +48,14 @@ from starlette.concurrency import run_in_threadpool
 from orchestrator import __version__
 from orchestrator.api import error_body
 from orchestrator.api.errors import (
+    COOKIE_MAX_AGE_S,
     READ_COOKIE,
     READ_FIX,
     ApiError,
     TokenAuth,
     as_user,
     install_error_handlers,
+    redact_access_log,
 )
 from orchestrator.api.files import (
     check_code_uploaded,
@@ -64,7 +67,7 @@ from orchestrator.api.files import (
 )
 from orchestrator.api.metrics import StoreCollector
 from orchestrator.api.operations import cancel_job, job_cost, new_job_id, submit_job
-from orchestrator.api.views import TrainingBody, fleet, job_dashboard
+from orchestrator.api.views import EventTallies, TrainingBody, fleet, job_dashboard
 from orchestrator.artifacts import WEIGHTS, Folder, folder_at
 from orchestrator.artifacts.code import MAX_CODE_BYTES
 from orchestrator.cloud.notices import InterruptionNotice
@@ -95,7 +98,8 @@ def create_app(
     Raises:
         UserError: `settings.api.token` is not set (the API refuses to run unauthenticated).
     """
-    auth = TokenAuth(settings.api.require_token(), settings.api.read_token)
+    auth = TokenAuth(settings.api.require_token(), settings.api.read_token)  # wall time
+    redact_access_log()  # a dashboard link's ?token= never reaches the access log
     writes, reads = [Depends(auth.write)], [Depends(auth.read)]
     app = FastAPI(
         title="orchestrator",
@@ -107,8 +111,9 @@ def create_app(
     app.include_router(_job_routes(store, clock, new_id, (writes, reads), artifacts))
     app.include_router(_code_routes(writes, artifacts))
     app.include_router(_runtime_routes(store, clock, on_notice, writes))
-    app.include_router(_dashboard_routes(store, clock, auth, reads))
-    app.include_router(_health_routes(store, settings, reads))
+    tallies = EventTallies()  # the dashboard's and /metrics' reads of the event logs
+    app.include_router(_dashboard_routes(store, clock, auth, reads, tallies))
+    app.include_router(_health_routes(store, settings, reads, tallies))
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 
@@ -243,7 +248,7 @@ def _runtime_routes(
 
 
 def _dashboard_routes(
-    store: Store, clock: Clock, auth: TokenAuth, reads: list[DependsParam]
+    store: Store, clock: Clock, auth: TokenAuth, reads: list[DependsParam], tallies: EventTallies
 ) -> APIRouter:
     """The dashboard's data and page (its assets are mounted under /static)."""
     router = APIRouter()
@@ -251,7 +256,7 @@ def _dashboard_routes(
     @router.get("/v1/dashboard", dependencies=reads)
     def dashboard_fleet() -> dict[str, Any]:
         """Every job's summary for the dashboard (dashboard/static/CONTRACT.md)."""
-        return fleet(store, clock())
+        return fleet(store, clock(), tallies)
 
     @router.get("/v1/jobs/{job_id}/dashboard", dependencies=reads)
     def dashboard_job(job_id: str) -> dict[str, Any]:
@@ -276,17 +281,19 @@ def _dashboard_routes(
             raise ApiError(403, "the token in the dashboard's link is wrong", fix=READ_FIX)
         page = RedirectResponse("dashboard", status_code=303)
         page.set_cookie(READ_COOKIE, cookie, httponly=True, samesite="strict",
-                        secure=request.url.scheme == "https")  # fmt: skip
+                        secure=request.url.scheme == "https", max_age=COOKIE_MAX_AGE_S)  # fmt: skip
         return page
 
     return router
 
 
-def _health_routes(store: Store, settings: Settings, reads: list[DependsParam]) -> APIRouter:
+def _health_routes(
+    store: Store, settings: Settings, reads: list[DependsParam], tallies: EventTallies
+) -> APIRouter:
     """Health and Prometheus metrics."""
     router = APIRouter()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(store))
+    registry.register(StoreCollector(store, tallies))
 
     @router.get("/healthz", response_model=None)
     def healthz() -> dict[str, Any] | JSONResponse:

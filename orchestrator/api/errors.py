@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
+import time
 from collections.abc import Callable, Mapping
 
 from fastapi import FastAPI, Request
@@ -48,6 +50,8 @@ class ApiError(UserError):
 
 #: The dashboard's cookie: read access only, whichever token opened the page.
 READ_COOKIE = "orchestrator_read"
+COOKIE_MAX_AGE_S = 7 * 86400
+Clock = Callable[[], float]
 READ_FIX = (
     f"send `Authorization: Bearer <token>` with the API token or the read-only one "
     f"({API_READ_TOKEN_ENV}); a browser opens the dashboard once as /dashboard?token=<token>"
@@ -59,11 +63,12 @@ class TokenAuth:
     (`Authorization: Bearer <token>`); `read` the API token, the read-only token, or the
     dashboard's cookie (which `cookie_for` gives for either token and which reads only)."""
 
-    def __init__(self, token: SecretStr, read_token: SecretStr | None = None) -> None:
+    def __init__(
+        self, token: SecretStr, read_token: SecretStr | None = None, *, clock: Clock = time.time
+    ) -> None:
         self._token = token.get_secret_value().strip().encode()
         self._read = read_token.get_secret_value().strip().encode() if read_token else None
-        # derived from the API token: a new token voids every cookie given out before
-        self._cookie = hmac.new(self._token, b"orchestrator dashboard read", "sha256").hexdigest()
+        self._clock = clock
 
     def write(self, request: Request) -> None:
         given = _bearer(request, AUTH_FIX)
@@ -86,8 +91,7 @@ class TokenAuth:
     def read(self, request: Request) -> None:
         given = _bearer(request, READ_FIX)
         if given is None:
-            cookie = request.cookies.get(READ_COOKIE, "")
-            if cookie and hmac.compare_digest(cookie.encode(), self._cookie.encode()):
+            if self._cookie_valid(request.cookies.get(READ_COOKIE, "")):
                 return
             raise ApiError(401, "this call needs a token and none was sent", fix=READ_FIX,
                            headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
@@ -95,8 +99,24 @@ class TokenAuth:
             raise ApiError(403, "the token is wrong", fix=READ_FIX)
 
     def cookie_for(self, given: str) -> str | None:
-        """The dashboard's cookie value for a token given in its link (None: a wrong one)."""
-        return self._cookie if self._reads(given.strip().encode()) else None
+        """The dashboard's cookie value for a token given in its link (None: a wrong one):
+        when it was issued and a MAC over that keyed by the API token and the read-only token,
+        so that changing either voids it; it expires after `COOKIE_MAX_AGE_S`."""
+        if not self._reads(given.strip().encode()):
+            return None
+        issued = str(int(self._clock()))
+        return f"{issued}.{self._cookie_mac(issued)}"
+
+    def _cookie_mac(self, issued: str) -> str:
+        message = b"orchestrator dashboard read|" + (self._read or b"") + b"|" + issued.encode()
+        return hmac.new(self._token, message, "sha256").hexdigest()
+
+    def _cookie_valid(self, cookie: str) -> bool:
+        issued, _, mac = cookie.partition(".")
+        if not issued.isdigit() or not mac:
+            return False
+        fresh = 0 <= self._clock() - int(issued) <= COOKIE_MAX_AGE_S
+        return fresh and hmac.compare_digest(mac.encode(), self._cookie_mac(issued).encode())
 
     def _reads(self, given: bytes) -> bool:
         ok = hmac.compare_digest(given, self._token)
@@ -119,6 +139,27 @@ def _bearer(request: Request, fix: str) -> bytes | None:
         raise ApiError(401, "the Authorization header is not `Bearer <token>`", fix=fix,
                        headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
     return given.strip().encode()
+
+
+class RedactTokens(logging.Filter):
+    """Blanks `token=` values in the paths uvicorn's access log writes (a dashboard link
+    carries one); installed by `create_app` on the `uvicorn.access` logger."""
+
+    _TOKEN = re.compile(r"(?i)(token=)[^&\s\"]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                self._TOKEN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
+            )
+        return True
+
+
+def redact_access_log() -> None:
+    """Install `RedactTokens` on uvicorn's access log (once)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactTokens) for f in access.filters):
+        access.addFilter(RedactTokens())
 
 
 def as_user(exc: Exception) -> UserError:

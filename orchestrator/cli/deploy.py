@@ -203,7 +203,7 @@ def _deploy(
             f"{outputs.get('ApiCertificateUrl', '')} api-cert.pem; export "
             "ORCHESTRATOR_API__CA_CERT=$PWD/api-cert.pem\n"
         )
-        + f"Watch: {outputs.get('ApiUrl', '')}/dashboard?token=<token> (from "
+        + f"Watch: {outputs.get('ApiUrl', '')}/dashboard?token=<read-only token> (from "
         f"{params.api_allowed_cidr})",
         highlight=False,
     )

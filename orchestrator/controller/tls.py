@@ -12,6 +12,7 @@ import ipaddress
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,12 +143,18 @@ def _parse_secret(secret_id: str, value: str) -> tuple[bytes, bytes]:
 
 
 def _write(folder: Path, cert: bytes, key: bytes) -> tuple[Path, Path]:
-    """The certificate and key as files in `folder`; the key readable by this user only."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """The certificate and key as files in `folder` (this user's only); the key is written
+    to a new 0600 file and moved into place, never into an older file's looser mode."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
     cert_path, key_path = folder / CERT_FILE, folder / KEY_FILE
     cert_path.write_bytes(cert)
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(key)
-    os.chmod(key_path, 0o600)  # an older file keeps its mode through O_CREAT
+    fd, tmp = tempfile.mkstemp(prefix=".api-key.", dir=folder)  # created 0600
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(key)
+        os.replace(tmp, key_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return cert_path, key_path

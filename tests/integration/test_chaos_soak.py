@@ -20,7 +20,7 @@ def test_a_short_chaos_soak_keeps_every_invariant() -> None:
     assert any(k.startswith("ec2_") for k in kinds) and any(k.startswith("notice") for k in kinds)
     assert world["tick_errors_unexpected"] == 0, world["tick_errors"]
     for invariant in ("lost_updates", "double_applied", "orphans", "unbilled_or_double_billed",
-                      "hung", "ended_without_reason"):  # fmt: skip
+                      "hung", "ended_without_reason", "unexpected_aborts"):  # fmt: skip
         assert result[invariant] == 0, (invariant, result)
     assert result["over_budget_usd"] == 0.0, result
     assert runtime["succeeded"] + runtime["aborted_with_reason"] == runtime["jobs"], runtime

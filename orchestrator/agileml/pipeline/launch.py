@@ -390,20 +390,21 @@ class Launch:
         """Every worker's report, sorted by (stage, replica). A worker lost after it said
         `done` (its node went before the exit report) is no failure when every stage backed
         up the last update: [] then, and the weights are the reliable copy's."""
-        results = []
-        complete = backups.done >= self.common["minibatches"]
-        for proc in self.procs:
+        reports = []
+        for proc in self.procs:  # every one reaped before deciding
             try:
                 stdout, _ = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise AgileMLError(f"a stage did not exit ({logs_hint(self.out_dir)})") from None
             lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode is not None and proc.returncode < 0 and complete:
-                log.warning("a stage's node went after its last update: the reliable copy")
-                return []
-            if proc.returncode != 0 or not lines:
-                raise AgileMLError(f"a stage failed ({logs_hint(self.out_dir)})")
-            results.append(json.loads(lines[-1]))
+            reports.append((proc.returncode, lines))
+        lost = any(code is not None and code < 0 for code, _ in reports)
+        if lost and backups.done >= self.common["minibatches"]:
+            log.warning("a stage's node went after its last update: the reliable copy")
+            return []
+        if any(code != 0 or not lines for code, lines in reports):
+            raise AgileMLError(f"a stage failed ({logs_hint(self.out_dir)})")
+        results = [json.loads(lines[-1]) for _, lines in reports]
         return sorted(results, key=lambda r: (r["stage"], r["replica"]))
 
     def _on_backup(

@@ -5,6 +5,7 @@ TestClient, then one real uvicorn server (in a thread, on a free loopback port) 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from support.redis_server import free_port, start_redis
 
 from orchestrator.api.app import create_app
 from orchestrator.api.client import ApiClient, ApiResponseError
+from orchestrator.api.errors import COOKIE_MAX_AGE_S, RedactTokens, TokenAuth
 from orchestrator.api.operations import CANCEL_ATTEMPTS, cancel_job
 from orchestrator.errors import UserError
 from orchestrator.market.billing import EndReason
@@ -348,6 +350,32 @@ def test_the_dashboard_link_with_a_token_sets_a_cookie_that_only_reads(
     other = settings_for(redis_url, token="another-token")
     with TestClient(create_app(store, other, clock=clock), cookies=dict(client.cookies)) as c:
         assert error_of(c.get("/v1/dashboard"), 401)
+
+
+def test_a_dashboard_cookie_expires_and_a_new_read_token_voids_it() -> None:
+    now = [1_000_000.0]
+    auth = TokenAuth(SecretStr(TOKEN), SecretStr(READ_TOKEN), clock=lambda: now[0])
+    cookie = auth.cookie_for(READ_TOKEN)
+    assert cookie is not None and auth.cookie_for("wrong") is None
+    assert auth._cookie_valid(cookie)
+    rotated = TokenAuth(SecretStr(TOKEN), SecretStr("another-read"), clock=lambda: now[0])
+    assert not rotated._cookie_valid(cookie)
+    assert not auth._cookie_valid(cookie.split(".")[0] + ".00")  # a forged MAC
+    now[0] += COOKIE_MAX_AGE_S + 1
+    assert not auth._cookie_valid(cookie)
+
+
+def test_the_read_only_token_must_differ_from_the_api_token() -> None:
+    with pytest.raises(ValueError, match="read_token equals token"):
+        ApiSettings(token=SecretStr("same"), read_token=SecretStr("same"))
+
+
+def test_the_access_log_never_shows_a_token() -> None:
+    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "GET", f"/dashboard?token={TOKEN}", "1.1", 303),
+                               None)  # fmt: skip
+    RedactTokens().filter(record)
+    assert TOKEN not in record.getMessage() and "token=***" in record.getMessage()
 
 
 @pytest.mark.parametrize("path", ["/v1/jobs", "/v1/jobs/job-12345678/cancel"])
