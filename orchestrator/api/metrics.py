@@ -11,7 +11,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from orchestrator.api.views import JobFacts, read_facts, tier_of
+from orchestrator.api.views import EventTallies, JobFacts, fleet_facts, tier_of
 from orchestrator.store import JobState, Store, StoreError
 
 logger = logging.getLogger(__name__)
@@ -104,12 +104,15 @@ class StoreCollector:
     """Prometheus collector reading jobs, instances, events, prices and training reports from
     the store (`views.JobFacts`).
 
-    Each scrape reads every job's event log and series. If Redis cannot be read, the scrape
-    still succeeds, with `orchestrator_store_up 0` and no job series.
+    Each scrape reads every job's event log (with `tallies`, only what it gained since the
+    last read), latest training report and latest price snapshot, and the alive instances of
+    all jobs at once. If Redis cannot be read, the scrape still succeeds, with
+    `orchestrator_store_up 0` and no job series.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, tallies: EventTallies | None = None) -> None:
         self._store = store
+        self._tallies = tallies
 
     def describe(self) -> Iterator[Metric]:
         """The families, without reading the store (called once at registration)."""
@@ -119,9 +122,9 @@ class StoreCollector:
         """Read the store and yield every family with its samples."""
         m = _families()
         try:
-            facts = [read_facts(self._store, job) for job in self._store.list_jobs()]
+            facts = fleet_facts(self._store, self._tallies)
             prices = {
-                f.job.job_id: self._store.prices(f.job.job_id)
+                f.job.job_id: self._store.latest_prices(f.job.job_id)
                 for f in facts
                 if f.job.state is JobState.RUNNING
             }
@@ -139,9 +142,9 @@ class StoreCollector:
             _add_job_samples(m, f)
             held |= {f"{r.instance_type}@{r.zone}" for r in f.alive}
         latest: dict[str, float] = {}
-        for snapshots in prices.values():
-            if snapshots:
-                latest.update(snapshots[-1].prices)
+        for snapshot in prices.values():
+            if snapshot is not None:
+                latest.update(snapshot.prices)
         for market, price in sorted(latest.items()):
             instance_type, _, zone = market.partition("@")
             m["price"].add_metric([instance_type, zone, str(market in held).lower()], price)

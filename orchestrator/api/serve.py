@@ -32,7 +32,10 @@ class BackgroundServer:
         port: int = 0,
         tls: tuple[Path, Path] | None = None,
     ) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose
+        # proto says TCP, and with Nagle on every response after a connection's first waits
+        # for the client's delayed ACK (~40 ms on Linux)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._sock.bind((host, port))

@@ -1,16 +1,19 @@
 """What the dashboard, the run report and the Prometheus metrics show about jobs, read from the
 store in one place (`orchestrator/dashboard/static/CONTRACT.md` describes the JSON).
 
-`JobFacts` scans a job's event log once: BidBrain's latest decision, evictions (warned or not),
-launches and launch failures; with the alive instances and the latest training report it is
-everything the fleet view and `/metrics` need. `job_dashboard` adds the series one job's page
-draws. Reads only; nothing here writes.
+`JobFacts` folds a job's event log (`EventTally`: BidBrain's latest decision, evictions, warned
+or not, launches and launch failures); with the alive instances and the latest training report
+it is everything the fleet view and `/metrics` need. `fleet_facts` reads every job's: the alive
+instances once for all jobs, and, with an `EventTallies` (the API keeps one), only the events
+appended since the last read of each log. `job_dashboard` adds the series one job's page draws.
+Reads only; nothing here writes.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, fields, replace
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -58,19 +61,92 @@ def tier_of(record: InstanceRecord) -> str:
 
 
 @dataclass
-class JobFacts:
-    """One job's numbers, from one pass over its event log."""
+class EventTally:
+    """What a job's event log says, folded one event at a time (`add`): so a reader can fold
+    in only the events appended since `last_id`, the newest it has seen."""
 
-    job: JobRecord
-    alive: list[InstanceRecord]
     projected_cost_usd: float | None = None
     expected_cost_per_work_usd: float | None = None
     evictions_warned: int = 0
     evictions_unwarned: int = 0
     launches: int = 0
     launch_failures: Counter[str] = field(default_factory=Counter)  # by error code
-    training: TrainingReport | None = None
     warned_instances: set[str] = field(default_factory=set)
+    noticed: set[str] = field(default_factory=set)  # instances given an interruption notice
+    last_id: str = "-"
+
+    def add(self, events: list[tuple[str, Event]]) -> None:
+        """Fold in `events` (the log's next ones, oldest first)."""
+        for event_id, event in events:
+            match event:
+                case DecisionEvent():
+                    self.projected_cost_usd = event.projected_cost_usd
+                    self.expected_cost_per_work_usd = event.expected_cost_per_work
+                case NoticeEvent(notice="interruption"):
+                    self.noticed.add(event.instance_id)
+                case EvictionEvent() if event.instance_id in self.noticed:
+                    self.evictions_warned += 1
+                    self.warned_instances.add(event.instance_id)
+                case EvictionEvent():
+                    self.evictions_unwarned += 1
+                case LaunchEvent():
+                    self.launches += 1
+                case LaunchFailedEvent():
+                    self.launch_failures[event.code or "unknown"] += 1
+            self.last_id = event_id
+
+    def copy(self) -> EventTally:
+        return replace(
+            self,
+            launch_failures=Counter(self.launch_failures),
+            warned_instances=set(self.warned_instances),
+            noticed=set(self.noticed),
+        )
+
+
+class EventTallies:
+    """Each job's `EventTally` as this process last folded it: a read folds in only the events
+    appended to the job's log since, not the whole log again (it grows by a decision per job
+    per tick). The logs are append-only; a job submitted again under the same id (another
+    `submitted_at`) starts over; a log trimmed past `EVENTS_MAXLEN` keeps counting what was
+    trimmed. Per process (each API process keeps its own) and thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Kept] = {}
+
+    def read(self, store: Store, job: JobRecord) -> EventTally:
+        """The job's tally now. Never changed afterwards (a newer read makes a new one), so
+        the caller may keep it; it must not change it."""
+        with self._lock:
+            kept = self._jobs.get(job.job_id)
+            if kept is None or kept.submitted_at != job.submitted_at:
+                kept = self._jobs[job.job_id] = _Kept(job.submitted_at)
+        with kept.lock:  # one reader folds a job's new events at a time
+            new = store.events(job.job_id, since_id=kept.tally.last_id)
+            if new:
+                tally = kept.tally.copy()
+                tally.add(new)
+                kept.tally = tally
+            return kept.tally
+
+
+@dataclass
+class _Kept:
+    """A job's tally in `EventTallies`."""
+
+    submitted_at: float
+    tally: EventTally = field(default_factory=EventTally)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(kw_only=True)
+class JobFacts(EventTally):
+    """One job's numbers: its event log's tally, its alive instances, its latest training."""
+
+    job: JobRecord
+    alive: list[InstanceRecord]
+    training: TrainingReport | None = None
 
     @classmethod
     def read(
@@ -80,32 +156,28 @@ class JobFacts:
         events: list[tuple[str, Event]],
         instances: list[InstanceRecord] | None = None,
     ) -> JobFacts:
-        """`instances`: every instance of the job, when the caller has read them already."""
+        """From the job's whole event log. `instances`: the job's instances (all of them, or
+        the alive ones), when the caller has read them already."""
+        tally = EventTally()
+        tally.add(events)
+        return cls.of(store, job, tally, instances)
+
+    @classmethod
+    def of(
+        cls,
+        store: Store,
+        job: JobRecord,
+        tally: EventTally,
+        instances: list[InstanceRecord] | None = None,
+    ) -> JobFacts:
+        """From the job's event log already folded (shared with `tally`: read-only)."""
         alive = (
             store.list_instances(job.job_id, alive_only=True)
             if instances is None
             else [r for r in instances if r.ended_at is None]
         )
-        facts = cls(job=job, alive=alive)
-        noticed: set[str] = set()
-        for _, event in events:
-            match event:
-                case DecisionEvent():
-                    facts.projected_cost_usd = event.projected_cost_usd
-                    facts.expected_cost_per_work_usd = event.expected_cost_per_work
-                case NoticeEvent(notice="interruption"):
-                    noticed.add(event.instance_id)
-                case EvictionEvent() if event.instance_id in noticed:
-                    facts.evictions_warned += 1
-                    facts.warned_instances.add(event.instance_id)
-                case EvictionEvent():
-                    facts.evictions_unwarned += 1
-                case LaunchEvent():
-                    facts.launches += 1
-                case LaunchFailedEvent():
-                    facts.launch_failures[event.code or "unknown"] += 1
-        facts.training = store.latest_training(job.job_id)
-        return facts
+        folded = {f.name: getattr(tally, f.name) for f in fields(EventTally)}
+        return cls(job=job, alive=alive, training=store.latest_training(job.job_id), **folded)
 
     @property
     def evictions(self) -> int:
@@ -148,12 +220,25 @@ def read_facts(store: Store, job: JobRecord) -> JobFacts:
     return JobFacts.read(store, job, store.events(job.job_id))
 
 
-def fleet(store: Store, now_s: float) -> dict[str, Any]:
+def fleet_facts(store: Store, tallies: EventTallies | None = None) -> list[JobFacts]:
+    """Every job's facts, oldest submission first: the alive instances of all jobs in one
+    read (not one per job), and with `tallies` only the events each log gained since."""
+    jobs = store.list_jobs()
+    alive: defaultdict[str, list[InstanceRecord]] = defaultdict(list)
+    for record in store.list_instances(alive_only=True):
+        alive[record.job_id].append(record)
+    facts = []
+    for job in jobs:
+        if tallies is None:
+            facts.append(JobFacts.read(store, job, store.events(job.job_id), alive[job.job_id]))
+        else:
+            facts.append(JobFacts.of(store, job, tallies.read(store, job), alive[job.job_id]))
+    return facts
+
+
+def fleet(store: Store, now_s: float, tallies: EventTallies | None = None) -> dict[str, Any]:
     """`GET /v1/dashboard`: every job's summary."""
-    return {
-        "now_s": now_s,
-        "jobs": [read_facts(store, job).summary() for job in store.list_jobs()],
-    }
+    return {"now_s": now_s, "jobs": [facts.summary() for facts in fleet_facts(store, tallies)]}
 
 
 def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
@@ -186,7 +271,7 @@ def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
                 for r in store.training(job_id)
             ]
         ),
-        "pipeline": [st.model_dump(mode="json") for st in _latest_stages(store, job_id)],
+        "pipeline": [st.model_dump(mode="json") for st in _stages(facts.training)],
         "events": [
             {"id": eid, "t": e.at_s, "kind": e.kind.value, "text": describe_event(e)}
             for eid, e in reversed(events[-EVENTS_SHOWN:])
@@ -194,9 +279,8 @@ def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
     }
 
 
-def _latest_stages(store: Store, job_id: str) -> tuple[PipelineStageReport, ...]:
+def _stages(latest: TrainingReport | None) -> tuple[PipelineStageReport, ...]:
     """A pipeline job's stages as last reported (none for a data-parallel job)."""
-    latest = store.latest_training(job_id)
     return () if latest is None else latest.stages
 
 

@@ -269,17 +269,20 @@ class EC2Cloud:
                 is returned.
         """
         filters: list[dict[str, Any]] = []
-        if job_id is not None:
-            filters.append({"Name": f"tag:{TAG_JOB}", "Values": [job_id]})
         if not include_terminated:
             filters.append(
                 {"Name": "instance-state-name", "Values": [s.value for s in LIVE_STATES]}
             )
+        if job_id is not None:
+            filters.append({"Name": f"tag:{TAG_JOB}", "Values": [job_id]})
         return sorted(self._describe(filters), key=lambda i: i.instance_id)
 
     def _describe(self, filters: list[dict[str, Any]]) -> list[CloudInstance]:
         operation = "DescribeInstances"
-        all_filters = [{"Name": f"tag:{TAG_CONTROLLER}", "Values": [self.controller_id]}, *filters]
+        # EC2 ANDs the filters in any order. moto (the offline world) tries them in order and
+        # stops at the first that fails, and a tag filter costs it a scan of every tag it
+        # holds: the caller's (state, then the job or allocation) go before the controller's.
+        all_filters = [*filters, {"Name": f"tag:{TAG_CONTROLLER}", "Values": [self.controller_id]}]
         try:
             raw = list(self._pages(all_filters))
         except (ClientError, BotoCoreError) as exc:

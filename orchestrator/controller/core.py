@@ -153,6 +153,7 @@ class Controller:
         self._price_model: PriceCrossingModel | None = None
         self._price_model_at = -math.inf
         self._renewals: dict[str, RenewalSchedule] = {}  # job -> its allocations' points
+        self._evictions: dict[str, dict[Market, float]] = {}  # job -> see `_evicted_at`
 
     # -- inputs from outside the tick -----------------------------------------------------
     def notify(self, notice: InterruptionNotice) -> None:
@@ -221,7 +222,13 @@ class Controller:
             rec = by_id.get(instance_id)
             if rec is None:
                 continue
-            self._end(rec, history, now_s, EndReason.EVICTED)
+            try:
+                ended = self._end(rec, history, now_s, EndReason.EVICTED)
+            except BaseException:
+                self._evictions.pop(rec.job_id, None)  # it may have ended unseen: re-read
+                raise
+            if rec.job_id in self._evictions:  # else read from the store when next needed
+                _note_eviction(self._evictions[rec.job_id], ended)
             report.evicted.append(instance_id)
             self.capacity_model.observe(
                 Market(rec.instance_type, rec.zone), 1, now_s - rec.launched_at
@@ -283,8 +290,7 @@ class Controller:
             settings=self.settings,
             catalog=self.catalog,
         )
-        instances = self.store.list_instances(job.job_id)
-        alive = [rec for rec in instances if rec.alive]
+        alive = self.store.list_instances(job.job_id, alive_only=True)
         prices = np.array([_price_at(history, m, now_s) for m in table.markets])
         inp = decision_input(
             now_s=now_s,
@@ -297,7 +303,7 @@ class Controller:
             renewals=self._renewals.setdefault(job.job_id, RenewalSchedule(self.settings)),
             doomed=self._doomed,
             unavailable=self.availability.unavailable(now_s, table.markets),
-            last_eviction_s=_last_evictions(instances),
+            last_eviction_s=self._evicted_at(job.job_id),
         )
         decision = policy.decide(inp)
         report.decisions[job.job_id] = decision
@@ -398,6 +404,7 @@ class Controller:
         report.finished[job.job_id] = state
         self._renewals.pop(job.job_id, None)
         self._prices_seen.pop(job.job_id, None)
+        self._evictions.pop(job.job_id, None)
 
     # -- records ----------------------------------------------------------------------------
     def _record_launch(self, inst: CloudInstance, now_s: float) -> None:
@@ -434,8 +441,9 @@ class Controller:
 
     def _end(
         self, rec: InstanceRecord, history: PriceHistory, now_s: float, reason: EndReason
-    ) -> None:
-        """Bill the instance's whole life and mark it ended (both idempotent)."""
+    ) -> InstanceRecord:
+        """Bill the instance's whole life and mark it ended (both idempotent); the record as
+        stored now (its first end stands)."""
         end = max(now_s, rec.launched_at)
         for interval in self._bill(rec, history, end, reason):
             self.store.append_ledger(
@@ -447,8 +455,9 @@ class Controller:
                     zone=rec.zone,
                 )
             )
-        self.store.end_instance(rec.instance_id, end, str(reason))
+        ended = self.store.end_instance(rec.instance_id, end, str(reason))
         self._doomed.discard(rec.instance_id)
+        return ended
 
     def _bill(
         self, rec: InstanceRecord, history: PriceHistory, end_s: float, reason: EndReason
@@ -494,6 +503,16 @@ class Controller:
             )
             for rec in alive
         ]
+
+    def _evicted_at(self, job_id: str) -> dict[Market, float]:
+        """When each market last took one of the job's instances back. Read from the store's
+        records the first time (so a restarted controller knows too), then kept by
+        `_reconcile`, which ends every evicted instance: the job's whole instance history is
+        read once per controller, not at every tick."""
+        last = self._evictions.get(job_id)
+        if last is None:
+            last = self._evictions[job_id] = _last_evictions(self.store.list_instances(job_id))
+        return last
 
     def _price_of(self, history: PriceHistory, now_s: float) -> PriceOf:
         def price(market: Market, reliable: bool) -> float:
@@ -546,10 +565,15 @@ def _last_evictions(instances: Sequence[InstanceRecord]) -> dict[Market, float]:
     so a restarted controller knows too)."""
     last: dict[Market, float] = {}
     for rec in instances:
-        if rec.end_reason == EndReason.EVICTED and rec.ended_at is not None:
-            market = Market(rec.instance_type, rec.zone)
-            last[market] = max(last.get(market, rec.ended_at), rec.ended_at)
+        _note_eviction(last, rec)
     return last
+
+
+def _note_eviction(last: dict[Market, float], rec: InstanceRecord) -> None:
+    """Count `rec` in `last` (market -> latest eviction) if it ended evicted."""
+    if rec.end_reason == EndReason.EVICTED and rec.ended_at is not None:
+        market = Market(rec.instance_type, rec.zone)
+        last[market] = max(last.get(market, rec.ended_at), rec.ended_at)
 
 
 def _price_at(history: PriceHistory, market: Market, now_s: float) -> float:

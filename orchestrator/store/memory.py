@@ -330,6 +330,9 @@ class MemoryStore:
         check_id("job", job_id)
         return [PriceSnapshot.model_validate_json(t) for _, t in self._read(job_id, "prices")]
 
+    def latest_prices(self, job_id: str) -> PriceSnapshot | None:
+        return next(reversed(self.prices(job_id)), None)
+
     def append_training(self, job_id: str, report: TrainingReport) -> str:
         return self._append(job_id, "training", report.model_dump_json(), self._series_maxlen)
 

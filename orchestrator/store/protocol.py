@@ -277,6 +277,10 @@ class Store(Protocol):
         """The job's price snapshots, oldest first (an unknown job has none)."""
         ...
 
+    def latest_prices(self, job_id: str) -> PriceSnapshot | None:
+        """The job's newest price snapshot, or None (one read, for /metrics)."""
+        ...
+
     def append_training(self, job_id: str, report: TrainingReport) -> str:
         """Append a training report to the job's series (keeping at least the newest
         `SERIES_MAXLEN`). Returns its id, as `append_event`."""

@@ -369,6 +369,10 @@ class RedisStore:
         """XRANGE of the whole series."""
         return self._series(job_id, "prices", PriceSnapshot)
 
+    def latest_prices(self, job_id: str) -> PriceSnapshot | None:
+        """XREVRANGE COUNT 1."""
+        return next(iter(self._series(job_id, "prices", PriceSnapshot, newest=1)), None)
+
     def append_training(self, job_id: str, report: TrainingReport) -> str:
         """XADD, `MAXLEN ~ series_maxlen`."""
         return self._append_series(job_id, "training", report)

@@ -211,6 +211,7 @@ def test_every_operation_raises_unavailable_once_redis_is_gone() -> None:
         lambda: store.append_training("j1", TrainingReport(at_s=0.0, iteration=0)),
         lambda: store.latest_training("j1"),
         lambda: store.prices("j1"),
+        lambda: store.latest_prices("j1"),
         lambda: store.set_training_port("j1", 29500),
         lambda: store.training_ports(),
         lambda: store.claim("k", "me", ttl_s=1.0),

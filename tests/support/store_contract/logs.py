@@ -102,7 +102,7 @@ class LogContract:
     def test_series_read_back_oldest_first_and_latest_training_is_the_newest(
         self, store: Store
     ) -> None:
-        assert store.latest_training("job-x") is None
+        assert store.latest_training("job-x") is None and store.latest_prices("job-x") is None
         assert store.training("job-x") == [] and store.prices("job-x") == []
         for i in range(3):
             report = TrainingReport(at_s=float(i), iteration=10 * i, loss=1.0)
@@ -112,6 +112,7 @@ class LogContract:
         assert latest is not None and latest.iteration == 20
         assert [r.iteration for r in store.training("job-x")] == [0, 10, 20]
         assert [p.prices["m@z"] for p in store.prices("job-x")] == [0.5, 1.5, 2.5]
+        assert store.latest_prices("job-x") == store.prices("job-x")[-1]
         assert store.training("job-y") == []
         with pytest.raises(NotFoundError):
             store.append_training("not a job id", TrainingReport(at_s=0.0, iteration=0))
@@ -130,3 +131,5 @@ class LogContract:
         assert latest is not None and latest.iteration == APPENDS - 1
         times = [p.at_s for p in store.prices("j1")]
         assert LIMIT <= len(times) < APPENDS and times[-1] == APPENDS - 1
+        latest_prices = store.latest_prices("j1")
+        assert latest_prices is not None and latest_prices.at_s == APPENDS - 1

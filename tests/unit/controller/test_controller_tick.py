@@ -16,7 +16,7 @@ from orchestrator.jobspec import JobSubmission
 from orchestrator.market.prices import Market, to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
 from orchestrator.settings import Settings
-from orchestrator.store import EventKind, JobRecord, JobState, MemoryStore
+from orchestrator.store import EventKind, JobRecord, JobState, MemoryStore, StoreUnavailableError
 
 T0 = to_epoch_seconds("2020-02-03T00:00:00Z")
 REGION = "us-east-1"
@@ -105,6 +105,53 @@ def test_a_restarted_controller_still_knows_the_last_evictions(
     controller(store, ec2, prices).tick(T0 + 600.0)
     spy = Spy(monkeypatch)
     controller(store, ec2, prices).tick(T0 + 720.0)  # a new controller process
+    assert spy.inputs[0].last_eviction_s == {Market(spot.instance_type, spot.zone): T0 + 600.0}
+
+
+def test_a_jobs_whole_instance_history_is_read_once_not_at_every_tick(
+    store, ec2, prices, monkeypatch
+) -> None:
+    submit(store)
+    ctl = controller(store, ec2, prices)
+    ctl.tick(T0)
+    spot = next(r for r in store.list_instances("job-1") if r.lifecycle == "spot")
+    reads: list[tuple[str | None, bool]] = []
+    list_instances = store.list_instances
+
+    def counted(job_id: str | None = None, *, alive_only: bool = False) -> Any:
+        reads.append((job_id, alive_only))
+        return list_instances(job_id, alive_only=alive_only)
+
+    monkeypatch.setattr(store, "list_instances", counted)
+    ec2.reclaim(spot.instance_id)
+    spy = Spy(monkeypatch)
+    for minutes in (10, 12, 14):
+        ctl.tick(T0 + 60.0 * minutes)
+    assert ("job-1", False) not in reads  # read at the first tick only
+    evicted = {Market(spot.instance_type, spot.zone): T0 + 600.0}
+    assert [inp.last_eviction_s for inp in spy.inputs] == [evicted] * 3
+
+
+def test_an_eviction_whose_end_reply_was_lost_still_reaches_the_next_decision(
+    store, ec2, prices, monkeypatch
+) -> None:
+    submit(store)
+    ctl = controller(store, ec2, prices)
+    ctl.tick(T0)
+    spot = next(r for r in store.list_instances("job-1") if r.lifecycle == "spot")
+    ec2.reclaim(spot.instance_id)
+    end_instance = store.end_instance
+
+    def lost_reply(instance_id: str, ended_at: float, reason: str) -> Any:
+        end_instance(instance_id, ended_at, reason)  # applied, but the caller never hears
+        raise StoreUnavailableError("redis://test", "timed out")
+
+    monkeypatch.setattr(store, "end_instance", lost_reply)
+    with pytest.raises(StoreUnavailableError):
+        ctl.tick(T0 + 600.0)
+    monkeypatch.undo()
+    spy = Spy(monkeypatch)
+    ctl.tick(T0 + 720.0)  # the instance is no longer alive: only the store knows
     assert spy.inputs[0].last_eviction_s == {Market(spot.instance_type, spot.zone): T0 + 600.0}
 
 
