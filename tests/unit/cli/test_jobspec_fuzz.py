@@ -11,6 +11,7 @@ BidBrain can plan with."""
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import math
@@ -265,17 +266,9 @@ def _delete(spec: dict[str, Any], path: tuple[str, ...]) -> None:
     node.pop(path[-1], None)
 
 
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
-
-
 def _mutated(rng: random.Random, kind: str) -> Any:
     """A job spec document (a Python value) for a structural `kind` of mutation."""
-    spec = _copy(rng.choice(VALID))
+    spec = copy.deepcopy(rng.choice(VALID))
     if kind == "valid":
         return spec
     if kind == "mutate_field":

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import math
@@ -130,16 +131,8 @@ def _key(rng: random.Random) -> Any:
     return rng.choice([1, 0, True, None, 2.5, "", "名前", "x" * 200])
 
 
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
-
-
 def _config_doc(rng: random.Random, kind: str) -> Any:
-    doc = _copy(rng.choice(VALID_CONFIGS))
+    doc = copy.deepcopy(rng.choice(VALID_CONFIGS))
     if kind == "valid":
         return doc
     if kind == "mutate_field":
