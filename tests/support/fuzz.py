@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import signal
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+
+from orchestrator.errors import UserError
 
 MAX_CRASHES_SHOWN = 10
 
@@ -58,6 +60,34 @@ class Tally:
         if len(text) > 300:
             text = text[:300] + "..."
         self.crashes.append(f"[{kind}] {what}\n    case: {text}")
+
+    def judge(
+        self,
+        kind: str,
+        case: object,
+        run: Callable[[], str | None],
+        unclear: Callable[[UserError], str | None],
+        limit_s: float,
+    ) -> None:
+        """Run one case within `limit_s` and file it: `run` returns what is wrong with an
+        accepted input (None: nothing); a UserError is a rejection unless `unclear` says what
+        it fails to name; any other exception or a time-out is a crash."""
+        try:
+            with time_limit(limit_s):
+                problem = run()
+        except UserError as exc:
+            problem = unclear(exc)
+            if problem is None:
+                self.rejected(kind)
+            else:
+                self.crashed(kind, case, f"unclear error ({problem}): {exc.message[:500]!r}")
+        except (Exception, CaseTimeout) as exc:  # noqa: BLE001 - any other is the finding
+            self.crashed(kind, case, f"{type(exc).__name__}: {str(exc)[:500]}")
+        else:
+            if problem is None:
+                self.accepted(kind)
+            else:
+                self.crashed(kind, case, f"accepted but {problem}")
 
     @property
     def cases(self) -> int:

@@ -4,8 +4,6 @@ ORCHESTRATOR_API__CA_CERT; a client that does not trust it is told how to."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import secrets
 import shutil
@@ -17,15 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from pydantic import SecretStr
 
 from orchestrator.api.app import create_app
 from orchestrator.api.client import ApiClient
 from orchestrator.api.serve import BackgroundServer
+from orchestrator.controller.tls import self_signed as make_self_signed
 from orchestrator.errors import UserError
 from orchestrator.settings import ApiSettings, Settings
 from orchestrator.store import RedisStore
@@ -35,34 +30,11 @@ SPEC = {"name": "tls-job", "budget_usd": 10.0, "work_gpu_hours": 1.0}
 
 
 def self_signed(folder: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 signed by its own key (as the deploy stack makes one)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "orchestrator test")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
+    """A certificate for 127.0.0.1 signed by its own key, as `controller start` makes one."""
+    cert, key = make_self_signed(["127.0.0.1"])
     cert_path, key_path = folder / "api-cert.pem", folder / "api-key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    cert_path.write_bytes(cert)
+    key_path.write_bytes(key)
     return cert_path, key_path
 
 

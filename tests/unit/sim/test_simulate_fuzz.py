@@ -264,23 +264,15 @@ def test_simulate_settings_are_accepted_or_refused_by_name(tmp_path: Path) -> No
             kind = "options_only"
         given = _given(rng)
         case = (text, given)
-        try:
-            with time_limit(CONFIG_LIMIT_S):
-                config = simulation_config(config_file, given)
-                problem = _unusable(config)
-        except UserError as exc:
-            problem = _unclear(exc, config_file)
-            if problem is None:
-                tally.rejected(kind)
-            else:
-                tally.crashed(kind, case, f"unclear error ({problem}): {exc.message[:500]!r}")
-        except (Exception, CaseTimeout) as exc:  # noqa: BLE001 - any other is the finding
-            tally.crashed(kind, case, f"{type(exc).__name__}: {str(exc)[:500]}")
-        else:
-            if problem is None:
-                tally.accepted(kind)
-            else:
-                tally.crashed(kind, case, f"accepted but {problem}")
+        tally.judge(
+            kind,
+            case,
+            lambda config_file=config_file, given=given: _unusable(
+                simulation_config(config_file, given)
+            ),
+            lambda exc, config_file=config_file: _unclear(exc, config_file),
+            CONFIG_LIMIT_S,
+        )
     print(f"\nsimulate settings fuzz took {time.monotonic() - started:.1f} s")
     tally.check(min_cases=CONFIG_CASES)
     assert tally.outcomes["accepted"] > CONFIG_CASES // 20, tally.summary()
