@@ -56,6 +56,12 @@ class BidBrainSettings(BaseModel):
         0.002, ge=0, description="act only if E falls by at least this fraction"
     )
     max_adds_per_decision: int = Field(32, gt=0)
+    budget_reserve_s: float = Field(
+        900.0,
+        ge=0,
+        description="spend held back past the next decision, so that the budget holds while "
+        "the controller is away this long (a crash and restart, a lost tick)",
+    )
 
 
 @dataclass(frozen=True)
@@ -186,9 +192,11 @@ class BidBrainPolicy(Policy):
     over the market price, highest first so that ties go to the safer bid) × count (the count
     ladder plus "fill the remaining rate").
 
-    Budgets: the spend so far plus what the footprint commits until the next decision never
-    exceeds the job's budget. When the budget cannot carry the reliable tier and one more spot
-    instance, every spot allocation is released and the decision says `budget_exhausted`.
+    Budgets: the spend so far plus what the footprint commits until the next decision, and for
+    `budget_reserve_s` past it, never exceeds the job's budget: the reserve keeps the budget
+    whole when the next decision comes late (a controller restart, failed ticks). When the
+    budget cannot carry the reliable tier and one more spot instance that long, every spot
+    allocation is released and the decision says `budget_exhausted`.
     """
 
     name = "bidbrain"
@@ -212,7 +220,7 @@ class BidBrainPolicy(Policy):
         job, s = inp.job, self.settings
         phi, lam = job.app.phi, job.app.eviction_overhead_s
         work_s = max(inp.work_remaining_gpu_hours, 1e-9) * SECONDS_PER_HOUR
-        interval_h = s.decision_interval_s / SECONDS_PER_HOUR
+        commit_h = self._commit_hours()
         reliable = self._reliable_request(inp)
         reliable_rate = self._reliable_rate_usd_per_hour(inp, reliable)
         time_value = self._time_value_usd_per_hour(job)
@@ -227,7 +235,7 @@ class BidBrainPolicy(Policy):
         releases: list[str] = []
         commit_rate = reliable_rate + sum(a.price_usd_per_hour * a.count for a in spot)
         for a in sorted(spot, key=lambda a: -a.price_usd_per_hour / a.work_rate_per_instance):
-            if commit_rate * interval_h <= budget_left:
+            if commit_rate * commit_h <= budget_left:
                 break
             releases.append(a.allocation_id)
             commit_rate -= a.price_usd_per_hour * a.count
@@ -236,7 +244,7 @@ class BidBrainPolicy(Policy):
         cand = self._candidates(inp)
         freed = sum(a.count * a.work_rate_per_instance for a in spot if a.allocation_id in releases)
         remaining_rate = self._remaining_rate(inp) + freed
-        budget_for_adds = budget_left - commit_rate * interval_h
+        budget_for_adds = budget_left - commit_rate * commit_h
         adds, terms = self._greedy(base, cand, remaining_rate, budget_for_adds, work_s, phi, lam)
         current_e = terms.cost_per_work(work_s, phi, lam)
 
@@ -250,7 +258,7 @@ class BidBrainPolicy(Policy):
                 reliable_terms + self._terms(held, keep_without),
                 cand,
                 remaining_rate + a.count * a.work_rate_per_instance,
-                budget_for_adds + a.price_usd_per_hour * a.count * interval_h,
+                budget_for_adds + a.price_usd_per_hour * a.count * commit_h,
                 work_s,
                 phi,
                 lam,
@@ -264,7 +272,7 @@ class BidBrainPolicy(Policy):
         requests = reliable + tuple(self._request(cand, j, current_e) for j in adds)
         exhausted = (
             job.budget_usd is not None
-            and budget_left < (reliable_rate + self._cheapest_instance_rate(cand)) * interval_h
+            and budget_left < (reliable_rate + self._cheapest_instance_rate(cand)) * commit_h
         )
         if exhausted:
             releases = [a.allocation_id for a in spot]
@@ -411,11 +419,11 @@ class BidBrainPolicy(Policy):
     ) -> tuple[list[int], FootprintTerms]:
         """Add the best candidate while it lowers E by at least `min_improvement`."""
         chosen: list[int] = []
-        interval_h = self.settings.decision_interval_s / SECONDS_PER_HOUR
+        commit_h = self._commit_hours()
         for _ in range(self.settings.max_adds_per_decision):
             feasible = cand["valid"] & (cand["kv"] <= remaining_rate + 1e-9)
             if math.isfinite(budget_usd):
-                feasible &= cand["commit_rate"] * interval_h <= budget_usd
+                feasible &= cand["commit_rate"] * commit_h <= budget_usd
             idx = np.flatnonzero(feasible)
             if len(idx) == 0:
                 break
@@ -434,8 +442,14 @@ class BidBrainPolicy(Policy):
             chosen.append(j)
             base = base + FootprintTerms(*(float(arr[j]) for arr in cand["terms"]))
             remaining_rate -= float(cand["kv"][j])
-            budget_usd -= float(cand["commit_rate"][j]) * interval_h
+            budget_usd -= float(cand["commit_rate"][j]) * commit_h
         return chosen, base
+
+    def _commit_hours(self) -> float:
+        """How long a footprint is paid for out of the budget: to the next decision and the
+        reserve past it."""
+        s = self.settings
+        return (s.decision_interval_s + s.budget_reserve_s) / SECONDS_PER_HOUR
 
     def _cheapest_instance_rate(self, cand: dict) -> float:
         valid = cand["valid"]

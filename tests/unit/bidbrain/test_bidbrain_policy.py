@@ -9,7 +9,13 @@ import pytest
 
 from orchestrator.bidbrain.baselines import CheapestFailoverPolicy, StandardPolicy
 from orchestrator.bidbrain.model import AppParams, Footprint, HeldAllocation, JobSpec
-from orchestrator.bidbrain.policy import BidBrainPolicy, DecisionInput, MarketTable, policy_class
+from orchestrator.bidbrain.policy import (
+    BidBrainPolicy,
+    BidBrainSettings,
+    DecisionInput,
+    MarketTable,
+    policy_class,
+)
 from orchestrator.errors import UserError
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import EvictionModel
@@ -196,11 +202,11 @@ def test_reliable_allocations_are_never_released():
     assert "r" not in d.release
 
 
-def test_budget_limits_what_is_committed_until_the_next_decision():
+def test_budget_limits_what_is_committed_until_the_next_decision_and_the_reserve():
     policy = make_policy([A])
-    interval_h = policy.settings.decision_interval_s / HOUR
+    commit_h = (policy.settings.decision_interval_s + policy.settings.budget_reserve_s) / HOUR
     budget = 100.0
-    spend = budget - (0.192 + 3 * 0.95) * interval_h + 1e-6  # room for the reliable node + 2
+    spend = budget - (0.192 + 3 * 0.95) * commit_h + 1e-6  # room for the reliable node + 2
     d = decide(
         policy,
         prices={A: 0.95},
@@ -208,10 +214,35 @@ def test_budget_limits_what_is_committed_until_the_next_decision():
         spend=spend,
         footprint=Footprint([reliable_alloc()]),
     )
-    committed = sum(r.count * 0.95 for r in d.acquire if not r.reliable) * interval_h
-    assert committed + 0.192 * interval_h <= budget - spend + 1e-9
+    committed = sum(r.count * 0.95 for r in d.acquire if not r.reliable) * commit_h
+    assert committed + 0.192 * commit_h <= budget - spend + 1e-9
     assert 0 < spot_rate(d) <= 2
     assert not d.budget_exhausted
+
+
+@pytest.mark.parametrize("late_s", [120.0, 600.0, 1020.0])
+def test_a_decision_that_comes_late_by_up_to_the_reserve_finds_the_budget_whole(late_s):
+    """Spend on the footprint a decision leaves, paid until a decision `late_s` later (a
+    controller restart): never past the budget, whatever the spend it started from."""
+    policy = make_policy([A])
+    budget = 20.0
+    for spend in np.linspace(budget - 3.0, budget, 31):
+        fp = Footprint([reliable_alloc(), held("s", A, 4, 0.95, max_price=3.06)])
+        d = decide(policy, prices={A: 0.95}, job=job(budget_usd=budget), spend=spend, footprint=fp)
+        if d.budget_exhausted:
+            continue
+        kept = 0.0 if "s" in d.release else 4 * 0.95
+        added = sum(r.count * (0.192 if r.reliable else 0.95) for r in d.acquire)
+        assert spend + (0.192 + kept + added) * late_s / HOUR <= budget + 1e-9, spend
+
+
+def test_without_a_reserve_the_budget_is_committed_to_the_next_decision_only():
+    policy = make_policy([A], settings=BidBrainSettings(budget_reserve_s=0.0))
+    interval_h = policy.settings.decision_interval_s / HOUR
+    spend = 100.0 - (0.192 + 3 * 0.95) * interval_h + 1e-6
+    d = decide(policy, prices={A: 0.95}, job=job(budget_usd=100.0), spend=spend,
+               footprint=Footprint([reliable_alloc()]))  # fmt: skip
+    assert not d.budget_exhausted and 0 < spot_rate(d) <= 2
 
 
 def test_exhausted_budget_releases_spot_nodes_and_keeps_the_model_on_the_reliable_tier():
