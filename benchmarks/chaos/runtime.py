@@ -92,6 +92,7 @@ def run_runtime(options: RuntimeOptions, log: FaultLog) -> dict[str, Any]:
         )
         out.jobs += 1
         out.hung_job = out.reliable_killed = False
+        out.last_fault = "(none yet in this job)"
         _run_job(spec, options, rng, log, out, deadline=wall0 + options.max_wall_s)
     per_job = ("hung_job", "last_fault", "reliable_killed")
     counts = {k: v for k, v in out.__dict__.items() if k not in per_job}

@@ -100,9 +100,11 @@ class LocalJob:
         env = {**os.environ, AGILEML_TOKEN_ENV: self._token.hex()}
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
-        # a node started while others compute imports the runtime at low priority; a held
-        # joiner starts with the job and must be ready when released: normal priority
-        entry = "orchestrator.agileml.node" if held else "orchestrator.agileml.node_process"
+        # a node started while others compute imports the runtime at low priority; the nodes
+        # a job starts with, and a held joiner (it starts with the job and must be ready when
+        # released), at normal priority: nice 19 would starve them on a busy machine
+        computing = not held and self.max_clock() >= 0
+        entry = "orchestrator.agileml.node_process" if computing else "orchestrator.agileml.node"
         cmd = [
             sys.executable, "-m", entry,
             "--node-id", node_id, "--job-id", self.spec.job_id, "--tier", tier.value,

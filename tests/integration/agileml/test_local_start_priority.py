@@ -1,0 +1,27 @@
+"""LocalJob starts a job's first nodes at normal priority and joiners at the lowest."""
+
+from __future__ import annotations
+
+from orchestrator.agileml.control import ModelSpec, TrainingSpec
+from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.local import LocalJob
+
+
+def _entry(job: LocalJob, node_id: str) -> str:
+    args = list(job._procs[node_id].args)  # noqa: SLF001 - the command the node runs
+    return args[args.index("-m") + 1]
+
+
+def test_the_first_nodes_start_at_normal_priority_and_a_joiner_at_the_lowest() -> None:
+    """On a busy machine nice-19 start-ups of a job's first nodes could starve for minutes
+    (nothing of the job computes yet, so nothing is slowed by starting them normally)."""
+    spec = TrainingSpec(job_id="prio", model=ModelSpec(kind="additive", features=64), lr=1.0,
+                        global_batch=8, iterations=400, num_partitions=2, min_nodes=2)  # fmt: skip
+    with LocalJob(spec) as job:
+        job.add_node("r0", NodeTier.RELIABLE)
+        job.add_node("t0", NodeTier.TRANSIENT)
+        assert _entry(job, "r0") == _entry(job, "t0") == "orchestrator.agileml.node"
+        job.wait_clock(2, timeout_s=120)
+        job.add_node("t1", NodeTier.TRANSIENT)
+        assert _entry(job, "t1") == "orchestrator.agileml.node_process"  # imports at nice 19
+        job.wait_clock(job.max_clock() + 2, timeout_s=120)
