@@ -18,11 +18,12 @@ finite scalar, an optimizer or scheduler the parameter servers cannot run.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -149,6 +150,18 @@ def _unless_stopping(exc: BaseException) -> None:
         raise exc
 
 
+@contextlib.contextmanager
+def job_code_call(what: str, *, verb: str = "raised", fix: str = "") -> Iterator[None]:
+    """Run a call into the job's code: what it raises (an Exception, or the SystemExit of
+    `sys.exit()`) becomes a JobCodeError "`what` `verb` Type: message`fix`"; the SystemExit
+    of a stopping signal goes on unwinding."""
+    try:
+        yield
+    except USER_CODE_ERRORS as exc:
+        _unless_stopping(exc)
+        raise JobCodeError(f"{what} {verb} {type(exc).__name__}: {exc}{fix}") from exc
+
+
 def _import(file: Path) -> ModuleType:
     digest = hashlib.sha1(str(file).encode()).hexdigest()[:12]
     name = f"orchestrator_job_{digest}"
@@ -161,11 +174,8 @@ def _import(file: Path) -> ModuleType:
     folder = str(file.parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    try:
+    with job_code_call(f"importing {file}", verb="failed:"):
         spec.loader.exec_module(module)
-    except USER_CODE_ERRORS as exc:
-        _unless_stopping(exc)
-        raise JobCodeError(f"importing {file} failed: {type(exc).__name__}: {exc}") from exc
     sys.modules[name] = module
     return module
 
@@ -203,11 +213,8 @@ def seeded_model(code: JobCode, seed: int) -> nn.Module:
     """
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        try:
+        with job_code_call("model()"):
             model = code.model()
-        except USER_CODE_ERRORS as exc:
-            _unless_stopping(exc)
-            raise JobCodeError(f"model() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise JobCodeError(f"model() returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -223,19 +230,12 @@ def check_job_code(code: JobCode, *, global_batch: int, seed: int = 0) -> JobChe
     _check_deterministic(model, seeded_model(code, seed))
     rows = _check_dataset(code, global_batch)
     x, y = rows.take(torch.arange(min(CHECK_ROWS, len(rows))))
-    try:
+    with job_code_call(
+        "model()(inputs)", verb=f"raised on a batch of {CHECK_ROWS} collated items:"
+    ):
         out = model(x)
-    except USER_CODE_ERRORS as exc:
-        _unless_stopping(exc)
-        raise JobCodeError(
-            f"model()(inputs) raised on a batch of {CHECK_ROWS} collated items: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    try:
+    with job_code_call("loss(output, target)"):
         value = code.loss(out, y)
-    except USER_CODE_ERRORS as exc:
-        _unless_stopping(exc)
-        raise JobCodeError(f"loss(output, target) raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise JobCodeError(
@@ -270,11 +270,8 @@ def optimizer_plan(
         _unless_stopping(exc)
         raise JobCodeError(f"optimizer(params) raised {type(exc).__name__}: {exc}") from exc
     if code.scheduler is not None:
-        try:
+        with job_code_call("scheduler(optimizer)"):
             scheduler = code.scheduler(code.optimizer(model.parameters()))
-        except USER_CODE_ERRORS as exc:
-            _unless_stopping(exc)
-            raise JobCodeError(f"scheduler(optimizer) raised {type(exc).__name__}: {exc}") from exc
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise JobCodeError(
                 "scheduler(optimizer) returned ReduceLROnPlateau, which needs a metric; the "
@@ -288,11 +285,8 @@ def optimizer_plan(
 
 def dataset_rows(code: JobCode) -> DatasetRows:
     """The job's training set, addressed by row. Raises JobCodeError."""
-    try:
+    with job_code_call("dataset()"):
         data = code.dataset()
-    except USER_CODE_ERRORS as exc:
-        _unless_stopping(exc)
-        raise JobCodeError(f"dataset() raised {type(exc).__name__}: {exc}") from exc
     if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
         raise JobCodeError(
             f"dataset() returned {type(data).__name__}, not a map-style Dataset "
@@ -317,22 +311,16 @@ def _check_dataset(code: JobCode, global_batch: int) -> DatasetRows:
             f"dataset() has {len(rows)} items, fewer than the global batch ({global_batch}). "
             f"To fix: use a smaller --global-batch."
         )
-    try:
+    with job_code_call("dataset()[0]"):
         item = rows.dataset[0]
-    except USER_CODE_ERRORS as exc:
-        _unless_stopping(exc)
-        raise JobCodeError(f"dataset()[0] raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         raise JobCodeError(
             f"dataset()[0] is a {type(item).__name__}, not an (input, target) pair. To fix: "
             f"make __getitem__ return (input, target)."
         )
-    try:
+    who = "collate(items)" if code.collate is not None else "collating dataset items"
+    with job_code_call(who, verb="failed:"):
         rows.take(torch.arange(min(CHECK_ROWS, len(rows))))
-    except USER_CODE_ERRORS as exc:
-        _unless_stopping(exc)
-        who = "collate(items)" if code.collate is not None else "collating dataset items"
-        raise JobCodeError(f"{who} failed: {type(exc).__name__}: {exc}") from exc
     return rows
 
 

@@ -11,7 +11,7 @@ import abc
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,8 +50,14 @@ class BidBrainSettings(BaseModel):
         3600.0, gt=0, description="each allocation is reconsidered once per period (billing hour)"
     )
     renew_lead_s: float = Field(120.0, ge=0, description="renew-or-release this long before it")
-    bid_deltas_usd: tuple[float, ...] = DEFAULT_BID_DELTAS_USD
-    counts: tuple[int, ...] = (1, 2, 4, 8, 16)
+    bid_deltas_usd: Annotated[
+        tuple[Annotated[float, Field(gt=0)], ...],
+        Field(min_length=1, description="bids over the market price, in USD per hour"),
+    ] = DEFAULT_BID_DELTAS_USD
+    counts: Annotated[
+        tuple[Annotated[int, Field(ge=1)], ...],
+        Field(min_length=1, description="instances per allocation BidBrain may buy at once"),
+    ] = (1, 2, 4, 8, 16)
     min_improvement: float = Field(
         0.002, ge=0, description="act only if E falls by at least this fraction"
     )

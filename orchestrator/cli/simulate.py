@@ -152,7 +152,7 @@ def simulate(
             fix="pass a path on a disk with room, in a folder you can write to",
         ) from None
     if as_json:
-        sys.stdout.write(json.dumps(report.as_dict()) + "\n")
+        sys.stdout.write(json.dumps(report.as_dict(), allow_nan=False) + "\n")
     else:
         render_table(report, out)
     if plot is not None:

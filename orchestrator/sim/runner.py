@@ -121,7 +121,7 @@ class StrategySummary:
     completed_fraction: float
     decisions_mean: float
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | None]:
         return {k: _round(v) for k, v in self.__dict__.items()}
 
 
@@ -146,8 +146,10 @@ class SimReport:
         }
 
 
-def _round(v: float) -> float:
-    return round(v, 6) if math.isfinite(v) else v
+def _round(v: float) -> float | None:
+    """Six decimals; None (JSON null) for a figure with no value, such as the cost per work of
+    runs that did no work (NaN and Infinity are not JSON)."""
+    return round(v, 6) if math.isfinite(v) else None
 
 
 # -- world loading ------------------------------------------------------------------------

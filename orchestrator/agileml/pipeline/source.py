@@ -27,6 +27,7 @@ from orchestrator.agileml.jobcode import (
     JobCode,
     JobCodeError,
     dataset_rows,
+    job_code_call,
     load_job_code,
     seeded_model,
 )
@@ -108,10 +109,8 @@ def job_layers(code: JobCode, model: nn.Module) -> list[nn.Module]:
         JobCodeError: neither applies, or `stages` returned something else than modules.
     """
     if code.stages is not None:
-        try:
+        with job_code_call("stages(model)"):
             layers = list(code.stages(model))
-        except Exception as exc:
-            raise JobCodeError(f"stages(model) raised {type(exc).__name__}: {exc}") from exc
         if not layers or not all(isinstance(m, nn.Module) for m in layers):
             raise JobCodeError(
                 "stages(model) must return the model's layers (nn.Module objects) in the "

@@ -190,6 +190,8 @@ BROKEN_PIPELINE: list[tuple[str, str, str]] = [
      "stages(model) must return"),
     ("stages_raises", _extra("def stages(model):\n    raise RuntimeError('no stages')\n"),
      "stages(model) raised"),
+    ("stages_exits", _extra("import sys\ndef stages(model):\n    sys.exit(3)\n"),
+     "stages(model) raised SystemExit"),
     ("tied_weights", _swap(MODEL, "def model():\n    a = nn.Linear(4, 4)\n"
      "    return nn.Sequential(a, nn.ReLU(), a, nn.Linear(4, 3))\n"), "share the weight"),
 ]  # fmt: skip

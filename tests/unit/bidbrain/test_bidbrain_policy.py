@@ -296,3 +296,13 @@ def test_unknown_policy_name_lists_the_valid_ones():
     with pytest.raises(UserError) as info:
         policy_class("bidbrian")
     assert "bidbrain" in info.value.fix
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("counts", [0]), ("counts", [-1]), ("counts", []), ("counts", [1, 0]),
+     ("bid_deltas_usd", []), ("bid_deltas_usd", [-0.1]), ("budget_reserve_s", -1.0)],
+)  # fmt: skip
+def test_settings_that_cannot_be_bought_or_bid_are_refused_by_name(setting, value):
+    with pytest.raises(ValueError, match=setting):
+        BidBrainSettings(**{setting: value})
