@@ -318,6 +318,7 @@ class Controller:
                 projected_cost_usd=_finite(decision.projected_cost_usd),
                 acquire=tuple(f"{r.count}x{r.instance_type}@{r.zone}" for r in decision.acquire),
                 release=decision.release,
+                reason=decision.reason,
             )
         )
         released = set(decision.release)
@@ -442,20 +443,21 @@ class Controller:
     def _end(
         self, rec: InstanceRecord, history: PriceHistory, now_s: float, reason: EndReason
     ) -> InstanceRecord:
-        """Bill the instance's whole life and mark it ended (both idempotent); the record as
-        stored now (its first end stands)."""
+        """Bill the instance's whole life and mark it ended, in one atomic store write (a
+        crash in between would leave half a bill that a later, longer one conflicts with);
+        the record as stored now (its first end and bill stand)."""
         end = max(now_s, rec.launched_at)
-        for interval in self._bill(rec, history, end, reason):
-            self.store.append_ledger(
-                LedgerEntry.from_interval(
-                    interval,
-                    job_id=rec.job_id,
-                    instance_id=rec.instance_id,
-                    instance_type=rec.instance_type,
-                    zone=rec.zone,
-                )
+        bill = [
+            LedgerEntry.from_interval(
+                interval,
+                job_id=rec.job_id,
+                instance_id=rec.instance_id,
+                instance_type=rec.instance_type,
+                zone=rec.zone,
             )
-        ended = self.store.end_instance(rec.instance_id, end, str(reason))
+            for interval in self._bill(rec, history, end, reason)
+        ]
+        ended = self.store.end_instance(rec.instance_id, end, str(reason), bill)
         self._doomed.discard(rec.instance_id)
         return ended
 

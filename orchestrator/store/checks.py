@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Sequence
 
 from orchestrator.store.errors import IllegalTransitionError, NotFoundError
 from orchestrator.store.models import (
@@ -92,6 +93,20 @@ def claim_ttl_ms(key: str, owner: str, ttl_s: float) -> int:
 def ledger_identity(entry: LedgerEntry) -> str:
     """What identifies a ledger entry within its job: `"{instance_id}@{start_s!r}"`."""
     return f"{entry.instance_id}@{entry.start_s!r}"
+
+
+def check_bill(instance: InstanceRecord, bill: Sequence[LedgerEntry]) -> None:
+    """The entries of an instance's bill are its own, in its job.
+
+    Raises:
+        ValueError: naming the first entry that is not.
+    """
+    for entry in bill:
+        if (entry.job_id, entry.instance_id) != (instance.job_id, instance.instance_id):
+            raise ValueError(
+                f"a bill of instance {instance.instance_id} (job {instance.job_id}) holds a "
+                f"charge of instance {entry.instance_id} (job {entry.job_id})"
+            )
 
 
 def ended_record(current: InstanceRecord, ended_at: float, reason: str) -> InstanceRecord:

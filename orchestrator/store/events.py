@@ -61,6 +61,7 @@ class DecisionEvent(_EventBase):
     projected_cost_usd: float | None = None
     acquire: tuple[str, ...] = ()  # "2xp3.2xlarge@us-east-1b"
     release: tuple[str, ...] = ()  # allocation ids
+    reason: str = ""  # why, when the policy said (the deadline's safety net, the budget)
 
 
 class LaunchEvent(_EventBase):

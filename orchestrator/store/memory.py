@@ -31,13 +31,14 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
 from orchestrator.store.checks import (
+    check_bill,
     check_count,
     check_id,
     check_namespace,
@@ -276,12 +277,31 @@ class MemoryStore:
             self._instances[rec.instance_id] = text
         return rec
 
-    def end_instance(self, instance_id: str, ended_at: float, reason: str) -> InstanceRecord:
-        with self._lock:  # the check and the end in one step, as RedisStore's script
+    def end_instance(
+        self,
+        instance_id: str,
+        ended_at: float,
+        reason: str,
+        bill: Sequence[LedgerEntry] = (),
+    ) -> InstanceRecord:
+        with self._lock:  # the check, the bill and the end in one step, as RedisStore's script
             current = self.get_instance(instance_id)
             if not current.alive:
                 return current
             ended = ended_record(current, ended_at, reason)
+            check_bill(current, bill)
+            if bill:
+                job = self._job(current.job_id)
+                index = self._ledger_index[current.job_id]
+                texts = [(ledger_identity(e), e.model_dump_json(), e) for e in bill]
+                for identity, text, entry in texts:
+                    if identity in index and index[identity] != text:
+                        raise LedgerConflictError(entry.job_id, entry.instance_id, entry.start_s)
+                for identity, text, entry in texts:
+                    if identity not in index:
+                        job = self._put_job(job, {"spent_usd": job.spent_usd + entry.charged_usd})
+                        self._ledgers[current.job_id].append(text)
+                        index[identity] = text
             self._instances[instance_id] = _json(ended)
             return _load(InstanceRecord, self._instances[instance_id])
 

@@ -23,7 +23,7 @@ Failure semantics, for every implementation:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from orchestrator.store.events import Event
@@ -205,19 +205,31 @@ class Store(Protocol):
         """
         ...
 
-    def end_instance(self, instance_id: str, ended_at: float, reason: str) -> InstanceRecord:
-        """Mark an instance ended (state `INSTANCE_ENDED`, `ended_at`, `end_reason = reason`)
-        and drop it from the alive lists.
+    def end_instance(
+        self,
+        instance_id: str,
+        ended_at: float,
+        reason: str,
+        bill: Sequence[LedgerEntry] = (),
+    ) -> InstanceRecord:
+        """Mark an instance ended (state `INSTANCE_ENDED`, `ended_at`, `end_reason = reason`),
+        drop it from the alive lists and append `bill` (its life's charges, as
+        `append_ledger` would, to the instance's job) in one atomic step: a crash leaves the
+        instance either alive and unbilled or ended and billed, so the bill a restarted
+        controller computes later (with a later end) never meets half of an earlier one.
 
-        Atomic and idempotent: if it has already ended, the first end stands and the stored
-        record is returned unchanged (`ended_at` is then not checked).
+        Idempotent: if it has already ended, the first end (and its bill) stands and the stored
+        record is returned unchanged (`ended_at` and `bill` are then not used).
 
         Returns:
             The instance as it is now.
 
         Raises:
-            NotFoundError: no such instance.
-            ValueError: `ended_at` is before the instance's `launched_at` (nothing changed).
+            NotFoundError: no such instance, or (with a bill) no such job (nothing changed).
+            LedgerConflictError: an entry of `bill` differs from one recorded under its
+                identity (nothing changed).
+            ValueError: `ended_at` is before the instance's `launched_at`, or an entry is
+                another job's (nothing changed).
         """
         ...
 

@@ -149,12 +149,32 @@ end
 return {'ok'}
 """
 
-# KEYS: instance hash, all-alive index, job-alive index.
-# ARGV: instance id, ended_at, end_reason, state.
+# KEYS: instance hash, all-alive index, job-alive index, then the instance's job: its hash,
+# ledger and ledger index.
+# ARGV: instance id, ended_at, end_reason, state, then per charge of the bill: identity,
+# entry JSON, charged (as APPEND_LEDGER_LUA). Every charge is checked before anything is
+# written; the bill and the end land together or not at all.
 END_INSTANCE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local status = 'already'
 if redis.call('HGET', KEYS[1], 'ended_at') == 'null' then
+  local charges = (#ARGV - 4) / 3
+  if charges > 0 and redis.call('EXISTS', KEYS[4]) == 0 then return {'missing_job'} end
+  local digests = {}
+  for i = 0, charges - 1 do
+    local identity, entry = ARGV[5 + 3 * i], ARGV[6 + 3 * i]
+    digests[i] = '"' .. redis.sha1hex(entry) .. '"'  -- a JSON string, like every value
+    local seen = redis.call('HGET', KEYS[6], identity)
+    if seen and seen ~= digests[i] then return {'different', identity} end
+  end
+  for i = 0, charges - 1 do
+    local identity = ARGV[5 + 3 * i]
+    if not redis.call('HGET', KEYS[6], identity) then
+      redis.call('HINCRBYFLOAT', KEYS[4], 'spent_usd', ARGV[7 + 3 * i])
+      redis.call('RPUSH', KEYS[5], ARGV[6 + 3 * i])
+      redis.call('HSET', KEYS[6], identity, digests[i])
+    end
+  end
   redis.call('HSET', KEYS[1], 'ended_at', ARGV[2], 'end_reason', ARGV[3], 'state', ARGV[4])
   redis.call('SREM', KEYS[2], ARGV[1])
   redis.call('SREM', KEYS[3], ARGV[1])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar, cast
 
 import redis
@@ -29,6 +29,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from orchestrator.store.checks import (
+    check_bill,
     check_count,
     check_id,
     check_namespace,
@@ -293,24 +294,42 @@ class RedisStore:
             raise IllegalTransitionError(rec.job_id, json.loads(result[1]), rec.state)
         return rec
 
-    def end_instance(self, instance_id: str, ended_at: float, reason: str) -> InstanceRecord:
-        """Validated first (a read), then one Lua script that ends it only if still alive
-        (so a concurrent end cannot be overwritten)."""
+    def end_instance(
+        self,
+        instance_id: str,
+        ended_at: float,
+        reason: str,
+        bill: Sequence[LedgerEntry] = (),
+    ) -> InstanceRecord:
+        """Validated first (a read), then one Lua script that, only if the instance is still
+        alive, checks every charge, appends them and ends it (so a concurrent end cannot be
+        overwritten, and a crash leaves no half bill)."""
         current = self.get_instance(instance_id)
         if not current.alive:
             return current
         ended_record(current, ended_at, reason)  # validates before anything is written
+        check_bill(current, bill)
         key = self._keys.instance(instance_id)
         keys = [
             key,
             self._keys.instances(alive_only=True),
             self._keys.instances(current.job_id, alive_only=True),
+            self._keys.job(current.job_id),
+            self._keys.job_part(current.job_id, "ledger"),
+            self._keys.job_part(current.job_id, "ledger-index"),
         ]
         args = [instance_id, enc(ended_at), enc(reason), enc(INSTANCE_ENDED)]
+        for entry in bill:
+            args += [ledger_identity(entry), entry.model_dump_json(), repr(entry.charged_usd)]
         with redis_errors(self.url):
             result = self._scripts.end_instance(keys=keys, args=args)
         if result[0] == "missing":
             raise NotFoundError("instance", instance_id)
+        if result[0] == "missing_job":
+            raise NotFoundError("job", current.job_id)
+        if result[0] == "different":
+            entry = next(e for e in bill if ledger_identity(e) == result[1])
+            raise LedgerConflictError(entry.job_id, entry.instance_id, entry.start_s)
         return decode_hash(InstanceRecord, key, pairs(result[1:]))
 
     def get_instance(self, instance_id: str) -> InstanceRecord:

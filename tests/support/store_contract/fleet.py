@@ -11,11 +11,12 @@ from orchestrator.market.billing import EndReason
 from orchestrator.store import (
     IllegalTransitionError,
     InstanceRecord,
+    LedgerConflictError,
     NotFoundError,
     Store,
     StoreError,
 )
-from support.store_contract.data import instance, run_together
+from support.store_contract.data import charge, instance, job, run_together
 
 
 class FleetContract:
@@ -66,6 +67,32 @@ class FleetContract:
         first = store.end_instance("i-1", ended_at=70.0, reason="evicted")
         assert store.end_instance("i-1", ended_at=90.0, reason="released") == first
         assert store.end_instance("i-1", ended_at=1.0, reason="released") == first  # not checked
+
+    def test_an_instance_is_ended_and_billed_in_one_step(self, store: Store) -> None:
+        """The bill lands with the end or not at all: a later end (a restarted controller's,
+        with a later time) finds the first end and its bill standing, never half of it."""
+        store.create_job(job())
+        store.put_instance(instance("i-1", launched_at=0.0))
+        bill = [charge(start_s=0.0, billed_s=600.0), charge(start_s=600.0, billed_s=300.0)]
+        ended = store.end_instance("i-1", ended_at=900.0, reason="evicted", bill=bill)
+        assert ended.ended_at == 900.0 and store.ledger("j1") == bill
+        assert store.spent_usd("j1") == pytest.approx(sum(c.charged_usd for c in bill))
+        longer = [bill[0], charge(start_s=600.0, billed_s=500.0)]
+        assert store.end_instance("i-1", ended_at=1100.0, reason="evicted", bill=longer) == ended
+        assert store.ledger("j1") == bill
+
+    def test_a_bill_that_conflicts_changes_nothing(self, store: Store) -> None:
+        store.create_job(job())
+        store.put_instance(instance("i-1", launched_at=0.0))
+        store.append_ledger(charge(start_s=600.0, billed_s=300.0))  # an older controller's half
+        bill = [charge(start_s=0.0, billed_s=600.0), charge(start_s=600.0, billed_s=500.0)]
+        with pytest.raises(LedgerConflictError):
+            store.end_instance("i-1", ended_at=1100.0, reason="evicted", bill=bill)
+        assert store.get_instance("i-1").alive
+        assert len(store.ledger("j1")) == 1
+        with pytest.raises(ValueError, match="holds a charge of instance i-2"):
+            store.end_instance("i-1", 1100.0, "evicted", [charge(instance_id="i-2")])
+        assert store.get_instance("i-1").alive
 
     def test_concurrent_ends_of_an_instance_leave_one_end(self, store: Store) -> None:
         store.put_instance(instance("i-1"))
