@@ -9,10 +9,21 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
+from orchestrator.bidbrain.deadline import DeadlineQuote, deadline_quote
+from orchestrator.bidbrain.errors import DeadlineError
 from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.market.catalog import Catalog, InstanceType
 from orchestrator.units import SECONDS_PER_HOUR
@@ -86,6 +97,20 @@ class JobSubmission(BaseModel):
         None,
         description="train a model with AgileML (TrainingSpec fields but job_id): on AWS the "
         "controller hosts the job's elasticity controller and counts iterations as its work",
+    )
+    deadline: AwareDatetime | None = Field(
+        None,
+        description="when the work must be done, ISO 8601 with a zone (2026-11-27T17:00:00Z); "
+        "BidBrain keeps a safety net of on-demand GPUs for when the slack runs out",
+    )
+    deadline_hours: Annotated[float, Field(gt=0, le=24 * 366, allow_inf_nan=False)] | None = Field(
+        None, description="the deadline as hours after submission (becomes `deadline`)"
+    )
+    deadline_soft: bool = Field(
+        False,
+        description="when meeting the deadline could cost more than the budget: false (the "
+        "default) refuses the submission with the numbers, true lets the budget win (the job "
+        "may finish late; it never spends past its budget)",
     )
 
     @model_validator(mode="before")
@@ -169,6 +194,12 @@ class JobSubmission(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _one_deadline(self) -> JobSubmission:
+        if self.deadline is not None and self.deadline_hours is not None:
+            raise ValueError("give deadline or deadline_hours, not both")
+        return self
+
+    @model_validator(mode="after")
     def _reliable_offered(self) -> JobSubmission:
         reliable = Catalog.load().get(self.reliable_type)
         if not any(reliable.offered_in(r) for r in self.regions):
@@ -192,7 +223,15 @@ class JobSubmission(BaseModel):
             app=self.app,
             time_value_usd_per_hour=self.time_value_usd_per_hour,
             gpu_work_rates=rates,
+            deadline_s=None if self.deadline is None else self.deadline.timestamp(),
         )
+
+    def with_deadline_at(self, now_s: float) -> JobSubmission:
+        """`deadline_hours` (hours after `now_s`) turned into `deadline`."""
+        if self.deadline_hours is None:
+            return self
+        at = datetime.fromtimestamp(now_s + self.deadline_hours * SECONDS_PER_HOUR, UTC)
+        return self.model_copy(update={"deadline": at, "deadline_hours": None})
 
 
 #: `gpu_work_rates` as the field checks it (for the work from `iteration_time`, before it is)
@@ -207,3 +246,56 @@ def _catalog_type(name: str) -> InstanceType:
         return Catalog.load().get(name)
     except UserError as exc:
         raise ValueError(exc.message) from None
+
+
+def check_deadline(submission: JobSubmission, now_s: float) -> DeadlineQuote | None:
+    """What the submission's deadline asks (None: it has none); see `deadline_quote`.
+
+    Raises:
+        DeadlineError: the work cannot be done by the deadline at `max_gpus`, or meeting it
+            could cost more than the budget and `deadline_soft` is false. The message gives
+            the numbers and the choices.
+    """
+    spec = submission.with_deadline_at(now_s).job_spec()
+    if spec.deadline_s is None:
+        return None
+    catalog = Catalog.load()
+    types = submission.instance_types or tuple(catalog.gpu_types())
+    od_per_work = min(
+        catalog.price_per_work(t, region, spec.gpu_work_rates)
+        for t in types
+        for region in submission.regions
+        if catalog.get(t).offered_in(region)
+    )
+    reliable = catalog.get(submission.reliable_type)
+    region = next(r for r in submission.regions if reliable.offered_in(r))
+    quote = deadline_quote(
+        spec,
+        now_s,
+        on_demand_usd_per_work_hour=od_per_work,
+        reliable_usd_per_hour=reliable.on_demand_price(region) * submission.reliable_count,
+    )
+    if spec.deadline_s < quote.earliest_finish_s:
+        raise DeadlineError(
+            f"the deadline cannot be met: at max_gpus {submission.max_gpus:g} the work "
+            f"({submission.work_gpu_hours:g} reference-GPU-hours) is done at the earliest "
+            f"{_iso(quote.earliest_finish_s)}, after the deadline {_iso(spec.deadline_s)}",
+            fix=f"set a deadline after {_iso(quote.earliest_finish_s)}, or raise max_gpus to "
+            f"{math.ceil(quote.gpus_needed)} or more",
+            field="deadline",
+        )
+    if quote.worst_cost_usd > submission.budget_usd and not submission.deadline_soft:
+        raise DeadlineError(
+            f"meeting the deadline could cost up to ${quote.worst_cost_usd:,.2f} (if spot "
+            f"capacity runs out: the work on on-demand GPUs, the reliable tier until the "
+            f"deadline) against the ${submission.budget_usd:,.2f} budget; the job never spends "
+            "past its budget, so it could then finish late",
+            fix=f"raise budget_usd to {math.ceil(quote.worst_cost_usd * 100) / 100:.2f}, set a "
+            "later deadline, or set deadline_soft: true to let the budget win",
+            field="budget_usd",
+        )
+    return quote
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -70,6 +70,7 @@ from orchestrator.api.operations import cancel_job, job_cost, new_job_id, submit
 from orchestrator.api.views import EventTallies, TrainingBody, fleet, job_dashboard
 from orchestrator.artifacts import WEIGHTS, Folder, folder_at
 from orchestrator.artifacts.code import MAX_CODE_BYTES
+from orchestrator.bidbrain.errors import DeadlineError
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.dashboard.page import STATIC_DIR, dashboard_html
 from orchestrator.jobspec import JobSubmission
@@ -137,7 +138,12 @@ def _job_routes(
     def submit(submission: JobSubmission) -> dict[str, Any]:
         """Queue a job. 422 names the first invalid field."""
         check_code_uploaded(artifacts_root, (submission.training or {}).get("code"))
-        return _job_json(submit_job(store, submission, now_s=clock(), new_id=new_id))
+        try:
+            return _job_json(submit_job(store, submission, now_s=clock(), new_id=new_id))
+        except DeadlineError as exc:  # a valid spec the deadline's numbers refuse
+            raise ApiError(
+                422, f"{exc.field}: {exc.message}", fix=exc.fix, field=exc.field
+            ) from None
 
     @router.get("/v1/jobs", dependencies=reads)
     def list_jobs(state: JobState | None = None) -> dict[str, Any]:

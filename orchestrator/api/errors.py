@@ -42,8 +42,9 @@ class ApiError(UserError):
         *,
         fix: str = "",
         headers: Mapping[str, str] | None = None,
+        field: str | None = None,
     ) -> None:
-        super().__init__(message, fix=fix)
+        super().__init__(message, fix=fix, field=field)
         self.status_code = status_code
         self.headers = headers
 

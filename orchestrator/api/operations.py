@@ -13,7 +13,7 @@ from typing import Any
 
 from orchestrator.api.views import read_facts
 from orchestrator.errors import UserError
-from orchestrator.jobspec import JobSubmission
+from orchestrator.jobspec import JobSubmission, check_deadline
 from orchestrator.store import (
     ConflictError,
     JobRecord,
@@ -72,10 +72,14 @@ def submit_job(
     fails in between, the job exists without its first event, and the failure is logged).
 
     Raises:
+        DeadlineError: the deadline cannot be met, or could cost more than the budget
+            (`jobspec.check_deadline`; nothing created).
         ConflictError: `JOB_ID_ATTEMPTS` fresh ids were all taken (nothing created).
         StoreUnavailableError: Redis cannot be reached (the job may or may not exist: a lost
             reply; the client sees 503 and may list jobs to check).
     """
+    submission = submission.with_deadline_at(now_s)
+    check_deadline(submission, now_s)
     spec = submission.model_dump(mode="json")
     for attempt in range(1, JOB_ID_ATTEMPTS + 1):
         record = JobRecord.submit(new_id(), spec, submission.budget_usd, now_s)

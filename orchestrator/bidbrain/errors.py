@@ -15,3 +15,7 @@ class UnknownPolicyError(UserError):
 
 class BudgetError(UserError):
     """A budget that cannot be used (zero, negative, or below the reliable tier's cost)."""
+
+
+class DeadlineError(UserError):
+    """A deadline that cannot be met, or a policy that needs one and has none."""

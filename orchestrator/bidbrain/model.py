@@ -68,11 +68,18 @@ class JobSpec(BaseModel):
     )
     app: AppParams = AppParams()
     gpu_work_rates: dict[str, float] | None = None
+    deadline_s: float | None = Field(
+        None,
+        description="when the work must be done (epoch seconds); BidBrain keeps a safety net "
+        "of on-demand GPUs for when the slack left runs out",
+    )
 
     @model_validator(mode="after")
     def _finite(self) -> JobSpec:
         if not math.isfinite(self.work_gpu_hours):
             raise ValueError("work_gpu_hours must be finite")
+        if self.deadline_s is not None and not math.isfinite(self.deadline_s):
+            raise ValueError("deadline_s must be finite")
         return self
 
 

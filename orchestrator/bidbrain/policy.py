@@ -16,6 +16,7 @@ from typing import Annotated, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.bidbrain import deadline
 from orchestrator.bidbrain.cost import (
     FootprintTerms,
     allocation_terms,
@@ -162,7 +163,10 @@ class Policy(abc.ABC):
     def _reliable_request(self, inp: DecisionInput) -> tuple[AllocationRequest, ...]:
         if not self.uses_reliable_tier or inp.job.reliable_count == 0:
             return ()
-        if any(a.reliable for a in inp.footprint.allocations):
+        if any(
+            a.reliable and a.market.instance_type == inp.job.reliable_type
+            for a in inp.footprint.allocations
+        ):  # the tier is held (on-demand GPUs of a deadline's safety net are not it)
             return ()
         zone = self.table.markets[0].zone
         return (
@@ -232,9 +236,13 @@ class BidBrainPolicy(Policy):
         time_value = self._time_value_usd_per_hour(job)
         fixed_rate = reliable_rate + time_value
         reliable_terms = FootprintTerms(fixed_rate / SECONDS_PER_HOUR, 0.0, 0.0, 0.0, 0.0)
+        budget_left = math.inf if job.budget_usd is None else job.budget_usd - inp.spend_usd
+        if deadline.is_pressing(
+            job, inp.now_s, inp.work_remaining_gpu_hours, s.decision_interval_s
+        ):
+            return self._safety_net(inp, reliable, reliable_rate, budget_left)
         held = self._held_arrays(inp)
         spot = held["alloc"]
-        budget_left = math.inf if job.budget_usd is None else job.budget_usd - inp.spend_usd
 
         # Budget guard: drop the spot allocations that cost most per work until what the
         # footprint commits to the next decision fits.
@@ -296,6 +304,58 @@ class BidBrainPolicy(Policy):
             reason="budget exhausted: released spot nodes, model kept on the reliable tier"
             if exhausted
             else "",
+        )
+
+    def _safety_net(
+        self,
+        inp: DecisionInput,
+        reliable: tuple[AllocationRequest, ...],
+        reliable_rate: float,
+        budget_left: float,
+    ) -> Decision:
+        """The deadline's safety net (`orchestrator.bidbrain.deadline`): on-demand GPUs to the
+        max rate, spot released once they work; nothing past the budget."""
+        job, fp, commit_h = inp.job, inp.footprint, self._commit_hours()
+        release = list(deadline.spot_to_release(job, fp))
+        spot_rate = sum(
+            a.price_usd_per_hour * a.count for a in fp.spot if a.allocation_id not in release
+        )
+        if (reliable_rate + spot_rate) * commit_h > budget_left:  # the budget first
+            release = [a.allocation_id for a in fp.spot]
+            spot_rate = 0.0
+        usable = np.ones(len(self.table), dtype=bool)  # on-demand: no price needed
+        for m in inp.unavailable:  # but a capacity error counts
+            if m in self.table.index:
+                usable[self.table.index[m]] = False
+        fill = deadline.on_demand_fill(
+            job,
+            fp,
+            self.table.markets,
+            self.table.work_rate,
+            self.table.on_demand_usd_per_hour,
+            usable,
+            budget_left / commit_h - reliable_rate - spot_rate,
+        )
+        acquire = reliable + ((fill,) if fill is not None else ())
+        cost_rate = reliable_rate + spot_rate
+        if fill is not None:
+            cost_rate += fill.count * float(
+                self.table.on_demand_usd_per_hour[self.table.index[fill.market]]
+            )
+        hours_left = inp.work_remaining_gpu_hours / (job.app.phi * job.max_work_rate)
+        exhausted = (
+            job.budget_usd is not None and fill is None and cost_rate * commit_h > budget_left
+        )
+        slack_min = deadline.slack_s(job, inp.now_s, inp.work_remaining_gpu_hours) / 60
+        return Decision(
+            acquire=() if exhausted else acquire,
+            release=tuple(a.allocation_id for a in fp.spot) if exhausted else tuple(release),
+            expected_cost_per_work=cost_rate / (job.app.phi * job.max_work_rate),
+            projected_cost_usd=inp.spend_usd + cost_rate * hours_left,
+            budget_exhausted=exhausted,
+            reason="budget exhausted inside the deadline's safety net"
+            if exhausted
+            else f"deadline safety net: {slack_min:.0f} min of slack, on-demand GPUs to max rate",
         )
 
     # -- pieces ---------------------------------------------------------------------------

@@ -39,6 +39,7 @@ _OPTION_OF_FIELD = {
     "seed": "--seed",
     "billing": "--billing",
     "budget_usd": "--budget",
+    "deadline_hours": "--deadline-hours",
     "max_scale": "--max-scale",
     "reference_type": "--reference-type",
     "workers": "--workers",

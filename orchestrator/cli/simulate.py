@@ -103,6 +103,14 @@ def simulate(
         float | None, typer.Option("--budget", help="Job budget in USD (default: none).")
     ] = None,
     max_scale: MaxScaleOption = None,
+    deadline_hours: Annotated[
+        float | None,
+        typer.Option(
+            "--deadline-hours",
+            help="Each job's deadline, hours after its start (default: none); the JSON gets "
+            "each strategy's deadline_met_fraction.",
+        ),
+    ] = None,
     workers: Annotated[
         int | None, typer.Option("--workers", help="Processes (default: cores).")
     ] = None,
@@ -128,6 +136,7 @@ def simulate(
         "reference_type": reference_type,
         "budget_usd": budget,
         "max_scale": max_scale,
+        "deadline_hours": deadline_hours,
         "workers": workers,
     }
     config = simulation_config(config_file, given)

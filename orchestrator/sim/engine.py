@@ -13,6 +13,10 @@ Runtimes (how the job turns held instances into progress):
   checkpoint and the gang waits for its replacement, then `restart_s` to restore.
 * `gang-checkpoint`: as `checkpoint`, but a preemption tears the whole cluster down and the policy
   relaunches all of it (SkyPilot managed jobs).
+* `gang-notice-checkpoint`: as `gang-checkpoint`, but it writes no periodic checkpoints: it
+  writes one in each preemption's two-minute notice, so a preemption loses no work (one with
+  less than `checkpoint_s` of notice loses the segment's); the model of Can't Be Late, where
+  only the changeover delay is lost.
 * `on-demand`: fixed, never evicted, no start-up cost: the reference the others are compared to.
 """
 
@@ -147,6 +151,7 @@ class RunResult:
     free_compute_s: float  # of those, the ones that were not billed
     decisions: int
     ledger: list[LedgerLine] = field(default_factory=list)
+    deadline_met: bool | None = None  # None: the job had no deadline
 
 
 class Run:
@@ -179,7 +184,7 @@ class Run:
         self.periodic = periodic_decisions
         self.start_s = start_s
         self.now = start_s
-        self.deadline = (
+        self.give_up_s = (  # a run still going then is cut off (counted as not completed)
             start_s
             + params.max_runtime_factor * job.work_gpu_hours / job.max_work_rate * SECONDS_PER_HOUR
         )
@@ -245,14 +250,14 @@ class Run:
                 break
             if rate > 0:
                 t_finish = self.now + (self.work_total_s - self.work_s) / rate
-                if t_finish <= min(t_next, self.deadline):
+                if t_finish <= min(t_next, self.give_up_s):
                     self.now = t_finish
                     self.work_s = self.work_total_s
                     completed = True
                     break
-            if t_next >= self.deadline:
-                self.work_s += rate * (self.deadline - self.now)
-                self.now = self.deadline
+            if t_next >= self.give_up_s:
+                self.work_s += rate * (self.give_up_s - self.now)
+                self.now = self.give_up_s
                 break
             self.work_s += rate * (t_next - self.now)
             self.now = t_next
@@ -278,6 +283,9 @@ class Run:
             free_compute_s=self.free_compute_s,
             decisions=self.decisions,
             ledger=self.ledger,
+            deadline_met=None
+            if self.job.deadline_s is None
+            else completed and self.now <= self.job.deadline_s + 1e-6,
         )
 
     def _handle(self, kind: str, key: str) -> None:
@@ -285,8 +293,9 @@ class Run:
             if self._decide_at is not None and self.now >= self._decide_at:
                 self._decide_at = None
                 self._decide()
-                if self.job.budget_usd is not None:
-                    # Spend grows with time: a budgeted job is re-decided every interval.
+                if self.job.budget_usd is not None or self.job.deadline_s is not None:
+                    # Spend grows and slack shrinks with time: such a job is re-decided
+                    # every interval.
                     self._schedule_periodic()
         elif kind == "evict":
             inst = self.instances.get(key)
@@ -341,15 +350,24 @@ class Run:
     def _reliable_ready(self) -> bool:
         if not self.policy.uses_reliable_tier or self.job.reliable_count == 0:
             return True
-        return any(i.reliable and i.ready_s <= self.now for i in self.instances.values())
+        return any(
+            i.reliable
+            and i.market.instance_type == self.job.reliable_type
+            and i.ready_s <= self.now
+            for i in self.instances.values()
+        )
+
+    def _gang(self) -> list[SimInstance]:
+        """A checkpointing job's GPU instances (spot, or on-demand ones a policy bought)."""
+        return [i for i in self.instances.values() if i.work_rate > 0]
 
     def _gang_ready(self) -> bool:
-        spot = [i for i in self.instances.values() if not i.reliable]
-        rate = sum(i.work_rate for i in spot)
+        gang = self._gang()
+        rate = sum(i.work_rate for i in gang)
         return (
-            bool(spot)
+            bool(gang)
             and rate >= self.job.max_work_rate - 1e-9
-            and all(i.ready_s <= self.now for i in spot)
+            and all(i.ready_s <= self.now for i in gang)
         )
 
     def _maybe_restart(self) -> None:
@@ -359,10 +377,11 @@ class Run:
     def _start_segment(self) -> None:
         if self.segment is not None or not self._gang_ready():
             return
-        spot = [i for i in self.instances.values() if not i.reliable]
+        gang = self._gang()
         by_market: dict[tuple[Market, float | None], int] = defaultdict(int)
-        for i in spot:
-            by_market[(i.market, i.max_price_usd_per_hour)] += 1
+        for i in gang:
+            if not i.reliable:  # on-demand ones are not evicted
+                by_market[(i.market, i.max_price_usd_per_hour)] += 1
         hazard = sum(
             n
             * (
@@ -374,7 +393,9 @@ class Run:
         delta = self.params.checkpoint_s
         mttf = 1.0 / hazard if hazard > 0 else math.inf
         tau = max(delta, math.sqrt(2.0 * delta * mttf)) if math.isfinite(mttf) else math.inf
-        raw = self.job.app.phi * min(sum(i.work_rate for i in spot), self.job.max_work_rate)
+        if self.runtime == "gang-notice-checkpoint":
+            tau = math.inf  # it checkpoints in each notice instead
+        raw = self.job.app.phi * min(sum(i.work_rate for i in gang), self.job.max_work_rate)
         self.segment = CheckpointSegment(self.now, self.work_s, raw, tau, delta)
 
     def _rollback(self) -> None:
@@ -437,11 +458,13 @@ class Run:
         for inst in [i for i in self.instances.values() if i.allocation_id in released]:
             self._end(inst, EndReason.RELEASED)
         if released and self.runtime != "agileml":
-            self._rollback()
+            # a gang let go on purpose writes its checkpoint as it stops (the write's time is
+            # not charged: it favours the checkpointing baselines, not BidBrain)
+            self.segment = None
         for req in decision.acquire:
             self._launch(req)
         if decision.budget_exhausted:
-            self.deadline = self.now
+            self.give_up_s = self.now
 
     def _on_demand_price(self, market: Market) -> float:
         return self.world.catalog.get(market.instance_type).on_demand_price(market.region)
@@ -513,8 +536,12 @@ class Run:
                 self.stall_until = self.now + self.job.app.eviction_overhead_s
                 self._push(self.stall_until, "stall-end")
         else:
-            self._rollback()
-            if self.runtime == "gang-checkpoint":
+            warned_s = self.now - max(inst.launched_s, self.now - self.params.notice_s)
+            if self.runtime == "gang-notice-checkpoint" and warned_s >= self.params.checkpoint_s:
+                self.segment = None  # the checkpoint written in the notice keeps the work
+            else:
+                self._rollback()
+            if self.runtime in ("gang-checkpoint", "gang-notice-checkpoint"):
                 for other in [i for i in self.instances.values() if not i.reliable]:
                     self._end(other, EndReason.RELEASED)
         if not noticed:  # a noticed eviction was planned for when its notice came

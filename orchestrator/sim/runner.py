@@ -15,7 +15,12 @@ from typing import IO, Annotated, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from orchestrator.bidbrain.baselines import CheapestFailoverPolicy, OnDemandPolicy
+from orchestrator.bidbrain.baselines import (
+    CheapestFailoverPolicy,
+    OnDemandPolicy,
+    UniformProgressPolicy,
+)
+from orchestrator.bidbrain.errors import DeadlineError
 from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.bidbrain.policy import BidBrainSettings
 from orchestrator.market.billing import billing_model
@@ -55,6 +60,9 @@ class SimConfig(BaseModel):
     reference_type: str = "p3.2xlarge"
     max_scale: Annotated[float, Field(ge=1.0, le=16.0)] = 1.0
     budget_usd: Annotated[float, Field(gt=0)] | None = None
+    deadline_hours: Annotated[float, Field(gt=0, le=24 * 14 * 10)] | None = Field(
+        None, description="each job's deadline, hours after its start"
+    )
     reliable_type: str = "m5.xlarge"
     reliable_count: Annotated[int, Field(ge=0, le=64)] = 1  # as a submitted job's
     time_value_usd_per_hour: Annotated[float, Field(ge=0)] | None = None
@@ -103,6 +111,12 @@ def sim_config(settings: Mapping[str, Any]) -> SimConfig:
     config = SimConfig.model_validate({"prices": (bundled_prices_dir("us-east-1"),), **settings})
     billing_model(config.billing)
     get_strategies(list(config.strategies))
+    if "uniform-progress" in config.strategies and config.deadline_hours is None:
+        raise DeadlineError(
+            "the uniform-progress strategy needs a deadline",
+            fix="pass --deadline-hours (e.g. 26 for a 20-hour job)",
+            field="--deadline-hours",
+        )
     return config
 
 
@@ -120,6 +134,7 @@ class StrategySummary:
     cost_usd_p95: float
     completed_fraction: float
     decisions_mean: float
+    deadline_met_fraction: float = math.nan  # NaN (null in JSON): no deadline
 
     def as_dict(self) -> dict[str, float | None]:
         return {k: _round(v) for k, v in self.__dict__.items()}
@@ -234,6 +249,10 @@ def run_start(
 ) -> dict[str, RunResult]:
     """Every strategy from the same start time, over the same replayed capacity evictions."""
     job = job_for(config, world)
+    if config.deadline_hours is not None:
+        job = job.model_copy(
+            update={"deadline_s": start_s + config.deadline_hours * SECONDS_PER_HOUR}
+        )
     billing = billing_model(config.billing)
     horizon = config.runtime.max_runtime_factor * config.job_hours * SECONDS_PER_HOUR + 3600.0
     removals = world.removal_events(world.table.markets, start_s, horizon, (config.seed, index))
@@ -243,8 +262,11 @@ def run_start(
             results[strat.name] = run_oracle(world, job, start_s, keep_ledger)
             continue
         kwargs = dict(strat.policy_kwargs)
-        if strat.policy in (OnDemandPolicy, CheapestFailoverPolicy):
+        if strat.policy in (OnDemandPolicy, CheapestFailoverPolicy, UniformProgressPolicy):
             kwargs["reference_type"] = config.reference_type
+        if strat.policy is UniformProgressPolicy:  # its changeover delay d
+            kwargs["changeover_s"] = config.runtime.boot_s + config.runtime.restart_s
+            kwargs["spot_retry_s"] = config.runtime.capacity_cooldown_s
         policy = strat.policy(
             world.table,
             billing=config.billing,
@@ -376,6 +398,9 @@ def summarise(
         cost_usd_p95=float(np.percentile(job_cost, 95)),
         completed_fraction=float(np.mean([r.completed for r in runs])),
         decisions_mean=float(np.mean([r.decisions for r in runs])),
+        deadline_met_fraction=float(np.mean([bool(r.deadline_met) for r in runs]))
+        if runs and runs[0].deadline_met is not None
+        else math.nan,
     )
 
 

@@ -9,7 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.bidbrain.baselines import CheapestFailoverPolicy, OnDemandPolicy, StandardPolicy
+from orchestrator.bidbrain.baselines import (
+    CheapestFailoverPolicy,
+    OnDemandPolicy,
+    StandardPolicy,
+    UniformProgressPolicy,
+)
 from orchestrator.bidbrain.errors import UnknownPolicyError
 from orchestrator.bidbrain.model import JobSpec
 from orchestrator.bidbrain.policy import BidBrainPolicy, Policy
@@ -59,6 +64,13 @@ STRATEGIES: dict[str, Strategy] = {
             CheapestFailoverPolicy,
             "gang-checkpoint",
             description="SkyPilot managed jobs: cheapest zone, relaunch on preemption",
+        ),
+        Strategy(
+            "uniform-progress",
+            UniformProgressPolicy,
+            "gang-notice-checkpoint",
+            periodic_decisions=True,
+            description="Can't Be Late (NSDI'24): Uniform Progress to a deadline, one zone",
         ),
         Strategy(
             "bidbrain",
@@ -150,6 +162,7 @@ def run_oracle(world: World, job: JobSpec, start_s: float, keep_ledger: bool) ->
         t = end
         i += 1
     compute_s = (t - start_s) * rate
+    met = None if job.deadline_s is None else t <= job.deadline_s + 1e-6
     return RunResult(
-        start_s, True, t - start_s, cost, job.work_gpu_hours, 0, compute_s, 0.0, 0, ledger
+        start_s, True, t - start_s, cost, job.work_gpu_hours, 0, compute_s, 0.0, 0, ledger, met
     )

@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -424,6 +425,26 @@ def test_malformed_spec_is_422_naming_the_field(
     assert error["message"].startswith(f"{field}: ") and needle in error["message"]
     assert error["fix"]
     assert store.list_jobs() == []
+
+
+def test_a_deadline_is_fixed_at_submission_and_refused_with_its_numbers(
+    client: TestClient, store: Store, clock: FakeClock
+) -> None:
+    """20 GPU-hours at 16 GPUs take 1.25 h: a 1-hour deadline cannot be met; a 30-hour one
+    could cost more than $40 if spot ran out, unless the user lets the budget win."""
+    error = error_of(client.post("/v1/jobs", json=SPEC | {"deadline_hours": 1}, headers=AUTH), 422)
+    assert error["field"] == "deadline" and "cannot be met" in error["message"]
+    assert "max_gpus to 22" in error["fix"]  # 20 GPU-hours in 1 h less the start-up σ
+    costly = SPEC | {"deadline_hours": 30, "budget_usd": 20.0}
+    error = error_of(client.post("/v1/jobs", json=costly, headers=AUTH), 422)
+    assert error["field"] == "budget_usd" and "could cost up to $" in error["message"]
+    assert "deadline_soft: true" in error["fix"]
+    assert store.list_jobs() == []
+    job = submit(client, deadline_hours=30, budget_usd=20.0, deadline_soft=True)
+    deadline = datetime.fromisoformat(job["spec"]["deadline"]).timestamp()
+    assert deadline == clock.now_s + 30 * 3600 and job["spec"]["deadline_hours"] is None
+    both = SPEC | {"deadline_hours": 30, "deadline": "2030-01-01T00:00:00Z"}
+    assert error_of(client.post("/v1/jobs", json=both, headers=AUTH), 422)["message"]
 
 
 def test_missing_field_and_non_object_bodies_are_422(client: TestClient) -> None:

@@ -4,6 +4,7 @@ renewals into BidBrain's input, and what a restart knows."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -142,8 +143,8 @@ def test_an_eviction_whose_end_reply_was_lost_still_reaches_the_next_decision(
     ec2.reclaim(spot.instance_id)
     end_instance = store.end_instance
 
-    def lost_reply(instance_id: str, ended_at: float, reason: str) -> Any:
-        end_instance(instance_id, ended_at, reason)  # applied, but the caller never hears
+    def lost_reply(instance_id: str, ended_at: float, reason: str, bill: Any = ()) -> Any:
+        end_instance(instance_id, ended_at, reason, bill)  # applied; the caller never hears
         raise StoreUnavailableError("redis://test", "timed out")
 
     monkeypatch.setattr(store, "end_instance", lost_reply)
@@ -215,3 +216,22 @@ def test_a_finished_job_is_told_to_save_its_weights_before_its_instances_go(
     assert report.finished == {"job-1": JobState.SUCCEEDED}
     assert seen == [("job-1", alive)] and alive > 0
     assert cloud.describe() == []
+
+
+def test_a_job_out_of_slack_gets_on_demand_gpus_from_the_controller(store, ec2, prices) -> None:
+    """A deadline the work only just meets at max_gpus: the first tick is at the point of no
+    return, so the controller launches on-demand GPUs (and the reliable node), not spot."""
+    deadline_s = T0 + 40.0 / 8.0 * 3600 + 300.0  # 5 h of work at 8 GPUs, 5 min of slack
+    sub = JobSubmission(
+        name="late", budget_usd=500.0, work_gpu_hours=40.0, max_gpus=8.0,
+        instance_types=("p3.2xlarge",), deadline=datetime.fromtimestamp(deadline_s, UTC),
+    )  # fmt: skip
+    store.create_job(JobRecord.submit("job-1", sub.model_dump(mode="json"), 500.0, T0))
+    controller(store, ec2, prices).tick(T0)
+    alive = store.list_instances("job-1", alive_only=True)
+    gpus = [r for r in alive if r.instance_type == "p3.2xlarge"]
+    assert len(gpus) == 8 and {r.lifecycle for r in gpus} == {"on-demand"}
+    assert [r for r in alive if r.instance_type == "m5.xlarge"]
+    decided = [e for _, e in store.events("job-1") if e.kind is EventKind.DECISION]
+    assert decided and any("8xp3.2xlarge" in a for a in decided[-1].acquire)
+    assert "safety net" in decided[-1].reason
