@@ -8,20 +8,18 @@ import math
 
 import numpy as np
 import pytest
+from support.sim_worlds import NoPriceRisk, flat_world
 
 from orchestrator.bidbrain.baselines import UniformProgressPolicy
 from orchestrator.bidbrain.deadline import no_return_slack_s
 from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.bidbrain.policy import BidBrainPolicy, BidBrainSettings
 from orchestrator.market.billing import PerSecondBilling
-from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import (
-    AvailabilityTrace,
     CapacityHazardModel,
-    EvictionModel,
     RemovalStream,
 )
-from orchestrator.market.prices import Market, PriceHistory, PriceSeries
+from orchestrator.market.prices import Market
 from orchestrator.sim.engine import Run, RuntimeParams
 from orchestrator.sim.world import World
 
@@ -35,21 +33,9 @@ WORK, RATE = 8.0, 4.0  # GPU-hours, GPUs: 2 h at the max rate
 DEADLINE_S = 4 * HOUR
 
 
-class NoPriceRisk(EvictionModel):
-    name = "none"
-
-    def hazard_per_s(self, market: Market, bid_delta_usd: float) -> float:
-        return 0.0
-
-
 @pytest.fixture(scope="module")
 def world() -> World:
-    series = [
-        PriceSeries(m, np.array([T0 - 30 * DAY]), np.array([p]), end_s=T0 + 30 * DAY)
-        for m, p in ((A, 0.9), (B, 0.95))
-    ]
-    trace = AvailabilityTrace(((0, "add", "n1"), (3_600_000, "remove", "n1")), "test")
-    return World.build(PriceHistory(series), Catalog.load(), trace, primary_region="us-east-1")
+    return flat_world({A: 0.9, B: 0.95}, T0)
 
 
 def _removals() -> dict[Market, RemovalStream]:

@@ -7,19 +7,17 @@ import math
 
 import numpy as np
 import pytest
+from support.sim_worlds import NoPriceRisk, flat_world
 
 from orchestrator.bidbrain.baselines import StandardPolicy
 from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.bidbrain.policy import BidBrainPolicy
 from orchestrator.market.billing import HourlyRefundBilling, PerSecondBilling
-from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import (
-    AvailabilityTrace,
     CapacityHazardModel,
-    EvictionModel,
     RemovalStream,
 )
-from orchestrator.market.prices import Market, PriceHistory, PriceSeries
+from orchestrator.market.prices import Market
 from orchestrator.sim.engine import Run, RuntimeParams
 from orchestrator.sim.world import World
 
@@ -31,21 +29,9 @@ PRICE = 0.9
 SIGMA = 240.0
 
 
-class NoPriceRisk(EvictionModel):
-    name = "none"
-
-    def hazard_per_s(self, market: Market, bid_delta_usd: float) -> float:
-        return 0.0
-
-
 @pytest.fixture(scope="module")
 def world() -> World:
-    series = [
-        PriceSeries(m, np.array([T0 - 30 * DAY]), np.array([p]), end_s=T0 + 30 * DAY)
-        for m, p in ((M, PRICE), (B, PRICE + 0.05))
-    ]
-    trace = AvailabilityTrace(((0, "add", "n1"), (3_600_000, "remove", "n1")), "test")
-    return World.build(PriceHistory(series), Catalog.load(), trace, primary_region="us-east-1")
+    return flat_world({M: PRICE, B: PRICE + 0.05}, T0)
 
 
 def run(
