@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
+import numpy as np
 from pydantic import (
     AwareDatetime,
     BaseModel,
@@ -22,15 +23,17 @@ from pydantic import (
     model_validator,
 )
 
-from orchestrator.bidbrain.deadline import DeadlineQuote, deadline_quote
+from orchestrator.bidbrain.deadline import DeadlineQuote, cheapest_fill, deadline_quote
 from orchestrator.bidbrain.errors import DeadlineError
 from orchestrator.bidbrain.model import AppParams, JobSpec
+from orchestrator.bidbrain.policy import BidBrainSettings
 from orchestrator.market.catalog import Catalog, InstanceType
 from orchestrator.units import SECONDS_PER_HOUR
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 #: One V100: a reference-GPU-hour is an hour of it (work rate 1).
 REFERENCE_INSTANCE_TYPE = "p3.2xlarge"
+MAX_GPUS = 4096
 
 
 class IterationTime(BaseModel):
@@ -83,7 +86,7 @@ class JobSubmission(BaseModel):
         description="the work in reference-GPU-hours; a training job may give iteration_time "
         "instead (filled in from it at submission; when both are given this one counts)"
     )
-    max_gpus: Annotated[float, Field(gt=0, le=4096, allow_inf_nan=False)] = 16.0
+    max_gpus: Annotated[float, Field(gt=0, le=MAX_GPUS, allow_inf_nan=False)] = 16.0
     regions: tuple[str, ...] = ("us-east-1",)
     instance_types: tuple[str, ...] | None = Field(
         None, description="GPU types the job may run on (default: every GPU type priced)"
@@ -248,41 +251,61 @@ def _catalog_type(name: str) -> InstanceType:
         raise ValueError(exc.message) from None
 
 
-def check_deadline(submission: JobSubmission, now_s: float) -> DeadlineQuote | None:
+def check_deadline(
+    submission: JobSubmission, now_s: float, bidbrain: BidBrainSettings | None = None
+) -> DeadlineQuote | None:
     """What the submission's deadline asks (None: it has none); see `deadline_quote`.
 
     Raises:
-        DeadlineError: the work cannot be done by the deadline at `max_gpus`, or meeting it
-            could cost more than the budget and `deadline_soft` is false. The message gives
-            the numbers and the choices.
+        DeadlineError: the work cannot be done by the deadline at `max_gpus`, no GPU type it
+            may use is offered in its regions, or meeting the deadline could cost more than
+            the budget and `deadline_soft` is false. The message gives the numbers and the
+            choices; the field is the one the user set (`deadline` or `deadline_hours`).
     """
+    field = "deadline_hours" if submission.deadline_hours is not None else "deadline"
     spec = submission.with_deadline_at(now_s).job_spec()
     if spec.deadline_s is None:
         return None
+    settings = bidbrain or BidBrainSettings()
     catalog = Catalog.load()
     types = submission.instance_types or tuple(catalog.gpu_types())
-    od_per_work = min(
-        catalog.price_per_work(t, region, spec.gpu_work_rates)
+    offers = [
+        (catalog.get(t).on_demand_price(region), catalog.work_rate(t, spec.gpu_work_rates))
         for t in types
         for region in submission.regions
         if catalog.get(t).offered_in(region)
-    )
+    ]
+    if not offers:
+        raise DeadlineError(
+            f"no GPU type the job may use is offered in {', '.join(submission.regions)}, so "
+            "no on-demand GPUs could meet its deadline",
+            fix="add a region or instance type where one is offered",
+            field="instance_types",
+        )
+    prices, rates = (np.array(v, dtype=np.float64) for v in zip(*offers, strict=True))
+    i, count = cheapest_fill(spec.max_work_rate, rates, prices, rates > 0)
     reliable = catalog.get(submission.reliable_type)
     region = next(r for r in submission.regions if reliable.offered_in(r))
     quote = deadline_quote(
         spec,
         now_s,
-        on_demand_usd_per_work_hour=od_per_work,
+        fleet_usd_per_hour=float(prices[i]) * count,
         reliable_usd_per_hour=reliable.on_demand_price(region) * submission.reliable_count,
+        decision_interval_s=settings.decision_interval_s,
+        reserve_s=settings.budget_reserve_s,
     )
     if spec.deadline_s < quote.earliest_finish_s:
+        if quote.gpus_needed <= MAX_GPUS:
+            more = f", or raise max_gpus to {math.ceil(quote.gpus_needed)} or more"
+        else:
+            more = " (no max_gpus up to 4096 can make it)"
         raise DeadlineError(
             f"the deadline cannot be met: at max_gpus {submission.max_gpus:g} the work "
             f"({submission.work_gpu_hours:g} reference-GPU-hours) is done at the earliest "
-            f"{_iso(quote.earliest_finish_s)}, after the deadline {_iso(spec.deadline_s)}",
-            fix=f"set a deadline after {_iso(quote.earliest_finish_s)}, or raise max_gpus to "
-            f"{math.ceil(quote.gpus_needed)} or more",
-            field="deadline",
+            f"{_iso(quote.earliest_finish_s)} (start-up included), after the deadline "
+            f"{_iso(spec.deadline_s)}",
+            fix=f"set a deadline after {_iso(quote.earliest_finish_s)}{more}",
+            field=field,
         )
     if quote.worst_cost_usd > submission.budget_usd and not submission.deadline_soft:
         raise DeadlineError(

@@ -78,8 +78,8 @@ def submit_job(
         StoreUnavailableError: Redis cannot be reached (the job may or may not exist: a lost
             reply; the client sees 503 and may list jobs to check).
     """
-    submission = submission.with_deadline_at(now_s)
-    check_deadline(submission, now_s)
+    check_deadline(submission, now_s)  # before deadline_hours becomes deadline: its error
+    submission = submission.with_deadline_at(now_s)  # names the field the user set
     spec = submission.model_dump(mode="json")
     for attempt in range(1, JOB_ID_ATTEMPTS + 1):
         record = JobRecord.submit(new_id(), spec, submission.budget_usd, now_s)

@@ -195,7 +195,8 @@ class UniformProgressPolicy(Policy):
         )
         od = [a for a in inp.footprint.allocations if a.reliable]
         spot = inp.footprint.spot
-        if not spot and left_s < need_s + 2 * d:
+        # 2d as in the paper, and a decision interval: decisions here come that far apart
+        if not spot and left_s < need_s + 2 * d + self.settings.decision_interval_s:
             self._safety_net = True
         if self._safety_net:
             return self._switch(inp, to="on-demand", reason="safety net")

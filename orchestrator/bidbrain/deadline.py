@@ -68,15 +68,24 @@ def on_demand_fill(
     ok = usable & (work_rate > 0)
     if need <= 1e-9 or not ok.any():
         return None
-    per_work = np.where(ok, on_demand_usd_per_hour / np.where(ok, work_rate, 1.0), np.inf)
-    i = int(np.argmin(per_work))
-    count = math.ceil(need / work_rate[i] - 1e-9)
+    i, count = cheapest_fill(need, work_rate, on_demand_usd_per_hour, ok)
     if math.isfinite(affordable_usd_per_hour):
         count = min(count, math.floor(affordable_usd_per_hour / on_demand_usd_per_hour[i] + 1e-9))
     if count <= 0:
         return None
     m = markets[i]
     return AllocationRequest(instance_type=m.instance_type, zone=m.zone, count=count, reliable=True)
+
+
+def cheapest_fill(
+    need: float, work_rate: np.ndarray, usd_per_hour: np.ndarray, ok: np.ndarray
+) -> tuple[int, int]:
+    """The market (index) and count of whole instances that give `need` of work rate for the
+    fewest dollars per hour (a type cheap per work but too big for the need can lose)."""
+    counts = np.ceil(need / np.where(ok, work_rate, 1.0) - 1e-9)
+    cost = np.where(ok, counts * usd_per_hour, np.inf)
+    i = int(np.argmin(cost))
+    return i, int(counts[i])
 
 
 def spot_to_release(job: JobSpec, footprint: Footprint) -> tuple[str, ...]:
@@ -90,33 +99,40 @@ def spot_to_release(job: JobSpec, footprint: Footprint) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class DeadlineQuote:
-    """What a deadline asks of a job, at submission: the earliest it can finish, and what
-    meeting the deadline costs at most (spot gone for good: all the work on on-demand GPUs,
-    the reliable tier until the deadline)."""
+    """What a deadline asks of a job, at submission: the latest start-up margin it needs, the
+    earliest it can finish, and what meeting the deadline costs at most (spot gone for good:
+    all the work on the on-demand fleet the safety net would buy, the reliable tier until the
+    deadline, and the budget reserve the policy holds back on both)."""
 
     earliest_finish_s: float
     worst_cost_usd: float
-    gpus_needed: float  # reference GPUs that finish the work by the deadline
+    gpus_needed: float  # reference GPUs that finish the work by the deadline (inf: none can)
 
 
 def deadline_quote(
     job: JobSpec,
     now_s: float,
     *,
-    on_demand_usd_per_work_hour: float,
+    fleet_usd_per_hour: float,
     reliable_usd_per_hour: float,
+    decision_interval_s: float,
+    reserve_s: float,
 ) -> DeadlineQuote:
-    """The quote for `job` submitted at `now_s` (its `deadline_s` set)."""
+    """The quote for `job` submitted at `now_s` (its `deadline_s` set). `fleet_usd_per_hour`:
+    the on-demand GPUs that give the job's max rate (`cheapest_fill`). The earliest finish
+    counts σ, one eviction's stall λ and a first decision up to an interval late."""
     assert job.deadline_s is not None
     phi = job.app.phi
-    earliest = (
-        now_s
-        + job.app.add_overhead_s
-        + job.work_gpu_hours / (phi * job.max_work_rate) * SECONDS_PER_HOUR
-    )
-    window_h = max(job.deadline_s - now_s - job.app.add_overhead_s, 1e-9) / SECONDS_PER_HOUR
+    margin_s = job.app.add_overhead_s + job.app.eviction_overhead_s + decision_interval_s
+    hours_at_max = job.work_gpu_hours / (phi * job.max_work_rate)
+    earliest = now_s + margin_s + hours_at_max * SECONDS_PER_HOUR
+    window_s = job.deadline_s - now_s - margin_s
+    needed = job.work_gpu_hours / (phi * window_s / SECONDS_PER_HOUR) if window_s > 0 else math.inf
+    to_deadline_h = max(job.deadline_s - now_s, 0.0) / SECONDS_PER_HOUR
+    reserve_h = (decision_interval_s + reserve_s) / SECONDS_PER_HOUR
     worst = (
-        job.work_gpu_hours / phi * on_demand_usd_per_work_hour
-        + reliable_usd_per_hour * max(job.deadline_s - now_s, 0.0) / SECONDS_PER_HOUR
+        fleet_usd_per_hour * hours_at_max
+        + reliable_usd_per_hour * to_deadline_h
+        + (fleet_usd_per_hour + reliable_usd_per_hour) * reserve_h
     )
-    return DeadlineQuote(earliest, worst, job.work_gpu_hours / (phi * window_h))
+    return DeadlineQuote(earliest, worst, needed)

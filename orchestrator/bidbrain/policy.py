@@ -187,8 +187,10 @@ class Policy(abc.ABC):
         return ok
 
     def _remaining_rate(self, inp: DecisionInput) -> float:
+        """The work rate the job could still use: its max less what its GPUs give (spot, and
+        on-demand ones a deadline's safety net bought)."""
         return inp.job.max_work_rate - sum(
-            a.count * a.work_rate_per_instance for a in inp.footprint.allocations if not a.reliable
+            a.count * a.work_rate_per_instance for a in inp.footprint.allocations
         )
 
 
@@ -204,7 +206,9 @@ class BidBrainPolicy(Policy):
 
     Budgets: the spend so far plus what the footprint commits until the next decision, and for
     `budget_reserve_s` past it, never exceeds the job's budget: the reserve keeps the budget
-    whole when the next decision comes late (a controller restart, failed ticks). When the
+    whole when the next decision comes late (a controller restart, failed ticks). Spot is
+    committed at its price now: a price that rises toward the bid inside that window can
+    still take the spend past it (by at most the rise times the window). When the
     budget cannot carry the reliable tier and one more spot instance that long, every spot
     allocation is released and the decision says `budget_exhausted`.
     """
@@ -237,9 +241,9 @@ class BidBrainPolicy(Policy):
         fixed_rate = reliable_rate + time_value
         reliable_terms = FootprintTerms(fixed_rate / SECONDS_PER_HOUR, 0.0, 0.0, 0.0, 0.0)
         budget_left = math.inf if job.budget_usd is None else job.budget_usd - inp.spend_usd
-        if deadline.is_pressing(
+        if deadline.on_demand_gpus(inp.footprint) or deadline.is_pressing(
             job, inp.now_s, inp.work_remaining_gpu_hours, s.decision_interval_s
-        ):
+        ):  # once in the safety net, to the end
             return self._safety_net(inp, reliable, reliable_rate, budget_left)
         held = self._held_arrays(inp)
         spot = held["alloc"]
@@ -315,14 +319,22 @@ class BidBrainPolicy(Policy):
     ) -> Decision:
         """The deadline's safety net (`orchestrator.bidbrain.deadline`): on-demand GPUs to the
         max rate, spot released once they work; nothing past the budget."""
-        job, fp, commit_h = inp.job, inp.footprint, self._commit_hours()
+        job, fp = inp.job, inp.footprint
+        hours_left = inp.work_remaining_gpu_hours / (job.app.phi * job.max_work_rate)
+        # pay for the footprint to the next decision and the reserve, or to the end if sooner
+        commit_h = min(
+            self._commit_hours(), hours_left + self.settings.decision_interval_s / SECONDS_PER_HOUR
+        )
         release = list(deadline.spot_to_release(job, fp))
-        spot_rate = sum(
+        # spot kept is paid only until the on-demand GPUs work (σ), then released
+        overlap_h = min(commit_h, job.app.add_overhead_s / SECONDS_PER_HOUR)
+        spot_usd = overlap_h * sum(
             a.price_usd_per_hour * a.count for a in fp.spot if a.allocation_id not in release
         )
-        if (reliable_rate + spot_rate) * commit_h > budget_left:  # the budget first
+        if reliable_rate * commit_h + spot_usd > budget_left:  # the budget first
             release = [a.allocation_id for a in fp.spot]
-            spot_rate = 0.0
+            spot_usd = 0.0
+        spot_rate = spot_usd / commit_h if commit_h > 0 else 0.0
         usable = np.ones(len(self.table), dtype=bool)  # on-demand: no price needed
         for m in inp.unavailable:  # but a capacity error counts
             if m in self.table.index:
@@ -334,7 +346,7 @@ class BidBrainPolicy(Policy):
             self.table.work_rate,
             self.table.on_demand_usd_per_hour,
             usable,
-            budget_left / commit_h - reliable_rate - spot_rate,
+            (budget_left - spot_usd) / commit_h - reliable_rate,
         )
         acquire = reliable + ((fill,) if fill is not None else ())
         cost_rate = reliable_rate + spot_rate
@@ -342,7 +354,6 @@ class BidBrainPolicy(Policy):
             cost_rate += fill.count * float(
                 self.table.on_demand_usd_per_hour[self.table.index[fill.market]]
             )
-        hours_left = inp.work_remaining_gpu_hours / (job.app.phi * job.max_work_rate)
         exhausted = (
             job.budget_usd is not None and fill is None and cost_rate * commit_h > budget_left
         )

@@ -53,7 +53,7 @@ from orchestrator.market.eviction import (
     PriceCrossingModel,
 )
 from orchestrator.market.prices import Market, PriceHistory, PriceSource
-from orchestrator.store.errors import ConflictError, NotFoundError
+from orchestrator.store.errors import ConflictError, LedgerConflictError, NotFoundError
 from orchestrator.store.events import (
     DecisionEvent,
     Event,
@@ -457,7 +457,14 @@ class Controller:
             )
             for interval in self._bill(rec, history, end, reason)
         ]
-        ended = self.store.end_instance(rec.instance_id, end, str(reason), bill)
+        try:
+            ended = self.store.end_instance(rec.instance_id, end, str(reason), bill)
+        except LedgerConflictError:
+            # half a bill from before bills were atomic: the charges recorded stand (the job
+            # is not charged twice); the instance must end, or every tick would fail here
+            log.error("instance's bill conflicts with its recorded charges; ended without it",
+                      extra={"instance_id": rec.instance_id, "job_id": rec.job_id})  # fmt: skip
+            ended = self.store.end_instance(rec.instance_id, end, str(reason))
         self._doomed.discard(rec.instance_id)
         return ended
 

@@ -433,8 +433,8 @@ def test_a_deadline_is_fixed_at_submission_and_refused_with_its_numbers(
     """20 GPU-hours at 16 GPUs take 1.25 h: a 1-hour deadline cannot be met; a 30-hour one
     could cost more than $40 if spot ran out, unless the user lets the budget win."""
     error = error_of(client.post("/v1/jobs", json=SPEC | {"deadline_hours": 1}, headers=AUTH), 422)
-    assert error["field"] == "deadline" and "cannot be met" in error["message"]
-    assert "max_gpus to 22" in error["fix"]  # 20 GPU-hours in 1 h less the start-up σ
+    assert error["field"] == "deadline_hours" and "cannot be met" in error["message"]
+    assert "max_gpus to 23" in error["fix"]  # 20 GPU-hours in 1 h less σ, λ and a tick
     costly = SPEC | {"deadline_hours": 30, "budget_usd": 20.0}
     error = error_of(client.post("/v1/jobs", json=costly, headers=AUTH), 422)
     assert error["field"] == "budget_usd" and "could cost up to $" in error["message"]

@@ -169,3 +169,51 @@ def test_uniform_progress_safety_net_holds_on_demand_to_the_end():
     # even far ahead with spot available, it stays
     d = decide(p, j, remaining=0.5, allocations=od)
     assert d.release == () and d.acquire == ()
+
+
+def test_once_on_demand_gpus_are_held_the_safety_net_holds_even_with_slack_back():
+    """Progress faster than the max rate (whole instances round up) can raise the slack above
+    the point of no return again: the job stays on on-demand and buys no spot."""
+    j = _at_slack(3 * HOUR)
+    held = [RELIABLE, alloc("od", A, 4, on_demand=True, ready=False)]
+    d = decide(policy(), j, remaining=4.0, allocations=held)
+    assert d.acquire == () and d.release == () and "safety net" in d.reason
+
+
+def test_spot_held_in_the_safety_net_is_paid_only_until_the_on_demand_gpus_work():
+    # a budget for the reliable node and 4 on-demand GPUs over the commitment window: the two
+    # spot nodes, paid for σ only, must not cut the fill to 3
+    commit_h = (120.0 + 900.0) / HOUR
+    sigma_h = 240.0 / HOUR
+    budget = (0.192 + 4 * OD_PRICE) * commit_h + 2 * 0.9 * sigma_h + 0.01
+    j = job(deadline_in_s=HOUR, budget=budget)
+    d = decide(policy(), j, remaining=4.0, allocations=[RELIABLE, alloc("s", A, 2)])
+    assert sum(r.count for r in on_demand_gpus(d)) == 4 and d.release == ()
+
+
+def test_a_job_that_can_finish_inside_its_budget_is_not_stopped_by_the_reserve():
+    # 0.5 GPU-hours left on 4 ready on-demand GPUs: 7.5 min, about $1.55 with the reliable node
+    j = job(deadline_in_s=HOUR, budget=3.2)
+    held = [RELIABLE, alloc("od", A, 4, on_demand=True)]
+    d = decide(policy(), j, remaining=0.5, allocations=held)
+    assert not d.budget_exhausted
+
+
+def test_the_fill_picks_the_cheapest_whole_instances_not_the_cheapest_per_work():
+    from orchestrator.bidbrain.deadline import cheapest_fill
+
+    # need 1 GPU of work: a big type cheap per work (8 at $16) loses to one small one at $3
+    i, count = cheapest_fill(1.0, np.array([8.0, 1.0]), np.array([16.0, 3.0]), np.array([True] * 2))
+    assert (i, count) == (1, 1)
+
+
+def test_uniform_progress_takes_spot_when_available_even_when_behind():
+    p = up()
+    j = job(deadline_in_s=8 * HOUR)
+    decide(p, j, remaining=8.0, last_eviction_s={A: NOW - 60.0})  # t0, spot not available
+    later = NOW + 2 * HOUR  # behind: ep = 2, nothing done; spot is back
+    prices = np.array([0.9, 0.95])
+    inp = DecisionInput(now_s=later, job=j, work_remaining_gpu_hours=8.0, spend_usd=0.0,
+                        footprint=Footprint([]), prices_usd_per_hour=prices)  # fmt: skip
+    (req,) = p.decide(inp).acquire
+    assert not req.reliable

@@ -235,3 +235,23 @@ def test_a_job_out_of_slack_gets_on_demand_gpus_from_the_controller(store, ec2, 
     decided = [e for _, e in store.events("job-1") if e.kind is EventKind.DECISION]
     assert decided and any("8xp3.2xlarge" in a for a in decided[-1].acquire)
     assert "safety net" in decided[-1].reason
+
+
+def test_half_a_bill_from_an_older_controller_does_not_stop_the_ticks(store, ec2, prices) -> None:
+    """Before bills were atomic a crash could leave part of one; a later, longer bill conflicts
+    with it. The instance ends anyway (its recorded charges stand) and the ticks go on."""
+    from orchestrator.store import LedgerEntry
+
+    submit(store)
+    ctl = controller(store, ec2, prices)
+    ctl.tick(T0)
+    spot = next(r for r in store.list_instances("job-1") if r.lifecycle == "spot")
+    store.append_ledger(LedgerEntry(
+        job_id="job-1", instance_id=spot.instance_id, instance_type=spot.instance_type,
+        zone=spot.zone, start_s=spot.launched_at, end_s=spot.launched_at + 60.0,
+        price_usd_per_hour=0.5, billed_s=60.0, charged_usd=0.5 / 60, reason="evicted",
+    ))  # fmt: skip
+    ec2.reclaim(spot.instance_id)
+    ctl.tick(T0 + 600.0)
+    assert not store.get_instance(spot.instance_id).alive
+    ctl.tick(T0 + 720.0)
