@@ -154,18 +154,31 @@ def without_failed(
 ) -> tuple[Roster, dict[str, Adoption]]:
     """The roster without the failed workers of `ranges` (worker -> the clocks [first, end)
     survivors must redo for it), each leaving at its `end`, and the adoptions that give its
-    shares of those clocks to surrogates (spread over the survivors, in worker order)."""
+    shares of those clocks to surrogates (spread over the survivors, in worker order).
+
+    An adoption covers only the clocks of [first, end) that the failed worker computes: a
+    node evicted (out of the roster) before it died, or a joiner that died before its first
+    clock, has no share there, and a surrogate cannot compute a share that does not exist."""
     out = dict(adoptions)
     failed = set(ranges)
     for i, f in enumerate(sorted(ranges)):
-        first, end = ranges[f]
+        first, end = member_clocks(roster, f, *ranges[f])
         surrogates = [w for w in roster.members(first) if w not in failed]
-        roster = roster.without({f}, end)
+        roster = roster.without({f}, ranges[f][1])
         if end > first and surrogates:
             out[f] = Adoption(
                 surrogate=surrogates[i % len(surrogates)], from_clock=first, to_clock=end
             )
     return roster, out
+
+
+def member_clocks(roster: Roster, worker: str, first: int, end: int) -> tuple[int, int]:
+    """The clocks of [first, end) from the first to the last that `worker` computes under
+    `roster` (an empty range at `first` when it computes none of them)."""
+    start = roster.first_clock_of(worker, first)
+    if start is None or start >= end:
+        return first, first
+    return start, roster.last_clock_of(worker, end - 1) + 1
 
 
 class View(BaseModel):

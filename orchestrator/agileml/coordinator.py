@@ -400,7 +400,8 @@ class Coordinator:
         if self.view().done:
             return  # nodes leave as they finish; nothing is reconfigured any more
         started = self.view().epoch > 0
-        ready = [n for n in batch.get("ready", []) if self._move(n, NodeState.READY)]
+        for n in batch.get("ready", []):
+            self._move(n, NodeState.READY)
         if not started:
             if self._count(NodeState.READY) >= self.spec.min_nodes and self._has_reliable():
                 self._start(client)
@@ -412,9 +413,14 @@ class Coordinator:
         leaving = [n for n in batch.get("leaving", []) if self._move(n, NodeState.LEAVING)]
         if leaving:
             self._evict(client, leaving)
-        if ready:
-            self._scale_up(client, ready)
-        self._check_done()
+        # this batch's ready nodes, and any whose scale-up failed before (else they would stay
+        # ready, outside the plans of failures, yet workers in the roster of later joins)
+        waiting = [n.node_id for n in self._nodes_in(NodeState.READY)]
+        try:
+            if waiting:
+                self._scale_up(client, waiting)
+        finally:
+            self._check_done()
 
     def _start(self, client: ControlClient) -> None:
         nodes = self._nodes_in(NodeState.READY)
@@ -525,29 +531,34 @@ class Coordinator:
     def _fail(self, client: ControlClient, failed: list[str]) -> None:
         view = self.view()
         assert view.roster is not None
+        failed = list(failed)
+        epoch = view.epoch  # a roll-back cut short by another failure is redone under a new one
         for n in failed:
             self._move(n, NodeState.FAILED)
-        # only active nodes take over: a node ready in the same batch has not had the roster
-        # yet (a partition restored on it refused every roster after; the job hung). It joins
-        # through `_scale_up` right after, as any joiner.
-        plan = plan_roles(self._nodes_in(NodeState.ACTIVE), self.spec.thresholds)
+        while True:
+            # only active nodes take over: a node ready in the same batch has not had the
+            # roster yet (a partition restored on it refused every roster after; the job
+            # hung). It joins through `_scale_up` right after, as any joiner.
+            plan = plan_roles(self._nodes_in(NodeState.ACTIVE), self.spec.thresholds)
+            lost = [p for p in range(self.spec.num_partitions) if self._table.owner(p) in failed]
+            try:
+                epoch, restart, ranges = self._restore(client, view, failed, plan, lost, epoch)
+                break
+            except AgileMLError as exc:  # the nodes are FAILED: no later step would restore them
+                if isinstance(exc, PartitionsLostError):
+                    raise
+                # a node the recovery called died meanwhile: recover from both losses
+                more = [n for n in self._detect_failures() if n not in failed]
+                if not more:
+                    raise RecoveryError(f"restoring what {failed} held failed: {exc}") from exc
+                log.warning("another node failed during a recovery; recovering from both",
+                            extra={"failed": failed, "more": more, "error": str(exc)})  # fmt: skip
+                for n in more:
+                    self._move(n, NodeState.FAILED)
+                failed += more
+                if lost:  # partitions may be restored under epoch + 1 already
+                    epoch += 1
         endpoints = self._endpoints()
-        lost = [p for p in range(self.spec.num_partitions) if self._table.owner(p) in failed]
-        epoch, restart = view.epoch, view.restart_clock
-        call = functools.partial(self._call, client)
-        try:
-            if lost:
-                epoch, restart, upto = roll_back(
-                    call, view=view, failed=failed, plan=plan, table=self._table,
-                    endpoints=self._endpoints(),
-                )  # fmt: skip
-                ranges = {f: (restart, upto) for f in failed}
-            else:
-                ranges = {f: unfinished_clocks(call, f, self._table) for f in failed}
-        except AgileMLError as exc:  # the nodes are FAILED: no later step would restore them
-            if isinstance(exc, PartitionsLostError):
-                raise
-            raise RecoveryError(f"restoring what {failed} held failed: {exc}") from exc
         roster, adoptions = without_failed(view.roster, view.adoptions, ranges)
         backups = self._backups(plan, endpoints)
         if not self._configure_all(client, roster, backups, epoch):
@@ -578,17 +589,40 @@ class Coordinator:
             # the failed nodes are gone: nothing would retry this; a stalled job is worse
             raise RecoveryError(f"recovering from the loss of {failed} failed: {exc}") from exc
 
+    def _restore(
+        self,
+        client: ControlClient,
+        view: View,
+        failed: list[str],
+        plan: RolePlan,
+        lost: list[int],
+        epoch: int,
+    ) -> tuple[int, int, dict[str, tuple[int, int]]]:
+        """What the `failed` nodes held: their `lost` partitions restored from the BackupPSs
+        under an epoch after `epoch` (a roll-back), or else the clocks of theirs survivors
+        redo. Returns (the epoch, its restart clock, failed node -> clocks to redo)."""
+        call = functools.partial(self._call, client)
+        if not lost:
+            ranges = {f: unfinished_clocks(call, f, self._table) for f in failed}
+            return epoch, view.restart_clock, ranges
+        epoch, restart, upto = roll_back(
+            call, view=view, failed=failed, plan=plan, table=self._table,
+            endpoints=self._endpoints(), epoch=epoch + 1,
+        )  # fmt: skip
+        return epoch, restart, {f: (restart, upto) for f in failed}
+
     def _rebalance(self, client: ControlClient, plan: RolePlan) -> None:
         """Hand partitions to the plan's serving nodes with as few moves as possible. A
         receiver that never acknowledged a hand-off is failed (fenced off: nobody was told it
         owns the partition) and the old owner serves the partition again; see `rebalance`."""
         call = functools.partial(self._call, client)
         done = rebalance(
-            call, plan=plan, table=self._table, endpoints=self._endpoints(), alive=self._alive
+            call, plan=plan, table=self._table, endpoints=self._endpoints(), alive=self._receiving
         )
         if done.moved:
             self._publish()
         if not done.unsettled:
+            self._drop_backups(client, plan)
             return
         receivers = sorted({n for parts in done.unsettled.values() for n in parts.values()})
         log.error("hand-offs never acknowledged; failing their receivers", extra={
@@ -598,6 +632,34 @@ class Coordinator:
             failed = [n for n in receivers if self._membership.state(n) in LIVE_STATES]
         if failed:
             self._fail(client, failed)
+        self._drop_backups(client, plan)
+
+    def _drop_backups(self, client: ControlClient, plan: RolePlan) -> None:
+        """Stage 1 with every partition on a reliable node: the BackupPSs kept through the
+        hand-offs (see `_backups`) go; their copies would only hold the backup ceiling."""
+        view = self.view()
+        if plan.stage is not AgileMLStage.PARAMSERV_ONLY or not view.backups or view.roster is None:
+            return
+        if self._backups(plan, self._endpoints()):
+            return  # a transient node still owns a partition
+        self._configure_all(client, view.roster, {}, view.epoch)
+        self._publish(backups={})
+
+    def _receiving(self, node: str) -> bool:
+        """Whether a hand-off to `node` without an ack is sent again rather than the node
+        fenced off (failed): a transient node while `_alive`; a reliable one, whose loss
+        ends the job, until it is silent for GONE_AFTER failure timeouts (a busy reliable
+        node is not taken for dead)."""
+        with self._lock:
+            info = self._nodes.get(node)
+            reliable = info is not None and info.tier is NodeTier.RELIABLE
+        if not reliable:
+            return self._alive(node)
+        return self._membership_live(node) and not self._silent(node, GONE_AFTER)
+
+    def _membership_live(self, node: str) -> bool:
+        with self._lock:
+            return self._membership.state(node) in LIVE_STATES
 
     def _alive(self, node: str) -> bool:
         """Heard from within the failure timeout and not failed or gone."""
@@ -682,9 +744,17 @@ class Coordinator:
             )
 
     def _backups(self, plan: RolePlan, endpoints: dict[str, str]) -> dict[int, str]:
+        """Each partition's BackupPS: the reliable nodes in turn. Stage 1 has none, but only
+        once every partition is on a reliable node: until then (a drop from stage 2 whose
+        hand-offs to the reliable nodes are under way, cut short or refused) the partitions
+        keep their BackupPSs, so that the failure of a transient node still owning some can
+        be rolled back (without them its partitions were lost while the reliable node lived).
+        `_rebalance` drops them once the hand-offs are done."""
+        reliable = plan.backup_ps or plan.param_servs
         if plan.stage is AgileMLStage.PARAMSERV_ONLY:
-            return {}
-        reliable = plan.backup_ps
+            owners = {self._table.get(p).owner for p in range(self.spec.num_partitions)}
+            if owners <= set(reliable):
+                return {}
         return {p: endpoints[reliable[p % len(reliable)]] for p in range(self.spec.num_partitions)}
 
     def _detect_failures(self) -> list[str]:

@@ -180,9 +180,19 @@ def roll_back(
     plan: RolePlan,
     table: PartitionTable,
     endpoints: Mapping[str, str],
+    epoch: int | None = None,
 ) -> tuple[int, int, int]:
-    """Restore every partition from its BackupPS to its new owner under a new epoch; `table`
-    records the new owners and versions.
+    """Restore the partitions from their BackupPSs under a new epoch (`epoch`, by default the
+    view's next); `table` records the new owners and versions.
+
+    A lost partition (its owner failed) is restored on a node of the plan's serving ones;
+    every other one a BackupPS holds is restored in place, on the owner that survived, so
+    that every partition restarts from one clock (`rebalance` moves them afterwards if the
+    plan says so: a copy restored elsewhere would stay behind on the survivor, whose later
+    pushes in it would make it refuse every roster change after). A partition no BackupPS
+    holds whose owner survived (a reliable node serving it with no BackupPS, as in stage 1 or
+    before its hand-off to a new ActivePS) is left as it is: nothing of it was lost, and the
+    clocks the workers redo are duplicates there.
 
     Returns (epoch, restart clock, end). Normally every partition is restored at one common
     clock, `restart - 1` (`end == restart`): the BackupPSs hold clocks back for that (see
@@ -194,24 +204,36 @@ def roll_back(
     without the failure).
 
     Raises:
-        AgileMLError: no BackupPS holds the partitions (stage 1), or a restore failed.
+        PartitionsLostError: no BackupPS holds a partition a failed node owned (stage 1).
+        AgileMLError: a node did not answer, or a restore failed.
     """
     if not view.backups:
         raise PartitionsLostError(f"partitions of {failed} lost: no BackupPS (stage 1)")
-    epoch = view.epoch + 1
+    epoch = view.epoch + 1 if epoch is None else epoch
+    lost = [p for p in range(table.num_partitions) if table.owner(p) in failed]
+    node_at = {e: n for n, e in endpoints.items()}
+    backup_nodes = sorted({node_at[b] for b in view.backups.values()} - set(failed))
+    progress = _backup_progress(call, backup_nodes)
+    source = {
+        p: node_at[b]
+        for p, b in view.backups.items()
+        if p in progress.get(node_at[b], {})  # a BackupPS that failed too holds nothing
+    }
+    missing = [p for p in lost if p not in source]
+    if missing:
+        raise PartitionsLostError(f"partitions {missing} of {failed} lost: no BackupPS holds them")
     previous = PartitionTable(table.num_partitions)
     for p in range(table.num_partitions):
-        if table.owner(p) not in failed:
+        if p not in lost:
             previous.move(p, table.owner(p))
-    owners = assign_partitions(table.num_partitions, plan.serving, previous)
+    placed = assign_partitions(table.num_partitions, plan.serving, previous)
+    owners = {p: placed[p] if p in lost else table.owner(p) for p in source}
     by_backup: dict[str, dict[int, str]] = {}
-    for p, backup in view.backups.items():
-        by_backup.setdefault(backup, {})[p] = endpoints[owners[p]]
-    node_of = {backup: next(n for n, e in endpoints.items() if e == backup) for backup in by_backup}
-    cut = _common_clock(call, list(node_of.values()))
+    for p, node in source.items():
+        by_backup.setdefault(node, {})[p] = endpoints[owners[p]]
+    cut = _cut({n: {p: v for p, v in progress[n].items() if p in by_backup[n]} for n in by_backup})
     consistent: dict[int, int] = {}
-    for backup, targets in by_backup.items():
-        node = node_of[backup]
+    for node, targets in sorted(by_backup.items()):
         versions = {p: table.get(p).version for p in targets}
         body = {
             "op": "restore", "epoch": epoch, "owners": targets, "versions": versions,
@@ -224,14 +246,26 @@ def roll_back(
     return epoch, min(consistent.values()) + 1, max(consistent.values()) + 1
 
 
+def _backup_progress(call: NodeCall, backups: list[str]) -> dict[str, dict[int, tuple[int, int]]]:
+    """Each BackupPS node's partitions: (applied through, complete through)."""
+    out: dict[str, dict[int, tuple[int, int]]] = {}
+    for node in backups:
+        progress = call(node, {"op": "backup_progress"})["backups"]
+        out[node] = {int(p): (int(done), int(through)) for p, (done, through) in progress.items()}
+    return out
+
+
 def _common_clock(call: NodeCall, backups: list[str]) -> int | None:
     """The latest clock every backed-up partition can be restored at (None: there is none,
     a backup applied past another's last complete clock)."""
-    applied, complete = [], []
-    for node in backups:
-        for done, through in call(node, {"op": "backup_progress"})["backups"].values():
-            applied.append(done)
-            complete.append(through)
+    return _cut(_backup_progress(call, backups))
+
+
+def _cut(progress: Mapping[str, Mapping[int, tuple[int, int]]]) -> int | None:
+    """The latest clock all these backed-up partitions can be restored at (see
+    `_common_clock`)."""
+    applied = [done for parts in progress.values() for done, _ in parts.values()]
+    complete = [through for parts in progress.values() for _, through in parts.values()]
     if not complete:
         return None
     cut = min(complete)

@@ -179,6 +179,8 @@ class Worker(ServerRequests):
         self._outstanding.clear()  # replies to an abandoned iteration are late now
         for identity, (first, end) in sorted(self.adoptions.items()):
             for clock in range(first, min(end, self.clock)):
+                if self.roster is not None and identity not in self.roster.members(clock):
+                    continue  # no share of it there (as for the current clock, below)
                 if (identity, clock) not in self._adopted_done:
                     self._pull(-1)
                     pushes = Round(MessageKind.PUSH_ACK, self.layout.num_partitions)
