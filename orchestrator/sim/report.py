@@ -32,6 +32,7 @@ def render_table(report: SimReport, console: Console) -> None:
         "cost p50 $",
         "cost p95 $",
         "finished",
+        *(("deadline met",) if c.deadline_hours is not None else ()),
     ):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for name, s in report.strategies.items():
@@ -44,6 +45,7 @@ def render_table(report: SimReport, console: Console) -> None:
             _fmt(s.cost_usd_p50, ",.2f"),
             _fmt(s.cost_usd_p95, ",.2f"),
             f"{s.completed_fraction:.0%}",
+            *((f"{s.deadline_met_fraction:.0%}",) if c.deadline_hours is not None else ()),
         )
     console.print(table)
     if report.paired_wins:
