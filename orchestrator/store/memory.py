@@ -236,18 +236,30 @@ class MemoryStore:
 
     def append_ledger(self, entry: LedgerEntry) -> bool:
         check_id("job", entry.job_id)
-        identity, text = ledger_identity(entry), entry.model_dump_json()
         with self._lock:
-            current = self._job(entry.job_id)
-            index = self._ledger_index[entry.job_id]
-            if identity in index:
-                if index[identity] == text:
-                    return False
-                raise LedgerConflictError(entry.job_id, entry.instance_id, entry.start_s)
-            self._put_job(current, {"spent_usd": current.spent_usd + entry.charged_usd})
-            self._ledgers[entry.job_id].append(text)
-            index[identity] = text
-        return True
+            return self._charge(entry.job_id, [entry]) == 1
+
+    def _charge(self, job_id: str, entries: Sequence[LedgerEntry]) -> int:
+        """Check every entry against the job's ledger, then record those not recorded yet and
+        add them to its spend (the caller holds the lock); how many were new.
+
+        Raises:
+            NotFoundError, LedgerConflictError: before anything is recorded.
+        """
+        job = self._job(job_id)
+        index = self._ledger_index[job_id]
+        texts = [(ledger_identity(e), e.model_dump_json(), e) for e in entries]
+        for identity, text, e in texts:
+            if index.get(identity, text) != text:
+                raise LedgerConflictError(e.job_id, e.instance_id, e.start_s)
+        new = 0
+        for identity, text, e in texts:
+            if identity not in index:
+                job = self._put_job(job, {"spent_usd": job.spent_usd + e.charged_usd})
+                self._ledgers[job_id].append(text)
+                index[identity] = text
+                new += 1
+        return new
 
     def ledger(self, job_id: str) -> list[LedgerEntry]:
         check_id("job", job_id)
@@ -291,17 +303,7 @@ class MemoryStore:
             ended = ended_record(current, ended_at, reason)
             check_bill(current, bill)
             if bill:
-                job = self._job(current.job_id)
-                index = self._ledger_index[current.job_id]
-                texts = [(ledger_identity(e), e.model_dump_json(), e) for e in bill]
-                for identity, text, entry in texts:
-                    if identity in index and index[identity] != text:
-                        raise LedgerConflictError(entry.job_id, entry.instance_id, entry.start_s)
-                for identity, text, entry in texts:
-                    if identity not in index:
-                        job = self._put_job(job, {"spent_usd": job.spent_usd + entry.charged_usd})
-                        self._ledgers[current.job_id].append(text)
-                        index[identity] = text
+                self._charge(current.job_id, bill)
             self._instances[instance_id] = _json(ended)
             return _load(InstanceRecord, self._instances[instance_id])
 
