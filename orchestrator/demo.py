@@ -22,7 +22,7 @@ import os
 import secrets
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +40,7 @@ from orchestrator.artifacts.folders import s3_client
 from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.local.evictions import EvictionReplayer
-from orchestrator.cloud.local.fleet import LocalFleet
+from orchestrator.cloud.local.fleet import LocalFleet, RecordInstanceWork
 from orchestrator.cloud.local.moto_server import MotoEC2Server
 from orchestrator.cloud.local.redis_process import LocalRedis, free_port
 from orchestrator.controller.core import Controller
@@ -52,7 +52,7 @@ from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_datetime
 from orchestrator.market.trace_source import bundled_prices_dir
 from orchestrator.settings import ApiSettings, ControllerSettings, Settings
-from orchestrator.store import JobRecord, JobState, RedisStore
+from orchestrator.store import InstanceWork, JobRecord, JobState, RedisStore, Store
 from orchestrator.units import SECONDS_PER_HOUR
 
 if TYPE_CHECKING:
@@ -231,12 +231,26 @@ def _offline_world(settings: Settings, *, seed: int, port: int | None) -> Iterat
                 log_dir=tmp / "agents",
                 training_token=token,
                 record_progress=store.update_progress,
+                record_instance_work=instance_work_recorder(store),
             )  # fmt: skip
         )
         where = f"Redis {redis.url}, EC2 and S3 (moto) {aws.endpoint_url}"
         yield _World(
             store, clock, client, controller, replayer, fleet, training, artifacts, server, where
         )
+
+
+def instance_work_recorder(store: Store) -> RecordInstanceWork:
+    """What the fleet hands a job's work per instance to: the store's `record_instance_work`
+    (BidBrain learns the job's work rates from it)."""
+
+    def record(job_id: str, work: Mapping[str, tuple[float, float]]) -> None:
+        store.record_instance_work(
+            job_id,
+            {i: InstanceWork(work_gpu_hours=w, hours=h) for i, (w, h) in work.items()},
+        )
+
+    return record
 
 
 def run_demo(

@@ -54,6 +54,12 @@ class WorkMeter:
         with self._lock:
             return self._work_gpu_hours
 
+    @property
+    def worked_s(self) -> float:
+        """The seconds counted so far (from ready to the last `advance`, or the stop)."""
+        with self._lock:
+            return self._counted_until_s - self.ready_at_s
+
     def stop_at(self, sim_s: float) -> None:
         """Count no work past `sim_s` (the earliest of several calls wins)."""
         with self._lock:
@@ -104,7 +110,7 @@ class WorkReporter:
         """Write the heartbeat and cumulative work once. False (logged) if Redis failed."""
         now = self.clock.now()
         work = self.meter.advance(now)
-        heartbeat = AgentHeartbeat(now, work, os.getpid()).to_json()
+        heartbeat = AgentHeartbeat(now, work, os.getpid(), self.meter.worked_s).to_json()
         try:
             pipe = self._client.pipeline(transaction=True)
             pipe.hset(self._work_key, self.instance_id, repr(work))

@@ -24,10 +24,12 @@ from orchestrator.store.events import (
     EvictionEvent,
     LaunchEvent,
     LaunchFailedEvent,
+    LearnedRate,
     NoticeEvent,
     ReconcileEvent,
     ReleaseEvent,
     StateEvent,
+    WorkRatesEvent,
 )
 from orchestrator.store.models import (
     InstanceRecord,
@@ -73,6 +75,7 @@ class EventTally:
     launch_failures: Counter[str] = field(default_factory=Counter)  # by error code
     warned_instances: set[str] = field(default_factory=set)
     noticed: set[str] = field(default_factory=set)  # instances given an interruption notice
+    work_rates: dict[str, LearnedRate] = field(default_factory=dict)  # learned, per GPU model
     last_id: str = "-"
 
     def add(self, events: list[tuple[str, Event]]) -> None:
@@ -93,6 +96,8 @@ class EventTally:
                     self.launches += 1
                 case LaunchFailedEvent():
                     self.launch_failures[event.code or "unknown"] += 1
+                case WorkRatesEvent():
+                    self.work_rates = dict(event.rates)
             self.last_id = event_id
 
     def copy(self) -> EventTally:
@@ -272,6 +277,10 @@ def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
             ]
         ),
         "pipeline": [st.model_dump(mode="json") for st in _stages(facts.training)],
+        "work_rates": [
+            {"gpu_model": model, **rate.model_dump(mode="json")}
+            for model, rate in sorted(facts.work_rates.items())
+        ],
         "events": [
             {"id": eid, "t": e.at_s, "kind": e.kind.value, "text": describe_event(e)}
             for eid, e in reversed(events[-EVENTS_SHOWN:])
@@ -313,6 +322,12 @@ def describe_event(event: Event) -> str:
             return f"state {event.state.value}" + (f": {event.message}" if event.message else "")
         case ReconcileEvent():
             return f"{event.instance_id}: {event.action} (found running, not in the records)"
+        case WorkRatesEvent():
+            return "learned work rates: " + "; ".join(
+                f"{model} {r.learned:.3g} (prior {r.prior:.3g}, 90% {r.low:.3g}-{r.high:.3g}, "
+                f"{r.observed_hours:.1f} h measured)"
+                for model, r in sorted(event.rates.items())
+            )
 
 
 def _spend_point(event: DecisionEvent) -> dict[str, Any]:

@@ -66,12 +66,22 @@ class HeldInstance:
 PriceOf = Callable[[Market, bool], float]
 
 
+#: The rate a decision takes an instance of a type to have (the job's learned rates).
+WorkRateOf = Callable[[str], float]
+
+
 def footprint_of(
-    held: Iterable[Held], *, now_s: float, price_of: PriceOf, doomed: AbstractSet[str]
+    held: Iterable[Held],
+    *,
+    now_s: float,
+    price_of: PriceOf,
+    doomed: AbstractSet[str],
+    work_rate_of: WorkRateOf | None = None,
 ) -> Footprint:
     """The allocations `held` make up, leaving out `doomed` instances (an interruption notice
     came for them: they are as good as gone). An allocation is ready when all its instances
-    are, and started when its first instance was launched."""
+    are, and started when its first instance was launched. Each works at `work_rate_of` its
+    type when given (what the job believes), else at the instance's own `work_rate`."""
     groups: dict[str, list[Held]] = defaultdict(list)
     for inst in held:
         if inst.instance_id not in doomed:
@@ -84,7 +94,9 @@ def footprint_of(
                 allocation_id=allocation_id,
                 market=first.market,
                 count=len(insts),
-                work_rate_per_instance=first.work_rate,
+                work_rate_per_instance=first.work_rate
+                if work_rate_of is None
+                else work_rate_of(first.market.instance_type),
                 price_usd_per_hour=price_of(first.market, first.reliable),
                 started_s=min(i.launched_s for i in insts),
                 max_price_usd_per_hour=first.max_price_usd_per_hour,
@@ -147,12 +159,14 @@ def decision_input(
     doomed: AbstractSet[str] = frozenset(),
     unavailable: frozenset[Market] = frozenset(),
     last_eviction_s: Mapping[Market, float] | None = None,
+    work_rate_of: WorkRateOf | None = None,
 ) -> DecisionInput:
     """The `DecisionInput` for a job holding `held` at `now_s` (see the module docstring).
 
     `prices_usd_per_hour` aligns with the policy's `MarketTable` (NaN: no price known);
     `unavailable` are markets refusing launches for now (capacity errors); `last_eviction_s`
-    when each market last took one of the job's instances back.
+    when each market last took one of the job's instances back; `work_rate_of` the rate the
+    job believes an instance of a type has (default: each instance's own `work_rate`).
     """
     held = list(held)
     spot_started: dict[str, float] = {}
@@ -165,7 +179,9 @@ def decision_input(
         job=job,
         work_remaining_gpu_hours=work_remaining_gpu_hours,
         spend_usd=spend_usd,
-        footprint=footprint_of(held, now_s=now_s, price_of=price_of, doomed=doomed),
+        footprint=footprint_of(
+            held, now_s=now_s, price_of=price_of, doomed=doomed, work_rate_of=work_rate_of
+        ),
         prices_usd_per_hour=prices_usd_per_hour,
         unavailable=unavailable,
         renewal_due=renewals.due(spot_started, now_s),

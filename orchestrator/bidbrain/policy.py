@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, ClassVar
 
 import numpy as np
@@ -93,6 +93,13 @@ class MarketTable:
         od = np.array([catalog.get(m.instance_type).on_demand_price(m.region) for m in ms])
         return cls(ms, rates, od, {m: i for i, m in enumerate(ms)})
 
+    def with_work_rates(
+        self, catalog: Catalog, gpu_work_rates: Mapping[str, float] | None
+    ) -> MarketTable:
+        """The same markets at other per-GPU-model rates (a job's learned ones)."""
+        rates = np.array([catalog.work_rate(m.instance_type, gpu_work_rates) for m in self.markets])
+        return replace(self, work_rate=rates)
+
     def __len__(self) -> int:
         return len(self.markets)
 
@@ -158,6 +165,11 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def decide(self, inp: DecisionInput) -> Decision:
         """The actions to take at `inp.now_s`."""
+
+    def use_work_rates(self, gpu_work_rates: Mapping[str, float] | None) -> None:
+        """Decide from now on with these per-GPU-model rates (what the job's runs measured,
+        `bidbrain.rates`); the markets stay the same."""
+        self.table = self.table.with_work_rates(self.catalog, gpu_work_rates)
 
     # -- helpers shared by policies -------------------------------------------------------
     def _reliable_request(self, inp: DecisionInput) -> tuple[AllocationRequest, ...]:

@@ -40,6 +40,8 @@ _OPTION_OF_FIELD = {
     "billing": "--billing",
     "budget_usd": "--budget",
     "deadline_hours": "--deadline-hours",
+    "gpu_work_rates": "--gpu-work-rates",
+    "true_work_rates": "--true-work-rates",
     "max_scale": "--max-scale",
     "reference_type": "--reference-type",
     "workers": "--workers",

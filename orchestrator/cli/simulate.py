@@ -111,6 +111,22 @@ def simulate(
             "each strategy's deadline_met_fraction.",
         ),
     ] = None,
+    gpu_work_rates: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-work-rates",
+            help="The job's stated rates per GPU model, over the catalog's (V100 = 1.0), "
+            "e.g. K80=0.3: what strategies decide with before they learn.",
+        ),
+    ] = None,
+    true_work_rates: Annotated[
+        str | None,
+        typer.Option(
+            "--true-work-rates",
+            help="The job's real rates where they differ from the stated ones, e.g. K80=0.15: "
+            "instances work at these; bidbrain learns them, bidbrain-static never does.",
+        ),
+    ] = None,
     workers: Annotated[
         int | None, typer.Option("--workers", help="Processes (default: cores).")
     ] = None,
@@ -137,6 +153,8 @@ def simulate(
         "budget_usd": budget,
         "max_scale": max_scale,
         "deadline_hours": deadline_hours,
+        "gpu_work_rates": _rates(gpu_work_rates, "--gpu-work-rates"),
+        "true_work_rates": _rates(true_work_rates, "--true-work-rates"),
         "workers": workers,
     }
     config = simulation_config(config_file, given)
@@ -184,6 +202,28 @@ def simulation_config(config_file: Path | None, given: Mapping[str, Any]) -> Sim
         return sim_config({**settings, **{k: v for k, v in given.items() if v is not None}})
     except ValidationError as exc:
         raise validation_to_user_error(exc, config_file) from None
+
+
+def _rates(text: str | None, option: str) -> dict[str, str] | None:
+    """`MODEL=RATE,...` as a mapping (the rates are checked with the rest of the config).
+
+    Raises:
+        UserError: an item is not MODEL=RATE, or a model is given twice (naming `option`).
+    """
+    if text is None:
+        return None
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        model, sep, rate = (part.strip() for part in item.partition("="))
+        if not (sep and model and rate) or model in out:
+            raise UserError(
+                f"{option}: {item.strip()!r} is not MODEL=RATE"
+                + (" (the model is given twice)" if model in out else ""),
+                field=option,
+                fix=f"pass e.g. {option} K80=0.15,T4=0.4 (GPU models of the catalog, V100 = 1.0)",
+            )
+        out[model] = rate
+    return out
 
 
 def _check_plot_path(plot: Path) -> None:

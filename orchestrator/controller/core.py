@@ -44,6 +44,7 @@ from orchestrator.cloud.instances import CloudInstance, LaunchSpec
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.cloud.reconcile import Reconciler
+from orchestrator.controller.rates import RateLearning
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import BillingModel, EndReason
 from orchestrator.market.catalog import Catalog
@@ -154,6 +155,7 @@ class Controller:
         self._price_model_at = -math.inf
         self._renewals: dict[str, RenewalSchedule] = {}  # job -> its allocations' points
         self._evictions: dict[str, dict[Market, float]] = {}  # job -> see `_evicted_at`
+        self._rates = RateLearning(store, self.catalog)  # the jobs' learned work rates
 
     # -- inputs from outside the tick -----------------------------------------------------
     def notify(self, notice: InterruptionNotice) -> None:
@@ -269,7 +271,7 @@ class Controller:
         self, job: JobRecord, history: PriceHistory, now_s: float, report: TickReport
     ) -> None:
         submission = JobSubmission.model_validate(job.spec)
-        spec = submission.job_spec()
+        spec = self._rates.spec_for(job.job_id, submission.job_spec(), now_s)
         remaining = max(spec.work_gpu_hours - job.work_done_gpu_hours, 0.0)
         if remaining <= 1e-9:
             self._stop_job(job, history, now_s, EndReason.JOB_FINISHED, report)
@@ -406,6 +408,7 @@ class Controller:
         self._renewals.pop(job.job_id, None)
         self._prices_seen.pop(job.job_id, None)
         self._evictions.pop(job.job_id, None)
+        self._rates.forget(job.job_id)
 
     # -- records ----------------------------------------------------------------------------
     def _record_launch(self, inst: CloudInstance, now_s: float) -> None:

@@ -26,6 +26,7 @@ import heapq
 import itertools
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,7 @@ from orchestrator.errors import OrchestratorError
 from orchestrator.market.billing import BilledInterval, BillingModel, EndReason
 from orchestrator.market.eviction import RemovalStream
 from orchestrator.market.prices import Market
+from orchestrator.sim.learning import RateLearner
 from orchestrator.sim.world import World
 from orchestrator.units import SECONDS_PER_HOUR
 
@@ -171,6 +173,8 @@ class Run:
         keep_ledger: bool = False,
         periodic_decisions: bool = True,
         acts_on_notice: bool = False,
+        true_work_rates: Mapping[str, float] | None = None,
+        learns_rates: bool = False,
     ) -> None:
         self.world = world
         self.policy = policy
@@ -180,6 +184,10 @@ class Run:
         self.params = params
         self.removals = removal_events
         self.acts_on_notice = acts_on_notice
+        # the instances work at the true rates; the policy decides with the job's (stated,
+        # then learned) ones
+        self.true_work_rates = true_work_rates or job.gpu_work_rates
+        self.learner = RateLearner(world.catalog, job.gpu_work_rates) if learns_rates else None
         self.keep_ledger = keep_ledger
         self.periodic = periodic_decisions
         self.start_s = start_s
@@ -196,6 +204,7 @@ class Run:
         self._events: list[tuple[float, int, str, str]] = []
         self._seq = itertools.count()
         self._decide_at: float | None = None
+        self._rates_used: dict[str, float] | None = None
         self.cost_usd = 0.0
         self.compute_s = 0.0
         self.free_compute_s = 0.0
@@ -433,6 +442,15 @@ class Run:
 
     def _decide(self) -> None:
         self.decisions += 1
+        rate_of = self._stated_rate_of
+        if self.learner is not None:
+            for inst in self.instances.values():
+                self.learner.measure(inst, self.now)
+            rates = self.learner.rates()
+            if rates != self._rates_used:
+                self.policy.use_work_rates(rates)
+                self._rates_used = rates
+            rate_of = self.learner.rate_of
         remaining = max(self.work_total_s - self.work_s, 0.0) / SECONDS_PER_HOUR
         inp = decision_input(
             now_s=self.now,
@@ -446,9 +464,13 @@ class Run:
             doomed=self.doomed,
             unavailable=frozenset(m for m, t in self.unavailable_until.items() if t > self.now),
             last_eviction_s=self.last_eviction_s,
+            work_rate_of=rate_of,
         )
         decision = self.policy.decide(inp)
         self._apply(decision)
+
+    def _stated_rate_of(self, instance_type: str) -> float:
+        return self.world.catalog.work_rate(instance_type, self.job.gpu_work_rates)
 
     def _price_held(self, market: Market, reliable: bool) -> float:
         return self._on_demand_price(market) if reliable else self._price(market)
@@ -474,7 +496,7 @@ class Run:
         self.alloc_started[alloc_id] = self.now
         market = req.market
         on_demand = req.reliable
-        rate = self.world.catalog.work_rate(req.instance_type, self.job.gpu_work_rates)
+        rate = self.world.catalog.work_rate(req.instance_type, self.true_work_rates)
         if self.runtime == "on-demand":
             ready_delay = 0.0
         elif self.runtime == "agileml":
@@ -548,6 +570,9 @@ class Run:
             self._schedule_decision(self.now)
 
     def _end(self, inst: SimInstance, reason: EndReason) -> None:
+        if self.learner is not None:
+            self.learner.measure(inst, self.now)
+            self.learner.forget(inst.instance_id)
         del self.instances[inst.instance_id]
         self.doomed.discard(inst.instance_id)
         inst.ended_s = self.now

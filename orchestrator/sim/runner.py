@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import multiprocessing as mp
@@ -73,6 +74,12 @@ class SimConfig(BaseModel):
     gpu_work_rates: dict[str, Annotated[float, Field(gt=0)]] | None = Field(
         None, description="work rate per GPU model, merged over the catalog's (V100 = 1.0)"
     )
+    true_work_rates: dict[str, Annotated[float, Field(gt=0)]] | None = Field(
+        None,
+        description="the job's real rate per GPU model where it differs from the stated ones "
+        "(gpu_work_rates, else the catalog's): instances work at these; strategies that learn "
+        "rates find them out, the others decide on the stated ones",
+    )
 
     @field_validator("reference_type")
     @classmethod
@@ -85,6 +92,19 @@ class SimConfig(BaseModel):
     @classmethod
     def _reliable_type(cls, value: str) -> str:
         _catalog_type(value)
+        return value
+
+    @field_validator("gpu_work_rates", "true_work_rates")
+    @classmethod
+    def _known_gpu_models(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        known = Catalog.load().gpu_work_rates
+        for model in value or {}:
+            if model not in known:
+                close = difflib.get_close_matches(model, known, n=1)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise ValueError(
+                    f"{model} is no GPU model of the catalog; {hint}known: {', '.join(known)}"
+                )
         return value
 
 
@@ -207,6 +227,14 @@ def work_rates(config: SimConfig, catalog: Catalog) -> dict[str, float] | None:
     return {**catalog.gpu_work_rates, **config.gpu_work_rates}
 
 
+def true_rates(config: SimConfig, catalog: Catalog) -> dict[str, float] | None:
+    """The job's real rates (the stated ones with `true_work_rates` over them), or None when
+    they are the stated ones."""
+    if not config.true_work_rates:
+        return None
+    return {**(work_rates(config, catalog) or catalog.gpu_work_rates), **config.true_work_rates}
+
+
 def job_for(config: SimConfig, world: World) -> JobSpec:
     rates = work_rates(config, world.catalog)
     rate = world.catalog.work_rate(config.reference_type, rates)
@@ -256,10 +284,11 @@ def run_start(
     billing = billing_model(config.billing)
     horizon = config.runtime.max_runtime_factor * config.job_hours * SECONDS_PER_HOUR + 3600.0
     removals = world.removal_events(world.table.markets, start_s, horizon, (config.seed, index))
+    truth = true_rates(config, world.catalog)
     results: dict[str, RunResult] = {}
     for k, strat in enumerate(strategies):
         if strat.policy is None:
-            results[strat.name] = run_oracle(world, job, start_s, keep_ledger)
+            results[strat.name] = run_oracle(world, job, start_s, keep_ledger, truth)
             continue
         kwargs = dict(strat.policy_kwargs)
         if strat.policy in (OnDemandPolicy, CheapestFailoverPolicy, UniformProgressPolicy):
@@ -267,8 +296,12 @@ def run_start(
         if strat.policy is UniformProgressPolicy:  # its changeover delay d
             kwargs["changeover_s"] = config.runtime.boot_s + config.runtime.restart_s
             kwargs["spot_retry_s"] = config.runtime.capacity_cooldown_s
+        table, strat_job = world.table, job
+        if strat.knows_true_rates and truth is not None:
+            table = table.with_work_rates(world.catalog, truth)
+            strat_job = job.model_copy(update={"gpu_work_rates": truth})
         policy = strat.policy(
-            world.table,
+            table,
             billing=config.billing,
             price_model=world.price_model_at(start_s),
             capacity_model=world.capacity_model(),
@@ -282,13 +315,15 @@ def run_start(
             policy=policy,
             runtime=strat.runtime,
             billing=billing,
-            job=job,
+            job=strat_job,
             start_s=start_s,
             params=config.runtime,
             removal_events=removals,
             keep_ledger=keep_ledger,
             periodic_decisions=strat.periodic_decisions,
             acts_on_notice=strat.acts_on_notice,
+            true_work_rates=truth,
+            learns_rates=strat.learns_rates,
         )
         results[strat.name] = run.run()
     return results

@@ -4,6 +4,7 @@ survives evictions). Registered by name; an unknown name lists the valid ones.""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ class Strategy:
     policy_kwargs: tuple[tuple[str, Any], ...] = ()
     periodic_decisions: bool = False
     acts_on_notice: bool = False
+    learns_rates: bool = False  # decides with the work rates its instances measured
+    knows_true_rates: bool = False  # told the job's true rates at the start (a reference)
     description: str = ""
 
 
@@ -78,7 +81,25 @@ STRATEGIES: dict[str, Strategy] = {
             "agileml",
             periodic_decisions=True,
             acts_on_notice=True,
-            description="Proteus: BidBrain cost-per-work bidding with AgileML",
+            learns_rates=True,
+            description="Proteus: BidBrain cost-per-work bidding with AgileML, on learned rates",
+        ),
+        Strategy(
+            "bidbrain-static",
+            BidBrainPolicy,
+            "agileml",
+            periodic_decisions=True,
+            acts_on_notice=True,
+            description="BidBrain on the job's stated (catalog) rates, never learning",
+        ),
+        Strategy(
+            "bidbrain-true-rates",
+            BidBrainPolicy,
+            "agileml",
+            periodic_decisions=True,
+            acts_on_notice=True,
+            knows_true_rates=True,
+            description="hindsight reference: BidBrain told the job's true rates at the start",
         ),
         Strategy(
             "oracle",
@@ -108,14 +129,23 @@ def get_strategies(names: list[str]) -> list[Strategy]:
     return out
 
 
-def run_oracle(world: World, job: JobSpec, start_s: float, keep_ledger: bool) -> RunResult:
+def run_oracle(
+    world: World,
+    job: JobSpec,
+    start_s: float,
+    keep_ledger: bool,
+    true_work_rates: Mapping[str, float] | None = None,
+) -> RunResult:
     """Perfect hindsight: at every instant hold `max_work_rate` of the market that is cheapest
-    per unit of work, with no start-up, eviction or reliable-tier cost.
+    per unit of work (at the job's true rates), with no start-up, eviction or reliable-tier
+    cost.
 
     Per-second billing at the market price; under hourly-refund it is the same integral (it does
     not chase refunds), so it bounds BidBrain there only approximately.
     """
     table = world.table
+    if true_work_rates is not None:
+        table = table.with_work_rates(world.catalog, true_work_rates)
     series = [world.history[m] for m in table.markets]
     gpu = table.work_rate > 0
     times = np.unique(np.concatenate([s.times_s for s in series]))

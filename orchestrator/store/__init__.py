@@ -37,12 +37,14 @@ from orchestrator.store.events import (
     ReconcileEvent,
     ReleaseEvent,
     StateEvent,
+    WorkRatesEvent,
 )
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.models import (
     ALLOWED_TRANSITIONS,
     TERMINAL_STATES,
     InstanceRecord,
+    InstanceWork,
     JobRecord,
     JobState,
     LedgerEntry,
@@ -63,6 +65,7 @@ __all__ = [
     "EvictionEvent",
     "IllegalTransitionError",
     "InstanceRecord",
+    "InstanceWork",
     "JobRecord",
     "JobState",
     "LaunchEvent",
@@ -74,6 +77,7 @@ __all__ = [
     "NoticeEvent",
     "PriceSnapshot",
     "ReconcileEvent",
+    "WorkRatesEvent",
     "RedisStore",
     "ReleaseEvent",
     "StateEvent",

@@ -31,6 +31,7 @@ class EventKind(StrEnum):
     STATE = "state"  # the job changed lifecycle state
     NOTICE = "notice"  # an interruption notice arrived
     RECONCILE = "reconcile"  # the controller corrected its records from what the cloud reports
+    WORK_RATES = "work_rates"  # the rates the job is decided with changed (learned)
 
 
 class _EventBase(BaseModel):
@@ -62,6 +63,26 @@ class DecisionEvent(_EventBase):
     acquire: tuple[str, ...] = ()  # "2xp3.2xlarge@us-east-1b"
     release: tuple[str, ...] = ()  # allocation ids
     reason: str = ""  # why, when the policy said (the deadline's safety net, the budget)
+
+
+class LearnedRate(BaseModel):
+    """One GPU model's rate for a job: its prior (the catalog's, or the job's stated rate),
+    what was learned (the posterior median), its 90% interval and the hours measured."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    prior: float
+    learned: float
+    low: float
+    high: float
+    observed_hours: float
+
+
+class WorkRatesEvent(_EventBase):
+    """The job's learned work rates changed (per GPU model; only models measured)."""
+
+    kind: Literal[EventKind.WORK_RATES] = EventKind.WORK_RATES
+    rates: dict[str, LearnedRate]
 
 
 class LaunchEvent(_EventBase):
@@ -126,7 +147,8 @@ Event = Annotated[
     | EvictionEvent
     | NoticeEvent
     | ReleaseEvent
-    | ReconcileEvent,
+    | ReconcileEvent
+    | WorkRatesEvent,
     Field(discriminator="kind"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)

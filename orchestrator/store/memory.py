@@ -31,7 +31,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -59,6 +59,7 @@ from orchestrator.store.errors import (
 from orchestrator.store.events import Event, event_json, parse_event
 from orchestrator.store.models import (
     InstanceRecord,
+    InstanceWork,
     JobRecord,
     JobState,
     LedgerEntry,
@@ -167,6 +168,7 @@ class MemoryStore:
         self._instances: dict[str, str] = {}  # instance id -> InstanceRecord JSON
         self._streams: dict[tuple[str, str], _Stream] = {}  # (job id, "events"|...) -> stream
         self._ports: dict[str, int] = {}
+        self._instance_work: dict[str, dict[str, InstanceWork]] = {}
         self._claims: dict[str, _Claim] = {}
 
     def ping(self) -> None:
@@ -366,6 +368,15 @@ class MemoryStore:
         return next(reversed(self.training(job_id)), None)
 
     # --- the AgileML controllers this controller hosts (controller/training.py)
+
+    def record_instance_work(self, job_id: str, work: Mapping[str, InstanceWork]) -> None:
+        check_id("job", job_id)
+        with self._lock:
+            self._instance_work.setdefault(job_id, {}).update(work)
+
+    def instance_work(self, job_id: str) -> dict[str, InstanceWork]:
+        with self._lock:
+            return dict(self._instance_work.get(job_id, {}))
 
     def set_training_port(self, job_id: str, port: int) -> None:
         check_id("job", job_id)

@@ -242,6 +242,17 @@ class PriceSnapshot(BaseModel):
     prices: dict[str, NonNegative]
 
 
+class InstanceWork(BaseModel):
+    """One instance's work for a job so far: `work_gpu_hours` in `hours` of useful time (from
+    when it was ready until now, or until it stopped working). BidBrain learns the job's work
+    rates from these."""
+
+    model_config = _RECORD_CONFIG
+
+    work_gpu_hours: NonNegative
+    hours: NonNegative
+
+
 class PipelineStageReport(BaseModel):
     """One stage of a pipeline job as it runs now: its layers (inclusive) and the instances of
     its replicas."""

@@ -23,12 +23,13 @@ Failure semantics, for every implementation:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from orchestrator.store.events import Event
 from orchestrator.store.models import (
     InstanceRecord,
+    InstanceWork,
     JobRecord,
     JobState,
     LedgerEntry,
@@ -304,6 +305,22 @@ class Store(Protocol):
 
     def latest_training(self, job_id: str) -> TrainingReport | None:
         """The job's newest training report, or None (one read, for summaries and /metrics)."""
+        ...
+
+    # --- each instance's measured work (BidBrain learns the job's rates from it)
+
+    def record_instance_work(self, job_id: str, work: Mapping[str, InstanceWork]) -> None:
+        """Record each instance's work for the job so far (instance id -> its work and useful
+        hours: the instance agents' count offline, the runtime's on AWS). Overwrites those
+        instances' values; others stay.
+
+        Raises:
+            NotFoundError: `job_id` cannot be a job's id.
+        """
+        ...
+
+    def instance_work(self, job_id: str) -> dict[str, InstanceWork]:
+        """Instance id -> its work for the job, as last recorded."""
         ...
 
     # --- the AgileML controllers this controller hosts (controller/training.py)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import redis
@@ -53,6 +53,7 @@ from orchestrator.store.models import (
     INSTANCE_ENDED,
     TERMINAL_STATES,
     InstanceRecord,
+    InstanceWork,
     JobRecord,
     JobState,
     LedgerEntry,
@@ -430,6 +431,21 @@ class RedisStore:
         return [decode_json(model, key, fields["r"]) for _, fields in entries]
 
     # --- the AgileML controllers this controller hosts (controller/training.py)
+
+    def record_instance_work(self, job_id: str, work: Mapping[str, InstanceWork]) -> None:
+        """HSET of the job's `instance-work` hash (values: the models' JSON)."""
+        key = self._keys.job_part(job_id, "instance-work")
+        if not work:
+            return
+        with redis_errors(self.url):
+            self._client.hset(key, mapping={i: w.model_dump_json() for i, w in work.items()})
+
+    def instance_work(self, job_id: str) -> dict[str, InstanceWork]:
+        """HGETALL of the job's `instance-work` hash."""
+        key = self._keys.job_part(job_id, "instance-work")
+        with redis_errors(self.url):
+            raw = cast(dict[str, str], self._client.hgetall(key))
+        return {i: InstanceWork.model_validate_json(w) for i, w in raw.items()}
 
     def set_training_port(self, job_id: str, port: int) -> None:
         """HSET in the namespace's `training-ports` hash."""

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -66,6 +66,7 @@ from orchestrator.cloud.local.reports import (
 )
 from orchestrator.errors import OrchestratorError, UserError
 from orchestrator.market.catalog import Catalog
+from orchestrator.units import SECONDS_PER_HOUR
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ LOG_TAIL_CHARS = 2000
 
 #: What the fleet does with a job's summed work: (job_id, GPU-hours, now_s).
 RecordProgress = Callable[[str, float, float], object]
+#: What the fleet does with a job's work per instance: (job_id, instance id -> (GPU-hours,
+#: the hours it worked for them)).
+RecordInstanceWork = Callable[[str, Mapping[str, tuple[float, float]]], object]
 
 
 class ReportsUnavailableError(OrchestratorError):
@@ -162,6 +166,10 @@ class LocalFleet:
             the environment, never on argv); an instance trains when it carries the
             `orchestrator:agileml-controller` tag its controller launched it with.
         record_progress: receives each job's summed work at every step (default: dropped).
+        record_instance_work: receives each job's work per instance at every step (the
+            store's `record_instance_work`: BidBrain learns the job's rates from it).
+        true_work_rates: the rate per GPU model the agents work at, where the world's jobs
+            run at other speeds than the catalog says (default: the catalog's).
 
     Not thread-safe: call `step` and `close` from one thread (the demo loop). Every agent and
     mock is stopped by `close` (or leaving the `with` block), also after a failure; an agent
@@ -188,8 +196,12 @@ class LocalFleet:
         notice_poll_s: float = DEFAULT_NOTICE_POLL_SECONDS,
         training_token: bytes | None = None,
         record_progress: RecordProgress | None = None,
+        record_instance_work: RecordInstanceWork | None = None,
+        true_work_rates: Mapping[str, float] | None = None,
     ) -> None:
         self.record_progress = record_progress
+        self.record_instance_work = record_instance_work
+        self.true_work_rates = true_work_rates
         self.redis_url = redis_url
         self.training_token = training_token
         self.namespace = namespace
@@ -280,6 +292,15 @@ class LocalFleet:
         report.progress = self._record_progress(now)
         return report
 
+    def _worked(self, job_id: str) -> dict[str, tuple[float, float]]:
+        """Each instance's work and the hours it worked for it, from its last heartbeat (one
+        write of the agent's: the two agree)."""
+        return {
+            i: (beat.work_gpu_hours, beat.worked_s / SECONDS_PER_HOUR)
+            for i, beat in self.heartbeats_of(job_id).items()
+            if beat.worked_s > 0
+        }
+
     def work_of(self, job_id: str) -> dict[str, float]:
         """The job's agents' cumulative work, per instance (GPU-hours); bad values are logged
         and left out.
@@ -325,6 +346,8 @@ class LocalFleet:
                 total = sum(self.work_of(job_id).values())
                 if self.record_progress is not None:
                     self.record_progress(job_id, total, now)
+                if self.record_instance_work is not None:
+                    self.record_instance_work(job_id, self._worked(job_id))
             except OrchestratorError as exc:  # Redis or the store: rewritten at the next step
                 log.warning(
                     "fleet: progress not recorded", extra={"job_id": job_id, "error": str(exc)}
@@ -335,9 +358,14 @@ class LocalFleet:
 
     # -- nodes ----------------------------------------------------------------------------------
 
+    def _rates(self) -> dict[str, float] | None:
+        if not self.true_work_rates:
+            return None
+        return {**self.catalog.gpu_work_rates, **self.true_work_rates}
+
     def _start_node(self, instance: CloudInstance, now: float) -> LocalNode | None:
         try:
-            work_rate = self.catalog.work_rate(instance.instance_type)
+            work_rate = self.catalog.work_rate(instance.instance_type, self._rates())
         except UserError as exc:
             log.warning(
                 "fleet: no work rate; no agent",

@@ -38,15 +38,22 @@ def agent_heartbeat_key(namespace: str, job_id: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class AgentHeartbeat:
-    """An agent's last report: when (sim epoch seconds), its cumulative work, its pid."""
+    """An agent's last report: when (sim epoch seconds), its cumulative work, its pid, and
+    the simulated seconds it worked for that work (0 from agents older than the field)."""
 
     sim_s: float
     work_gpu_hours: float
     pid: int
+    worked_s: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(
-            {"sim_s": self.sim_s, "work_gpu_hours": self.work_gpu_hours, "pid": self.pid}
+            {
+                "sim_s": self.sim_s,
+                "work_gpu_hours": self.work_gpu_hours,
+                "pid": self.pid,
+                "worked_s": self.worked_s,
+            }
         )
 
     @classmethod
@@ -58,6 +65,11 @@ class AgentHeartbeat:
         """
         try:
             data = json.loads(text)
-            return cls(float(data["sim_s"]), float(data["work_gpu_hours"]), int(data["pid"]))
-        except (TypeError, KeyError, json.JSONDecodeError) as exc:
+            return cls(
+                float(data["sim_s"]),
+                float(data["work_gpu_hours"]),
+                int(data["pid"]),
+                float(data.get("worked_s", 0.0)),
+            )
+        except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not an agent heartbeat: {text[:200]!r}") from exc

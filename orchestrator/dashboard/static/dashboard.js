@@ -462,6 +462,22 @@
     });
   }
 
+  function renderRates(page) {
+    var rates = page.work_rates || [];
+    $("rates-panel").hidden = !rates.length;  // nothing measured yet
+    var body = $("rates-rows");
+    clear(body);
+    rates.forEach(function (r) {
+      var tr = el("tr", { "data-gpu": r.gpu_model });
+      tr.appendChild(el("td", null, r.gpu_model));
+      tr.appendChild(el("td", { "class": "num" }, r.prior.toFixed(3)));
+      tr.appendChild(el("td", { "class": "num" }, r.learned.toFixed(3)));
+      tr.appendChild(el("td", { "class": "num" }, r.low.toFixed(3) + "–" + r.high.toFixed(3)));
+      tr.appendChild(el("td", { "class": "num" }, r.observed_hours.toFixed(1)));
+      body.appendChild(tr);
+    });
+  }
+
   function renderEvents(page) {
     var body = $("event-rows");
     clear(body);
@@ -488,6 +504,7 @@
     renderNodes(page, dom);
     renderTraining(page, dom);
     renderPipeline(page);
+    renderRates(page);
     renderEvents(page);
   }
 

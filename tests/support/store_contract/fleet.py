@@ -3,6 +3,7 @@ ports and launch claims."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from orchestrator.market.billing import EndReason
 from orchestrator.store import (
     IllegalTransitionError,
     InstanceRecord,
+    InstanceWork,
     LedgerConflictError,
     NotFoundError,
     Store,
@@ -148,6 +150,37 @@ class FleetContract:
         assert store.training_ports() == {"j1": 29502}
         with pytest.raises(NotFoundError):
             store.set_training_port("not a job id", 1)
+
+    # --- instance work
+
+    def test_instance_work_is_recorded_per_job_and_overwritten_per_instance(
+        self, store: Store
+    ) -> None:
+        assert store.instance_work("j1") == {}
+        store.record_instance_work(
+            "j1",
+            {
+                "i-1": InstanceWork(work_gpu_hours=0.5, hours=1.0),
+                "i-2": InstanceWork(work_gpu_hours=1.25, hours=2.0),
+            },
+        )
+        store.record_instance_work("j1", {"i-1": InstanceWork(work_gpu_hours=0.75, hours=1.5)})
+        store.record_instance_work("j2", {"i-3": InstanceWork(work_gpu_hours=2.0, hours=2.0)})
+        store.record_instance_work("j2", {})
+        assert store.instance_work("j1") == {
+            "i-1": InstanceWork(work_gpu_hours=0.75, hours=1.5),
+            "i-2": InstanceWork(work_gpu_hours=1.25, hours=2.0),
+        }  # fmt: skip
+        assert store.instance_work("j2") == {"i-3": InstanceWork(work_gpu_hours=2.0, hours=2.0)}
+        with pytest.raises(NotFoundError):
+            store.record_instance_work("not a job id", {})
+
+    @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+    def test_instance_work_must_be_finite_and_not_negative(self, bad: float) -> None:
+        with pytest.raises(ValueError):
+            InstanceWork(work_gpu_hours=bad, hours=1.0)
+        with pytest.raises(ValueError):
+            InstanceWork(work_gpu_hours=1.0, hours=bad)
 
     # --- claims
 
