@@ -176,9 +176,16 @@ class _World:
 
 
 @contextlib.contextmanager
-def _offline_world(settings: Settings, *, seed: int, port: int | None) -> Iterator[_World]:
+def _offline_world(
+    settings: Settings,
+    *,
+    seed: int,
+    port: int | None,
+    true_work_rates: Mapping[str, float] | None = None,
+) -> Iterator[_World]:
     """Redis, moto, the controller with its training host, the eviction replayer, the local
-    fleet and (unless `port` is None) the dashboard; everything stopped on exit."""
+    fleet (its GPUs at `true_work_rates` where given) and (unless `port` is None) the
+    dashboard; everything stopped on exit."""
     clock = replay_clock(settings)
     assert clock is not None  # the demo's settings replay a trace
     token = secrets.token_bytes(32)
@@ -232,6 +239,7 @@ def _offline_world(settings: Settings, *, seed: int, port: int | None) -> Iterat
                 training_token=token,
                 record_progress=store.update_progress,
                 record_instance_work=instance_work_recorder(store),
+                true_work_rates=true_work_rates,
             )  # fmt: skip
         )
         where = f"Redis {redis.url}, EC2 and S3 (moto) {aws.endpoint_url}"
@@ -265,6 +273,7 @@ def run_demo(
     linger_s: float = 0.0,
     weights_out: Path | None = None,
     pipeline: bool = False,
+    true_work_rates: Mapping[str, float] | None = None,
 ) -> DemoSummary:
     """Run the demo until the job ends or `timeout_s` real seconds pass.
 
@@ -272,7 +281,8 @@ def run_demo(
     node is evicted on purpose (with its notice), so that the demo always shows recovery; the
     summary counts such injected evictions separately. The controller's API and dashboard are
     served on 127.0.0.1:`port` (0: any free port; None: not served) until the job ends, then
-    `linger_s` more seconds.
+    `linger_s` more seconds. With `true_work_rates` (per GPU model) the world's GPUs work at
+    those rates instead of the catalog's, and BidBrain learns them from the instances' work.
 
     Raises:
         UserError: redis-server is missing (with the apt-get command), a server cannot start,
@@ -282,7 +292,7 @@ def run_demo(
     wall0 = time.monotonic()
     job = sample_job(budget_usd, pipeline=pipeline)
     settings = demo_settings(speed=speed, start=start)
-    with _offline_world(settings, seed=seed, port=port) as world:
+    with _offline_world(settings, seed=seed, port=port, true_work_rates=true_work_rates) as world:
         job = _with_uploaded_code(job, world.artifacts)
         submit_job(world.store, job, now_s=world.clock.now(), new_id=lambda: JOB_ID)
         _announce(console, world, job, speed, settings)

@@ -224,6 +224,9 @@ class Heartbeat(BaseModel):
     loss: float | None = None  # the loss of the last iteration, if any
     # rows of this node's shares that FlexRR had helpers compute, so far
     reassigned_rows: Annotated[int, Field(ge=0)] = 0
+    # rows this node computed so far, and the seconds it spent computing them (its speed)
+    rows_computed: Annotated[int, Field(ge=0)] = 0
+    compute_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
 
 
 class Leaving(BaseModel):

@@ -120,6 +120,8 @@ class _NodeInfo:
     losses: list[tuple[int, float]] = field(default_factory=list)  # (clock, loss) heard
     peer_inboxes: PeerInboxes | None = None
     reassigned_rows: int = 0  # FlexRR: rows of its shares helpers computed, as last heard
+    rows_computed: int = 0  # rows it computed, and the seconds it took, as last heard
+    compute_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -353,6 +355,7 @@ class Coordinator:
             if isinstance(m, Heartbeat):
                 info.clock = m.clock
                 info.reassigned_rows = m.reassigned_rows
+                info.rows_computed, info.compute_s = m.rows_computed, m.compute_s
                 if m.loss is not None and (not info.losses or info.losses[-1][0] != m.clock):
                     info.losses.append((m.clock, m.loss))
             elif isinstance(m, Ready):
@@ -713,6 +716,11 @@ class Coordinator:
                 reassigned_rows=sum(i.reassigned_rows for i in self._nodes.values()),
                 stage_transitions=self._stage_transitions,
             )
+
+    def node_work(self) -> dict[str, tuple[int, float]]:
+        """Each node's rows computed and seconds spent computing them, as last heard."""
+        with self._lock:
+            return {n: (i.rows_computed, i.compute_s) for n, i in self._nodes.items()}
 
     def _publish(self, **changes: Any) -> None:
         with self._lock:

@@ -90,6 +90,11 @@ class HostedTraining:
         """A pipeline job's stages (see `HostedPipeline.stages`): none for data-parallel."""
         return []
 
+    def node_work(self) -> dict[str, tuple[int, float]]:
+        """Each node's rows computed so far and the seconds it spent computing them (the
+        instance's speed, for learning the job's work rates)."""
+        return self._coordinator.node_work()
+
     def events(self) -> list[str]:
         """What the elasticity controller did so far, one line each (started, evicted, ...)."""
         return [

@@ -393,7 +393,14 @@ class AgileMLNode:
                 helped = (
                     0 if self._reassigner is None else self._reassigner.stats.rows_helped_by_others
                 )
-                beat = Heartbeat(clock=self._clock, loss=self._last_loss, reassigned_rows=helped)
+                rows, busy = (0, 0.0) if self._worker is None else self._worker.work_done()
+                beat = Heartbeat(
+                    clock=self._clock,
+                    loss=self._last_loss,
+                    reassigned_rows=helped,
+                    rows_computed=rows,
+                    compute_s=busy,
+                )
                 reply = self._send(client, beat)
                 misses = 0 if reply is not None else misses + 1
                 if misses >= LOST_CONTROLLER_HEARTBEATS:

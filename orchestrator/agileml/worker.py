@@ -115,6 +115,9 @@ class Worker(ServerRequests):
         # counts here); "pull": the rest of the replies and loading them into the model
         self.timings: dict[str, float] = {"wait": 0.0, "pull": 0.0, "compute": 0.0, "push": 0.0}
         self._first_reply_at: float | None = None  # of the last pull
+        # rows computed whole here (not through FlexRR's reassigner) and the seconds it took
+        self._plain_rows = 0
+        self._plain_busy_s = 0.0
         self.clock = 0
         # failed workers whose shares this one computes: identity -> clocks [from, to)
         self.adoptions: dict[str, tuple[int, int]] = {}
@@ -288,10 +291,28 @@ class Worker(ServerRequests):
             return None
         return self.layout.gather_buffers(self._model)
 
+    def work_done(self) -> tuple[int, float]:
+        """The rows this worker computed so far (its own, adopted shares and FlexRR help for
+        peers, not rows helpers computed for it) and the seconds it spent computing them: the
+        instance's speed, which BidBrain learns the job's work rates from."""
+        rows, busy = self._plain_rows, self._plain_busy_s
+        if self.reassigner is not None:
+            s = self.reassigner.stats
+            rows += s.own_rows - s.rows_helped_by_others + s.rows_helped_for_others
+            busy += s.busy_s
+        return rows, busy
+
     def _compute(self, identity: str, clock: int, pushes: Round) -> float:
         """`identity`'s minibatch of `clock` on the loaded model: its gradient pushed in
         `pushes` (partitions leave as backward completes them). Returns the loss."""
+        started = time.perf_counter()
+        mean = self._compute_share(identity, clock, pushes)
+        self._plain_busy_s += time.perf_counter() - started
+        return mean
+
+    def _compute_share(self, identity: str, clock: int, pushes: Round) -> float:
         (x, y), n = self._minibatch(identity, clock)
+        self._plain_rows += n
         self._model.zero_grad(set_to_none=True)
         before = self._buffers_before()
         with self._loading():

@@ -68,6 +68,7 @@ class EventTally:
     in only the events appended since `last_id`, the newest it has seen."""
 
     projected_cost_usd: float | None = None
+    projected_finish_at: float | None = None
     expected_cost_per_work_usd: float | None = None
     evictions_warned: int = 0
     evictions_unwarned: int = 0
@@ -84,6 +85,7 @@ class EventTally:
             match event:
                 case DecisionEvent():
                     self.projected_cost_usd = event.projected_cost_usd
+                    self.projected_finish_at = event.projected_finish_at
                     self.expected_cost_per_work_usd = event.expected_cost_per_work
                 case NoticeEvent(notice="interruption"):
                     self.noticed.add(event.instance_id)
@@ -210,6 +212,7 @@ class JobFacts(EventTally):
             "work_gpu_hours": self.work_gpu_hours,
             "work_done_gpu_hours": job.work_done_gpu_hours,
             "projected_cost_usd": self.projected_cost_usd,
+            "projected_finish_at": self.projected_finish_at,
             "cost_per_work_usd": self.cost_per_work_usd,
             "expected_cost_per_work_usd": self.expected_cost_per_work_usd,
             "nodes_alive": {"reliable": tiers["reliable"], "transient": tiers["transient"]},

@@ -128,6 +128,7 @@ class Decision:
     release: tuple[str, ...] = ()
     expected_cost_per_work: float = math.inf
     projected_cost_usd: float = math.inf
+    projected_finish_s: float = math.inf  # when the work is expected done (epoch seconds)
     budget_exhausted: bool = False
     reason: str = ""
 
@@ -316,6 +317,7 @@ class BidBrainPolicy(Policy):
             release=tuple(releases),
             expected_cost_per_work=current_e * SECONDS_PER_HOUR,
             projected_cost_usd=projected,
+            projected_finish_s=inp.now_s + time_s,
             budget_exhausted=exhausted,
             reason="budget exhausted: released spot nodes, model kept on the reliable tier"
             if exhausted
@@ -375,6 +377,7 @@ class BidBrainPolicy(Policy):
             release=tuple(a.allocation_id for a in fp.spot) if exhausted else tuple(release),
             expected_cost_per_work=cost_rate / (job.app.phi * job.max_work_rate),
             projected_cost_usd=inp.spend_usd + cost_rate * hours_left,
+            projected_finish_s=inp.now_s + hours_left * SECONDS_PER_HOUR,
             budget_exhausted=exhausted,
             reason="budget exhausted inside the deadline's safety net"
             if exhausted

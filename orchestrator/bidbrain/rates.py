@@ -12,7 +12,7 @@ The model, per GPU model m (conjugate: each update is a weighted mean):
 
 An observation over a longer time weighs more (its noise averages out). The rate BidBrain
 decides with is the posterior median: after about an hour of one GPU model's work the
-data outweighs the prior eight to one (with the defaults), and a model never tried keeps the
+data outweighs the prior four to one (with the defaults), and a model never tried keeps the
 catalog's ν. One posterior per job (a job's speed is its own); it is rebuilt from the same
 observations by anyone who holds them (the simulator, the controller).
 

@@ -73,6 +73,28 @@ def _root(
     DEBUG["on"] = debug
 
 
+def rates_option(text: str | None, option: str) -> dict[str, str] | None:
+    """`MODEL=RATE,...` as a mapping (the caller checks the models and rates).
+
+    Raises:
+        UserError: an item is not MODEL=RATE, or a model is given twice (naming `option`).
+    """
+    if text is None:
+        return None
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        model, sep, rate = (part.strip() for part in item.partition("="))
+        if not (sep and model and rate) or model in out:
+            raise UserError(
+                f"{option}: {item.strip()!r} is not MODEL=RATE"
+                + (" (the model is given twice)" if model in out else ""),
+                field=option,
+                fix=f"pass e.g. {option} K80=0.15,T4=0.4 (GPU models of the catalog, V100 = 1.0)",
+            )
+        out[model] = rate
+    return out
+
+
 def validation_to_user_error(exc: ValidationError, config_file: Path | None = None) -> UserError:
     first = exc.errors()[0]
     loc = [str(p) for p in first.get("loc", ())]

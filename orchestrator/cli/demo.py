@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.cli.app import app, out
+from orchestrator.cli.app import app, out, rates_option
 from orchestrator.errors import UserError
 
 
@@ -57,6 +57,15 @@ def demo(
             "instead of data-parallel.",
         ),
     ] = False,
+    true_work_rates: Annotated[
+        str | None,
+        typer.Option(
+            "--true-work-rates",
+            help="The world's GPUs work at these rates instead of the catalog's, e.g. "
+            "V100=0.5: BidBrain learns them from the instances' work (the job's page shows "
+            "learned against catalog rates).",
+        ),
+    ] = None,
 ) -> None:
     """The offline demo: Redis, a moto EC2 server, replayed 2020 prices and p3 evictions, the
     controller and local instance agents, running one job with a budget to the end, watched on a
@@ -84,8 +93,37 @@ def demo(
         linger_s=linger,
         weights_out=weights_out,
         pipeline=pipeline,
+        true_work_rates=_true_rates(true_work_rates),
     )
     if json_summary is not None:
         write_summary(summary, json_summary)
     if not job_state_ok(summary):
         raise typer.Exit(1)
+
+
+def _true_rates(text: str | None) -> dict[str, float] | None:
+    """`--true-work-rates` as rates per GPU model of the catalog.
+
+    Raises:
+        UserError: naming the option: not MODEL=RATE, an unknown model, a rate not > 0.
+    """
+    from orchestrator.market.catalog import Catalog
+
+    given = rates_option(text, "--true-work-rates")
+    if given is None:
+        return None
+    known = Catalog.load().gpu_work_rates
+    out = {}
+    for model, value in given.items():
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = math.nan
+        if model not in known or not (math.isfinite(rate) and rate > 0):
+            raise UserError(
+                f"--true-work-rates: {model}={value} is no positive rate of a GPU model",
+                field="--true-work-rates",
+                fix=f"pass e.g. V100=0.5; the GPU models: {', '.join(known)}",
+            )
+        out[model] = rate
+    return out

@@ -12,7 +12,7 @@ from typing import IO, TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 from pydantic import ValidationError
 
-from orchestrator.cli.app import app, err, out, validation_to_user_error
+from orchestrator.cli.app import app, err, out, rates_option, validation_to_user_error
 from orchestrator.errors import UserError
 
 if TYPE_CHECKING:  # the simulator loads only when a command runs
@@ -153,8 +153,8 @@ def simulate(
         "budget_usd": budget,
         "max_scale": max_scale,
         "deadline_hours": deadline_hours,
-        "gpu_work_rates": _rates(gpu_work_rates, "--gpu-work-rates"),
-        "true_work_rates": _rates(true_work_rates, "--true-work-rates"),
+        "gpu_work_rates": rates_option(gpu_work_rates, "--gpu-work-rates"),
+        "true_work_rates": rates_option(true_work_rates, "--true-work-rates"),
         "workers": workers,
     }
     config = simulation_config(config_file, given)
@@ -202,28 +202,6 @@ def simulation_config(config_file: Path | None, given: Mapping[str, Any]) -> Sim
         return sim_config({**settings, **{k: v for k, v in given.items() if v is not None}})
     except ValidationError as exc:
         raise validation_to_user_error(exc, config_file) from None
-
-
-def _rates(text: str | None, option: str) -> dict[str, str] | None:
-    """`MODEL=RATE,...` as a mapping (the rates are checked with the rest of the config).
-
-    Raises:
-        UserError: an item is not MODEL=RATE, or a model is given twice (naming `option`).
-    """
-    if text is None:
-        return None
-    out: dict[str, str] = {}
-    for item in text.split(","):
-        model, sep, rate = (part.strip() for part in item.partition("="))
-        if not (sep and model and rate) or model in out:
-            raise UserError(
-                f"{option}: {item.strip()!r} is not MODEL=RATE"
-                + (" (the model is given twice)" if model in out else ""),
-                field=option,
-                fix=f"pass e.g. {option} K80=0.15,T4=0.4 (GPU models of the catalog, V100 = 1.0)",
-            )
-        out[model] = rate
-    return out
 
 
 def _check_plot_path(plot: Path) -> None:

@@ -318,6 +318,7 @@ class Controller:
                 work_done_gpu_hours=job.work_done_gpu_hours,
                 expected_cost_per_work=_finite(decision.expected_cost_per_work),
                 projected_cost_usd=_finite(decision.projected_cost_usd),
+                projected_finish_at=_finite(decision.projected_finish_s),
                 acquire=tuple(f"{r.count}x{r.instance_type}@{r.zone}" for r in decision.acquire),
                 release=decision.release,
                 reason=decision.reason,

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from orchestrator.bidbrain.model import JobSpec
 from orchestrator.bidbrain.rates import RateBelief, WorkMeasurement, learned_belief
 from orchestrator.market.catalog import Catalog
-from orchestrator.store import InstanceRecord, InstanceWork, Store
+from orchestrator.store import InstanceWork, NotFoundError, Store
 from orchestrator.store.events import LearnedRate, WorkRatesEvent
 
 #: A learned rate is announced again once it moved by this fraction.
@@ -25,14 +25,14 @@ ANNOUNCE_CHANGE = 0.01
 
 
 def measurements(
-    instances: Iterable[InstanceRecord], work: Mapping[str, InstanceWork]
+    types: Mapping[str, str | None], work: Mapping[str, InstanceWork]
 ) -> Iterator[WorkMeasurement]:
-    """Each instance's recorded work over its useful hours (instances with none recorded
-    measure nothing)."""
-    for rec in instances:
-        done = work.get(rec.instance_id)
-        if done is not None and done.hours > 0:
-            yield WorkMeasurement(rec.instance_type, done.hours, done.work_gpu_hours)
+    """Each instance's recorded work over its useful hours (`types`: instance id -> its type;
+    instances of no known type, or with no hours, measure nothing)."""
+    for instance_id, done in work.items():
+        kind = types.get(instance_id)
+        if kind is not None and done.hours > 0:
+            yield WorkMeasurement(kind, done.hours, done.work_gpu_hours)
 
 
 class RateLearning:
@@ -42,13 +42,15 @@ class RateLearning:
         self.store = store
         self.catalog = catalog
         self._announced: dict[str, dict[str, float]] = {}
+        # job -> instance id -> its type (None: no such instance), read once per instance
+        self._types: dict[str, dict[str, str | None]] = {}
 
     def belief(self, job_id: str, spec: JobSpec) -> RateBelief | None:
         """The job's belief now; None when nothing was measured yet."""
         work = self.store.instance_work(job_id)
         if not work:
             return None
-        found = measurements(self.store.list_instances(job_id), work)
+        found = measurements(self._types_of(job_id, work), work)
         belief = learned_belief(self.catalog, spec.gpu_work_rates, found)
         return belief if belief.learned() else None
 
@@ -64,9 +66,22 @@ class RateLearning:
             self._announced[job_id] = rates
         return spec.model_copy(update={"gpu_work_rates": rates})
 
+    def _types_of(self, job_id: str, instance_ids: Iterable[str]) -> dict[str, str | None]:
+        """The instances' types, read from the store the first time each is seen (an
+        instance is recorded at its launch, before anything can report its work)."""
+        types = self._types.setdefault(job_id, {})
+        for instance_id in instance_ids:
+            if instance_id not in types:
+                try:
+                    types[instance_id] = self.store.get_instance(instance_id).instance_type
+                except NotFoundError:
+                    types[instance_id] = None
+        return types
+
     def forget(self, job_id: str) -> None:
-        """The job ended: nothing more to announce."""
+        """The job ended: nothing more to announce or remember."""
         self._announced.pop(job_id, None)
+        self._types.pop(job_id, None)
 
     @staticmethod
     def _moved(before: Mapping[str, float] | None, now: Mapping[str, float]) -> bool:

@@ -53,12 +53,14 @@ from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER, TAG_PARALLELISM
 from orchestrator.errors import UserError
 from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
 from orchestrator.store import (
+    InstanceWork,
     JobRecord,
     NotFoundError,
     PipelineStageReport,
     Store,
     TrainingReport,
 )
+from orchestrator.units import SECONDS_PER_HOUR
 
 if TYPE_CHECKING:
     from orchestrator.agileml.hosting import Hosted
@@ -66,6 +68,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_BASE_PORT = 29500
+
+
+def _node_work(training: Hosted, work_gpu_hours: float) -> dict[str, InstanceWork]:
+    """Each node's (instance's) work in the job's units, over the hours it spent computing:
+    a row is 1 / (global batch x iterations) of the job's work."""
+    spec = training.spec
+    per_row = work_gpu_hours / (spec.global_batch * spec.iterations)
+    return {
+        node: InstanceWork(work_gpu_hours=rows * per_row, hours=seconds / SECONDS_PER_HOUR)
+        for node, (rows, seconds) in training.node_work().items()
+        if rows > 0 and seconds > 0
+    }
 
 
 def training_spec_of(job: JobRecord) -> TrainingSpec | None:
@@ -298,3 +312,4 @@ class TrainingHost:
             done = min(1.0, status.iteration / training.spec.iterations) * work
             if done > job.work_done_gpu_hours:
                 self.store.update_progress(job.job_id, done, now_s)
+            self.store.record_instance_work(job.job_id, _node_work(training, work))

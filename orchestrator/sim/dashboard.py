@@ -111,6 +111,7 @@ def _job_page(
         "work_gpu_hours": work,
         "work_done_gpu_hours": r.work_done_gpu_hours,
         "projected_cost_usd": None,
+        "projected_finish_at": None,
         "cost_per_work_usd": r.cost_usd / r.work_done_gpu_hours if r.work_done_gpu_hours else None,
         "expected_cost_per_work_usd": None,
         "nodes_alive": {"reliable": 0, "transient": 0},

@@ -60,6 +60,7 @@ class DecisionEvent(_EventBase):
     work_done_gpu_hours: float
     expected_cost_per_work: float | None = None  # USD per reference-GPU-hour
     projected_cost_usd: float | None = None
+    projected_finish_at: float | None = None  # epoch seconds
     acquire: tuple[str, ...] = ()  # "2xp3.2xlarge@us-east-1b"
     release: tuple[str, ...] = ()  # allocation ids
     reason: str = ""  # why, when the policy said (the deadline's safety net, the budget)

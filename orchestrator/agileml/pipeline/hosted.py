@@ -160,6 +160,10 @@ class HostedPipeline:
         with self._lock:
             return [*self._events]
 
+    def node_work(self) -> dict[str, tuple[int, float]]:
+        """Nothing: a stage's speed says nothing of its instance's for the whole model."""
+        return {}
+
     def stages(self) -> list[dict[str, Any]]:
         """The layout running now: per stage its layers and the nodes of its replicas."""
         with self._lock:

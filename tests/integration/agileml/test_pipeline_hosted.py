@@ -85,8 +85,10 @@ def _weights_equal_reference(hosted: HostedPipeline, tmp_path: Path, iterations:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("fault_kind", "holder"),
-    [(None, False), ("notice_spare", False), ("lost_no_spare", False), ("notice_spare", True),
-     ("lost_no_spare", True)],
+    # pairwise: each fault (stage-only after a notice, re-plan after a silent loss) and each
+    # place of the backups (the reliable node's holder, the supervisor) once; the other
+    # pairings cost CI 40 s and add no path (the static run is the lost one's first half)
+    [("notice_spare", True), ("lost_no_spare", False)],
 )  # fmt: skip
 def test_a_hosted_pipeline_trains_on_its_nodes_through_a_lost_node(tmp_path, fault_kind, holder):
     """With `holder`, a reliable node joins too: it holds the backups (and runs a stage

@@ -679,8 +679,9 @@ def test_dashboard_data_follows_the_contract(client: TestClient, store: Store) -
     assert summary["cost_per_work_usd"] == pytest.approx(0.12)
     page = client.get(f"/v1/jobs/{job_id}/dashboard", headers=READ).json()
     assert set(page) == {"now_s", "job", "spend", "prices", "nodes", "marks", "training",
-                         "pipeline", "events"}  # fmt: skip
+                         "pipeline", "work_rates", "events"}  # fmt: skip
     assert page["pipeline"] == []  # a data-parallel job has no stages
+    assert page["work_rates"] == []  # no instance's work measured yet
     assert page["job"] == summary
     assert page["spend"] == [
         {"t": 5.0, "spent_usd": 0.15, "work_done_gpu_hours": 1.25, "projected_cost_usd": 2.5,

@@ -124,6 +124,12 @@ def test_a_restarted_controller_resumes_the_job_from_its_checkpoint(
         )
         work_before = store.get_job(JOB_ID).work_done_gpu_hours
         assert work_before > 0
+        # each node's speed, for BidBrain's learned rates: its rows in the job's work units
+        measured = store.instance_work(JOB_ID)
+        assert set(measured) == {"r0", "t0"}
+        assert all(m.hours > 0 and m.work_gpu_hours > 0 for m in measured.values())
+        total = sum(m.work_gpu_hours for m in measured.values())
+        assert 0.5 * work_before <= total <= 1.5 * work_before
     finally:  # the controller goes, and with it the job's nodes (their agents restart them)
         first.close()
         _stop(procs)
