@@ -217,7 +217,9 @@ class Ready(BaseModel):
 
 
 class Heartbeat(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # a field a newer node adds is ignored here, not taken for a bad message (which would
+    # leave the node unheard and failed)
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     op: Literal["heartbeat"] = "heartbeat"
     clock: Annotated[int, Field(ge=0)]  # the clock the node's worker is at (done below it)

@@ -305,9 +305,11 @@ class Worker(ServerRequests):
     def _compute(self, identity: str, clock: int, pushes: Round) -> float:
         """`identity`'s minibatch of `clock` on the loaded model: its gradient pushed in
         `pushes` (partitions leave as backward completes them). Returns the loss."""
-        started = time.perf_counter()
+        stream = self._stream  # waits for streamed partitions are not computing
+        started, waited = time.perf_counter(), 0.0 if stream is None else stream.waited_s
         mean = self._compute_share(identity, clock, pushes)
-        self._plain_busy_s += time.perf_counter() - started
+        waited = 0.0 if stream is None else stream.waited_s - waited
+        self._plain_busy_s += time.perf_counter() - started - waited
         return mean
 
     def _compute_share(self, identity: str, clock: int, pushes: Round) -> float:

@@ -37,6 +37,8 @@ PRIOR_SIGMA = 0.5
 OBSERVATION_SIGMA = 0.25
 #: Observations shorter than this (hours) are ignored: start-up dominates them.
 MIN_OBSERVATION_HOURS = 1.0 / 60.0
+#: A measurement counts as at most this factor off the prior either way (log).
+MAX_LOG_RATIO = math.log(20.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +114,10 @@ class RateBelief:
         est = self.estimates[gpu_model]
         if hours < MIN_OBSERVATION_HOURS or work_gpu_hours <= 0:
             return self
-        # in offsets from the prior: a measurement equal to it leaves the rate exactly as is
-        measured = math.log(work_gpu_hours / (gpu_count * hours * est.prior_rate))
+        # in offsets from the prior: a measurement equal to it leaves the rate exactly as is;
+        # one off by more than 20x is a broken report: it counts as 20x off at most
+        ratio = work_gpu_hours / (gpu_count * hours * est.prior_rate)
+        measured = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(ratio)))
         weight = hours / self.observation_sigma**2
         precision = 1.0 / est.var_log + weight
         offset = (est.offset_log / est.var_log + measured * weight) / precision
@@ -135,8 +139,9 @@ class RateBelief:
             return self
         if kind.gpu_model is None or kind.gpu_model not in self.estimates:
             return self
+        gpus = kind.gpu_count if m.gpus is None else min(m.gpus, kind.gpu_count)
         return self.observe(
-            kind.gpu_model, gpu_count=kind.gpu_count, hours=m.hours, work_gpu_hours=m.work_gpu_hours
+            kind.gpu_model, gpu_count=gpus, hours=m.hours, work_gpu_hours=m.work_gpu_hours
         )
 
     def rates(self) -> dict[str, float]:
@@ -150,11 +155,13 @@ class RateBelief:
 
 @dataclass(frozen=True, slots=True)
 class WorkMeasurement:
-    """What one instance did for a job: `work_gpu_hours` in `hours` of useful time."""
+    """What one instance did for a job: `work_gpu_hours` in `hours` of useful time, on `gpus`
+    of its GPUs (None: all of them; an AgileML node trains on one device)."""
 
     instance_type: str
     hours: float
     work_gpu_hours: float
+    gpus: int | None = None
 
 
 def learned_belief(

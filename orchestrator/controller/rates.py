@@ -32,7 +32,7 @@ def measurements(
     for instance_id, done in work.items():
         kind = types.get(instance_id)
         if kind is not None and done.hours > 0:
-            yield WorkMeasurement(kind, done.hours, done.work_gpu_hours)
+            yield WorkMeasurement(kind, done.hours, done.work_gpu_hours, done.gpus)
 
 
 class RateLearning:

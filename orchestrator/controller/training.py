@@ -70,16 +70,53 @@ log = logging.getLogger(__name__)
 DEFAULT_BASE_PORT = 29500
 
 
-def _node_work(training: Hosted, work_gpu_hours: float) -> dict[str, InstanceWork]:
-    """Each node's (instance's) work in the job's units, over the hours it spent computing:
-    a row is 1 / (global batch x iterations) of the job's work."""
-    spec = training.spec
-    per_row = work_gpu_hours / (spec.global_batch * spec.iterations)
-    return {
-        node: InstanceWork(work_gpu_hours=rows * per_row, hours=seconds / SECONDS_PER_HOUR)
-        for node, (rows, seconds) in training.node_work().items()
-        if rows > 0 and seconds > 0
-    }
+class NodeWork:
+    """Each node's (instance's) work for a job in the job's units, over the hours it spent
+    computing (a row is 1 / (global batch x iterations) of the job's work), summed over the
+    node's restarts: a node process counts from 0 again when it restarts (its agent restarts
+    it, or a restarted controller's nodes join again), so the counts it had are kept as a
+    base, from the store's record the first time this host sees the node."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        # job -> node -> (the counts of its earlier processes, its process's last counts)
+        self._seen: dict[str, dict[str, tuple[InstanceWork, InstanceWork]]] = {}
+
+    def totals(
+        self, job_id: str, training: Hosted, work_gpu_hours: float
+    ) -> dict[str, InstanceWork]:
+        spec = training.spec
+        per_row = work_gpu_hours / (spec.global_batch * spec.iterations)
+        seen = self._seen.setdefault(job_id, {})
+        recorded: dict[str, InstanceWork] | None = None
+        out = {}
+        for node, (rows, seconds) in training.node_work().items():
+            if rows <= 0 or seconds <= 0:
+                continue
+            now = _work(rows * per_row, seconds / SECONDS_PER_HOUR)
+            if node not in seen:  # this host's first look: the store has what came before
+                recorded = self.store.instance_work(job_id) if recorded is None else recorded
+                before = recorded.get(node, _NOTHING)
+                # more recorded than counted now: the node restarted since it was recorded
+                restarted = before.work_gpu_hours > now.work_gpu_hours
+                seen[node] = (before if restarted else _NOTHING, now)
+            base, last = seen[node]
+            if now.work_gpu_hours < last.work_gpu_hours:  # the node's process restarted
+                base = _work(base.work_gpu_hours + last.work_gpu_hours, base.hours + last.hours)
+            seen[node] = (base, now)
+            out[node] = _work(base.work_gpu_hours + now.work_gpu_hours, base.hours + now.hours)
+        return out
+
+    def forget(self, job_id: str) -> None:
+        self._seen.pop(job_id, None)
+
+
+def _work(work_gpu_hours: float, hours: float) -> InstanceWork:
+    """An AgileML node's work: it trains on one device (one of its instance's GPUs)."""
+    return InstanceWork(work_gpu_hours=work_gpu_hours, hours=hours, gpus=1)
+
+
+_NOTHING = _work(0.0, 0.0)
 
 
 def training_spec_of(job: JobRecord) -> TrainingSpec | None:
@@ -134,6 +171,7 @@ class TrainingHost:
         self.max_jobs = max_jobs
         self._lock = threading.Lock()
         self._hosted: dict[str, tuple[Hosted, int]] = {}
+        self._node_work = NodeWork(store)
 
     def endpoint(self, job_id: str) -> str | None:
         """Where the job's workers join, None when it is not hosted."""
@@ -293,6 +331,8 @@ class TrainingHost:
         if hosted is not None:
             hosted[0].stop()
             log.info("agileml controller stopped", extra={"job_id": job_id})
+        if forget:
+            self._node_work.forget(job_id)
 
     def _report(self, job: JobRecord, training: Hosted, now_s: float) -> None:
         status = training.progress()
@@ -312,4 +352,6 @@ class TrainingHost:
             done = min(1.0, status.iteration / training.spec.iterations) * work
             if done > job.work_done_gpu_hours:
                 self.store.update_progress(job.job_id, done, now_s)
-            self.store.record_instance_work(job.job_id, _node_work(training, work))
+            self.store.record_instance_work(
+                job.job_id, self._node_work.totals(job.job_id, training, work)
+            )

@@ -19,7 +19,7 @@ from typing import Any
 from orchestrator.dashboard.page import dashboard_html
 from orchestrator.errors import UserError
 from orchestrator.market.prices import Market
-from orchestrator.sim.engine import LedgerLine, RunResult
+from orchestrator.sim.results import LedgerLine, RunResult
 from orchestrator.sim.runner import SimConfig, job_for, run_start, start_times
 from orchestrator.sim.strategies import get_strategies
 from orchestrator.sim.world import World

@@ -27,7 +27,7 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,6 +40,7 @@ from orchestrator.market.billing import BilledInterval, BillingModel, EndReason
 from orchestrator.market.eviction import RemovalStream
 from orchestrator.market.prices import Market
 from orchestrator.sim.learning import RateLearner
+from orchestrator.sim.results import LedgerLine, RunResult
 from orchestrator.sim.world import World
 from orchestrator.units import SECONDS_PER_HOUR
 
@@ -120,40 +121,6 @@ class SimInstance:
     evict_s: float
     ended_s: float | None = None
     end_reason: EndReason | None = None
-
-
-@dataclass
-class LedgerLine:
-    """One billed instance interval (`count` instances, 1 except for the oracle)."""
-
-    instance_id: str
-    instance_type: str
-    zone: str
-    start_s: float
-    end_s: float
-    price_usd_per_hour: float
-    billed_s: float
-    charged_usd: float
-    reason: str
-    market: str  # "spot" or "on-demand"
-    count: float = 1.0
-
-
-@dataclass
-class RunResult:
-    """What one run cost and did."""
-
-    start_s: float
-    completed: bool
-    runtime_s: float
-    cost_usd: float
-    work_done_gpu_hours: float
-    evictions: int
-    compute_s: float  # reference-GPU-seconds of instances held
-    free_compute_s: float  # of those, the ones that were not billed
-    decisions: int
-    ledger: list[LedgerLine] = field(default_factory=list)
-    deadline_met: bool | None = None  # None: the job had no deadline
 
 
 class Run:
@@ -371,8 +338,10 @@ class Run:
         return [i for i in self.instances.values() if i.work_rate > 0]
 
     def _gang_ready(self) -> bool:
+        """The whole gang the policy bought is there and ready (judged at the rates it bought
+        at: its true rates may fall short of the job's max)."""
         gang = self._gang()
-        rate = sum(i.work_rate for i in gang)
+        rate = sum(self._stated_rate_of(i.market.instance_type) for i in gang)
         return (
             bool(gang)
             and rate >= self.job.max_work_rate - 1e-9

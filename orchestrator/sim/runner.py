@@ -8,6 +8,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import signal
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,8 @@ from orchestrator.market.errors import UnknownInstanceTypeError
 from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_datetime
 from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
-from orchestrator.sim.engine import Run, RunResult, RuntimeParams
+from orchestrator.sim.engine import Run, RuntimeParams
+from orchestrator.sim.results import RunResult
 from orchestrator.sim.strategies import Strategy, get_strategies, run_oracle
 from orchestrator.sim.world import World
 from orchestrator.units import SECONDS_PER_HOUR
@@ -353,10 +355,22 @@ def iter_results(
             yield _worker(task)
         return
     ctx = mp.get_context("fork")
-    with ctx.Pool(workers) as pool:
+    with ctx.Pool(workers, initializer=_default_signals) as pool:
         yield from pool.imap_unordered(
             _worker, tasks, chunksize=max(1, len(tasks) // (workers * 8))
         )
+        # done: the workers leave by themselves (`terminate`, what leaving the block does,
+        # once left a worker blocked on the task queue's lock and the run hung at its end)
+        pool.close()
+        pool.join()
+
+
+def _default_signals() -> None:
+    """A pool worker dies at SIGTERM as Python's default has it: the console script's
+    handler (`lifecycle.exit_on_signals`, inherited through fork) would have it unwind
+    instead, which `Pool.terminate` does not wait for."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 # -- summary ------------------------------------------------------------------------------

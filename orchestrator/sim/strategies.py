@@ -20,7 +20,7 @@ from orchestrator.bidbrain.errors import UnknownPolicyError
 from orchestrator.bidbrain.model import JobSpec
 from orchestrator.bidbrain.policy import BidBrainPolicy, Policy
 from orchestrator.market.billing import EndReason
-from orchestrator.sim.engine import LedgerLine, RunResult
+from orchestrator.sim.results import LedgerLine, RunResult
 from orchestrator.sim.world import World
 from orchestrator.units import SECONDS_PER_HOUR
 

@@ -375,6 +375,7 @@ class MemoryStore:
             self._instance_work.setdefault(job_id, {}).update(work)
 
     def instance_work(self, job_id: str) -> dict[str, InstanceWork]:
+        check_id("job", job_id)
         with self._lock:
             return dict(self._instance_work.get(job_id, {}))
 

@@ -244,13 +244,14 @@ class PriceSnapshot(BaseModel):
 
 class InstanceWork(BaseModel):
     """One instance's work for a job so far: `work_gpu_hours` in `hours` of useful time (from
-    when it was ready until now, or until it stopped working). BidBrain learns the job's work
-    rates from these."""
+    when it was ready until now, or until it stopped working), done on `gpus` of its GPUs
+    (None: all of them). BidBrain learns the job's work rates from these."""
 
     model_config = _RECORD_CONFIG
 
     work_gpu_hours: NonNegative
     hours: NonNegative
+    gpus: Annotated[int, Field(ge=1)] | None = None
 
 
 class PipelineStageReport(BaseModel):

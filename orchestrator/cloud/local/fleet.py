@@ -26,6 +26,7 @@ time -> replayer terminates it in moto -> step: agent stopped, its work stays in
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -298,7 +299,7 @@ class LocalFleet:
         return {
             i: (beat.work_gpu_hours, beat.worked_s / SECONDS_PER_HOUR)
             for i, beat in self.heartbeats_of(job_id).items()
-            if beat.worked_s > 0
+            if 0 < beat.worked_s < math.inf and 0 <= beat.work_gpu_hours < math.inf
         }
 
     def work_of(self, job_id: str) -> dict[str, float]:

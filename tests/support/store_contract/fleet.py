@@ -174,6 +174,8 @@ class FleetContract:
         assert store.instance_work("j2") == {"i-3": InstanceWork(work_gpu_hours=2.0, hours=2.0)}
         with pytest.raises(NotFoundError):
             store.record_instance_work("not a job id", {})
+        with pytest.raises(NotFoundError):
+            store.instance_work("not a job id")
 
     @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
     def test_instance_work_must_be_finite_and_not_negative(self, bad: float) -> None:

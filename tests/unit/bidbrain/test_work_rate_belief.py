@@ -90,3 +90,24 @@ def test_a_model_without_a_prior_and_bad_priors_are_refused():
         RateBelief.from_catalog({"K80": 0.0})
     with pytest.raises(ValueError):
         RateBelief.from_catalog(CATALOG, prior_sigma=0.0)
+
+
+def test_a_measurement_far_off_counts_as_twenty_times_off_at_most():
+    prior = RateBelief.from_catalog(CATALOG)
+    wild = prior.observe("K80", gpu_count=1, hours=1.0, work_gpu_hours=1e300)
+    twenty = prior.observe("K80", gpu_count=1, hours=1.0, work_gpu_hours=0.2 * 20)
+    assert math.isfinite(wild.rates()["K80"])
+    assert wild.rates()["K80"] == pytest.approx(twenty.rates()["K80"])
+
+
+def test_a_node_on_one_of_an_instances_gpus_measures_that_gpus_rate():
+    from orchestrator.bidbrain.rates import WorkMeasurement
+    from orchestrator.market.catalog import Catalog
+
+    catalog = Catalog.load()
+    prior = RateBelief.from_catalog(CATALOG)
+    # a p2.8xlarge (8 K80s) whose one training process did a K80's catalog work
+    one = prior.measured(catalog, WorkMeasurement("p2.8xlarge", 1.0, 0.2, gpus=1))
+    assert one.rates()["K80"] == 0.2
+    every = prior.measured(catalog, WorkMeasurement("p2.8xlarge", 1.0, 0.2))
+    assert every.rates()["K80"] < 0.1  # read as eight GPUs' work: an eighth each

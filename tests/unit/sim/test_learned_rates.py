@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 from support.sim_worlds import NoPriceRisk, flat_world
 
+from orchestrator.bidbrain.baselines import CheapestFailoverPolicy, StandardPolicy
 from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.bidbrain.policy import BidBrainPolicy
 from orchestrator.market.billing import PerSecondBilling
 from orchestrator.market.eviction import CapacityHazardModel
 from orchestrator.market.prices import Market
-from orchestrator.sim.engine import Run, RunResult, RuntimeParams
+from orchestrator.sim.engine import Run, RuntimeParams
+from orchestrator.sim.results import RunResult
 from orchestrator.sim.world import World
 
 V100 = Market("p3.2xlarge", "us-east-1a")
@@ -73,3 +75,34 @@ def test_a_true_rate_equal_to_the_prior_leaves_every_decision_as_it_was(world):
     assert [(x.instance_type, x.start_s, x.end_s) for x in learned.ledger] == [
         (x.instance_type, x.start_s, x.end_s) for x in static.ledger
     ]
+
+
+@pytest.mark.parametrize(
+    ("policy_cls", "runtime"),
+    [(StandardPolicy, "checkpoint"), (CheapestFailoverPolicy, "gang-checkpoint")],
+)
+def test_checkpointing_gangs_start_when_their_true_rates_fall_short_of_the_stated(
+    world, policy_cls, runtime
+):
+    """A gang is bought at the stated rates; slower GPUs make it slower, not never ready."""
+    kwargs = {"reference_type": "p3.2xlarge"} if policy_cls is CheapestFailoverPolicy else {}
+    policy = policy_cls(world.table, billing="per-second", price_model=NoPriceRisk(),
+                        capacity_model=CapacityHazardModel(prior_rate_per_hour=0.01),
+                        catalog=world.catalog, **kwargs)  # fmt: skip
+    job = JobSpec(work_gpu_hours=8.0, max_work_rate=4.0, app=AppParams(add_overhead_s=240.0))
+    results = [
+        Run(
+            world,
+            policy=policy,
+            runtime=runtime,
+            billing=PerSecondBilling(),
+            job=job,
+            start_s=T0,
+            params=RuntimeParams(),
+            removal_events={},
+            true_work_rates=truth,
+        ).run()  # fmt: skip
+        for truth in (None, TRUE)
+    ]
+    assert all(r.completed for r in results)
+    assert results[1].runtime_s > 3 * results[0].runtime_s  # the V100s do a quarter
