@@ -5,39 +5,13 @@ same, and the dashboard shows learned against prior rates."""
 from __future__ import annotations
 
 import pytest
-from test_controller_tick import REGION, T0, Spy, submit
+from test_controller_tick import T0, Spy, controller, submit
 
 from orchestrator.api.views import job_dashboard
-from orchestrator.cloud.memory import InMemoryCloud, InMemoryEC2
-from orchestrator.controller.core import Controller
-from orchestrator.controller.wiring import build_controller
 from orchestrator.market.catalog import Catalog
-from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
-from orchestrator.settings import Settings
 from orchestrator.store import EventKind, InstanceWork, MemoryStore
 
 HOUR = 3600.0
-
-
-@pytest.fixture(scope="module")
-def prices() -> TracePriceSource:
-    return TracePriceSource([bundled_prices_dir(REGION)])
-
-
-@pytest.fixture
-def ec2() -> InMemoryEC2:
-    return InMemoryEC2(clock=lambda: T0)
-
-
-@pytest.fixture
-def store() -> MemoryStore:
-    return MemoryStore()
-
-
-def controller(store, ec2, prices) -> Controller:
-    return build_controller(
-        Settings(), store=store, cloud=InMemoryCloud(REGION, "ctl", ec2=ec2), prices=prices
-    )
 
 
 def _gpus(store: MemoryStore) -> int:

@@ -15,27 +15,12 @@ from orchestrator.controller.core import Controller
 from orchestrator.controller.wiring import build_controller
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.prices import Market, to_epoch_seconds
-from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
+from orchestrator.market.trace_source import TracePriceSource
 from orchestrator.settings import Settings
 from orchestrator.store import EventKind, JobRecord, JobState, MemoryStore, StoreUnavailableError
 
-T0 = to_epoch_seconds("2020-02-03T00:00:00Z")
+T0 = to_epoch_seconds("2020-02-03T00:00:00Z")  # as conftest's
 REGION = "us-east-1"
-
-
-@pytest.fixture(scope="module")
-def prices() -> TracePriceSource:
-    return TracePriceSource([bundled_prices_dir(REGION)])
-
-
-@pytest.fixture
-def ec2() -> InMemoryEC2:
-    return InMemoryEC2(clock=lambda: T0)
-
-
-@pytest.fixture
-def store() -> MemoryStore:
-    return MemoryStore()
 
 
 def controller(store: MemoryStore, ec2: InMemoryEC2, prices: TracePriceSource) -> Controller:
