@@ -72,14 +72,16 @@ def _run(hosted: HostedPipeline, nodes: Nodes, fault=None, timeout_s: float = 15
     assert hosted.error is None, hosted.error
 
 
-def _weights_equal_reference(hosted: HostedPipeline, tmp_path: Path, iterations: int) -> None:
+def _weights_equal_reference(
+    hosted: HostedPipeline, tmp_path: Path, iterations: int, atol: float = 1e-5
+) -> None:
     hosted.save_weights(tmp_path)
     got = load_file(str(tmp_path / "model.safetensors"))
     ref, _ = train_reference(
         load_job_code(str(JOB)), iterations=iterations, global_batch=GLOBAL_BATCH
     )
     for name, value in ref.state_dict().items():
-        assert torch.allclose(got[name], value, atol=1e-5), name
+        assert torch.allclose(got[name], value, atol=atol), name
 
 
 @pytest.mark.slow
@@ -206,7 +208,11 @@ def test_a_node_that_registers_while_the_pipeline_runs_is_used_by_re_planning(tm
         _run(hosted, nodes, lambda ns: ns.start("n2"))
         assert any(e.startswith("joined: ") for e in hosted.events()), hosted.events()
         assert sum(len(st["nodes"]) for st in hosted.stages()) == 3
-        _weights_equal_reference(hosted, tmp_path, iterations)
+        # the planner replicates the one stage on the 3 nodes: replicas sum their gradients in
+        # arrival order; two sum exactly whatever the order, three do not (float addition is
+        # not associative), so 600 updates drift ~1e-6 from the single process, and once went
+        # past 1e-5 on a loaded CI machine
+        _weights_equal_reference(hosted, tmp_path, iterations, atol=1e-4)
     finally:
         hosted.stop()
     nodes.join()
