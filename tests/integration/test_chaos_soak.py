@@ -21,7 +21,9 @@ def test_a_short_chaos_soak_keeps_every_invariant() -> None:
     assert world["tick_errors_unexpected"] == 0, world["tick_errors"]
     for invariant in ("lost_updates", "double_applied", "orphans", "unbilled_or_double_billed",
                       "hung", "ended_without_reason", "unexpected_aborts"):  # fmt: skip
-        assert result[invariant] == 0, (invariant, result)
+        # the parts' details first: pytest cuts a long message, and these say what went wrong
+        details = {k: runtime.get(k) for k in ("hung_details", "abort_reasons", "jobs")}
+        assert result[invariant] == 0, (invariant, details, world.get("hung"), result)
     assert result["over_budget_usd"] == 0.0, result
     assert runtime["succeeded"] + runtime["aborted_with_reason"] == runtime["jobs"], runtime
     assert runtime["inexact_jobs"] == 0, runtime
