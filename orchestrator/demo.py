@@ -52,7 +52,14 @@ from orchestrator.market.eviction import AvailabilityTrace
 from orchestrator.market.prices import to_datetime
 from orchestrator.market.trace_source import bundled_prices_dir
 from orchestrator.settings import ApiSettings, ControllerSettings, Settings
-from orchestrator.store import InstanceWork, JobRecord, JobState, RedisStore, Store
+from orchestrator.store import (
+    InstanceWork,
+    JobRecord,
+    JobState,
+    RedisStore,
+    Store,
+    WorkRatesEvent,
+)
 from orchestrator.units import SECONDS_PER_HOUR
 
 if TYPE_CHECKING:
@@ -122,6 +129,8 @@ class DemoSummary:
     held_out_loss: float = math.nan
     weights_source: str = ""  # "the model at the end", or the checkpoint they came from
     weights_path: str = ""  # where they were copied (`weights_out`), "" if not
+    # the job's work rate per GPU model that BidBrain learned: {model: {"prior", "learned"}}
+    learned_work_rates: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def sample_job(budget_usd: float, *, pipeline: bool = False) -> JobSubmission:
@@ -419,7 +428,20 @@ def _summary(world: _World, job: JobSubmission, wall0: float) -> DemoSummary:
         training_iterations=0 if hosted is None else hosted.progress().iteration,
         training_events=[] if hosted is None else hosted.events(),
         parallelism=str((job.training or {}).get("parallelism", "data")),
+        learned_work_rates=_learned_rates(world.store),
     )
+
+
+def _learned_rates(store: Store) -> dict[str, dict[str, float]]:
+    """The rates of the job's last `work_rates` event (none: nothing was measured)."""
+    latest: dict[str, dict[str, float]] = {}
+    for _, event in store.events(JOB_ID):
+        if isinstance(event, WorkRatesEvent):
+            latest = {
+                model: {"prior": r.prior, "learned": round(r.learned, 4)}
+                for model, r in sorted(event.rates.items())
+            }
+    return latest
 
 
 def _artifact_store(stack: contextlib.ExitStack, aws: MotoEC2Server, tmp: Path) -> Folder:
@@ -483,6 +505,12 @@ def _print_summary(console: Console, s: DemoSummary) -> None:
         + " iterations.",
         highlight=False,
     )
+    if s.learned_work_rates:
+        rates = ", ".join(
+            f"{model} {r['learned']:.3g} (catalog {r['prior']:.3g})"
+            for model, r in s.learned_work_rates.items()
+        )
+        console.print(f"Work rates BidBrain learned from the instances: {rates}.", highlight=False)
     if not math.isnan(s.held_out_accuracy):
         where = f", copied to {s.weights_path}" if s.weights_path else ""
         console.print(
