@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from typing import Any
 
+from benchmarks.sim_runs import simulate_json
 from orchestrator.lifecycle import exit_on_signals
-from orchestrator.market.trace_source import bundled_prices_dir
 
 STRATEGIES = "on-demand,uniform-progress,bidbrain,oracle"
 
@@ -29,16 +28,8 @@ def simulate(
     region: str, starts: int, nodes: int, deadline_hours: float, seed: int
 ) -> dict[str, Any]:
     """One `orchestrator simulate --json` run; its report."""
-    args = [
-        sys.executable, "-m", "orchestrator", "simulate", "--prices",
-        str(bundled_prices_dir(region)), "--strategy", STRATEGIES, "--job-hours", "20",
-        "--nodes", str(nodes), "--starts", str(starts), "--seed", str(seed),
-        "--deadline-hours", str(deadline_hours), "--json",
-    ]  # fmt: skip
-    proc = subprocess.run(args, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"simulate failed for {region}: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+    options = ["--nodes", str(nodes), "--deadline-hours", str(deadline_hours)]
+    return simulate_json(region, strategies=STRATEGIES, starts=starts, seed=seed, options=options)
 
 
 def summary(report: dict[str, Any]) -> dict[str, Any]:

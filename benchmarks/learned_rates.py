@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from typing import Any
 
+from benchmarks.sim_runs import simulate_json
 from orchestrator.lifecycle import exit_on_signals
 from orchestrator.market.catalog import Catalog
-from orchestrator.market.trace_source import bundled_prices_dir
 
 STRATEGIES = "bidbrain-static,bidbrain,bidbrain-true-rates,oracle"
 DEFAULT_CASES = "V100=0.5,V100=1.5,K80=0.5,K80=1.5"
@@ -33,16 +32,8 @@ MIN_GAP = 1e-3
 
 def simulate(region: str, starts: int, true_rates: str, seed: int) -> dict[str, Any]:
     """One `orchestrator simulate --json` run; its report."""
-    args = [
-        sys.executable, "-m", "orchestrator", "simulate", "--prices",
-        str(bundled_prices_dir(region)), "--strategy", STRATEGIES, "--job-hours", "20",
-        "--nodes", "16", "--starts", str(starts), "--seed", str(seed),
-        "--true-work-rates", true_rates, "--json",
-    ]  # fmt: skip
-    proc = subprocess.run(args, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"simulate failed for {region}: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+    options = ["--nodes", "16", "--true-work-rates", true_rates]
+    return simulate_json(region, strategies=STRATEGIES, starts=starts, seed=seed, options=options)
 
 
 def summary(report: dict[str, Any]) -> dict[str, Any]:

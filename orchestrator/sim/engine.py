@@ -22,6 +22,7 @@ Runtimes (how the job turns held instances into progress):
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -419,7 +420,7 @@ class Run:
             if rates != self._rates_used:
                 self.policy.use_work_rates(rates)
                 self._rates_used = rates
-            rate_of = self.learner.rate_of
+            rate_of = functools.partial(self.world.catalog.work_rate, gpu_work_rates=rates)
         remaining = max(self.work_total_s - self.work_s, 0.0) / SECONDS_PER_HOUR
         inp = decision_input(
             now_s=self.now,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from orchestrator.bidbrain.rates import MIN_OBSERVATION_HOURS, RateBelief, WorkMeasurement
+from orchestrator.bidbrain.rates import MIN_OBSERVATION_HOURS, WorkMeasurement, learned_belief
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.prices import Market
 from orchestrator.units import SECONDS_PER_HOUR
@@ -36,7 +36,7 @@ class RateLearner:
 
     def __init__(self, catalog: Catalog, stated_rates: Mapping[str, float] | None) -> None:
         self.catalog = catalog
-        self.belief = RateBelief.from_catalog(stated_rates or catalog.gpu_work_rates)
+        self.belief = learned_belief(catalog, stated_rates, ())
         self._measured_until: dict[str, float] = {}
 
     def measure(self, inst: Measured, until_s: float) -> None:
@@ -58,7 +58,3 @@ class RateLearner:
     def rates(self) -> dict[str, float]:
         """The per-GPU-model rates to decide with now."""
         return self.belief.rates()
-
-    def rate_of(self, instance_type: str) -> float:
-        """The rate the job believes one instance of `instance_type` has."""
-        return self.catalog.work_rate(instance_type, self.rates())

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from orchestrator.agileml.control import TrainingSpec, View
+from orchestrator.agileml.control import ModelSpec, TrainingSpec, View
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.elasticity import NodeState, NodeTier
 from orchestrator.agileml.examples import additive_expected
@@ -26,6 +26,27 @@ WAIT_S = 20.0  # bound on any one wait; only reached when something is broken
 GATE_S = 30.0  # a held worker is let go after this long whatever happens
 
 Hook = Callable[[str, int], None]
+
+
+def additive_spec(job_id: str, *, min_nodes: int, iterations: int = 40) -> TrainingSpec:
+    """A job on the additive probe whose every update is exact (small-integer data: every
+    float32 sum is exact), with fast heartbeats and a short failure timeout."""
+    return TrainingSpec(
+        job_id=job_id,
+        model=ModelSpec(kind="additive", features=24),
+        samples=512,
+        global_batch=16,
+        lr=1.0,
+        iterations=iterations,
+        num_partitions=4,
+        min_nodes=min_nodes,
+        heartbeat_s=0.05,
+        failure_timeout_s=0.5,
+    )
+
+
+class InjectedCrash(RuntimeError):
+    """Raised from a phase hook: the node dies right there."""
 
 
 class Gate:

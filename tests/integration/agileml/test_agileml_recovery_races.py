@@ -15,33 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.agileml_jobs import WAIT_S, Gate, Hook, Job, chain
+from support.agileml_jobs import WAIT_S, Gate, Hook, InjectedCrash, Job, additive_spec, chain
 
 from orchestrator.agileml import coordinator as coordinator_module
-from orchestrator.agileml.control import Left, ModelSpec, TrainingSpec
+from orchestrator.agileml.control import Left, TrainingSpec
 from orchestrator.agileml.elasticity import AgileMLStage, NodeState, NodeTier, RolePlan
 from orchestrator.agileml.errors import AgileMLError
 
 TRANSIENT = ("t0", "t1", "t2")
-
-
-def _spec(job_id: str, *, min_nodes: int) -> TrainingSpec:
-    return TrainingSpec(
-        job_id=job_id,
-        model=ModelSpec(kind="additive", features=24),
-        samples=512,
-        global_batch=16,
-        lr=1.0,  # small-integer data: every float32 sum is exact
-        iterations=40,
-        num_partitions=4,
-        min_nodes=min_nodes,
-        heartbeat_s=0.05,
-        failure_timeout_s=0.5,
-    )
-
-
-class Crash(RuntimeError):
-    """Raised from a phase hook: the node dies right there."""
 
 
 @dataclass
@@ -57,7 +38,7 @@ class Crasher:
             armed = (node_id, phase, clock) == (self.target, "pulled", self.clock)
             if armed and not self.fired.is_set():
                 self.fired.set()
-                raise Crash(f"{node_id} crashed at clock {clock}")
+                raise InjectedCrash(f"{node_id} crashed at clock {clock}")
 
         return run
 
@@ -101,7 +82,7 @@ def test_the_active_ps_dying_while_the_job_drops_to_stage1_is_rolled_back_not_lo
     handed anything to r0. Its partitions must still have their BackupPS: the controller keeps
     the stage-2 backups until the hand-offs to r0 are done (it dropped them at once, and the
     roll-back found "partitions lost: no BackupPS" while r0 held every clock of them)."""
-    job = jobs(_spec("drop-race", min_nodes=3))
+    job = jobs(additive_spec("drop-race", min_nodes=3))
     crasher = Crasher()
     gate, (active,) = _start(job, TRANSIENT[:2], crasher)
     original = job.coord._rebalance
@@ -131,7 +112,7 @@ def test_a_node_dying_while_the_controller_recovers_from_another_is_recovered_to
     """1 reliable + 3 transient nodes (stage 2: two ActivePSs). The worker-only node dies;
     while the controller asks the owners which of its clocks are unfinished, an ActivePS dies
     too. The recovery goes on from both losses (a roll-back); it aborted the job."""
-    job = jobs(_spec("second-death", min_nodes=4))
+    job = jobs(additive_spec("second-death", min_nodes=4))
     crasher = Crasher()
     gate, active = _start(job, TRANSIENT, crasher)
     assert len(active) == 2
@@ -160,7 +141,7 @@ def test_an_evicted_node_that_dies_after_leaving_the_roster_leaves_no_shares_to_
     and dies before its `left` arrives, while r0 is held at a later clock that the others have
     pushed. The node computes none of the clocks the controller finds unfinished: no survivor
     may be given its share of them (r0, given one, crashed on it and the job aborted)."""
-    job = jobs(_spec("evicted-death", min_nodes=4))
+    job = jobs(additive_spec("evicted-death", min_nodes=4))
     later = job.gate()  # armed once the eviction's clock is known
     gate, active = _start(job, TRANSIENT, Crasher(), later)
     leaver = (set(TRANSIENT) - set(active)).pop()
@@ -193,7 +174,7 @@ def test_a_joiner_whose_scale_up_failed_joins_at_the_next_step(
     """The roster change that adds a ready node fails once (here injected; in the soak a
     server refused every clock tried). The node joins at the next step: it stayed `ready`
     for good, a worker in the roster of later joins yet outside the plan of a failure."""
-    job = jobs(_spec("join-retry", min_nodes=2))
+    job = jobs(additive_spec("join-retry", min_nodes=2))
     gate = job.gate(3)
     job.launch("r0", NodeTier.RELIABLE, hook=gate)
     job.launch("t0")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from support.agileml_jobs import TOKEN, Hook, Job, chain
+from support.agileml_jobs import TOKEN, Hook, InjectedCrash, Job, additive_spec, chain
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.control import (
@@ -28,7 +28,6 @@ from orchestrator.agileml.control import (
     Heartbeat,
     Join,
     Leaving,
-    ModelSpec,
     Ready,
     TrainingSpec,
     View,
@@ -41,25 +40,6 @@ from orchestrator.agileml.wire import MessageKind
 
 RECOVERY_S = 8.0  # from a crash to the end of the job; a worker's request timeout is 30 s
 PHASES = ("pulled", "computed", "pushing")
-
-
-def _spec(job_id: str, *, iterations: int, min_nodes: int) -> TrainingSpec:
-    return TrainingSpec(
-        job_id=job_id,
-        model=ModelSpec(kind="additive", features=24),
-        samples=512,
-        global_batch=16,
-        lr=1.0,  # small-integer data: every float32 sum is exact
-        iterations=iterations,
-        num_partitions=4,
-        min_nodes=min_nodes,
-        heartbeat_s=0.05,
-        failure_timeout_s=0.5,
-    )
-
-
-class InjectedCrash(RuntimeError):
-    """Raised from a phase hook: the node dies right there."""
 
 
 def _owners(view: View) -> set[str]:
@@ -88,7 +68,7 @@ def _all_backed_up_on(view: View, node_id: str) -> bool:
 def test_stage2_job_with_one_reliable_and_two_transient_nodes_is_exact(
     jobs: Callable[[TrainingSpec], Job],
 ) -> None:
-    job = jobs(_spec("plain", iterations=40, min_nodes=3))
+    job = jobs(additive_spec("plain", iterations=40, min_nodes=3))
     job.launch("r0", NodeTier.RELIABLE)
     for t in ("t0", "t1"):
         job.launch(t)
@@ -112,7 +92,7 @@ def test_stage2_job_with_one_reliable_and_two_transient_nodes_is_exact(
 def test_joins_move_the_job_to_stage2_and_evictions_back_to_stage1_exactly(
     jobs: Callable[[TrainingSpec], Job],
 ) -> None:
-    job = jobs(_spec("stages", iterations=60, min_nodes=2))
+    job = jobs(additive_spec("stages", iterations=60, min_nodes=2))
     grow, shrink, alone = job.gate(10), job.gate(30), job.gate()
     job.launch("r0", NodeTier.RELIABLE, hook=chain(grow, shrink, alone))
     job.launch("t0")
@@ -185,7 +165,7 @@ def test_joins_move_the_job_to_stage2_and_evictions_back_to_stage1_exactly(
 def test_eviction_of_half_the_transient_nodes_mid_run_is_exact(
     jobs: Callable[[TrainingSpec], Job],
 ) -> None:
-    job = jobs(_spec("evict", iterations=40, min_nodes=5))
+    job = jobs(additive_spec("evict", iterations=40, min_nodes=5))
     gate, after = job.gate(12), job.gate()
     job.launch("r0", NodeTier.RELIABLE, hook=chain(gate, after))
     transient = [f"t{i}" for i in range(4)]
@@ -255,7 +235,7 @@ def test_crash_at_any_phase_of_an_iteration_still_ends_exact(
 ) -> None:
     """1 reliable + 3 transient nodes (stage 2, two ActivePSs); one transient node dies, and
     the job recovers well within a worker's request timeout (30 s)."""
-    job = jobs(_spec(f"crash-{role}-{phase}", iterations=40, min_nodes=4))
+    job = jobs(additive_spec(f"crash-{role}-{phase}", iterations=40, min_nodes=4))
     crasher, start = Crasher(), job.gate(3)
     job.launch("r0", NodeTier.RELIABLE, hook=start)
     transient = ("t0", "t1", "t2")
@@ -291,7 +271,7 @@ def test_worker_failure_that_drops_to_stage1_keeps_every_partition_recoverable(
     """1 reliable + 2 transient nodes; the worker-only one dies, so the job drops to stage 1
     (no BackupPSs): the partitions must not stay on the transient ActivePS, whose own failure
     could then not be rolled back."""
-    job = jobs(_spec("drop-stage", iterations=40, min_nodes=3))
+    job = jobs(additive_spec("drop-stage", iterations=40, min_nodes=3))
     crasher, start = Crasher(), job.gate(3)
     job.launch("r0", NodeTier.RELIABLE, hook=start)
     for t in ("t0", "t1"):
@@ -317,7 +297,7 @@ def test_worker_failure_that_drops_to_stage1_keeps_every_partition_recoverable(
 def test_unauthenticated_control_messages_change_nothing(
     jobs: Callable[[TrainingSpec], Job],
 ) -> None:
-    job = jobs(_spec("auth", iterations=5, min_nodes=2))  # never starts: one node at most
+    job = jobs(additive_spec("auth", iterations=5, min_nodes=2))  # never starts: one node at most
     coord = job.coord
     ctx: zmq.Context[Any] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -377,7 +357,7 @@ def test_losing_every_reliable_node_aborts_the_job_with_a_clear_reason(
     """1 reliable + 1 transient node; the reliable one dies without warning. The reliable
     copies of the partitions are gone, so the controller aborts the job, tells the nodes to
     shut down and says why, instead of retrying forever."""
-    job = jobs(_spec("no-reliable", iterations=400, min_nodes=2))
+    job = jobs(additive_spec("no-reliable", iterations=400, min_nodes=2))
     crasher, start = Crasher(), job.gate(3)
     job.launch("r0", NodeTier.RELIABLE, hook=chain(start, crasher.hook("r0")))
     job.launch("t0")
