@@ -21,6 +21,7 @@ from orchestrator.agileml.elasticity import NodeTier, StageThresholds
 from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.peers import PeerInboxes
 from orchestrator.agileml.roster import Roster
+from orchestrator.agileml.usercode import MAX_REPORT_CHARS
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.straggler.spec import StragglerSpec
 
@@ -243,7 +244,19 @@ class Left(BaseModel):
     op: Literal["left"] = "left"
 
 
-NodeMessage = Annotated[Join | Ready | Heartbeat | Leaving | Left, Field(discriminator="op")]
+class JobFailed(BaseModel):
+    """The job's own code raised on the node (its model, loss, optimizer or scheduler): a
+    deterministic error that no retry fixes, so the job is aborted with it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    op: Literal["job_failed"] = "job_failed"
+    error: Annotated[str, Field(min_length=1, max_length=2 * MAX_REPORT_CHARS)]
+
+
+NodeMessage = Annotated[
+    Join | Ready | Heartbeat | Leaving | Left | JobFailed, Field(discriminator="op")
+]
 
 
 class NodeRequest(BaseModel):

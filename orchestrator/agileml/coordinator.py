@@ -51,6 +51,7 @@ from orchestrator.agileml.control import (
     ControlClient,
     ControlError,
     Heartbeat,
+    JobFailed,
     Join,
     Leaving,
     Left,
@@ -290,7 +291,7 @@ class Coordinator:
 
     def _abort(self, reason: str) -> None:
         """The job cannot go on: record why, tell every node to shut down, wake waiters."""
-        log.error("agileml job aborted", extra={"error": reason})
+        log.error("agileml job aborted: %s", reason)
         with self._lock:
             self._error = reason
             self._view = self._view.model_copy(update={"done": True, "shutdown": True})
@@ -338,6 +339,8 @@ class Coordinator:
         except (WireError, ValidationError) as exc:
             return Reply(ok=False, error=f"bad control body: {exc}")
         node, m = header.sender, message.message
+        if isinstance(m, JobFailed):
+            return self._job_failed(node, m.error)
         now = self._now()
         with self._lock:
             info = self._nodes.get(node)
@@ -365,6 +368,17 @@ class Coordinator:
             elif isinstance(m, Left):
                 self._queue.put(("left", node))
             return Reply(view=self._view)
+
+    def _job_failed(self, node: str, error: str) -> Reply:
+        """A node's report that the job's code raised: abort the job with the user's error
+        (the first report stands; the nodes are told to shut down in this very reply)."""
+        with self._lock:
+            known, aborted = node in self._nodes, self._error is not None
+        if not known:
+            return Reply(ok=False, error=f"unknown node {node}: send `join` first")
+        if not aborted:
+            self._abort(f"the job's code failed on node {node}: {error}")
+        return Reply(view=self.view())
 
     # -- reconfiguration (one change at a time) ---------------------------------------------
 
@@ -419,8 +433,9 @@ class Coordinator:
         # this batch's ready nodes, and any whose scale-up failed before (else they would stay
         # ready, outside the plans of failures, yet workers in the roster of later joins)
         waiting = [n.node_id for n in self._nodes_in(NodeState.READY)]
+        self._check_done()  # a job whose workers are through needs no joiner (nor waits on one)
         try:
-            if waiting:
+            if waiting and not self.view().done:
                 self._scale_up(client, waiting)
         finally:
             self._check_done()

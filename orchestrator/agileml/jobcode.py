@@ -18,12 +18,11 @@ finite scalar, an optimizer or scheduler the parameter servers cannot run.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import hashlib
 import importlib.util
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -36,23 +35,20 @@ from orchestrator.agileml.batches import DatasetRows
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.updates import OptimizerPlan
+from orchestrator.agileml.usercode import (
+    USER_CODE_ERRORS,
+    JobCodeError,
+    job_code_call,
+    unless_stopping,
+)
 from orchestrator.artifacts import folder_at
 from orchestrator.artifacts.code import fetch_code, is_code_ref
 from orchestrator.artifacts.data import use_data
-from orchestrator.errors import UserError
-from orchestrator.lifecycle import SIGTERM_EXIT_STATUS
 
 REQUIRED = ("model", "dataset", "loss", "optimizer")
 OPTIONAL = ("scheduler", "collate", "evaluate", "stages")
 ENTRY_FILE = "job.py"  # the module a job directory must hold
 CHECK_ROWS = 4
-#: What a job's code may raise that becomes a JobCodeError: any Exception, and the SystemExit
-#: of a script's habits (sys.exit(), argparse); KeyboardInterrupt goes on unwinding
-USER_CODE_ERRORS = (Exception, SystemExit)
-
-
-class JobCodeError(UserError):
-    """The job's code cannot be trained: the message names the function and the fix."""
 
 
 @dataclass(frozen=True)
@@ -141,25 +137,6 @@ def load_job_code(path: str | Path) -> JobCode:
             raise JobCodeError(f"{file.name}: `{name}` is a {type(fn).__name__}, not a function")
         found[name] = fn
     return JobCode(path=file, **found)
-
-
-def _unless_stopping(exc: BaseException) -> None:
-    """Re-raise the SystemExit of SIGTERM or SIGHUP (`lifecycle.exit_on_signals`) that arrived
-    while the job's code ran: the process is being stopped, not failing."""
-    if isinstance(exc, SystemExit) and exc.code == SIGTERM_EXIT_STATUS:
-        raise exc
-
-
-@contextlib.contextmanager
-def job_code_call(what: str, *, verb: str = "raised", fix: str = "") -> Iterator[None]:
-    """Run a call into the job's code: what it raises (an Exception, or the SystemExit of
-    `sys.exit()`) becomes a JobCodeError "`what` `verb` Type: message`fix`"; the SystemExit
-    of a stopping signal goes on unwinding."""
-    try:
-        yield
-    except USER_CODE_ERRORS as exc:
-        _unless_stopping(exc)
-        raise JobCodeError(f"{what} {verb} {type(exc).__name__}: {exc}{fix}") from exc
 
 
 def _import(file: Path) -> ModuleType:
@@ -267,7 +244,7 @@ def optimizer_plan(
     except AgileMLError as exc:
         raise JobCodeError(f"optimizer(params): {exc}") from exc
     except USER_CODE_ERRORS as exc:
-        _unless_stopping(exc)
+        unless_stopping(exc)
         raise JobCodeError(f"optimizer(params) raised {type(exc).__name__}: {exc}") from exc
     if code.scheduler is not None:
         with job_code_call("scheduler(optimizer)"):
@@ -297,7 +274,7 @@ def dataset_rows(code: JobCode) -> DatasetRows:
     except ValueError as exc:  # empty, or a negative __len__
         raise JobCodeError(f"dataset(): {exc}") from exc
     except USER_CODE_ERRORS as exc:  # its __len__ raised, or returned no int
-        _unless_stopping(exc)
+        unless_stopping(exc)
         raise JobCodeError(
             f"len(dataset()) failed: {type(exc).__name__}: {exc}. To fix: make __len__ return "
             "the number of items (an int)."

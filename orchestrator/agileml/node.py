@@ -32,6 +32,7 @@ from orchestrator.agileml.control import (
     ControlClient,
     ControlError,
     Heartbeat,
+    JobFailed,
     Join,
     Leaving,
     Left,
@@ -52,6 +53,7 @@ from orchestrator.agileml.reassign import Reassigner
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.server import HANDOFF_TIMEOUT_SECONDS, ParamServer
 from orchestrator.agileml.token import token_from_env
+from orchestrator.agileml.usercode import JobCodeError, failure_report
 from orchestrator.agileml.worker import StaleViewError, Worker, WorkerSpec
 from orchestrator.errors import UserError
 from orchestrator.lifecycle import exit_with_parent
@@ -116,6 +118,7 @@ class AgileMLNode:
         self._clock = 0
         self._last_loss: float | None = None
         self._lost = False
+        self._job_error: str | None = None  # the job's code failed here (`_failure`)
         self._worker: Worker | None = None
         self._reassigner: Reassigner | None = None
         self._link: PeerLink | None = None
@@ -153,7 +156,11 @@ class AgileMLNode:
         result = NodeResult(self.node_id)
         try:
             spec = self._join(client, server)
-            spec_worker = self._load(spec)
+            try:
+                spec_worker = self._load(spec)
+            except JobCodeError as exc:  # deterministic: the job fails with it, not the node
+                self._report_failure(client, failure_report(exc))
+                raise
             self._ready(client)
             beat = threading.Thread(
                 target=self._heartbeats, args=(spec,), name=f"hb-{self.node_id}", daemon=True
@@ -322,7 +329,13 @@ class AgileMLNode:
                 except StaleViewError as exc:
                     self._await_view(worker, exc.roster_version, spec)
                     continue
+                except JobCodeError as exc:  # no retry can fix it: the job fails with it
+                    log.error("the job's code failed", extra={"error": str(exc)})
+                    self._job_error = failure_report(exc)
+                    return self._await_abort(spec)
                 except WorkerError as exc:
+                    if self._failure() is not None:  # this node's server applied it and failed
+                        return self._await_abort(spec)
                     log.warning("iteration failed; retrying", extra={"error": str(exc)})
                     time.sleep(spec.heartbeat_s)
                     continue
@@ -335,6 +348,26 @@ class AgileMLNode:
             if self._reassigner is not None:
                 result.straggler = self._reassigner.summary()
             worker.close()
+
+    def _failure(self) -> str | None:
+        """The report of the job's code failing here (in the worker, or in this node's
+        parameter server applying an update), None while it has not."""
+        server = self._server
+        return self._job_error or (server.job_error if server is not None else None)
+
+    def _await_abort(self, spec: TrainingSpec) -> str:
+        """After the job's code failed here: the heartbeat thread reports it, and the
+        controller aborts the job; wait for its shutdown (or its loss) and say so."""
+        self._refresh.set()  # the next heartbeat now
+        while not self._stop.is_set() and not self._lost and not self._view.shutdown:
+            time.sleep(spec.heartbeat_s / 4)
+        return "job_failed"
+
+    def _report_failure(self, client: ControlClient, error: str) -> None:
+        """Tell the controller that the job's code failed (a few tries: it may be busy)."""
+        for _ in range(LEFT_ATTEMPTS):
+            if self._send(client, JobFailed(error=error)) is not None:
+                return
 
     def _await_view(self, worker: Worker, roster_version: int | None, spec: TrainingSpec) -> None:
         """Ask for the view now, and wait (a little) until it is newer than the worker's."""
@@ -389,6 +422,9 @@ class AgileMLNode:
             while not self._stop.is_set():
                 if self._leaving.is_set() and not told_leaving:
                     told_leaving = self._send(client, Leaving()) is not None
+                failure = self._failure()
+                if failure is not None:  # the job's code failed here: the job must abort
+                    self._report_failure(client, failure)
                 self._refresh.clear()
                 helped = (
                     0 if self._reassigner is None else self._reassigner.stats.rows_helped_by_others

@@ -25,6 +25,7 @@ class RejectReason(StrEnum):
     STALE_EPOCH = "stale_epoch"  # made before a roll-back; detail `stale_epoch:<epoch>`
     FUTURE_EPOCH = "future_epoch"  # the server has not entered the request's epoch yet; retry
     STALE_ROSTER = "stale_roster"  # computed on an older roster; detail `stale_roster:<version>`
+    JOB_CODE_FAILED = "job_code_failed"  # the job's optimizer or scheduler raised applying it
 
 
 #: Refusals that are part of normal elastic operation (the worker retries or re-syncs).

@@ -30,7 +30,10 @@ import zmq
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import HandoffError, ServerError, WireError, WireReason
 from orchestrator.agileml.rejections import ROUTINE_REJECTIONS, RejectedError, RejectReason
+from orchestrator.agileml.usercode import JobCodeError, failure_report
 from orchestrator.agileml.wire import Header, MessageKind
+
+MAX_DETAIL_CHARS = 512  # a reply's `detail` (wire.Header)
 
 log = logging.getLogger("orchestrator.agileml.server")
 
@@ -93,6 +96,9 @@ class ServerLoop:
         self._thread: threading.Thread | None = None
         self.endpoint = ""
         self.inproc_endpoint = ""
+        # the first error of the job's own code here (its optimizer or scheduler): the job
+        # cannot go on, and the node reports it (`usercode.failure_report`) to its controller
+        self.job_error: str | None = None
 
     def start(self) -> Self:
         """Bind the socket and start serving. Raises ServerError if binding fails."""
@@ -223,6 +229,17 @@ class ServerLoop:
                 return self._dispatch(identity, header, tensors)
             except RejectedError as exc:
                 return [self._reject_locked(identity, header.seq, exc.wire_detail, header)]
+            except JobCodeError as exc:  # deterministic: no retry can fix it; the node reports
+                self._job_code_failed(exc)
+                detail = f"{RejectReason.JOB_CODE_FAILED}:{exc}"[:MAX_DETAIL_CHARS]
+                return [self._reject_locked(identity, header.seq, detail, header)]
+
+    def _job_code_failed(self, exc: JobCodeError) -> None:
+        """Keep the first error of the job's code (the server goes on serving: a job's
+        controller aborts the job when its node reports it)."""
+        if self.job_error is None:
+            self.job_error = failure_report(exc)
+            log.error("the job's code failed", extra={"node": self.node_id, "error": str(exc)})
 
     def _dispatch(
         self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
@@ -281,6 +298,9 @@ class ServerLoop:
         def run() -> None:
             try:
                 result = {"ok": True, **handler(body)}
+            except JobCodeError as exc:  # the job's optimizer or scheduler, building a partition
+                self._job_code_failed(exc)
+                result = {"ok": False, "error": str(exc), "job_error": self.job_error}
             except Exception as exc:  # reported to the controller, which decides what next
                 log.warning("control op failed", extra={"node": self.node_id, "op": body})
                 result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -34,6 +34,7 @@ from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import (
+    JobCode,
     check_job_code,
     load_job_code,
     seeded_model,
@@ -42,6 +43,7 @@ from orchestrator.agileml.jobcode import (
 from orchestrator.agileml.local import LocalJob, NodeOutcome, mean_phase_seconds
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.parts import training_parts
+from orchestrator.agileml.usercode import JobCodeError, failure_report, job_code_call
 from orchestrator.artifacts import WEIGHTS, folder_at
 from orchestrator.errors import UserError
 from orchestrator.straggler.spec import StragglerSpec
@@ -126,6 +128,7 @@ class TrainResult:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # the mean of the steady iterations: unlike the median, it counts the stalls
     mean_seconds_per_iteration: float | None = None
+    evaluation_error: str | None = None  # what the job's evaluate() raised, if it did
 
 
 @dataclass(frozen=True)
@@ -287,11 +290,23 @@ def train_locally(
         resumed_from=spec.resume_from,
         phase_seconds=mean_phase_seconds(outcomes),
     )
-    if parts.code is not None and parts.code.evaluate is not None:
-        model.eval()
-        with torch.no_grad():
-            result.evaluation = {k: float(v) for k, v in parts.code.evaluate(model).items()}
+    if parts.code is not None:
+        result.evaluation, result.evaluation_error = evaluate_trained(parts.code, model)
     return result
+
+
+def evaluate_trained(code: JobCode, model: nn.Module) -> tuple[dict[str, float], str | None]:
+    """The job's `evaluate(model)` of the trained model ({} without one), and what it raised
+    (None when it did not): a mistake there must not lose the weights trained before it."""
+    if code.evaluate is None:
+        return {}, None
+    model.eval()
+    try:
+        with torch.no_grad(), job_code_call("evaluate(model)"):
+            found = code.evaluate(model)
+            return {str(k): float(v) for k, v in found.items()}, None
+    except JobCodeError as exc:
+        return {}, failure_report(exc)
 
 
 def _drive(
@@ -432,6 +447,7 @@ def save_outputs(result: TrainResult, out: Path) -> None:
         "wall_seconds": round(result.wall_seconds, 2),
         "resumed_from": result.resumed_from,
         "evaluation": result.evaluation,
+        "evaluation_error": result.evaluation_error,
         "events": result.events,
         "losses": [[c, round(v, 6)] for c, v in result.losses],
     }

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.usercode import job_code_call
 
 # torch.optim classes whose update of an element depends only on that element's history
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -213,9 +214,11 @@ class OptimizerRule:
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any = None
         if self._params:
-            self._optimizer = plan.kind(groups, **plan.defaults)
+            with job_code_call("optimizer(params) on a parameter server"):
+                self._optimizer = plan.kind(groups, **plan.defaults)
             if plan.scheduler is not None:
-                self._scheduler = plan.scheduler(self._optimizer)
+                with job_code_call("scheduler(optimizer) on a parameter server"):
+                    self._scheduler = plan.scheduler(self._optimizer)
 
     def apply(self, grad: torch.Tensor) -> None:
         for local in self._buffers:
@@ -224,9 +227,11 @@ class OptimizerRule:
             return
         for param, local in self._params:
             param.grad = grad[local]
-        self._optimizer.step()
+        with job_code_call("the optimizer's step on a parameter server"):
+            self._optimizer.step()
         if self._scheduler is not None:
-            self._scheduler.step()
+            with job_code_call("the scheduler's step on a parameter server"):
+                self._scheduler.step()
         for param, _ in self._params:
             param.grad = None
 

@@ -44,8 +44,12 @@ from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
 from orchestrator.agileml.streams import EarlyPushes, PullStream, streaming_safe
+from orchestrator.agileml.usercode import job_code_call
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.agileml.worker_link import Round, ServerRequests, StaleViewError, WorkerSpec
+
+FORWARD = "the model's forward or loss(output, target)"  # user code: see `usercode`
+BACKWARD = "backward() through the model and the loss"
 
 if TYPE_CHECKING:
     from orchestrator.agileml.reassign import Reassigner
@@ -313,22 +317,25 @@ class Worker(ServerRequests):
         return mean
 
     def _compute_share(self, identity: str, clock: int, pushes: Round) -> float:
-        (x, y), n = self._minibatch(identity, clock)
+        with job_code_call("dataset()[i] or collate(items)"):
+            (x, y), n = self._minibatch(identity, clock)
         self._plain_rows += n
         self._model.zero_grad(set_to_none=True)
         before = self._buffers_before()
-        with self._loading():
+        with self._loading(), job_code_call(FORWARD):
             loss = self._loss_fn(self._model(x), y)
         armed = self._arm_early(identity, clock, pushes)
         try:
-            if self.roster is not None:
-                # the loss is a sum over the share: scaled by the global batch, the workers'
-                # updates add up to the global batch's mean gradient whoever computes what
-                (loss / self.spec.batch_size).backward()
-                mean = float(loss.item()) / max(n, 1)
-            else:
-                loss.backward()
-                mean = float(loss.item())
+            with job_code_call(BACKWARD):
+                if self.roster is not None:
+                    # the loss is a sum over the share: scaled by the global batch, the
+                    # workers' updates add up to the global batch's mean gradient whoever
+                    # computes what
+                    (loss / self.spec.batch_size).backward()
+                    mean = float(loss.item()) / max(n, 1)
+                else:
+                    loss.backward()
+                    mean = float(loss.item())
         finally:
             sent = self._disarm_early(armed)
         delta = self._buffer_delta(before, clock)
@@ -457,10 +464,11 @@ class Worker(ServerRequests):
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = to_device(x, self.device), to_device(y, self.device)
-        with self._loading():
+        with self._loading(), job_code_call(FORWARD):
             loss = self._loss_fn(self._model(x), y)
-        (loss / self.spec.batch_size).backward()
-        return float(loss.item())
+        with job_code_call(BACKWARD):
+            (loss / self.spec.batch_size).backward()
+            return float(loss.item())
 
     def preload(self, identity: str, clock: int, fraction: float) -> None:
         """Cache the last `fraction` of `identity`'s input rows of `clock` (offers are cut from

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import ValidationError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from orchestrator.cli.app import app as cli_app
 from orchestrator.cli.app import err, out, validation_to_user_error
@@ -154,7 +155,8 @@ def train_command(
         check_pipeline_plan(plan)
     else:
         check_plan(plan)
-    logging.getLogger("orchestrator").setLevel(logging.ERROR)  # the bar shows the progress
+    # the bar shows the progress, and a failure ends with its error line
+    logging.getLogger("orchestrator").setLevel(logging.CRITICAL)
     log_dir = out_dir / "logs" if out_dir is not None else None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -163,12 +165,16 @@ def train_command(
     except AgileMLError as exc:
         err.print(f"[bold red]error:[/bold red] training failed: {exc}", highlight=False)
         raise typer.Exit(1) from exc
+    if out_dir is not None:  # first: nothing printed after this can lose the weights
+        save_outputs(result, out_dir)
     _print_result(result)
     if out_dir is not None:
-        save_outputs(result, out_dir)
         out.print(f"wrote {out_dir / 'model.safetensors'} and {out_dir / 'summary.json'}")
     else:
         err.print("[yellow]note:[/yellow] no --out DIR: the trained weights were not saved")
+    if result.evaluation_error is not None:
+        err.print(f"[bold red]error:[/bold red] {result.evaluation_error}", highlight=False)
+        raise typer.Exit(1)
 
 
 def _train_with_progress(plan: TrainPlan, log_dir: Path | None) -> TrainResult:
@@ -216,34 +222,51 @@ def _print_result(result: TrainResult) -> None:
     for name, value in result.evaluation.items():
         out.print(f"evaluate: {name} = {value:.4f}")
     for e in result.events:
-        kind = str(e.get("kind", ""))
-        if kind == "planned":
-            out.print(
-                f"pipeline: stages {e['stages']} ([first, last layer, replicas]), "
-                f"{e['microbatches']} microbatches per iteration",
-                markup=False,
+        line = _event_line(e)
+        if line is None:
+            continue
+        if line.startswith("warning:"):
+            err.print(Text.assemble(("warning:", "yellow"), line.removeprefix("warning:")))
+        else:
+            out.print(line, markup=False, highlight=False)
+
+
+def _event_line(e: dict[str, Any]) -> str | None:
+    """One line for an event of the run worth a user's eye (None for the rest). Pipeline
+    events carry `stages` and `resumed_iteration`; the data-parallel runtime's carry `nodes`
+    and `detail`: every field is read with a default, so an event of another shape prints
+    less rather than failing."""
+    kind = str(e.get("kind", ""))
+    nodes = ", ".join(str(n) for n in e.get("nodes", ()))
+    if kind == "planned":
+        line = (
+            f"pipeline: stages {e.get('stages')} ([first, last layer, replicas]), "
+            f"{e.get('microbatches')} microbatches per iteration"
+        )
+        if len(e.get("stages") or ()) == 1:
+            line += (
+                "\n  the planner found one replicated stage (data parallelism) fastest for "
+                "this model; --stages K forces a pipeline of K stages"
             )
-            if len(e["stages"]) == 1:
-                out.print(
-                    "  the planner found one replicated stage (data parallelism) fastest for "
-                    "this model; --stages K forces a pipeline of K stages"
-                )
-        elif kind == "joined":
-            out.print(
-                f"  a node joined: resumed at iteration {e['resumed_iteration']} on stages "
-                f"{e['stages']}",
-                markup=False,
-            )
-        elif kind == "recovered":
-            out.print(
-                f"  {'evicted (notice)' if e.get('notice') else 'lost'} stage {e['stage']}: "
-                f"resumed at iteration "
-                f"{e['resumed_iteration']} on stages {e['stages']}",
-                markup=False,
-            )
-        elif kind.startswith("injected_"):
-            what = kind.removeprefix("injected_")
-            out.print(f"  {what} {e['node']} at iteration {e['iteration']}")
-        elif kind.startswith("skipped_"):
-            what = kind.removeprefix("skipped_")
-            err.print(f"[yellow]warning:[/yellow] {what}@{e['iteration']} not done: {e['reason']}")
+        return line
+    if kind == "joined" and "resumed_iteration" in e:  # a pipeline re-planned for a joiner
+        return (
+            f"  a node joined: resumed at iteration {e['resumed_iteration']} on stages "
+            f"{e.get('stages')}"
+        )
+    if kind == "recovered":
+        what = "evicted (notice)" if e.get("notice") else "lost"
+        return (
+            f"  {what} stage {e.get('stage')}: resumed at iteration "
+            f"{e.get('resumed_iteration')} on stages {e.get('stages')}"
+        )
+    if kind in ("joined", "evicted", "rolled_back", "failed"):  # the data-parallel runtime
+        detail = f" ({e['detail']})" if e.get("detail") else ""
+        return f"  runtime: {kind.replace('_', ' ')} {nodes}{detail}"
+    if kind.startswith("injected_"):
+        what = kind.removeprefix("injected_")
+        return f"  {what} {e.get('node')} at iteration {e.get('iteration')}"
+    if kind.startswith("skipped_"):
+        what = kind.removeprefix("skipped_")
+        return f"warning: {what}@{e.get('iteration')} not done: {e.get('reason')}"
+    return None

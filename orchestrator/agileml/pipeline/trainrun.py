@@ -44,7 +44,12 @@ from orchestrator.agileml.pipeline.profiler import ModelProfile, profile_sequent
 from orchestrator.agileml.pipeline.schedule import Schedule
 from orchestrator.agileml.pipeline.sizing import PipelineSizing, size_pipeline_job
 from orchestrator.agileml.pipeline.source import job_layers, job_source, load_layers
-from orchestrator.agileml.trainrun import TrainPlan, TrainProgress, TrainResult
+from orchestrator.agileml.trainrun import (
+    TrainPlan,
+    TrainProgress,
+    TrainResult,
+    evaluate_trained,
+)
 from orchestrator.errors import UserError
 
 #: The link bandwidth the planner assumes between local processes (loopback, bytes/s).
@@ -239,10 +244,7 @@ def _train_result(
         losses=per_iteration,
         wall_seconds=time.monotonic() - started,
     )
-    if job.evaluate is not None:
-        model.eval()
-        with torch.no_grad():
-            out.evaluation = {k: float(v) for k, v in job.evaluate(model).items()}
+    out.evaluation, out.evaluation_error = evaluate_trained(job, model)
     return out
 
 

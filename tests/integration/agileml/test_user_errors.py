@@ -1,0 +1,52 @@
+"""A user's error stops the run: an exception in the job's own code, on a worker (its loss) or
+on a parameter server (its scheduler), aborts the job with the user's message and the end of
+its traceback, within seconds; nothing retries a deterministic error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.trainrun import TrainPlan, train_locally
+
+JOB = Path(__file__).parents[2] / "support" / "jobs" / "digits_failing.py"
+
+
+@pytest.mark.parametrize(
+    ("fail", "where", "message"),
+    [
+        ("schedule", "the scheduler's step on a parameter server", "Tried to step 21 times"),
+        ("loss", "the model's forward or loss(output, target)", "a bug in the user's loss"),
+    ],
+)
+def test_the_jobs_own_error_aborts_the_run_with_it(
+    fail: str, where: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORCHESTRATOR_TEST_FAIL", fail)
+    plan = TrainPlan(code=str(JOB), nodes=2, reliable=1, iterations=200, global_batch=64)
+    started = time.monotonic()
+    with pytest.raises(AgileMLError) as caught:
+        train_locally(plan)
+    text = str(caught.value)
+    assert "the job's code failed on node" in text and where in text and message in text
+    assert "Traceback (the job's frames" in text
+    assert time.monotonic() - started < 90  # not the retry loop's forever, nor 120 s + 5 s/it
+
+
+def test_train_exits_1_with_the_users_traceback_on_the_console(tmp_path: Path) -> None:
+    env = {**os.environ, "ORCHESTRATOR_TEST_FAIL": "schedule"}
+    out = str(tmp_path / "out")
+    command = [sys.executable, "-m", "orchestrator", "train", str(JOB), "--nodes", "2",
+               "--iterations", "200", "--global-batch", "64", "--out", out]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "error: training failed" in run.stderr
+    assert "ValueError: Tried to step 21 times" in run.stderr
+    assert "lr_scheduler.py" in run.stderr  # the frames where it raised
+    assert "Traceback (most recent call last)" not in run.stderr  # not ours: the user's

@@ -1,0 +1,26 @@
+"""What `orchestrator train` prints of a run's events: every shape of event the two runtimes
+write (a data-parallel join once crashed the printing after a full run, losing the weights)."""
+
+from __future__ import annotations
+
+from orchestrator.cli.train import _event_line
+
+
+def test_a_data_parallel_join_prints_without_a_pipeline_field() -> None:
+    line = _event_line({"at_s": 3.2, "kind": "joined", "nodes": ["j1"], "detail": "from clock 160"})
+    assert line == "  runtime: joined j1 (from clock 160)"
+
+
+def test_a_pipeline_join_prints_where_it_resumed() -> None:
+    line = _event_line({"kind": "joined", "resumed_iteration": 150, "stages": [[0, 3, 2]]})
+    assert line == "  a node joined: resumed at iteration 150 on stages [[0, 3, 2]]"
+
+
+def test_events_of_other_shapes_print_less_rather_than_fail() -> None:
+    assert _event_line({"kind": "recovered"}) is not None
+    assert _event_line({"kind": "planned", "stages": None}) is not None
+    assert _event_line({"kind": "started", "nodes": ["r0"]}) is None
+    assert _event_line({}) is None
+    assert _event_line({"kind": "skipped_kill", "iteration": 200, "reason": "why"}) == (
+        "warning: kill@200 not done: why"
+    )
