@@ -82,21 +82,23 @@ TRAINING_EVERY_WALL_S = 2.0
 DEFAULT_PORT = 8750
 #: The demo job: a user job file shipped with the package (a small CNN on scikit-learn's
 #: bundled digits, `orchestrator/jobs/digits_cnn.py`), as `TrainingSpec` fields.
+DEMO_ITERATIONS = 500
 TRAINING: dict[str, Any] = {
     "code": str(DIGITS_CNN),
     "global_batch": 128,
-    "iterations": 10_000_000,  # runs until the controller's job ends
+    # the job succeeds once these are trained and its weights stored (and the market clock's
+    # work is done): about as many as a quiet 2-core machine trains in the replayed hours
+    "iterations": DEMO_ITERATIONS,
     "num_partitions": 4,
     "min_nodes": 2,
     "failure_timeout_s": 3.0,  # many processes on few cores: be patient before "failed"
 }
 #: The demo job trained as a pipeline (`--pipeline`): the same job file, its layers in two
 #: stages (replicated over the instances held; the planner would pick one replicated stage for
-#: so small a model), a fixed number of iterations (a stage holds its schedule's operations).
+#: so small a model).
 PIPELINE_TRAINING: dict[str, Any] = {
     **{k: v for k, v in TRAINING.items() if k != "num_partitions"},
     "parallelism": "pipeline",
-    "iterations": 20_000,
     "stages": 2,
 }
 #: The moto bucket that holds the demo's artifacts (uploaded code, checkpoints, weights).
@@ -131,6 +133,7 @@ class DemoSummary:
     weights_path: str = ""  # where they were copied (`weights_out`), "" if not
     # the job's work rate per GPU model that BidBrain learned: {model: {"prior", "learned"}}
     learned_work_rates: dict[str, dict[str, float]] = field(default_factory=dict)
+    job_message: str = ""  # why it ended (its weights' place; a failure's error)
 
 
 def sample_job(budget_usd: float, *, pipeline: bool = False) -> JobSubmission:
@@ -215,18 +218,17 @@ def _offline_world(
                 advertise_host="127.0.0.1",
                 bind_host="127.0.0.1",
                 base_port=free_port(),
-                work_from_iterations=False,
+                instance_work_from_nodes=False,
                 artifacts_root=artifacts,
                 checkpoint_every_s=CHECKPOINT_EVERY_WALL_S,
             )  # fmt: skip
-        )  # the offline world counts the instances' simulated work instead (the fleet)
+        )  # the instances' work (for BidBrain's learned rates) is simulated on the market clock
         client = aws.client()
         controller = build_controller(
             settings,
             store=store,
             client=client,
-            launch_tags=training.tags_for,
-            on_job_stop=training.save_final,
+            training=training,
         )
         replayer = EvictionReplayer(
             client, CONTROLLER_ID, AvailabilityTrace.bundled(), clock,
@@ -397,8 +399,10 @@ def _progress(
     spot = sum(1 for r in alive if r.lifecycle == "spot")
     spent = world.controller.spend_usd(JOB_ID, now_s)
     pct = 100.0 * min(record.work_done_gpu_hours / job.work_gpu_hours, 1.0)
+    trained = 0 if world.hosted is None else world.hosted.progress().iteration
     line = (
         f"t+{(now_s - world.clock.start_s) / SECONDS_PER_HOUR:5.2f} h  work {pct:5.1f}%  "
+        f"trained {trained}/{(job.training or {}).get('iterations', 0)}  "
         f"spent ${spent:7.2f} / ${job.budget_usd:g}  nodes: {len(alive) - spot} reliable, "
         f"{spot} spot  evictions {len(world.replayer.evictions)}  loss {world.last_loss:.3f}  "
         f"[{record.state}]"
@@ -414,6 +418,7 @@ def _summary(world: _World, job: JobSubmission, wall0: float) -> DemoSummary:
     hosted = world.hosted
     return DemoSummary(
         job_state=str(final.state),
+        job_message=final.message,
         budget_usd=job.budget_usd,
         spent_usd=round(world.store.spent_usd(JOB_ID), 4),
         evictions=len(world.replayer.evictions),
@@ -505,6 +510,8 @@ def _print_summary(console: Console, s: DemoSummary) -> None:
         + " iterations.",
         highlight=False,
     )
+    if s.job_message:
+        console.print(f"The job's last word: {s.job_message}", highlight=False, markup=False)
     if s.learned_work_rates:
         rates = ", ".join(
             f"{model} {r['learned']:.3g} (catalog {r['prior']:.3g})"

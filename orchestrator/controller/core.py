@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.bidbrain.inputs import HeldInstance, PriceOf, RenewalSchedule, decision_input
+from orchestrator.bidbrain.inputs import HeldInstance, RenewalSchedule, decision_input
 from orchestrator.bidbrain.model import AllocationRequest, JobSpec
 from orchestrator.bidbrain.policy import (
-    WIDE_BID_DELTAS_USD,
     BidBrainPolicy,
     BidBrainSettings,
     Decision,
-    MarketTable,
 )
 from orchestrator.cloud.availability import MarketAvailability
 from orchestrator.cloud.errors import CapacityError, CloudError
@@ -44,14 +42,14 @@ from orchestrator.cloud.instances import CloudInstance, LaunchSpec
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.cloud.reconcile import Reconciler
+from orchestrator.controller.market_view import MarketView, price_at
+from orchestrator.controller.outcomes import JobTraining, TrainingOutcome
 from orchestrator.controller.rates import RateLearning
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import BillingModel, EndReason
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import (
-    DEFAULT_BID_DELTAS_USD,
     CapacityHazardModel,
-    PriceCrossingModel,
 )
 from orchestrator.market.prices import Market, PriceHistory, PriceSource
 from orchestrator.store.errors import ConflictError, LedgerConflictError, NotFoundError
@@ -80,8 +78,6 @@ log = logging.getLogger(__name__)
 
 #: How much price history the controller reads each tick (the price model's fitting window).
 PRICE_LOOKBACK_S = 14 * 86400.0
-#: The price model is refitted at most this often.
-PRICE_MODEL_REFIT_S = 86400.0
 
 
 @dataclass
@@ -109,10 +105,10 @@ class Controller:
         settings: BidBrain's knobs.
         image_id: the AMI worker nodes boot.
         user_data: builds a node's user data from (job id, allocation id).
-        launch_tags: more tags for a job's instances (e.g. where its AgileML controller is).
-        on_job_stop: called with a job's id just before its instances are terminated at its
-            end (the training host saves the final weights while the nodes still serve); an
-            error there is logged and the instances go all the same.
+        training: the jobs' training (the training host): launch tags telling a job's
+            instances where its runtime is, its final weights kept just before its instances
+            go (an error there is logged and the instances go all the same), and how far it
+            trained (a training job succeeds only trained, and fails with its runtime's error).
         max_running_jobs: jobs run side by side, each on its own budget; with a limit, queued
             jobs wait (oldest first) until fewer than this many run — 1 runs them in sequence.
     """
@@ -129,8 +125,7 @@ class Controller:
         capacity_model: CapacityHazardModel | None = None,
         image_id: str = "ami-orchestrator",
         user_data: Callable[[str, str], str] | None = None,
-        launch_tags: Callable[[str], Mapping[str, str]] | None = None,
-        on_job_stop: Callable[[str], None] | None = None,
+        training: JobTraining | None = None,
         max_running_jobs: int | None = None,
     ) -> None:
         if max_running_jobs is not None and max_running_jobs < 1:
@@ -146,13 +141,11 @@ class Controller:
         self.availability = MarketAvailability()
         self.image_id = image_id
         self.user_data = user_data
-        self.launch_tags = launch_tags
-        self.on_job_stop = on_job_stop
+        self.training = training
         self._notices: list[InterruptionNotice] = []
         self._doomed: set[str] = set()
         self._prices_seen: dict[str, dict[str, float]] = {}  # job -> the last prices recorded
-        self._price_model: PriceCrossingModel | None = None
-        self._price_model_at = -math.inf
+        self._market = MarketView(self.catalog)
         self._renewals: dict[str, RenewalSchedule] = {}  # job -> its allocations' points
         self._evictions: dict[str, dict[Market, float]] = {}  # job -> see `_evicted_at`
         self._rates = RateLearning(store, self.catalog)  # the jobs' learned work rates
@@ -273,11 +266,23 @@ class Controller:
         submission = JobSubmission.model_validate(job.spec)
         spec = self._rates.spec_for(job.job_id, submission.job_spec(), now_s)
         remaining = max(spec.work_gpu_hours - job.work_done_gpu_hours, 0.0)
+        training = self.training.outcome(job) if self.training is not None else None
+        if training is not None:
+            if training.error is not None:
+                self._stop_job(job, history, now_s, EndReason.RELEASED, report)
+                message = f"training failed: {training.error}"
+                self._finish(job, JobState.FAILED, now_s, message, report)
+                return
+            # the work left is at least what is not trained yet (the offline world counts
+            # work on its faster market clock), and none once every iteration is
+            remaining = 0.0 if training.trained else max(
+                remaining, spec.work_gpu_hours * training.untrained_fraction
+            )  # fmt: skip
         if remaining <= 1e-9:
             self._stop_job(job, history, now_s, EndReason.JOB_FINISHED, report)
-            self._finish(job, JobState.SUCCEEDED, now_s, "all work done", report)
+            self._finish_done(job, training, spec.work_gpu_hours, now_s, report)
             return
-        table = self._table(submission, spec, history)
+        table = self._market.table(submission, spec, history)
         if len(table) == 0:
             self._stop_job(job, history, now_s, EndReason.RELEASED, report)
             self._finish(
@@ -287,20 +292,20 @@ class Controller:
         policy = BidBrainPolicy(
             table,
             billing=self.billing.name,
-            price_model=self._price_model_for(history, now_s),
+            price_model=self._market.price_model(history, now_s),
             capacity_model=self.capacity_model,
             settings=self.settings,
             catalog=self.catalog,
         )
         alive = self.store.list_instances(job.job_id, alive_only=True)
-        prices = np.array([_price_at(history, m, now_s) for m in table.markets])
+        prices = np.array([price_at(history, m, now_s) for m in table.markets])
         inp = decision_input(
             now_s=now_s,
             job=spec,
             work_remaining_gpu_hours=remaining,
             spend_usd=self.store.spent_usd(job.job_id) + self._accrued(alive, history, now_s),
             held=self._held(alive, spec),
-            price_of=self._price_of(history, now_s),
+            price_of=self._market.price_of(history, now_s),
             prices_usd_per_hour=prices,
             renewals=self._renewals.setdefault(job.job_id, RenewalSchedule(self.settings)),
             doomed=self._doomed,
@@ -355,7 +360,7 @@ class Controller:
             allocation_id=allocation_id,
             image_id=self.image_id,
             user_data=self.user_data(job.job_id, allocation_id) if self.user_data else "",
-            extra_tags=dict(self.launch_tags(job.job_id)) if self.launch_tags else {},
+            extra_tags=dict(self.training.tags_for(job.job_id)) if self.training else {},
         )
         try:
             instances = self.cloud.launch(spec)
@@ -393,13 +398,47 @@ class Controller:
         report: TickReport,
     ) -> None:
         alive = self.store.list_instances(job.job_id, alive_only=True)
-        if alive and self.on_job_stop is not None:
+        if alive and self.training is not None:
             try:
-                self.on_job_stop(job.job_id)
-            except Exception:  # noqa: BLE001 - the instances must go whatever the hook did
-                log.exception("on_job_stop failed", extra={"job_id": job.job_id})
+                self.training.save_final(job.job_id)
+            except Exception:  # noqa: BLE001 - the instances must go whatever it did
+                log.exception("saving the final weights failed", extra={"job_id": job.job_id})
         for rec in alive:
             self._terminate(rec, history, now_s, reason, report)
+
+    def _finish_done(
+        self,
+        job: JobRecord,
+        training: TrainingOutcome | None,
+        work_gpu_hours: float,
+        now_s: float,
+        report: TickReport,
+    ) -> None:
+        """End a job whose work is done: succeeded, and for a training job only with its
+        final weights in the artifact store (they were saved as its instances went)."""
+        if training is not None and job.work_done_gpu_hours < work_gpu_hours:
+            # trained to the end: its work is done, though the last report may lag
+            self.store.update_progress(job.job_id, work_gpu_hours, now_s)
+        if training is None:
+            self._finish(job, JobState.SUCCEEDED, now_s, "all work done", report)
+            return
+        assert self.training is not None  # an outcome comes from it
+        weights = self.training.final_weights(job.job_id)
+        if weights is None:  # its instances were gone before it ended: from a checkpoint
+            try:
+                self.training.save_final(job.job_id)
+            except Exception:  # noqa: BLE001 - the job fails with the reason below
+                log.exception("saving the final weights failed", extra={"job_id": job.job_id})
+            weights = self.training.final_weights(job.job_id)
+        if weights is None:
+            message = (
+                f"trained {training.iterations} iterations, but the final weights could not "
+                "be written to the artifact store (see the controller's log)"
+            )
+            self._finish(job, JobState.FAILED, now_s, message, report)
+            return
+        message = f"trained {training.iterations} iterations; final weights at {weights}"
+        self._finish(job, JobState.SUCCEEDED, now_s, message, report)
 
     def _finish(
         self, job: JobRecord, state: JobState, now_s: float, message: str, report: TickReport
@@ -527,37 +566,6 @@ class Controller:
             last = self._evictions[job_id] = _last_evictions(self.store.list_instances(job_id))
         return last
 
-    def _price_of(self, history: PriceHistory, now_s: float) -> PriceOf:
-        def price(market: Market, reliable: bool) -> float:
-            if reliable:
-                return self.catalog.get(market.instance_type).on_demand_price(market.region)
-            return _price_at(history, market, now_s)
-
-        return price
-
-    def _table(
-        self, submission: JobSubmission, spec: JobSpec, history: PriceHistory
-    ) -> MarketTable:
-        types = set(submission.instance_types or self.catalog.gpu_types())
-        markets = [
-            m
-            for m in history
-            if m.instance_type in types
-            and m.region in submission.regions
-            and self.catalog.get(m.instance_type).offered_in(m.region)
-        ]
-        return MarketTable.build(markets, self.catalog, spec.gpu_work_rates)
-
-    def _price_model_for(self, history: PriceHistory, now_s: float) -> PriceCrossingModel:
-        if self._price_model is None or now_s - self._price_model_at >= PRICE_MODEL_REFIT_S:
-            self._price_model = PriceCrossingModel(
-                history,
-                fit_until_s=now_s,
-                bid_deltas_usd=sorted(set(DEFAULT_BID_DELTAS_USD) | set(WIDE_BID_DELTAS_USD)),
-            )
-            self._price_model_at = now_s
-        return self._price_model
-
     def _transition(self, job: JobRecord, state: JobState, now_s: float, message: str) -> JobRecord:
         updated = self.store.transition(
             job.job_id, state, expected_version=job.version, now_s=now_s, message=message
@@ -587,13 +595,6 @@ def _note_eviction(last: dict[Market, float], rec: InstanceRecord) -> None:
     if rec.end_reason == EndReason.EVICTED and rec.ended_at is not None:
         market = Market(rec.instance_type, rec.zone)
         last[market] = max(last.get(market, rec.ended_at), rec.ended_at)
-
-
-def _price_at(history: PriceHistory, market: Market, now_s: float) -> float:
-    if market not in history:
-        return math.nan
-    price = history[market].price_at(now_s)
-    return math.nan if price is None else price
 
 
 def _finite(value: float) -> float | None:

@@ -67,8 +67,7 @@ def running_controller(
             settings,
             store=store,
             client=ec2_client(settings),
-            launch_tags=training.tags_for if training is not None else None,
-            on_job_stop=training.save_final if training is not None else None,
+            training=training,
         )
 
         def ticked(report: TickReport) -> None:

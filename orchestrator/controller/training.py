@@ -8,10 +8,12 @@ the job's elasticity controller on the next free port from `base_port` and retur
 tag that tells the instance agents where it is (read from the instance metadata on AWS, from
 the instance's tags offline).
 Every `step(now_s)` reports each hosted job's training to the store (the dashboard and
-/metrics read it) and, with `work_from_iterations`, sets its work done to the fraction of
-iterations done times the job's work, which is what BidBrain's cost per unit of work divides
-by (the offline world counts simulated work on its faster clock instead); a job that has
-ended has its elasticity controller stopped (nodes are told to shut down).
+/metrics read it), sets its work done to the fraction of iterations done times the job's work
+(`work_from_iterations`: what BidBrain's cost per unit of work divides by, on AWS and offline
+alike) and, with `instance_work_from_nodes`, each node's measured work (BidBrain learns the
+job's work rates from it; the offline world's instances report theirs on its market clock
+instead); a job that has ended has its elasticity controller stopped (nodes are told to shut
+down). `outcome` tells the controller how far a job trained and why it was aborted.
 
 Failure semantics: an elasticity controller that cannot bind tries the next port (up to
 `max_jobs`); a store write that fails is logged and the next step writes the (cumulative)
@@ -50,6 +52,7 @@ from orchestrator.artifacts import (
     folder_name,
 )
 from orchestrator.cloud.instances import TAG_AGILEML_CONTROLLER, TAG_PARALLELISM
+from orchestrator.controller.outcomes import TrainingOutcome
 from orchestrator.errors import UserError
 from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
 from orchestrator.store import (
@@ -153,12 +156,14 @@ class TrainingHost:
         base_port: int = DEFAULT_BASE_PORT,
         max_jobs: int = MAX_HOSTED_TRAINING_JOBS,
         work_from_iterations: bool = True,
+        instance_work_from_nodes: bool = True,
         artifacts_root: Folder | str | Path | None = None,
         checkpoint_every_s: float = 600.0,
         checkpoints: bool = True,
     ) -> None:
         self.store = store
         self.work_from_iterations = work_from_iterations
+        self.instance_work_from_nodes = instance_work_from_nodes
         self.artifacts_root = None if artifacts_root is None else folder_at(artifacts_root)
         self.checkpoint_every_s = checkpoint_every_s
         # checkpoints (and uploaded code) need a store the job's nodes and this host share:
@@ -233,6 +238,32 @@ class TrainingHost:
             if job.state.is_terminal:
                 self._stop(job_id)
 
+    def outcome(self, job: JobRecord) -> TrainingOutcome | None:
+        """How far the job trained (None: it does not train): from its hosted runtime, else
+        (not hosted yet, or not again since a restart) the last iteration reported."""
+        spec = training_spec_of(job)
+        if spec is None:
+            return None
+        hosted = self.hosted(job.job_id)
+        if hosted is None:
+            last = self.store.latest_training(job.job_id)
+            return TrainingOutcome(last.iteration if last is not None else 0, spec.iterations)
+        error = hosted.error
+        return TrainingOutcome(
+            iterations_done=hosted.progress().iteration,
+            iterations=spec.iterations,
+            done=hosted.done and error is None,  # an aborted job is `done` too
+            error=error,
+        )
+
+    def final_weights(self, job_id: str) -> str | None:
+        """Where the job's final weights are (None: not written, or no artifact store)."""
+        artifacts = self.artifacts(job_id)
+        if artifacts is None or not artifacts.has_final():
+            return None
+        where = artifacts.final.location.split("?", 1)[0]  # an S3 endpoint's query left out
+        return f"{where}/{WEIGHTS}"
+
     def artifacts(self, job_id: str) -> JobArtifacts | None:
         """The job's artifacts folder, None without an artifacts root."""
         return None if self.artifacts_root is None else JobArtifacts(self.artifacts_root, job_id)
@@ -297,7 +328,7 @@ class TrainingHost:
             latest = artifacts.latest_checkpoint()
             if latest is not None and not latest.exists(WEIGHTS):
                 training.save_checkpoint_weights(latest, latest)
-            if training.done or job.state.is_terminal:
+            if (training.done and training.error is None) or job.state.is_terminal:
                 self.save_final(job.job_id)
         except Exception as exc:  # noqa: BLE001 - a full disk, a torn file: log, try again
             log.warning("artifacts of %s not written: %r", job.job_id, exc)
@@ -347,11 +378,14 @@ class TrainingHost:
                 stages=tuple(PipelineStageReport(**st) for st in training.stages()),
             ),
         )
-        if self.work_from_iterations and not job.state.is_terminal:
-            work = float(job.spec.get("work_gpu_hours", 0.0))
+        if job.state.is_terminal:
+            return
+        work = float(job.spec.get("work_gpu_hours", 0.0))
+        if self.work_from_iterations:
             done = min(1.0, status.iteration / training.spec.iterations) * work
             if done > job.work_done_gpu_hours:
                 self.store.update_progress(job.job_id, done, now_s)
+        if self.instance_work_from_nodes:
             self.store.record_instance_work(
                 job.job_id, self._node_work.totals(job.job_id, training, work)
             )

@@ -14,7 +14,7 @@ model, BidBrain's knobs and the job concurrency.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.aws import aws_client
@@ -22,6 +22,7 @@ from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.controller.core import Controller
+from orchestrator.controller.outcomes import JobTraining
 from orchestrator.errors import UserError
 from orchestrator.market.billing import billing_model
 from orchestrator.market.catalog import Catalog
@@ -96,8 +97,7 @@ def build_controller(
     prices: PriceSource | None = None,
     client: Any = None,
     catalog: Catalog | None = None,
-    launch_tags: Callable[[str], Mapping[str, str]] | None = None,
-    on_job_stop: Callable[[str], None] | None = None,
+    training: JobTraining | None = None,
 ) -> Controller:
     """A controller over `store` configured by `settings` (see the module docstring).
 
@@ -107,9 +107,8 @@ def build_controller(
         prices: where spot prices come from (default: `price_source(settings)`).
         client: the boto3 EC2 client for the defaults (default: `ec2_client(settings)`).
         catalog: instance types and work rates (default: the bundled catalog).
-        launch_tags: more tags for a job's launches (the training host's address).
-        on_job_stop: called before a job's instances go at its end (the training host's
-            final weights).
+        training: the jobs' training (the training host: launch tags, final weights, how
+            far each job trained).
 
     Raises:
         UserError: a setting cannot be used (e.g. an unknown billing model).
@@ -132,7 +131,6 @@ def build_controller(
         catalog=catalog,
         settings=settings.bidbrain,
         image_id=settings.controller.image_id,
-        launch_tags=launch_tags,
-        on_job_stop=on_job_stop,
+        training=training,
         max_running_jobs=settings.controller.max_running_jobs,
     )

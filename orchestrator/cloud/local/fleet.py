@@ -15,8 +15,10 @@ Each `step()`:
 3. stops (SIGTERM, SIGKILL after `AGENT_STOP_TIMEOUT_SECONDS`) the agents of instances that are
    no longer running, and their metadata mocks;
 4. sums each job's `{ns}:job:{job_id}:agent-work` hash (`cloud.local.reports`) and hands it to
-   `record_progress` (the store's `update_progress` in the demo: the fleet is the only writer
-   of a job's progress).
+   `record_progress` (the store's `update_progress`), except for a job that trains: its work
+   done is what it trained, which the controller's training host counts from its iterations
+   as on AWS. Each instance's simulated work (at its type's rate on the market clock) goes to
+   `record_instance_work` for every job: BidBrain learns the job's work rates from it.
 
 A typical instance: launched (pending) -> step: running, agent + mock started -> the agent
 reports work after σ -> replayer: notice on the mock, agent stops counting at the eviction
@@ -166,7 +168,8 @@ class LocalFleet:
         training_token: the AgileML token of the jobs that train (handed to their agents in
             the environment, never on argv); an instance trains when it carries the
             `orchestrator:agileml-controller` tag its controller launched it with.
-        record_progress: receives each job's summed work at every step (default: dropped).
+        record_progress: receives the summed work of each job that does not train, at every
+            step (default: dropped).
         record_instance_work: receives each job's work per instance at every step (the
             store's `record_instance_work`: BidBrain learns the job's rates from it).
         true_work_rates: the rate per GPU model the agents work at, where the world's jobs
@@ -225,6 +228,7 @@ class LocalFleet:
         self._agents_tmp = tempfile.TemporaryDirectory(prefix="orchestrator-agents-")
         self.nodes: dict[str, LocalNode] = {}
         self._jobs: set[str] = set()
+        self._training_jobs: set[str] = set()  # their progress is what they trained
         self._redis = redis.Redis.from_url(
             redis_url,
             socket_timeout=REDIS_TIMEOUT_SECONDS,
@@ -345,7 +349,7 @@ class LocalFleet:
         for job_id in sorted(self._jobs):
             try:
                 total = sum(self.work_of(job_id).values())
-                if self.record_progress is not None:
+                if self.record_progress is not None and job_id not in self._training_jobs:
                     self.record_progress(job_id, total, now)
                 if self.record_instance_work is not None:
                     self.record_instance_work(job_id, self._worked(job_id))
@@ -378,6 +382,8 @@ class LocalFleet:
         if instance.job_id is None or (work_rate <= 0 and not trains):
             return node  # not a job's instance, or a CPU node with nothing to train
         self._jobs.add(instance.job_id)
+        if trains:
+            self._training_jobs.add(instance.job_id)
         mock = MetadataMock(instance.instance_id, tags=self._tags_of(instance))
         try:
             mock.start()

@@ -180,29 +180,6 @@ def test_cancelling_a_running_job_terminates_its_instances(store, ec2, prices) -
     assert InMemoryCloud(REGION, "ctl", ec2=ec2).describe() == []
 
 
-def test_a_finished_job_is_told_to_save_its_weights_before_its_instances_go(
-    store, ec2, prices
-) -> None:
-    seen: list[tuple[str, int]] = []  # (job, its instances alive when the hook ran)
-    cloud = InMemoryCloud(REGION, "ctl", ec2=ec2)
-
-    def on_job_stop(job_id: str) -> None:
-        seen.append((job_id, len(cloud.describe())))
-        raise RuntimeError("a full disk")  # the instances must go all the same
-
-    ctl = build_controller(
-        Settings(), store=store, cloud=cloud, prices=prices, on_job_stop=on_job_stop
-    )
-    submit(store)
-    ctl.tick(T0)
-    alive = len(cloud.describe())
-    store.update_progress("job-1", 40.0, T0 + 60)  # all the work is done
-    report = ctl.tick(T0 + 120.0)
-    assert report.finished == {"job-1": JobState.SUCCEEDED}
-    assert seen == [("job-1", alive)] and alive > 0
-    assert cloud.describe() == []
-
-
 def test_a_job_out_of_slack_gets_on_demand_gpus_from_the_controller(store, ec2, prices) -> None:
     """A deadline the work only just meets at max_gpus: the first tick is at the point of no
     return, so the controller launches on-demand GPUs (and the reliable node), not spot."""

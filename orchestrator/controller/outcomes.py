@@ -1,0 +1,61 @@
+"""What the controller asks of a job's training (the training host answers): where its
+instances find its runtime, its weights kept before they go, and how far it trained.
+
+A job that trains ends `succeeded` only when every iteration is trained and its final weights
+are in the artifact store, and `failed` with the runtime's reason (the user's error, with its
+traceback's end) when its training was aborted: never from work counted some other way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from orchestrator.store.models import JobRecord
+
+
+@dataclass(frozen=True)
+class TrainingOutcome:
+    """How far a job's training is: `iterations_done` of `iterations`, whether the runtime
+    finished them all (`done`) and, if it was aborted, why (`error`)."""
+
+    iterations_done: int
+    iterations: int
+    done: bool = False
+    error: str | None = None
+
+    @property
+    def trained(self) -> bool:
+        """Every iteration trained, nothing aborted."""
+        return self.done and self.error is None
+
+    @property
+    def untrained_fraction(self) -> float:
+        """The share of the job's iterations not trained yet: 0 once trained, and never 0
+        before (the last iterations count as half of one until the runtime says done)."""
+        if self.trained:
+            return 0.0
+        done = min(max(self.iterations_done, 0), self.iterations)
+        return max(1.0 - done / self.iterations, 0.5 / self.iterations)
+
+
+class JobTraining(Protocol):
+    """The controller's one port to the jobs' training (`controller.training.TrainingHost`)."""
+
+    def tags_for(self, job_id: str) -> Mapping[str, str]:
+        """More launch tags for the job's next instance (where its runtime listens)."""
+        ...
+
+    def save_final(self, job_id: str) -> None:
+        """Keep the job's final weights now, before its instances go (an error is logged by
+        the caller, and the instances go all the same)."""
+        ...
+
+    def outcome(self, job: JobRecord) -> TrainingOutcome | None:
+        """How far the job trained; None for a job that does not train."""
+        ...
+
+    def final_weights(self, job_id: str) -> str | None:
+        """Where the job's final weights are in the artifact store (None: not there)."""
+        ...

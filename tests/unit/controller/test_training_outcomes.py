@@ -1,0 +1,134 @@
+"""A training job ends as its training did: `succeeded` only with every iteration trained and
+its final weights stored, `failed` with the runtime's error (the user's traceback), and never
+from work counted some other way (the offline world's market-clock work)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from orchestrator.cloud.memory import InMemoryCloud, InMemoryEC2
+from orchestrator.controller.core import Controller
+from orchestrator.controller.outcomes import TrainingOutcome
+from orchestrator.controller.wiring import build_controller
+from orchestrator.jobspec import JobSubmission
+from orchestrator.market.prices import to_epoch_seconds
+from orchestrator.market.trace_source import TracePriceSource
+from orchestrator.settings import Settings
+from orchestrator.store import EventKind, JobRecord, JobState, MemoryStore
+
+T0 = to_epoch_seconds("2020-02-03T00:00:00Z")  # as conftest's
+REGION = "us-east-1"
+WORK = 40.0
+
+
+class FakeTraining:
+    """The controller's training port, told what to say (the training host in production)."""
+
+    def __init__(self, cloud: InMemoryCloud) -> None:
+        self.cloud = cloud
+        self.outcome_now: TrainingOutcome | None = TrainingOutcome(0, 100)
+        self.weights: str | None = None
+        self.saved: list[tuple[str, int]] = []  # (job, its instances alive when saving)
+        self.save_fails = False
+
+    def tags_for(self, job_id: str) -> Mapping[str, str]:
+        return {"orchestrator:agileml-controller": "tcp://127.0.0.1:29500"}
+
+    def save_final(self, job_id: str) -> None:
+        self.saved.append((job_id, len(self.cloud.describe())))
+        if self.save_fails:
+            raise RuntimeError("a full disk")  # the instances must go all the same
+        if self.outcome_now is not None and self.outcome_now.trained:
+            self.weights = f"s3://bucket/artifacts/{job_id}/final/model.safetensors"
+
+    def outcome(self, job: JobRecord) -> TrainingOutcome | None:
+        return self.outcome_now
+
+    def final_weights(self, job_id: str) -> str | None:
+        return self.weights
+
+
+def _world(
+    store: MemoryStore, ec2: InMemoryEC2, prices: TracePriceSource
+) -> tuple[Controller, FakeTraining, InMemoryCloud]:
+    cloud = InMemoryCloud(REGION, "ctl", ec2=ec2)
+    training = FakeTraining(cloud)
+    ctl = build_controller(Settings(), store=store, cloud=cloud, prices=prices, training=training)
+    sub = JobSubmission(
+        name="trains", budget_usd=200.0, work_gpu_hours=WORK, max_gpus=8.0,
+        instance_types=("p3.2xlarge", "p3.8xlarge", "p3.16xlarge"),
+    )  # fmt: skip
+    store.create_job(JobRecord.submit("job-1", sub.model_dump(mode="json"), 200.0, T0))
+    ctl.tick(T0)
+    assert store.list_instances("job-1", alive_only=True)
+    return ctl, training, cloud
+
+
+def test_a_job_whose_work_is_counted_done_but_not_trained_does_not_succeed(
+    store, ec2, prices
+) -> None:
+    ctl, training, cloud = _world(store, ec2, prices)
+    training.outcome_now = TrainingOutcome(iterations_done=30, iterations=100)
+    store.update_progress("job-1", WORK, T0 + 60)  # the market clock's work: all of it
+    report = ctl.tick(T0 + 120.0)
+    assert report.finished == {}
+    assert store.get_job("job-1").state is JobState.RUNNING
+    assert cloud.describe(), "the job keeps its instances: 70% of it is not trained"
+    decision = [e for _, e in store.events("job-1") if e.kind is EventKind.DECISION][-1]
+    assert decision.work_done_gpu_hours == WORK  # what was counted, shown as it is
+
+
+def test_a_trained_job_succeeds_with_its_weights_saved_before_its_instances_go(
+    store, ec2, prices
+) -> None:
+    ctl, training, cloud = _world(store, ec2, prices)
+    alive = len(cloud.describe())
+    training.outcome_now = TrainingOutcome(iterations_done=100, iterations=100, done=True)
+    report = ctl.tick(T0 + 120.0)  # no work counted: trained is done
+    assert report.finished == {"job-1": JobState.SUCCEEDED}
+    assert training.saved == [("job-1", alive)] and alive > 0
+    job = store.get_job("job-1")
+    assert job.work_done_gpu_hours == WORK  # trained is all of the work, reported or not
+    assert job.message == (
+        "trained 100 iterations; final weights at "
+        "s3://bucket/artifacts/job-1/final/model.safetensors"
+    )
+    assert cloud.describe() == []
+
+
+def test_a_trained_job_whose_weights_cannot_be_written_fails_saying_so(store, ec2, prices) -> None:
+    ctl, training, cloud = _world(store, ec2, prices)
+    training.outcome_now = TrainingOutcome(iterations_done=100, iterations=100, done=True)
+    training.save_fails = True
+    report = ctl.tick(T0 + 120.0)
+    assert report.finished == {"job-1": JobState.FAILED}
+    assert "final weights could not be written" in store.get_job("job-1").message
+    assert cloud.describe() == []  # the instances went all the same
+    assert len(training.saved) == 2  # tried again once they were gone (from a checkpoint)
+
+
+def test_a_job_whose_training_aborted_fails_with_the_error_and_releases_its_instances(
+    store, ec2, prices
+) -> None:
+    ctl, training, cloud = _world(store, ec2, prices)
+    error = (
+        "the job's code failed on node t1: the scheduler's step on a parameter server raised "
+        "ValueError: Tried to step 101 times.\nTraceback (the job's frames, ...)"
+    )
+    training.outcome_now = TrainingOutcome(40, 100, done=True, error=error)
+    report = ctl.tick(T0 + 120.0)
+    assert report.finished == {"job-1": JobState.FAILED}
+    job = store.get_job("job-1")
+    assert job.message == f"training failed: {error}"
+    assert cloud.describe() == [] and store.list_instances("job-1", alive_only=True) == []
+    states = [e for _, e in store.events("job-1") if e.kind is EventKind.STATE]
+    assert states[-1].state is JobState.FAILED and "Tried to step 101 times" in states[-1].message
+
+
+def test_outcomes_count_untrained_work() -> None:
+    assert TrainingOutcome(25, 100).untrained_fraction == 0.75
+    # every iteration counted but not `done` yet: half of one is left until the runtime says so
+    assert TrainingOutcome(100, 100).untrained_fraction == 0.005
+    assert TrainingOutcome(100, 100, done=True).trained
+    assert not TrainingOutcome(40, 100, done=True, error="boom").trained
+    assert TrainingOutcome(40, 100, done=True, error="boom").untrained_fraction == 0.6
