@@ -103,6 +103,9 @@ PIPELINE_TRAINING: dict[str, Any] = {
 }
 #: The moto bucket that holds the demo's artifacts (uploaded code, checkpoints, weights).
 ARTIFACT_BUCKET = "orchestrator-demo"
+#: Real seconds without an iteration trained (its instances running) before they are
+#: released (`controller.stall_after_s`, in the market's seconds: this times the speed).
+STALL_AFTER_WALL_S = 120.0
 #: Real seconds between two checkpoints of the demo job.
 CHECKPOINT_EVERY_WALL_S = 10.0
 
@@ -160,7 +163,12 @@ def demo_settings(*, speed: float, start: str) -> Settings:
             token=SecretStr(secrets.token_hex(16)), read_token=SecretStr(secrets.token_hex(16))
         ),
         controller=ControllerSettings(
-            prices=(bundled_prices_dir(REGION),), replay_start=start, speed=speed
+            prices=(bundled_prices_dir(REGION),),
+            replay_start=start,
+            speed=speed,
+            # the demo trains at this machine's speed while its market clock runs `speed`
+            # times faster: a stall is judged on the training's (wall) time
+            stall_after_s=STALL_AFTER_WALL_S * speed,
         ),
     )
 
@@ -253,6 +261,7 @@ def _offline_world(
                 true_work_rates=true_work_rates,
             )  # fmt: skip
         )
+        controller.instance_logs = fleet  # a stall's event names the agents' last lines
         where = f"Redis {redis.url}, EC2 and S3 (moto) {aws.endpoint_url}"
         yield _World(
             store, clock, client, controller, replayer, fleet, training, artifacts, server, where

@@ -246,6 +246,14 @@ class ControllerSettings(BaseModel):
         "ami-orchestrator",
         description="the AMI of workers launched without a launch template (moto accepts any)",
     )
+    stall_after_s: Annotated[float, Field(gt=0, le=30 * 86400, allow_inf_nan=False)] = Field(
+        600.0,
+        description="a training job whose instances have run this long (market seconds) "
+        "without an iteration trained has them released",
+    )
+    stall_attempts: Annotated[int, Field(ge=1, le=100)] = Field(
+        3, description="the stall that fails the job: after this many releases for no progress"
+    )
 
     @field_validator("billing")
     @classmethod

@@ -103,7 +103,9 @@ log = logging.getLogger(__name__)
 LIVE_STATES = (NodeState.ACTIVE, NodeState.READY, NodeState.LEAVING)
 
 SENDER = "coordinator"
-CONTROL_TIMEOUT_SECONDS = 15.0  # a configure, hand-off or restore op on a node
+CONTROL_TIMEOUT_SECONDS = 15.0  # reading the parameters from the servers
+#: The longest a control op (configure, hand-off, restore) waits on a node that heartbeats.
+LIVE_CALL_CAP_SECONDS = 120.0
 #: A control call stops waiting on a node silent for this many failure timeouts: by then the
 #: detector has failed it (a busy node that answers late would otherwise be taken for dead).
 GONE_AFTER = 3.0
@@ -708,12 +710,13 @@ class Coordinator:
     def _call(self, client: ControlClient, node: str, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             endpoint = self._nodes[node].endpoint
-        # configure is quick; a node that cannot answer it soon is as good as failed
-        quick = max(2.0, 2 * self.spec.failure_timeout_s)
-        timeout = quick if body["op"] == "configure" else CONTROL_TIMEOUT_SECONDS
+        # slow is not dead: a node is waited on while it heartbeats (a busy machine answers
+        # late) and given up on once it is silent for GONE_AFTER failure timeouts (the
+        # detector fails it meanwhile); the cap bounds a live node that never answers
+        timeout = LIVE_CALL_CAP_SECONDS
         if body["op"] == "handoff":  # each move may wait out its receiver's ack
             timeout += len(body["moves"]) * HANDOFF_TIMEOUT_SECONDS
-        try:  # a node silent for long is not waited on (the detector fails it meanwhile)
+        try:
             out = client.call(endpoint, body, timeout, gone=lambda: self._silent(node, GONE_AFTER))
         except ControlError as exc:
             raise AgileMLError(f"{body['op']} on {node}: {exc.reason}") from exc

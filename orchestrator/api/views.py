@@ -28,6 +28,7 @@ from orchestrator.store.events import (
     NoticeEvent,
     ReconcileEvent,
     ReleaseEvent,
+    StallEvent,
     StateEvent,
     WorkRatesEvent,
 )
@@ -325,6 +326,12 @@ def describe_event(event: Event) -> str:
             return f"state {event.state.value}" + (f": {event.message}" if event.message else "")
         case ReconcileEvent():
             return f"{event.instance_id}: {event.action} (found running, not in the records)"
+        case StallEvent():
+            return (
+                f"no progress for {event.stalled_s / 60:.0f} min at iteration {event.iteration}"
+                f": released {len(event.released)} instances (stall {event.attempt} of "
+                f"{event.attempts}); {event.reason}"
+            )
         case WorkRatesEvent():
             return "learned work rates: " + "; ".join(
                 f"{model} {r.learned:.3g} (prior {r.prior:.3g}, 90% {r.low:.3g}-{r.high:.3g}, "

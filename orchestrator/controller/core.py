@@ -43,8 +43,10 @@ from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.cloud.reconcile import Reconciler
 from orchestrator.controller.market_view import MarketView, price_at
-from orchestrator.controller.outcomes import JobTraining, TrainingOutcome
+from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.rates import RateLearning
+from orchestrator.controller.stall import StallWatch
+from orchestrator.controller.training_gate import TrainingGate
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import BillingModel, EndReason
 from orchestrator.market.catalog import Catalog
@@ -62,6 +64,7 @@ from orchestrator.store.events import (
     NoticeEvent,
     ReconcileEvent,
     ReleaseEvent,
+    StallEvent,
     StateEvent,
 )
 from orchestrator.store.models import (
@@ -109,6 +112,9 @@ class Controller:
             instances where its runtime is, its final weights kept just before its instances
             go (an error there is logged and the instances go all the same), and how far it
             trained (a training job succeeds only trained, and fails with its runtime's error).
+        stall_after_s, stall_attempts: a training job whose instances run this long (market
+            seconds) without an iteration trained has them released; the last attempt fails
+            it (see `controller.stall`).
         max_running_jobs: jobs run side by side, each on its own budget; with a limit, queued
             jobs wait (oldest first) until fewer than this many run — 1 runs them in sequence.
     """
@@ -127,6 +133,8 @@ class Controller:
         user_data: Callable[[str, str], str] | None = None,
         training: JobTraining | None = None,
         max_running_jobs: int | None = None,
+        stall_after_s: float = 600.0,
+        stall_attempts: int = 3,
     ) -> None:
         if max_running_jobs is not None and max_running_jobs < 1:
             raise ValueError("max_running_jobs must be at least 1 (or None: no limit)")
@@ -142,6 +150,15 @@ class Controller:
         self.image_id = image_id
         self.user_data = user_data
         self.training = training
+        self.instance_logs: InstanceLogs | None = None  # the offline world's agents' logs
+        stalls = StallWatch(
+            stall_after_s=stall_after_s,
+            attempts=stall_attempts,
+            stalls_so_far=lambda job_id: sum(
+                1 for _, e in store.events(job_id) if isinstance(e, StallEvent)
+            ),
+        )
+        self._gate = TrainingGate(training, stalls) if training is not None else None
         self._notices: list[InterruptionNotice] = []
         self._doomed: set[str] = set()
         self._prices_seen: dict[str, dict[str, float]] = {}  # job -> the last prices recorded
@@ -267,11 +284,18 @@ class Controller:
         spec = self._rates.spec_for(job.job_id, submission.job_spec(), now_s)
         remaining = max(spec.work_gpu_hours - job.work_done_gpu_hours, 0.0)
         training = self.training.outcome(job) if self.training is not None else None
-        if training is not None:
-            if training.error is not None:
+        if training is not None and self._gate is not None:
+            alive = self.store.list_instances(job.job_id, alive_only=True)
+            verdict = self._gate.judge(job, training, alive, now_s, self.instance_logs)
+            if verdict.stall is not None:  # released for want of progress
+                for rec in alive:
+                    self._terminate(rec, history, now_s, EndReason.RELEASED, report)
+                self._log(verdict.stall)
+            elif verdict.fail is not None:
                 self._stop_job(job, history, now_s, EndReason.RELEASED, report)
-                message = f"training failed: {training.error}"
-                self._finish(job, JobState.FAILED, now_s, message, report)
+            if verdict.fail is not None:
+                self._finish(job, JobState.FAILED, now_s, verdict.fail, report)
+            if verdict.stops:
                 return
             # the work left is at least what is not trained yet (the offline world counts
             # work on its faster market clock), and none once every iteration is
@@ -414,31 +438,15 @@ class Controller:
         now_s: float,
         report: TickReport,
     ) -> None:
-        """End a job whose work is done: succeeded, and for a training job only with its
-        final weights in the artifact store (they were saved as its instances went)."""
-        if training is not None and job.work_done_gpu_hours < work_gpu_hours:
-            # trained to the end: its work is done, though the last report may lag
-            self.store.update_progress(job.job_id, work_gpu_hours, now_s)
-        if training is None:
+        """End a job whose work is done: succeeded; a training job as `TrainingGate.done`."""
+        if training is None or self._gate is None:
             self._finish(job, JobState.SUCCEEDED, now_s, "all work done", report)
             return
-        assert self.training is not None  # an outcome comes from it
-        weights = self.training.final_weights(job.job_id)
-        if weights is None:  # its instances were gone before it ended: from a checkpoint
-            try:
-                self.training.save_final(job.job_id)
-            except Exception:  # noqa: BLE001 - the job fails with the reason below
-                log.exception("saving the final weights failed", extra={"job_id": job.job_id})
-            weights = self.training.final_weights(job.job_id)
-        if weights is None:
-            message = (
-                f"trained {training.iterations} iterations, but the final weights could not "
-                "be written to the artifact store (see the controller's log)"
-            )
-            self._finish(job, JobState.FAILED, now_s, message, report)
-            return
-        message = f"trained {training.iterations} iterations; final weights at {weights}"
-        self._finish(job, JobState.SUCCEEDED, now_s, message, report)
+        if job.work_done_gpu_hours < work_gpu_hours:
+            # trained to the end: its work is done, though the last report may lag
+            self.store.update_progress(job.job_id, work_gpu_hours, now_s)
+        state, message = self._gate.done(job, training)
+        self._finish(job, state, now_s, message, report)
 
     def _finish(
         self, job: JobRecord, state: JobState, now_s: float, message: str, report: TickReport
@@ -449,6 +457,8 @@ class Controller:
         self._prices_seen.pop(job.job_id, None)
         self._evictions.pop(job.job_id, None)
         self._rates.forget(job.job_id)
+        if self._gate is not None:
+            self._gate.forget(job.job_id)
 
     # -- records ----------------------------------------------------------------------------
     def _record_launch(self, inst: CloudInstance, now_s: float) -> None:

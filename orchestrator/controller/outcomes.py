@@ -59,3 +59,15 @@ class JobTraining(Protocol):
     def final_weights(self, job_id: str) -> str | None:
         """Where the job's final weights are in the artifact store (None: not there)."""
         ...
+
+    def diagnose(self, job_id: str) -> str:
+        """One line on what the job's runtime sees (for a stall's event)."""
+        ...
+
+
+class InstanceLogs(Protocol):
+    """Where the world can read an instance's agent's log (offline: the local agents')."""
+
+    def last_log_line(self, instance_id: str) -> str | None:
+        """The agent's last log line (None: not known)."""
+        ...

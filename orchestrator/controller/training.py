@@ -264,6 +264,20 @@ class TrainingHost:
         where = artifacts.final.location.split("?", 1)[0]  # an S3 endpoint's query left out
         return f"{where}/{WEIGHTS}"
 
+    def diagnose(self, job_id: str) -> str:
+        """What the job's runtime sees: which nodes it heard from, and its last events."""
+        hosted = self.hosted(job_id)
+        if hosted is None:
+            return "its runtime is not hosted here"
+        heard = sorted(hosted.node_work())
+        text = (
+            f"its runtime at {self.endpoint(job_id)} heard from no node"
+            if not heard
+            else f"its runtime heard from {', '.join(heard)}"
+        )
+        events = hosted.events()[-3:]
+        return text + (f" (last events: {' | '.join(events)})" if events else "")
+
     def artifacts(self, job_id: str) -> JobArtifacts | None:
         """The job's artifacts folder, None without an artifacts root."""
         return None if self.artifacts_root is None else JobArtifacts(self.artifacts_root, job_id)

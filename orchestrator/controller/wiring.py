@@ -132,5 +132,7 @@ def build_controller(
         settings=settings.bidbrain,
         image_id=settings.controller.image_id,
         training=training,
+        stall_after_s=settings.controller.stall_after_s,
+        stall_attempts=settings.controller.stall_attempts,
         max_running_jobs=settings.controller.max_running_jobs,
     )

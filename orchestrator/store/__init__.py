@@ -36,6 +36,7 @@ from orchestrator.store.events import (
     NoticeEvent,
     ReconcileEvent,
     ReleaseEvent,
+    StallEvent,
     StateEvent,
     WorkRatesEvent,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "NoticeEvent",
     "PriceSnapshot",
     "ReconcileEvent",
+    "StallEvent",
     "WorkRatesEvent",
     "RedisStore",
     "ReleaseEvent",

@@ -32,6 +32,7 @@ class EventKind(StrEnum):
     NOTICE = "notice"  # an interruption notice arrived
     RECONCILE = "reconcile"  # the controller corrected its records from what the cloud reports
     WORK_RATES = "work_rates"  # the rates the job is decided with changed (learned)
+    STALL = "stall"  # a training job made no progress: its instances were released
 
 
 class _EventBase(BaseModel):
@@ -131,6 +132,20 @@ class ReleaseEvent(_EventBase):
     reason: str
 
 
+class StallEvent(_EventBase):
+    """A training job trained no iteration for `stalled_s` market seconds while its instances
+    ran: they were released (`released`), the `attempt`-th time; `reason` says what was seen
+    (the runtime's view, an agent's last log line)."""
+
+    kind: Literal[EventKind.STALL] = EventKind.STALL
+    attempt: Annotated[int, Field(ge=1)]
+    attempts: Annotated[int, Field(ge=1)]  # the attempt that fails the job
+    stalled_s: Annotated[float, Field(ge=0)]
+    iteration: Annotated[int, Field(ge=0)]
+    released: tuple[RecordId, ...] = ()
+    reason: str = ""
+
+
 class ReconcileEvent(_EventBase):
     """The controller corrected its records: `adopt` = an instance EC2 runs under our tag
     that the store did not know (launched just before a crash)."""
@@ -149,6 +164,7 @@ Event = Annotated[
     | NoticeEvent
     | ReleaseEvent
     | ReconcileEvent
+    | StallEvent
     | WorkRatesEvent,
     Field(discriminator="kind"),
 ]

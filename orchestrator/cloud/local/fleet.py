@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 AGENT_STOP_TIMEOUT_SECONDS = 5.0
 REDIS_TIMEOUT_SECONDS = 2.0
 LOG_TAIL_CHARS = 2000
+MAX_LOG_LINE_CHARS = 500  # of an agent's last log line, in a stall's event
 
 #: What the fleet does with a job's summed work: (job_id, GPU-hours, now_s).
 RecordProgress = Callable[[str, float, float], object]
@@ -296,6 +297,13 @@ class LocalFleet:
                     )
         report.progress = self._record_progress(now)
         return report
+
+    def last_log_line(self, instance_id: str) -> str | None:
+        """The last line its agent logged (None: no agent, or nothing logged yet); the
+        controller names it when it releases a job's instances for want of progress."""
+        node = self.nodes.get(instance_id)
+        lines = _tail(node.log_path if node is not None else None).strip().splitlines()
+        return lines[-1][-MAX_LOG_LINE_CHARS:] if lines else None
 
     def _worked(self, job_id: str) -> dict[str, tuple[float, float]]:
         """Each instance's work and the hours it worked for it, from its last heartbeat (one

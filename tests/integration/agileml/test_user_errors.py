@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.local import LocalJob
 from orchestrator.agileml.trainrun import TrainPlan, train_locally
 
 JOB = Path(__file__).parents[2] / "support" / "jobs" / "digits_failing.py"
@@ -50,3 +53,22 @@ def test_train_exits_1_with_the_users_traceback_on_the_console(tmp_path: Path) -
     assert "ValueError: Tried to step 21 times" in run.stderr
     assert "lr_scheduler.py" in run.stderr  # the frames where it raised
     assert "Traceback (most recent call last)" not in run.stderr  # not ours: the user's
+
+
+def test_a_node_that_cannot_load_the_job_aborts_it_with_the_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No check ran before (as through the controller, where the nodes load the job on their
+    instances): the first node's load fails, and the job is aborted with the user's error."""
+    monkeypatch.setenv("ORCHESTRATOR_TEST_FAIL", "data")
+    spec = TrainingSpec(job_id="no-data", code=str(JOB), global_batch=64, iterations=50,
+                        num_partitions=1, min_nodes=2, failure_timeout_s=2.0)  # fmt: skip
+    with LocalJob(spec, log_dir=tmp_path) as job:
+        job.add_node("r0", NodeTier.RELIABLE)
+        job.add_node("t0", NodeTier.TRANSIENT)
+        assert job.coordinator.wait_done(60), job.coordinator.events()
+        error = job.coordinator.error
+    assert error is not None and "the job's code failed on node" in error
+    assert "dataset() raised FileNotFoundError" in error, error
+    assert 'digits_failing.py", line' in error  # the frame where it raised
+    assert "the user's data is not on this node" in error

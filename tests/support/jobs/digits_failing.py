@@ -1,7 +1,8 @@
 """A test job whose own code fails mid-run, deterministically, where the environment says:
 `ORCHESTRATOR_TEST_FAIL=schedule` gives it a OneCycleLR of 20 steps (it raises on the
 parameter servers at the 21st update), `ORCHESTRATOR_TEST_FAIL=loss` a loss that raises on a
-worker after its 15th call (a node's check and warm-up calls count)."""
+worker after its 15th call (a node's check and warm-up calls count), `ORCHESTRATOR_TEST_FAIL=data`
+a data set that cannot be built (a node fails as it loads the job)."""
 
 import os
 
@@ -19,6 +20,8 @@ def model() -> nn.Module:
 
 
 def dataset() -> TensorDataset:
+    if FAIL == "data":
+        raise FileNotFoundError("/data/digits.npz: the user's data is not on this node")
     x, y = load_digits(return_X_y=True)
     return TensorDataset(torch.tensor(x[:1500] / 16.0, dtype=torch.float32), torch.tensor(y[:1500]))
 

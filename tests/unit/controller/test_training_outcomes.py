@@ -13,8 +13,8 @@ from orchestrator.controller.wiring import build_controller
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.prices import to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource
-from orchestrator.settings import Settings
-from orchestrator.store import EventKind, JobRecord, JobState, MemoryStore
+from orchestrator.settings import ControllerSettings, Settings
+from orchestrator.store import EventKind, JobRecord, JobState, MemoryStore, StallEvent
 
 T0 = to_epoch_seconds("2020-02-03T00:00:00Z")  # as conftest's
 REGION = "us-east-1"
@@ -47,13 +47,22 @@ class FakeTraining:
     def final_weights(self, job_id: str) -> str | None:
         return self.weights
 
+    def diagnose(self, job_id: str) -> str:
+        return "its runtime heard from no node"
+
+
+class AgentLogs:
+    def last_log_line(self, instance_id: str) -> str | None:
+        return f"{instance_id}: ModuleNotFoundError: No module named 'transformers'"
+
 
 def _world(
-    store: MemoryStore, ec2: InMemoryEC2, prices: TracePriceSource
+    store: MemoryStore, ec2: InMemoryEC2, prices: TracePriceSource, settings: Settings | None = None
 ) -> tuple[Controller, FakeTraining, InMemoryCloud]:
     cloud = InMemoryCloud(REGION, "ctl", ec2=ec2)
     training = FakeTraining(cloud)
-    ctl = build_controller(Settings(), store=store, cloud=cloud, prices=prices, training=training)
+    settings = settings or Settings()
+    ctl = build_controller(settings, store=store, cloud=cloud, prices=prices, training=training)
     sub = JobSubmission(
         name="trains", budget_usd=200.0, work_gpu_hours=WORK, max_gpus=8.0,
         instance_types=("p3.2xlarge", "p3.8xlarge", "p3.16xlarge"),
@@ -132,3 +141,50 @@ def test_outcomes_count_untrained_work() -> None:
     assert TrainingOutcome(100, 100, done=True).trained
     assert not TrainingOutcome(40, 100, done=True, error="boom").trained
     assert TrainingOutcome(40, 100, done=True, error="boom").untrained_fraction == 0.6
+
+
+def _stalls(store: MemoryStore) -> list[StallEvent]:
+    return [e for _, e in store.events("job-1") if isinstance(e, StallEvent)]
+
+
+def test_a_job_that_trains_nothing_has_its_instances_released_then_fails(
+    store, ec2, prices
+) -> None:
+    """No progress, no spending: 10 minutes (market time) of instances without an iteration
+    release them with an event saying why; the third time the job fails."""
+    ctl, training, cloud = _world(store, ec2, prices)
+    ctl.instance_logs = AgentLogs()
+    first = {r.instance_id for r in store.list_instances("job-1", alive_only=True)}
+    assert ctl.tick(T0 + 540.0).finished == {} and cloud.describe()  # 9 min: waited for
+    report = ctl.tick(T0 + 660.0)  # 11 min since its first instance ran, nothing trained
+    assert set(report.terminated) >= first
+    assert store.get_job("job-1").state is JobState.RUNNING
+    [stall] = _stalls(store)
+    assert (stall.attempt, stall.attempts, stall.iteration) == (1, 3, 0)
+    assert set(stall.released) == first and stall.stalled_s == 660.0
+    assert stall.reason.startswith("its runtime heard from no node; agent of i-")
+    assert "No module named 'transformers'" in stall.reason
+    ctl.tick(T0 + 780.0)  # BidBrain buys again: a fresh attempt with a fresh clock
+    again = {r.instance_id for r in store.list_instances("job-1", alive_only=True)}
+    assert again and not again & first
+    now = T0 + 780.0
+    for _ in range(2):
+        now += 660.0
+        ctl.tick(now)
+        ctl.tick(now + 60.0)  # launches for the next attempt, if any
+        now += 60.0
+    job = store.get_job("job-1")
+    assert job.state is JobState.FAILED and len(_stalls(store)) == 3
+    assert job.message.startswith("no progress: no iteration trained in 11 min, 3 times")
+    assert cloud.describe() == [] and store.list_instances("job-1", alive_only=True) == []
+
+
+def test_a_job_that_trains_slowly_is_not_stalled(store, ec2, prices) -> None:
+    settings = Settings(controller=ControllerSettings(stall_after_s=300.0))
+    ctl, training, cloud = _world(store, ec2, prices, settings)
+    for minute in range(1, 30):
+        training.outcome_now = TrainingOutcome(iterations_done=minute // 4, iterations=100)
+        ctl.tick(T0 + 60.0 * minute)  # an iteration every 4 minutes: slow, not stalled
+    assert _stalls(store) == [] and store.get_job("job-1").state is JobState.RUNNING
+    ctl.tick(T0 + 60.0 * 29 + 301.0)  # and then none for 5 minutes
+    assert len(_stalls(store)) == 1

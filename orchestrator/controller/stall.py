@@ -1,0 +1,82 @@
+"""No progress, no spending: a training job whose instances run without an iteration trained
+for `stall_after_s` (market seconds) has them released, and fails after `attempts` such
+releases. The clock starts when the job's first instance alive now was launched, and again at
+every iteration trained: nodes that never join, a runtime that cannot start, an agent that
+died all cost at most that long per attempt.
+
+    watch = StallWatch(stall_after_s=600.0, attempts=3)
+    stall = watch.check(job_id, outcome, alive, now_s)   # None, or a Stall to act on
+
+The attempts already made are counted from the job's stall events the first time a job is
+seen, so a restarted controller goes on counting; when it last progressed is not kept, so a
+restart gives a job a fresh clock (never less time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from orchestrator.controller.outcomes import TrainingOutcome
+from orchestrator.store.models import InstanceRecord
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A job found stalled: the `attempt`-th time (it fails at `attempts`)."""
+
+    attempt: int
+    attempts: int
+    stalled_s: float
+    iteration: int
+
+    @property
+    def fails(self) -> bool:
+        return self.attempt >= self.attempts
+
+
+@dataclass
+class _Seen:
+    iteration: int
+    since_s: float  # when it last trained an iteration (or was first seen)
+    attempts: int  # stalls so far
+
+
+class StallWatch:
+    """Tracks each training job's progress (see the module docstring)."""
+
+    def __init__(
+        self, *, stall_after_s: float, attempts: int, stalls_so_far: Callable[[str], int]
+    ) -> None:
+        self.stall_after_s = stall_after_s
+        self.attempts = attempts
+        self._stalls_so_far = stalls_so_far  # the job's stall events (read once per job)
+        self._seen: dict[str, _Seen] = {}
+
+    def check(
+        self,
+        job_id: str,
+        outcome: TrainingOutcome,
+        alive: Sequence[InstanceRecord],
+        now_s: float,
+    ) -> Stall | None:
+        """Whether the job is stalled now: no iteration trained since its clock started."""
+        seen = self._seen.get(job_id)
+        if seen is None:
+            seen = self._seen[job_id] = _Seen(
+                outcome.iterations_done, now_s, self._stalls_so_far(job_id)
+            )
+        if outcome.iterations_done > seen.iteration:
+            seen.iteration, seen.since_s = outcome.iterations_done, now_s
+            return None
+        if not alive or outcome.trained:
+            return None  # nothing is paid for, or nothing is left to train
+        started = max(seen.since_s, min(r.launched_at for r in alive))
+        if now_s - started < self.stall_after_s:
+            return None
+        seen.attempts += 1
+        seen.since_s = now_s  # the next attempt's clock starts with its new instances
+        return Stall(seen.attempts, self.attempts, now_s - started, outcome.iterations_done)
+
+    def forget(self, job_id: str) -> None:
+        self._seen.pop(job_id, None)

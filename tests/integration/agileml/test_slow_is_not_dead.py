@@ -1,0 +1,43 @@
+"""Slow is not dead: a node that heartbeats but answers its controller's `configure` late (a
+busy machine, a large import) is waited for, and the job trains exactly (a node silent for
+`GONE_AFTER` failure timeouts is still given up on: the recovery and chaos tests)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from support.agileml_jobs import Job, additive_spec
+
+from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.node import AgileMLNode
+
+SLOW_S = 3.0  # past the 2 s the controller once gave a configure (2 x the failure timeout)
+
+
+def test_a_node_slow_to_configure_is_waited_for_while_it_heartbeats(
+    jobs: Callable[[TrainingSpec], Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_control = AgileMLNode._on_control
+    slowed: list[str] = []
+
+    def slow(self: AgileMLNode, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("op") == "configure" and self.node_id == "t1":
+            slowed.append(self.node_id)
+            time.sleep(SLOW_S)  # its heartbeat thread goes on meanwhile
+        return on_control(self, body)
+
+    monkeypatch.setattr(AgileMLNode, "_on_control", slow)
+    job = jobs(additive_spec("slow-configure", min_nodes=3, iterations=20))
+    assert job.spec.failure_timeout_s * 2 < SLOW_S
+    job.launch("r0", NodeTier.RELIABLE)
+    job.launch("t0")
+    job.launch("t1")
+    torch.testing.assert_close(job.finish(), job.expected(), rtol=0, atol=0)
+    assert slowed  # every configure of t1 was late
+    kinds = [e.kind for e in job.coord.events()]
+    assert "failed" not in kinds and "aborted" not in kinds, job.coord.events()
