@@ -103,8 +103,8 @@ PIPELINE_TRAINING: dict[str, Any] = {
 }
 #: The moto bucket that holds the demo's artifacts (uploaded code, checkpoints, weights).
 ARTIFACT_BUCKET = "orchestrator-demo"
-#: Real seconds without an iteration trained (its instances running) before they are
-#: released (`controller.stall_after_s`, in the market's seconds: this times the speed).
+#: Real seconds without a sign of training (its instances running) before they are released
+#: (`controller.stall_after_s`; the market clock then counts this times the speed).
 STALL_AFTER_WALL_S = 120.0
 #: Real seconds between two checkpoints of the demo job.
 CHECKPOINT_EVERY_WALL_S = 10.0
@@ -166,9 +166,7 @@ def demo_settings(*, speed: float, start: str) -> Settings:
             prices=(bundled_prices_dir(REGION),),
             replay_start=start,
             speed=speed,
-            # the demo trains at this machine's speed while its market clock runs `speed`
-            # times faster: a stall is judged on the training's (wall) time
-            stall_after_s=STALL_AFTER_WALL_S * speed,
+            stall_after_s=STALL_AFTER_WALL_S,  # of the training's time (`wiring`)
         ),
     )
 

@@ -248,8 +248,9 @@ class ControllerSettings(BaseModel):
     )
     stall_after_s: Annotated[float, Field(gt=0, le=30 * 86400, allow_inf_nan=False)] = Field(
         600.0,
-        description="a training job whose instances have run this long (market seconds) "
-        "without an iteration trained has them released",
+        description="a training job whose instances have run this long without a sign of "
+        "training (an iteration, a node joining) has them released (seconds; with replayed "
+        "prices, of real time: the market clock counts this times the speed)",
     )
     stall_attempts: Annotated[int, Field(ge=1, le=100)] = Field(
         3, description="the stall that fails the job: after this many releases for no progress"

@@ -95,6 +95,7 @@ from orchestrator.agileml.server_calls import (
     start_nodes,
     unfinished_clocks,
 )
+from orchestrator.agileml.usercode import MAX_REPORT_CHARS
 from orchestrator.agileml.wire import MessageKind
 
 log = logging.getLogger(__name__)
@@ -375,10 +376,10 @@ class Coordinator:
         """A node's report that the job's code raised: abort the job with the user's error
         (the first report stands; the nodes are told to shut down in this very reply)."""
         with self._lock:
-            known, aborted = node in self._nodes, self._error is not None
+            known, ended = node in self._nodes, self._view.done  # aborted, or trained
         if not known:
             return Reply(ok=False, error=f"unknown node {node}: send `join` first")
-        if not aborted:
+        if not ended:
             self._abort(f"the job's code failed on node {node}: {error}")
         return Reply(view=self.view())
 
@@ -716,11 +717,18 @@ class Coordinator:
         timeout = LIVE_CALL_CAP_SECONDS
         if body["op"] == "handoff":  # each move may wait out its receiver's ack
             timeout += len(body["moves"]) * HANDOFF_TIMEOUT_SECONDS
+
+        def gone() -> bool:  # silent, or the job is over (stopped, aborted): no more waiting
+            return self._stop.is_set() or self.view().done or self._silent(node, GONE_AFTER)
+
         try:
-            out = client.call(endpoint, body, timeout, gone=lambda: self._silent(node, GONE_AFTER))
+            out = client.call(endpoint, body, timeout, gone=gone)
         except ControlError as exc:
             raise AgileMLError(f"{body['op']} on {node}: {exc.reason}") from exc
         if not out.get("ok"):
+            job_error = out.get("job_error")
+            if isinstance(job_error, str) and job_error:  # the user's code, building a partition
+                self._job_failed(node, job_error[: 2 * MAX_REPORT_CHARS])
             raise AgileMLError(f"{body['op']} on {node}: {out.get('error')}")
         return out
 

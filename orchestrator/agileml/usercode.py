@@ -14,6 +14,9 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+import zmq
+
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.errors import UserError
 from orchestrator.lifecycle import SIGTERM_EXIT_STATUS
@@ -21,15 +24,24 @@ from orchestrator.lifecycle import SIGTERM_EXIT_STATUS
 #: What a job's code may raise that becomes a JobCodeError: any Exception, and the SystemExit
 #: of a script's habits (sys.exit(), argparse); KeyboardInterrupt goes on unwinding
 USER_CODE_ERRORS = (Exception, SystemExit)
+
+
+class JobCodeError(UserError):
+    """The job's code cannot be trained: the message names the function and the fix."""
+
+
+#: What goes on as it is from inside a call into the job's code: a nested call's error, and
+#: the runtime's own (its hooks in the user's backward: the wire, the sockets) and the device's
+#: (out of memory: another instance type may fit), which a retry elsewhere can fix.
+RUNTIME_ERRORS: tuple[type[BaseException], ...] = (
+    JobCodeError, AgileMLError, zmq.ZMQError, torch.OutOfMemoryError,
+)  # fmt: skip
 #: Lines of a job's traceback that a failure report keeps (its end: where it raised).
 TRACEBACK_LINES = 12
 #: Bytes of a failure report (message and traceback) a node sends and a controller keeps.
 MAX_REPORT_CHARS = 4000
 _RUNTIME_DIR = str(Path(__file__).resolve().parents[1])  # the orchestrator package
-
-
-class JobCodeError(UserError):
-    """The job's code cannot be trained: the message names the function and the fix."""
+_SHIPPED_JOBS_DIR = str(Path(_RUNTIME_DIR) / "jobs")  # job files in it are a user's code
 
 
 def unless_stopping(exc: BaseException) -> None:
@@ -48,7 +60,7 @@ def job_code_call(what: str, *, verb: str = "raised", fix: str = "") -> Iterator
     user's backward, say) go on as they are."""
     try:
         yield
-    except (JobCodeError, AgileMLError):
+    except RUNTIME_ERRORS:
         raise
     except USER_CODE_ERRORS as exc:
         unless_stopping(exc)
@@ -61,7 +73,8 @@ def user_traceback(exc: BaseException, lines: int = TRACEBACK_LINES) -> str:
     cause = exc.__cause__ if isinstance(exc, JobCodeError) and exc.__cause__ else exc
     kept: list[str] = []
     for frame in traceback.extract_tb(cause.__traceback__):
-        if frame.filename.startswith(_RUNTIME_DIR):
+        ours = frame.filename.startswith(_RUNTIME_DIR)
+        if ours and not frame.filename.startswith(_SHIPPED_JOBS_DIR):
             continue
         kept.append(f'  File "{frame.filename}", line {frame.lineno}, in {frame.name}')
         if frame.line:

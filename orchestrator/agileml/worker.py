@@ -50,6 +50,7 @@ from orchestrator.agileml.worker_link import Round, ServerRequests, StaleViewErr
 
 FORWARD = "the model's forward or loss(output, target)"  # user code: see `usercode`
 BACKWARD = "backward() through the model and the loss"
+DATA = "dataset()[i] or collate(items)"
 
 if TYPE_CHECKING:
     from orchestrator.agileml.reassign import Reassigner
@@ -317,7 +318,7 @@ class Worker(ServerRequests):
         return mean
 
     def _compute_share(self, identity: str, clock: int, pushes: Round) -> float:
-        with job_code_call("dataset()[i] or collate(items)"):
+        with job_code_call(DATA):
             (x, y), n = self._minibatch(identity, clock)
         self._plain_rows += n
         self._model.zero_grad(set_to_none=True)
@@ -424,7 +425,8 @@ class Worker(ServerRequests):
             x, y = slice_batch(batch, start - first, end - first)
             hit = True
         else:
-            x, y = self._rows.take(self._share_rows(identity, clock)[start:end])
+            with job_code_call(DATA):
+                x, y = self._rows.take(self._share_rows(identity, clock)[start:end])
             hit = False
         # the own share in one chunk: its gradients are final when this backward ends (no
         # rows were offered, none are left to offer), so partitions may leave as they complete
@@ -481,7 +483,8 @@ class Worker(ServerRequests):
         except AgileMLError:
             return  # not a member at that clock: nothing to help with
         first = len(rows) - math.ceil(len(rows) * fraction)
-        self._preloaded[key] = (first, self._rows.take(rows[first:]))
+        with job_code_call(DATA):
+            self._preloaded[key] = (first, self._rows.take(rows[first:]))
         for old in [k for k in self._preloaded if k[1] < clock - 1]:
             del self._preloaded[old]
 

@@ -222,7 +222,10 @@ def _print_result(result: TrainResult) -> None:
     for name, value in result.evaluation.items():
         out.print(f"evaluate: {name} = {value:.4f}")
     for e in result.events:
-        line = _event_line(e)
+        try:
+            line = _event_line(e)
+        except (TypeError, ValueError, AttributeError):  # a shape no runtime writes today
+            line = f"  {e!r}"
         if line is None:
             continue
         if line.startswith("warning:"):
@@ -237,7 +240,7 @@ def _event_line(e: dict[str, Any]) -> str | None:
     and `detail`: every field is read with a default, so an event of another shape prints
     less rather than failing."""
     kind = str(e.get("kind", ""))
-    nodes = ", ".join(str(n) for n in e.get("nodes", ()))
+    nodes = ", ".join(str(n) for n in e.get("nodes") or ())
     if kind == "planned":
         line = (
             f"pipeline: stages {e.get('stages')} ([first, last layer, replicas]), "

@@ -283,7 +283,11 @@ class Controller:
         submission = JobSubmission.model_validate(job.spec)
         spec = self._rates.spec_for(job.job_id, submission.job_spec(), now_s)
         remaining = max(spec.work_gpu_hours - job.work_done_gpu_hours, 0.0)
-        training = self.training.outcome(job) if self.training is not None else None
+        try:
+            training = self.training.outcome(job) if self.training is not None else None
+        except Exception:  # noqa: BLE001 - one job's runtime must not stop the others' ticks
+            log.exception("reading the job's training failed", extra={"job_id": job.job_id})
+            return
         if training is not None and self._gate is not None:
             alive = self.store.list_instances(job.job_id, alive_only=True)
             verdict = self._gate.judge(job, training, alive, now_s, self.instance_logs)

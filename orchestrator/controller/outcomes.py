@@ -24,6 +24,10 @@ class TrainingOutcome:
     iterations: int
     done: bool = False
     error: str | None = None
+    # from the job's live runtime (False: its last report, read back after a restart): only a
+    # live runtime's figures tell whether it is progressing
+    live: bool = True
+    nodes_heard: int = 0  # nodes the runtime has heard from: a new one is a sign of life
 
     @property
     def trained(self) -> bool:
@@ -56,8 +60,14 @@ class JobTraining(Protocol):
         """How far the job trained; None for a job that does not train."""
         ...
 
-    def final_weights(self, job_id: str) -> str | None:
-        """Where the job's final weights are in the artifact store (None: not there)."""
+    def final_weights(self, job_id: str, iterations: int) -> str | None:
+        """Where the job's final weights are in the artifact store, if they hold all of its
+        `iterations` (None: not there, or older ones, such as a checkpoint's)."""
+        ...
+
+    def restart(self, job_id: str) -> None:
+        """Start the job's runtime afresh (from its newest checkpoint), for a new attempt
+        after its instances were released for want of progress."""
         ...
 
     def diagnose(self, job_id: str) -> str:

@@ -1,8 +1,9 @@
-"""No progress, no spending: a training job whose instances run without an iteration trained
-for `stall_after_s` (market seconds) has them released, and fails after `attempts` such
-releases. The clock starts when the job's first instance alive now was launched, and again at
-every iteration trained: nodes that never join, a runtime that cannot start, an agent that
-died all cost at most that long per attempt.
+"""No progress, no spending: a training job whose instances run without a sign of life for
+`stall_after_s` (market seconds) has them released, and fails after `attempts` such releases.
+The clock starts when the job's first instance alive now was launched, and again at every
+iteration trained and every node its runtime hears from for the first time (a node that joins
+is alive, however long it then loads): nodes that never join, a runtime that cannot start, an
+agent that died all cost at most that long per attempt.
 
     watch = StallWatch(stall_after_s=600.0, attempts=3)
     stall = watch.check(job_id, outcome, alive, now_s)   # None, or a Stall to act on
@@ -37,8 +38,8 @@ class Stall:
 
 @dataclass
 class _Seen:
-    iteration: int
-    since_s: float  # when it last trained an iteration (or was first seen)
+    signs: tuple[int, int]  # (iterations done, nodes heard) when last seen changing
+    since_s: float  # when they last changed (or the job was first seen)
     attempts: int  # stalls so far
 
 
@@ -60,14 +61,18 @@ class StallWatch:
         alive: Sequence[InstanceRecord],
         now_s: float,
     ) -> Stall | None:
-        """Whether the job is stalled now: no iteration trained since its clock started."""
+        """Whether the job is stalled now: no sign of life (an iteration trained, a node
+        heard from for the first time) since its clock started. Only a live runtime's outcome
+        counts (after a restart, the runtime resumes from a checkpoint: any change of its
+        figures, down as well as up, starts the clock again)."""
+        if not outcome.live:
+            return None
+        signs = (outcome.iterations_done, outcome.nodes_heard)
         seen = self._seen.get(job_id)
         if seen is None:
-            seen = self._seen[job_id] = _Seen(
-                outcome.iterations_done, now_s, self._stalls_so_far(job_id)
-            )
-        if outcome.iterations_done > seen.iteration:
-            seen.iteration, seen.since_s = outcome.iterations_done, now_s
+            seen = self._seen[job_id] = _Seen(signs, now_s, self._stalls_so_far(job_id))
+        if signs != seen.signs:
+            seen.signs, seen.since_s = signs, now_s
             return None
         if not alive or outcome.trained:
             return None  # nothing is paid for, or nothing is left to train

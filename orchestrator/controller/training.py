@@ -247,22 +247,38 @@ class TrainingHost:
         hosted = self.hosted(job.job_id)
         if hosted is None:
             last = self.store.latest_training(job.job_id)
-            return TrainingOutcome(last.iteration if last is not None else 0, spec.iterations)
+            return TrainingOutcome(
+                last.iteration if last is not None else 0, spec.iterations, live=False
+            )
         error = hosted.error
         return TrainingOutcome(
             iterations_done=hosted.progress().iteration,
             iterations=spec.iterations,
             done=hosted.done and error is None,  # an aborted job is `done` too
             error=error,
+            nodes_heard=len(hosted.node_work()),
         )
 
-    def final_weights(self, job_id: str) -> str | None:
-        """Where the job's final weights are (None: not written, or no artifact store)."""
+    def final_weights(self, job_id: str, iterations: int) -> str | None:
+        """Where the job's final weights are, if they hold all its `iterations` (None: not
+        written, written from an older checkpoint, or no artifact store)."""
         artifacts = self.artifacts(job_id)
         if artifacts is None or not artifacts.has_final():
             return None
+        try:
+            info = json.loads(artifacts.final.read_bytes(FINAL_INFO))
+            done = int(info.get("iterations_done", 0))
+        except (ValueError, TypeError, AttributeError):  # a torn or foreign file: not final
+            return None
+        if done < iterations:
+            return None
         where = artifacts.final.location.split("?", 1)[0]  # an S3 endpoint's query left out
         return f"{where}/{WEIGHTS}"
+
+    def restart(self, job_id: str) -> None:
+        """Stop the job's runtime; the next launch hosts it again on its port, from its
+        newest checkpoint (`tags_for`)."""
+        self._stop(job_id, forget=False)
 
     def diagnose(self, job_id: str) -> str:
         """What the job's runtime sees: which nodes it heard from, and its last events."""

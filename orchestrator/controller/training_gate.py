@@ -6,8 +6,9 @@ its final weights in the artifact store."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.stall import StallWatch
@@ -15,6 +16,19 @@ from orchestrator.store.events import StallEvent
 from orchestrator.store.models import InstanceRecord, JobRecord, JobState
 
 log = logging.getLogger(__name__)
+
+#: Characters of a runtime's error or a stall's reason kept in the job's record and events
+#: (they carry text from the nodes: a user's traceback, log lines).
+MAX_REASON_CHARS = 6000
+T = TypeVar("T")
+
+
+def bounded(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """`text`, its middle cut out past `limit` characters."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2 - 3
+    return f"{text[:half]}\n…\n{text[-half:]}"
 
 
 @dataclass(frozen=True)
@@ -48,17 +62,18 @@ class TrainingGate:
     ) -> Verdict:
         """Failed (its training was aborted), stalled, or on."""
         if outcome.error is not None:
-            return Verdict(fail=f"training failed: {outcome.error}")
+            return Verdict(fail=bounded(f"training failed: {outcome.error}"))
         stall = self.stalls.check(job.job_id, outcome, alive, now_s)
         if stall is None:
             return Verdict()
-        why = self._stall_reason(job.job_id, alive, logs)
+        why = bounded(self._stall_reason(job.job_id, alive, logs))
         event = StallEvent(
             job_id=job.job_id, at_s=now_s, attempt=stall.attempt, attempts=stall.attempts,
             stalled_s=stall.stalled_s, iteration=stall.iteration,
             released=tuple(r.instance_id for r in alive), reason=why,
         )  # fmt: skip
-        if not stall.fails:
+        if not stall.fails:  # a new attempt: new instances, and the runtime afresh
+            self._call("restarting the runtime", lambda: self.training.restart(job.job_id))
             return Verdict(stall=event)
         message = (
             f"no progress: no iteration trained in {stall.stalled_s / 60:.0f} min, "
@@ -70,13 +85,14 @@ class TrainingGate:
         """How a job whose every iteration is trained ends: succeeded with its final weights
         in the artifact store (saved as its instances went; from a checkpoint if they were
         gone before), else failed saying so."""
-        weights = self.training.final_weights(job.job_id)
+
+        def final() -> str | None:
+            return self.training.final_weights(job.job_id, outcome.iterations)
+
+        weights = self._call("reading the final weights", final)
         if weights is None:
-            try:
-                self.training.save_final(job.job_id)
-            except Exception:  # noqa: BLE001 - the job fails with the reason below
-                log.exception("saving the final weights failed", extra={"job_id": job.job_id})
-            weights = self.training.final_weights(job.job_id)
+            self._call("saving the final weights", lambda: self.training.save_final(job.job_id))
+            weights = self._call("reading the final weights", final)
         if weights is None:
             return JobState.FAILED, (
                 f"trained {outcome.iterations} iterations, but the final weights could not "
@@ -89,12 +105,22 @@ class TrainingGate:
     def forget(self, job_id: str) -> None:
         self.stalls.forget(job_id)
 
+    @staticmethod
+    def _call(what: str, call: Callable[[], T]) -> T | None:
+        """A call into the training host that must not end the tick (an artifact store's
+        hiccup, a runtime that will not stop): logged, None."""
+        try:
+            return call()
+        except Exception:  # noqa: BLE001 - the controller goes on with the other jobs
+            log.exception("training host: %s failed", what)
+            return None
+
     def _stall_reason(
         self, job_id: str, alive: Sequence[InstanceRecord], logs: InstanceLogs | None
     ) -> str:
         """What the job's runtime saw, and each instance's agent's last log line where the
         world can read it (offline: the local agents' logs)."""
-        parts = [self.training.diagnose(job_id)]
+        parts = [self._call("diagnosing", lambda: self.training.diagnose(job_id)) or ""]
         for rec in alive if logs is not None else ():
             line = logs.last_log_line(rec.instance_id) if logs is not None else None
             if line:

@@ -89,6 +89,13 @@ def price_source(settings: Settings, *, client: Any) -> PriceSource:
     return EC2PriceSource(settings.region, client=client)
 
 
+def stall_after_market_s(settings: Settings) -> float:
+    """`controller.stall_after_s` in the controller's clock: a replayed market clock runs
+    `speed` times faster than the training it judges, which runs in real time."""
+    replayed = bool(settings.controller.prices)
+    return settings.controller.stall_after_s * (settings.controller.speed if replayed else 1.0)
+
+
 def build_controller(
     settings: Settings,
     *,
@@ -132,7 +139,7 @@ def build_controller(
         settings=settings.bidbrain,
         image_id=settings.controller.image_id,
         training=training,
-        stall_after_s=settings.controller.stall_after_s,
+        stall_after_s=stall_after_market_s(settings),
         stall_attempts=settings.controller.stall_attempts,
         max_running_jobs=settings.controller.max_running_jobs,
     )

@@ -42,6 +42,7 @@ def test_the_jobs_own_error_aborts_the_run_with_it(
     assert time.monotonic() - started < 90  # not the retry loop's forever, nor 120 s + 5 s/it
 
 
+@pytest.mark.slow
 def test_train_exits_1_with_the_users_traceback_on_the_console(tmp_path: Path) -> None:
     env = {**os.environ, "ORCHESTRATOR_TEST_FAIL": "schedule"}
     out = str(tmp_path / "out")

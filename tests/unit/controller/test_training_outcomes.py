@@ -30,6 +30,7 @@ class FakeTraining:
         self.weights: str | None = None
         self.saved: list[tuple[str, int]] = []  # (job, its instances alive when saving)
         self.save_fails = False
+        self.restarts: list[str] = []
 
     def tags_for(self, job_id: str) -> Mapping[str, str]:
         return {"orchestrator:agileml-controller": "tcp://127.0.0.1:29500"}
@@ -44,8 +45,11 @@ class FakeTraining:
     def outcome(self, job: JobRecord) -> TrainingOutcome | None:
         return self.outcome_now
 
-    def final_weights(self, job_id: str) -> str | None:
+    def final_weights(self, job_id: str, iterations: int) -> str | None:
         return self.weights
+
+    def restart(self, job_id: str) -> None:
+        self.restarts.append(job_id)
 
     def diagnose(self, job_id: str) -> str:
         return "its runtime heard from no node"
@@ -164,6 +168,7 @@ def test_a_job_that_trains_nothing_has_its_instances_released_then_fails(
     assert set(stall.released) == first and stall.stalled_s == 660.0
     assert stall.reason.startswith("its runtime heard from no node; agent of i-")
     assert "No module named 'transformers'" in stall.reason
+    assert training.restarts == ["job-1"]  # the new attempt gets its runtime afresh
     ctl.tick(T0 + 780.0)  # BidBrain buys again: a fresh attempt with a fresh clock
     again = {r.instance_id for r in store.list_instances("job-1", alive_only=True)}
     assert again and not again & first
@@ -188,3 +193,50 @@ def test_a_job_that_trains_slowly_is_not_stalled(store, ec2, prices) -> None:
     assert _stalls(store) == [] and store.get_job("job-1").state is JobState.RUNNING
     ctl.tick(T0 + 60.0 * 29 + 301.0)  # and then none for 5 minutes
     assert len(_stalls(store)) == 1
+
+
+def test_a_restarted_controller_does_not_take_a_resumed_runtime_for_a_stalled_one(
+    store, ec2, prices
+) -> None:
+    """After a restart the job's last report is read back (not live: no clock), and the
+    runtime resumes below it from a checkpoint: figures that go down are progress too."""
+    ctl, training, cloud = _world(store, ec2, prices)
+    training.outcome_now = TrainingOutcome(1000, 5000, live=False)  # not hosted again yet
+    ctl.tick(T0 + 900.0)
+    assert _stalls(store) == []
+    training.outcome_now = TrainingOutcome(800, 5000, nodes_heard=2)  # resumed from a checkpoint
+    ctl.tick(T0 + 1000.0)
+    for minute in range(1, 9):  # retraining 800..1000: iterations it had done before
+        training.outcome_now = TrainingOutcome(800 + 25 * minute, 5000, nodes_heard=2)
+        ctl.tick(T0 + 1000.0 + 60.0 * minute)
+    assert _stalls(store) == [] and store.get_job("job-1").state is JobState.RUNNING
+
+
+def test_a_node_joining_is_a_sign_of_life(store, ec2, prices) -> None:
+    """A node that joins and then loads for long (a large data set) is not a stall."""
+    ctl, training, cloud = _world(store, ec2, prices)
+    training.outcome_now = TrainingOutcome(0, 100, nodes_heard=0)
+    ctl.tick(T0 + 500.0)
+    training.outcome_now = TrainingOutcome(0, 100, nodes_heard=1)  # the reliable node joined
+    ctl.tick(T0 + 590.0)
+    ctl.tick(T0 + 1100.0)  # 8.5 min since: still loading
+    assert _stalls(store) == []
+    ctl.tick(T0 + 1200.0)  # 10 min since the last sign of life
+    assert len(_stalls(store)) == 1
+
+
+def test_final_weights_count_only_when_they_hold_every_iteration(tmp_path, store) -> None:
+    """Weights written from a checkpoint behind the end are not the job's final weights."""
+    from orchestrator.artifacts import FINAL_INFO
+    from orchestrator.controller.training import TrainingHost
+
+    host = TrainingHost(store, token=bytes(32), advertise_host="127.0.0.1",
+                        artifacts_root=tmp_path)  # fmt: skip
+    final = host.artifacts("job-1").final  # type: ignore[union-attr]
+    assert host.final_weights("job-1", 500) is None  # nothing written
+    final.write_bytes(FINAL_INFO, b'{"source": "checkpoint ckpt-450", "iterations_done": 451}')
+    assert host.final_weights("job-1", 500) is None
+    final.write_bytes(FINAL_INFO, b'{"source": "the model at the end", "iterations_done": 500}')
+    assert host.final_weights("job-1", 500) == f"{final.location}/model.safetensors"
+    final.write_bytes(FINAL_INFO, b"not json")
+    assert host.final_weights("job-1", 500) is None
