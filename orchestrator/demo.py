@@ -86,8 +86,8 @@ DEMO_ITERATIONS = 500
 TRAINING: dict[str, Any] = {
     "code": str(DIGITS_CNN),
     "global_batch": 128,
-    # the job succeeds once these are trained and its weights stored (and the market clock's
-    # work is done): about as many as a quiet 2-core machine trains in the replayed hours
+    # the job succeeds once these are trained and its weights stored (its work is counted
+    # from them): a run of about half a minute on a quiet 2-core machine
     "iterations": DEMO_ITERATIONS,
     "num_partitions": 4,
     "min_nodes": 2,

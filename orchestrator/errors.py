@@ -7,6 +7,15 @@ The CLI prints its message and `fix` without a traceback and exits with code 2.
 from __future__ import annotations
 
 
+def clip_middle(text: str, limit: int) -> str:
+    """`text`, its middle cut out past `limit` characters (a long message keeps its start,
+    what failed, and its end, where: a traceback's last lines)."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2 - 3
+    return f"{text[:half]}\n…\n{text[-half:]}"
+
+
 class OrchestratorError(Exception):
     """Base class of all errors raised by the orchestrator."""
 

@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from orchestrator.agileml.errors import AgileMLError
-from orchestrator.errors import UserError
+from orchestrator.errors import UserError, clip_middle
 from orchestrator.lifecycle import SIGTERM_EXIT_STATUS
 
 #: What a job's code may raise that becomes a JobCodeError: any Exception, and the SystemExit
@@ -87,8 +87,4 @@ def user_traceback(exc: BaseException, lines: int = TRACEBACK_LINES) -> str:
 def failure_report(exc: JobCodeError) -> str:
     """What a node reports of a job-code error: the message, then the traceback's end,
     at most `MAX_REPORT_CHARS` (the message's start and the traceback's end kept)."""
-    text = f"{exc}\n{user_traceback(exc)}"
-    if len(text) <= MAX_REPORT_CHARS:
-        return text
-    half = MAX_REPORT_CHARS // 2 - 3
-    return f"{text[:half]}\n…\n{text[-half:]}"
+    return clip_middle(f"{exc}\n{user_traceback(exc)}", MAX_REPORT_CHARS)

@@ -112,9 +112,9 @@ class Controller:
             instances where its runtime is, its final weights kept just before its instances
             go (an error there is logged and the instances go all the same), and how far it
             trained (a training job succeeds only trained, and fails with its runtime's error).
-        stall_after_s, stall_attempts: a training job whose instances run this long (market
-            seconds) without an iteration trained has them released; the last attempt fails
-            it (see `controller.stall`).
+        stall_after_s, stall_attempts: a training job whose instances run this long (on the
+            controller's clock) without a sign of training has them released; the last
+            attempt fails it (see `controller.stall`).
         max_running_jobs: jobs run side by side, each on its own budget; with a limit, queued
             jobs wait (oldest first) until fewer than this many run — 1 runs them in sequence.
     """
@@ -288,8 +288,8 @@ class Controller:
         except Exception:  # noqa: BLE001 - one job's runtime must not stop the others' ticks
             log.exception("reading the job's training failed", extra={"job_id": job.job_id})
             return
+        alive = self.store.list_instances(job.job_id, alive_only=True)
         if training is not None and self._gate is not None:
-            alive = self.store.list_instances(job.job_id, alive_only=True)
             verdict = self._gate.judge(job, training, alive, now_s, self.instance_logs)
             if verdict.stall is not None:  # released for want of progress
                 for rec in alive:
@@ -325,7 +325,6 @@ class Controller:
             settings=self.settings,
             catalog=self.catalog,
         )
-        alive = self.store.list_instances(job.job_id, alive_only=True)
         prices = np.array([price_at(history, m, now_s) for m in table.markets])
         inp = decision_input(
             now_s=now_s,

@@ -5,7 +5,7 @@ iteration trained and every node its runtime hears from for the first time (a no
 is alive, however long it then loads): nodes that never join, a runtime that cannot start, an
 agent that died all cost at most that long per attempt.
 
-    watch = StallWatch(stall_after_s=600.0, attempts=3)
+    watch = StallWatch(stall_after_s=600.0, attempts=3, stalls_so_far=count_stall_events)
     stall = watch.check(job_id, outcome, alive, now_s)   # None, or a Stall to act on
 
 The attempts already made are counted from the job's stall events the first time a job is

@@ -9,11 +9,11 @@ tag that tells the instance agents where it is (read from the instance metadata 
 the instance's tags offline).
 Every `step(now_s)` reports each hosted job's training to the store (the dashboard and
 /metrics read it), sets its work done to the fraction of iterations done times the job's work
-(`work_from_iterations`: what BidBrain's cost per unit of work divides by, on AWS and offline
-alike) and, with `instance_work_from_nodes`, each node's measured work (BidBrain learns the
-job's work rates from it; the offline world's instances report theirs on its market clock
-instead); a job that has ended has its elasticity controller stopped (nodes are told to shut
-down). `outcome` tells the controller how far a job trained and why it was aborted.
+(what BidBrain's cost per unit of work divides by, on AWS and offline alike) and, with
+`instance_work_from_nodes`, each node's measured work (BidBrain learns the job's work rates
+from it; the offline world's instances report theirs on its market clock instead); a job that
+has ended has its elasticity controller stopped (nodes are told to shut down). `outcome`
+tells the controller how far a job trained and why it was aborted.
 
 Failure semantics: an elasticity controller that cannot bind tries the next port (up to
 `max_jobs`); a store write that fails is logged and the next step writes the (cumulative)
@@ -155,14 +155,12 @@ class TrainingHost:
         bind_host: str = "0.0.0.0",
         base_port: int = DEFAULT_BASE_PORT,
         max_jobs: int = MAX_HOSTED_TRAINING_JOBS,
-        work_from_iterations: bool = True,
         instance_work_from_nodes: bool = True,
         artifacts_root: Folder | str | Path | None = None,
         checkpoint_every_s: float = 600.0,
         checkpoints: bool = True,
     ) -> None:
         self.store = store
-        self.work_from_iterations = work_from_iterations
         self.instance_work_from_nodes = instance_work_from_nodes
         self.artifacts_root = None if artifacts_root is None else folder_at(artifacts_root)
         self.checkpoint_every_s = checkpoint_every_s
@@ -241,11 +239,11 @@ class TrainingHost:
     def outcome(self, job: JobRecord) -> TrainingOutcome | None:
         """How far the job trained (None: it does not train): from its hosted runtime, else
         (not hosted yet, or not again since a restart) the last iteration reported."""
-        spec = training_spec_of(job)
-        if spec is None:
-            return None
         hosted = self.hosted(job.job_id)
-        if hosted is None:
+        if hosted is None:  # the job's section is read only when no runtime holds it
+            spec = training_spec_of(job)
+            if spec is None:
+                return None
             last = self.store.latest_training(job.job_id)
             return TrainingOutcome(
                 last.iteration if last is not None else 0, spec.iterations, live=False
@@ -253,7 +251,7 @@ class TrainingHost:
         error = hosted.error
         return TrainingOutcome(
             iterations_done=hosted.progress().iteration,
-            iterations=spec.iterations,
+            iterations=hosted.spec.iterations,
             done=hosted.done and error is None,  # an aborted job is `done` too
             error=error,
             nodes_heard=len(hosted.node_work()),
@@ -411,10 +409,9 @@ class TrainingHost:
         if job.state.is_terminal:
             return
         work = float(job.spec.get("work_gpu_hours", 0.0))
-        if self.work_from_iterations:
-            done = min(1.0, status.iteration / training.spec.iterations) * work
-            if done > job.work_done_gpu_hours:
-                self.store.update_progress(job.job_id, done, now_s)
+        done = min(1.0, status.iteration / training.spec.iterations) * work
+        if done > job.work_done_gpu_hours:
+            self.store.update_progress(job.job_id, done, now_s)
         if self.instance_work_from_nodes:
             self.store.record_instance_work(
                 job.job_id, self._node_work.totals(job.job_id, training, work)

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.stall import StallWatch
+from orchestrator.errors import clip_middle
 from orchestrator.store.events import StallEvent
 from orchestrator.store.models import InstanceRecord, JobRecord, JobState
 
@@ -21,14 +22,6 @@ log = logging.getLogger(__name__)
 #: (they carry text from the nodes: a user's traceback, log lines).
 MAX_REASON_CHARS = 6000
 T = TypeVar("T")
-
-
-def bounded(text: str, limit: int = MAX_REASON_CHARS) -> str:
-    """`text`, its middle cut out past `limit` characters."""
-    if len(text) <= limit:
-        return text
-    half = limit // 2 - 3
-    return f"{text[:half]}\n…\n{text[-half:]}"
 
 
 @dataclass(frozen=True)
@@ -62,11 +55,11 @@ class TrainingGate:
     ) -> Verdict:
         """Failed (its training was aborted), stalled, or on."""
         if outcome.error is not None:
-            return Verdict(fail=bounded(f"training failed: {outcome.error}"))
+            return Verdict(fail=clip_middle(f"training failed: {outcome.error}", MAX_REASON_CHARS))
         stall = self.stalls.check(job.job_id, outcome, alive, now_s)
         if stall is None:
             return Verdict()
-        why = bounded(self._stall_reason(job.job_id, alive, logs))
+        why = clip_middle(self._stall_reason(job.job_id, alive, logs), MAX_REASON_CHARS)
         event = StallEvent(
             job_id=job.job_id, at_s=now_s, attempt=stall.attempt, attempts=stall.attempts,
             stalled_s=stall.stalled_s, iteration=stall.iteration,
