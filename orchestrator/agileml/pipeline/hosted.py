@@ -50,9 +50,10 @@ from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import JobCode, code_path, load_job_code, seeded_model
 from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.pipeline.holder import RemoteBackups
-from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery, StageProcess
+from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery
 from orchestrator.agileml.pipeline.local import chain_sizes, check_layout, describe
 from orchestrator.agileml.pipeline.planner import plan as plan_stages
+from orchestrator.agileml.pipeline.processes import StageProcess
 from orchestrator.agileml.pipeline.profiler import ModelProfile
 from orchestrator.agileml.pipeline.remote import NodePool
 from orchestrator.agileml.pipeline.schedule import Schedule

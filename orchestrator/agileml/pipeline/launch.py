@@ -16,12 +16,11 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -32,8 +31,8 @@ from safetensors.torch import save_file
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.pipeline.planner import PlannedStage
+from orchestrator.agileml.pipeline.processes import Spawn, StageProcess, spawn_local
 from orchestrator.agileml.pipeline.stage import StageConfig
-from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.lifecycle import KEEP_LOGS_ENV, keep_logs
 
@@ -44,85 +43,8 @@ Layout = tuple[PlannedStage, ...]
 EXIT_GRACE_S = 2.0
 #: A worker leaving on notice is replaced once the cut includes its last update, or after this.
 LEAVE_WAIT_S = 5.0
-
-
-class StageProcess(Protocol):
-    """A running stage worker, as `Launch` watches it: a local `subprocess.Popen`, or a
-    stage on another node (`pipeline.remote.RemoteStage`)."""
-
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
-    def kill(self) -> None: ...
-    def wait(self, timeout: float | None = None) -> int: ...
-    def send_signal(self, sig: int) -> None: ...
-    def communicate(
-        self, input: str | None = None, timeout: float | None = None
-    ) -> tuple[str, Any]: ...
-
-
-#: Starts the stage worker `name` (unique per attempt) with its config file: a local process
-#: (`spawn_local`) or one on a node of the job (`pipeline.remote.NodePool.spawn`).
-Spawn = Callable[[str, Path], StageProcess]
-
-
-def spawn_local(token: bytes, out_dir: Path) -> Spawn:
-    """Stage workers as processes of this machine; `name.log` in `out_dir` gets stderr."""
-    return LocalSpawner(token, out_dir)
-
-
-class LocalSpawner:
-    """Starts stage workers as processes of this machine (see `spawn_local`). After
-    `prestart()` one process is kept started ahead (Python, torch and the runtime imported:
-    seconds off a replacement's start) and the next worker is handed to it; `close()` stops
-    the one not used."""
-
-    def __init__(self, token: bytes, out_dir: Path) -> None:
-        self.token, self.out_dir = token, out_dir
-        self._ready: tuple[subprocess.Popen[str], Path] | None = None
-        self._standby = False
-
-    def prestart(self) -> None:
-        self._standby = True
-        self._refill()
-
-    def __call__(self, name: str, config_path: Path) -> StageProcess:
-        log_path = self.out_dir / f"{name}.log"
-        ready, self._ready = self._ready, None
-        if ready is not None and ready[0].poll() is None:
-            proc, standby_log = ready
-            standby_log.rename(log_path)  # its open log follows the rename
-            assert proc.stdin is not None
-            proc.stdin.write(f"{config_path}\n")
-            proc.stdin.close()
-            proc.stdin = None  # closed: communicate() must not flush it
-        else:
-            proc = self._start(str(config_path), log_path)
-        self._refill()
-        return proc
-
-    def close(self) -> None:
-        ready, self._ready = self._ready, None
-        if ready is not None and ready[0].poll() is None:
-            ready[0].kill()
-            ready[0].wait()
-
-    def _refill(self) -> None:
-        if self._standby and self._ready is None:
-            log_path = self.out_dir / f"standby-{secrets.token_hex(4)}.log"
-            self._ready = (self._start("--standby", log_path), log_path)
-
-    def _start(self, argument: str, log_path: Path) -> subprocess.Popen[str]:
-        env = {**os.environ, AGILEML_TOKEN_ENV: self.token.hex(), "OMP_NUM_THREADS": "1"}
-        with log_path.open("w") as log:
-            return subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.agileml.pipeline.stage", argument],
-                stdin=subprocess.PIPE if argument == "--standby" else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=env,
-            )
+#: A worker that said `done` and has not exited this long after is lost (see `Launch._reap`).
+EXIT_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -341,13 +263,7 @@ class Launch:
                 if (backups.done >= last or now - at > LEAVE_WAIT_S) and w not in self.lost
             ]
             if self.lost:
-                if not self.common["backup"]:
-                    raise AgileMLError(f"a worker was lost ({logs_hint(self.out_dir)})")
-                if not recoveries or recoveries[-1].killed_at < self._started_at:
-                    stage = self.workers[self.lost[0]][0]
-                    recoveries.append(Recovery(stage, time.time(), 0, ()))  # not injected
-                backups.forget_partial()  # minibatches not every stage backed up are redone
-                return "lost"
+                return self._lose(backups, recoveries)
             if self.joining:
                 self.joining = False
                 return "join"
@@ -383,27 +299,66 @@ class Launch:
                 worker = self._worker_of(header.sender)
                 if worker is not None:
                     leaving[worker] = (header.clock, time.time())
-        self.results = self._collect(backups)
-        return "done"
-
-    def _collect(self, backups: Backups) -> list[dict[str, Any]]:
-        """Every worker's report, sorted by (stage, replica). A worker lost after it said
-        `done` (its node went before the exit report) is no failure when every stage backed
-        up the last update: [] then, and the weights are the reliable copy's."""
-        reports = []
-        for proc in self.procs:  # every one reaped before deciding
-            try:
-                stdout, _ = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AgileMLError(f"a stage did not exit ({logs_hint(self.out_dir)})") from None
-            lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-            reports.append((proc.returncode, lines))
-        lost = any(code is not None and code < 0 for code, _ in reports)
+        reports = self._reap()
+        lost = [w for w, (code, _) in enumerate(reports) if code is not None and code < 0]
         if lost and backups.done >= self.common["minibatches"]:
             log.warning("a stage's node went after its last update: the reliable copy")
-            return []
-        if any(code != 0 or not lines for code, lines in reports):
-            raise AgileMLError(f"a stage failed ({logs_hint(self.out_dir)})")
+            self.results = []
+            return "done"
+        if lost:  # its node went after `done`, before its result: redo from the cut
+            self.lost = lost
+            return self._lose(backups, recoveries)
+        self.results = self._collect(reports)
+        return "done"
+
+    def _lose(self, backups: Backups, recoveries: list[Recovery]) -> str:
+        """Workers `self.lost` are gone: note the recovery (unless injected), forget the
+        minibatches not every stage backed up, and say "lost"."""
+        if not self.common["backup"]:
+            raise AgileMLError(f"a worker was lost ({logs_hint(self.out_dir)})")
+        if not recoveries or recoveries[-1].killed_at < self._started_at:
+            stage = self.workers[self.lost[0]][0]
+            recoveries.append(Recovery(stage, time.time(), 0, ()))  # not injected
+        backups.forget_partial()  # minibatches not every stage backed up are redone
+        return "lost"
+
+    def _reap(self) -> list[tuple[int | None, list[str]]]:
+        """Every worker's exit code and the JSON lines of its output (each one reaped). A
+        worker that said `done` but does not exit (or whose exit is not reported) within
+        `EXIT_WAIT_S` is killed and counts as lost: its result never comes."""
+        reports: list[tuple[int | None, list[str]]] = []
+        for w, proc in enumerate(self.procs):
+            left = self.deadline - time.monotonic()
+            try:
+                stdout, _ = proc.communicate(timeout=max(1.0, min(EXIT_WAIT_S, left)))
+            except subprocess.TimeoutExpired:
+                if left <= EXIT_WAIT_S:
+                    hint = logs_hint(self.out_dir)
+                    raise AgileMLError(f"a stage did not exit ({hint})") from None
+                stage, replica = self.workers[w]
+                log.warning("a worker did not exit after its last update; taken as lost",
+                            extra={"stage": stage, "replica": replica})  # fmt: skip
+                proc.kill()
+                reports.append((-int(signal.SIGKILL), []))
+                continue
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+            reports.append((proc.returncode, lines))
+        return reports
+
+    def _collect(self, reports: list[tuple[int | None, list[str]]]) -> list[dict[str, Any]]:
+        """Every worker's result, sorted by (stage, replica).
+
+        Raises:
+            AgileMLError: a worker exited with an error or without its result (which, with
+                its code).
+        """
+        for w, (code, lines) in enumerate(reports):
+            if code != 0 or not lines:
+                stage, replica = self.workers[w]
+                how = f"exited with code {code}" if code != 0 else "exited without its result"
+                raise AgileMLError(
+                    f"stage {stage} (replica {replica}) {how} ({logs_hint(self.out_dir)})"
+                )
         results = [json.loads(lines[-1]) for _, lines in reports]
         return sorted(results, key=lambda r: (r["stage"], r["replica"]))
 

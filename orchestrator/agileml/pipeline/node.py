@@ -40,7 +40,7 @@ from orchestrator.agileml.errors import WireError
 from orchestrator.agileml.jobcode import resolve_code
 from orchestrator.agileml.node import NodeResult
 from orchestrator.agileml.pipeline.holder import BackupHolder
-from orchestrator.agileml.pipeline.launch import LocalSpawner, StageProcess
+from orchestrator.agileml.pipeline.processes import LocalSpawner, StageProcess
 from orchestrator.agileml.pipeline.remote import LOST_CODE, NAME, file_tensors, tensor_files
 from orchestrator.agileml.wire import MessageKind
 
