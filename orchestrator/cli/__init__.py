@@ -8,6 +8,7 @@ and exit with code 2; `--debug` shows the traceback.
     train.py       train (a user's job on local processes)
     simulate.py    simulate, ledger-check           market.py   risk, catalog
     demo.py        demo                             plan.py     plan
+    local.py       local up, local down, local status
     jobs.py        submit, jobs, job, report, cancel, api serve
     controller.py  controller start                 deploy.py   deploy, worker start
 """
@@ -26,7 +27,9 @@ from orchestrator.lifecycle import exit_on_signals
 __all__ = ["app", "main"]
 
 #: Importing a command module registers its commands, in the order `--help` lists them.
-COMMAND_MODULES = ("train", "simulate", "demo", "market", "controller", "deploy", "jobs", "plan")
+COMMAND_MODULES = (
+    "train", "simulate", "demo", "local", "market", "controller", "deploy", "jobs", "plan",
+)  # fmt: skip
 for _module in COMMAND_MODULES:
     importlib.import_module(f"{__name__}.{_module}")
 

@@ -1,8 +1,9 @@
 """Job commands of the `orchestrator` CLI: `submit`, `jobs`, `job`, `cancel` and `api serve`.
 
 They talk to the controller's HTTP API (`orchestrator.api.client.ApiClient`); the API URL and
-token come from `--api`/`--token` or `Settings` (`ORCHESTRATOR_API__URL`,
-`ORCHESTRATOR_API__TOKEN`). Importing this module registers them on `orchestrator.cli.app`
+token come from `--api`/`--token`, else `Settings` (`ORCHESTRATOR_API__URL`,
+`ORCHESTRATOR_API__TOKEN`), else the local world of `orchestrator local up`. Importing this
+module registers them on `orchestrator.cli.app`
 (`orchestrator.cli` does so). Heavy imports (httpx, FastAPI, the catalog) happen inside the
 commands, so the rest of the CLI starts as fast as before.
 
@@ -47,7 +48,8 @@ ApiOption = Annotated[
     str | None,
     typer.Option(
         "--api",
-        help="Controller API URL [default: $ORCHESTRATOR_API__URL or http://127.0.0.1:8750].",
+        help="Controller API URL [default: $ORCHESTRATOR_API__URL, else the world of "
+        "`orchestrator local up`, else http://127.0.0.1:8750].",
         show_default=False,
     ),
 ]
@@ -497,11 +499,17 @@ def serve(
 
 
 def _client(api: str | None, token: str | None) -> ApiClient:
-    """A client for `--api`/`--token`, or the Settings' URL and token."""
+    """A client for `--api`/`--token`; else the settings' URL (environment or config file)
+    and token; else the local world `orchestrator local up` started; else the default URL."""
     from orchestrator.api.client import ApiClient
+    from orchestrator.cli.local import saved_world
     from orchestrator.settings import Settings
 
     settings = Settings.load()
+    if api is None and "url" not in settings.api.model_fields_set:
+        local = saved_world()
+        if local is not None:  # its own token: the settings' is for another controller
+            return ApiClient(str(local["api_url"]), token or str(local["token"]))
     return ApiClient(
         api or settings.api.url, token or settings.api.client_token(), ca_cert=settings.api.ca_cert
     )
