@@ -127,7 +127,7 @@ class JobSubmission(BaseModel):
         training = data.get("training")
         if not isinstance(training, dict):
             raise ValueError("iteration_time needs a training section (its iterations)")
-        from orchestrator.agileml.hosting import validate_training_section
+        from orchestrator.agileml.spec import validate_training_section
 
         try:
             iterations = validate_training_section(training).iterations
@@ -153,7 +153,7 @@ class JobSubmission(BaseModel):
     def _training(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
             # loaded only for training jobs: the runtime's models pull in torch
-            from orchestrator.agileml.hosting import validate_training_section
+            from orchestrator.agileml.spec import validate_training_section
 
             validate_training_section(value)
         return value

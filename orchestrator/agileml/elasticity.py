@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import NoReturn
 
-from pydantic import BaseModel, ConfigDict, model_validator
-
 from orchestrator.agileml.errors import (
     ElasticityError,
     IllegalNodeTransitionError,
@@ -29,6 +27,7 @@ from orchestrator.agileml.errors import (
     PartitionError,
 )
 from orchestrator.agileml.partitions import PartitionTable
+from orchestrator.agileml.spec import StageThresholds as StageThresholds  # re-exported
 
 
 class NodeTier(StrEnum):
@@ -53,29 +52,6 @@ class AgileMLStage(IntEnum):
     PARAMSERV_ONLY = 1
     ACTIVE_BACKUP = 2
     ACTIVE_BACKUP_NO_RELIABLE_WORKERS = 3
-
-
-class StageThresholds(BaseModel):
-    """Transient:reliable ratios above which stages 2 and 3 start; 0 < stage2 < stage3.
-
-    Raises:
-        pydantic.ValidationError: on construction, for thresholds out of order, not positive
-            or not finite.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    stage2_above: float = 1.0
-    stage3_above: float = 15.0
-
-    @model_validator(mode="after")
-    def _ordered(self) -> StageThresholds:
-        if not 0 < self.stage2_above < self.stage3_above:
-            raise ValueError(
-                f"need 0 < stage2_above < stage3_above, got {self.stage2_above} and "
-                f"{self.stage3_above}"
-            )
-        return self
 
 
 def _count(nodes: Sequence[Node]) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.parts import ModelParts, TrainingParts, model_parts, training_parts
+from orchestrator.agileml.spec import validate_training_section
 
 if TYPE_CHECKING:
     from orchestrator.agileml.pipeline.hosted import HostedPipeline
@@ -215,25 +216,6 @@ def host_training(
 
         return HostedPipeline.start(spec, token=token, host=host, port=port)
     return HostedTraining.start(spec, token=token, host=host, port=port)
-
-
-HOST_SET_FIELDS = ("checkpoint_dir", "resume_from", "code_store")
-
-
-def validate_training_section(section: Mapping[str, Any]) -> TrainingSpec:
-    """A job submission's `training` section as the spec it describes (its job id, its
-    checkpoint folder and what it resumes from are filled in by the host).
-
-    Raises:
-        pydantic.ValidationError: a field is invalid (named).
-        ValueError: the section sets a field the host sets.
-    """
-    for name in HOST_SET_FIELDS:
-        if name in section:
-            raise ValueError(
-                f"{name} is set by the controller (the job's artifacts folder); remove it"
-            )
-    return TrainingSpec.model_validate({**dict(section), "job_id": "validate"})
 
 
 def _latest_loss(losses: Mapping[str, list[tuple[int, float]]]) -> float | None:

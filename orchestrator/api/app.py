@@ -67,7 +67,7 @@ from orchestrator.api.files import (
 )
 from orchestrator.api.metrics import StoreCollector
 from orchestrator.api.operations import cancel_job, job_cost, new_job_id, submit_job
-from orchestrator.api.views import EventTallies, TrainingBody, fleet, job_dashboard
+from orchestrator.api.views import EventTallies, fleet, job_dashboard
 from orchestrator.artifacts import WEIGHTS, Folder, folder_at
 from orchestrator.artifacts.code import MAX_CODE_BYTES
 from orchestrator.bidbrain.errors import DeadlineError
@@ -75,7 +75,7 @@ from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.dashboard.page import STATIC_DIR, dashboard_html
 from orchestrator.jobspec import JobSubmission
 from orchestrator.settings import Settings
-from orchestrator.store import JobRecord, JobState, Store, StoreError, TrainingReport
+from orchestrator.store import JobRecord, JobState, Store, StoreError
 
 Clock = Callable[[], float]
 
@@ -240,15 +240,6 @@ def _runtime_routes(
             raise HTTPException(status_code=503, detail="no controller runs behind this API")
         on_notice(parsed)
         return {"accepted": parsed.instance_id, "kind": parsed.kind}
-
-    @router.post("/v1/jobs/{job_id}/training", status_code=202, dependencies=authorized)
-    def training(job_id: str, body: TrainingBody) -> dict[str, Any]:
-        """The job's training runtime reports its progress (iteration, loss, FlexRR and
-        AgileML counters); stamped with the controller's clock."""
-        store.get_job(job_id)  # 404 for an unknown job
-        report = TrainingReport(at_s=clock(), **body.model_dump())
-        store.append_training(job_id, report)
-        return {"accepted": job_id, "at_s": report.at_s}
 
     return router
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, fields, replace
-from typing import Annotated, Any
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from orchestrator.store.events import (
     DecisionEvent,
@@ -44,18 +42,6 @@ from orchestrator.store.protocol import Store
 MAX_SERIES_POINTS = 400
 #: Events listed on a job's page, newest first.
 EVENTS_SHOWN = 100
-
-
-class TrainingBody(BaseModel):
-    """`POST /v1/jobs/{id}/training`: what the runtime reports (the API stamps the time)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    iteration: Annotated[int, Field(ge=0)]
-    loss: float | None = None  # finite (allow_inf_nan above); some losses go below 0
-    reassigned: Annotated[int, Field(ge=0)] = 0
-    stage_transitions: Annotated[int, Field(ge=0)] = 0
-    stages: Annotated[tuple[PipelineStageReport, ...], Field(max_length=1024)] = ()
 
 
 def tier_of(record: InstanceRecord) -> str:

@@ -158,8 +158,8 @@ def _upload_code(client: Any, training: dict[str, Any], job_file: Path, check: b
         )
         check = False
     if check:
-        from orchestrator.agileml.hosting import validate_training_section
         from orchestrator.agileml.jobcode import check_job_code, load_job_code
+        from orchestrator.agileml.spec import validate_training_section
         from orchestrator.artifacts.data import use_data
 
         use_data(data)  # a local folder: the job's dataset() reads it as on the nodes
@@ -192,8 +192,8 @@ def _pipeline_rates(submission: Any, job_file: Path) -> dict[str, float] | None:
     if data is not None and not Path(str(data)).is_dir():
         err.print("not sizing the pipeline here: its data is on the nodes", highlight=False)
         return None
-    from orchestrator.agileml.hosting import validate_training_section
     from orchestrator.agileml.pipeline.trainrun import size_pipeline_submission
+    from orchestrator.agileml.spec import validate_training_section
     from orchestrator.market.catalog import Catalog
 
     spec = validate_training_section(training)

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.bidbrain.inputs import HeldInstance, RenewalSchedule, decision_input
+from orchestrator.bidbrain.inputs import HeldInstance, decision_input
 from orchestrator.bidbrain.model import AllocationRequest, JobSpec
 from orchestrator.bidbrain.policy import (
     BidBrainPolicy,
@@ -42,12 +42,12 @@ from orchestrator.cloud.instances import CloudInstance, LaunchSpec
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.cloud.reconcile import Reconciler
+from orchestrator.controller.job import ControllerJob
 from orchestrator.controller.market_view import MarketView, price_at
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.rates import RateLearning
 from orchestrator.controller.stall import StallWatch
 from orchestrator.controller.training_gate import TrainingGate
-from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import BillingModel, EndReason
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import (
@@ -107,7 +107,6 @@ class Controller:
         billing: how instances are charged (for the ledger).
         settings: BidBrain's knobs.
         image_id: the AMI worker nodes boot.
-        user_data: builds a node's user data from (job id, allocation id).
         training: the jobs' training (the training host): launch tags telling a job's
             instances where its runtime is, its final weights kept just before its instances
             go (an error there is logged and the instances go all the same), and how far it
@@ -128,9 +127,7 @@ class Controller:
         billing: BillingModel,
         catalog: Catalog | None = None,
         settings: BidBrainSettings | None = None,
-        capacity_model: CapacityHazardModel | None = None,
         image_id: str = "ami-orchestrator",
-        user_data: Callable[[str, str], str] | None = None,
         training: JobTraining | None = None,
         max_running_jobs: int | None = None,
         stall_after_s: float = 600.0,
@@ -145,10 +142,9 @@ class Controller:
         self.billing = billing
         self.catalog = catalog or Catalog.load()
         self.settings = settings or BidBrainSettings()
-        self.capacity_model = capacity_model or CapacityHazardModel(prior_rate_per_hour=0.1)
+        self.capacity_model = CapacityHazardModel(prior_rate_per_hour=0.1)  # learns evictions
         self.availability = MarketAvailability()
         self.image_id = image_id
-        self.user_data = user_data
         self.training = training
         self.instance_logs: InstanceLogs | None = None  # the offline world's agents' logs
         stalls = StallWatch(
@@ -161,10 +157,8 @@ class Controller:
         self._gate = TrainingGate(training, stalls) if training is not None else None
         self._notices: list[InterruptionNotice] = []
         self._doomed: set[str] = set()
-        self._prices_seen: dict[str, dict[str, float]] = {}  # job -> the last prices recorded
         self._market = MarketView(self.catalog)
-        self._renewals: dict[str, RenewalSchedule] = {}  # job -> its allocations' points
-        self._evictions: dict[str, dict[Market, float]] = {}  # job -> see `_evicted_at`
+        self._jobs: dict[str, ControllerJob] = {}  # running jobs: their typed spec and state
         self._rates = RateLearning(store, self.catalog)  # the jobs' learned work rates
 
     # -- inputs from outside the tick -----------------------------------------------------
@@ -234,13 +228,15 @@ class Controller:
             rec = by_id.get(instance_id)
             if rec is None:
                 continue
+            owner = self._jobs.get(rec.job_id)
             try:
                 ended = self._end(rec, history, now_s, EndReason.EVICTED)
             except BaseException:
-                self._evictions.pop(rec.job_id, None)  # it may have ended unseen: re-read
+                if owner is not None:  # it may have ended unseen: read them again
+                    owner.forget_evictions()
                 raise
-            if rec.job_id in self._evictions:  # else read from the store when next needed
-                _note_eviction(self._evictions[rec.job_id], ended)
+            if owner is not None:
+                owner.note_eviction(ended)
             report.evicted.append(instance_id)
             self.capacity_model.observe(
                 Market(rec.instance_type, rec.zone), 1, now_s - rec.launched_at
@@ -280,7 +276,10 @@ class Controller:
     def _run_job(
         self, job: JobRecord, history: PriceHistory, now_s: float, report: TickReport
     ) -> None:
-        submission = JobSubmission.model_validate(job.spec)
+        owner = self._jobs.get(job.job_id)
+        if owner is None:  # the job's first tick here: its spec typed once
+            owner = self._jobs[job.job_id] = ControllerJob.of(job, self.settings)
+        submission = owner.submission
         spec = self._rates.spec_for(job.job_id, submission.job_spec(), now_s)
         remaining = max(spec.work_gpu_hours - job.work_done_gpu_hours, 0.0)
         try:
@@ -334,14 +333,14 @@ class Controller:
             held=self._held(alive, spec),
             price_of=self._market.price_of(history, now_s),
             prices_usd_per_hour=prices,
-            renewals=self._renewals.setdefault(job.job_id, RenewalSchedule(self.settings)),
+            renewals=owner.renewals,
             doomed=self._doomed,
             unavailable=self.availability.unavailable(now_s, table.markets),
-            last_eviction_s=self._evicted_at(job.job_id),
+            last_eviction_s=owner.evicted_at(lambda: self.store.list_instances(job.job_id)),
         )
         decision = policy.decide(inp)
         report.decisions[job.job_id] = decision
-        self._record_prices(job.job_id, table.markets, prices, now_s)
+        self._record_prices(owner, table.markets, prices, now_s)
         self._log(
             DecisionEvent(
                 job_id=job.job_id,
@@ -369,13 +368,12 @@ class Controller:
             self._finish(job, JobState.BUDGET_EXHAUSTED, now_s, decision.reason, report)
 
     def _record_prices(
-        self, job_id: str, markets: Sequence[Market], prices: np.ndarray, now_s: float
+        self, owner: ControllerJob, markets: Sequence[Market], prices: np.ndarray, now_s: float
     ) -> None:
         """Keep the prices the job's decision saw for the dashboard, when any changed."""
         seen = {str(m): float(p) for m, p in zip(markets, prices, strict=True) if np.isfinite(p)}
-        if seen != self._prices_seen.get(job_id):
-            self.store.append_prices(job_id, PriceSnapshot(at_s=now_s, prices=seen))
-            self._prices_seen[job_id] = seen
+        if owner.prices_changed(seen):
+            self.store.append_prices(owner.job_id, PriceSnapshot(at_s=now_s, prices=seen))
 
     def _launch(
         self, job: JobRecord, request: AllocationRequest, now_s: float, report: TickReport
@@ -386,7 +384,6 @@ class Controller:
             job_id=job.job_id,
             allocation_id=allocation_id,
             image_id=self.image_id,
-            user_data=self.user_data(job.job_id, allocation_id) if self.user_data else "",
             extra_tags=dict(self.training.tags_for(job.job_id)) if self.training else {},
         )
         try:
@@ -456,9 +453,7 @@ class Controller:
     ) -> None:
         self._transition(job, state, now_s, message)
         report.finished[job.job_id] = state
-        self._renewals.pop(job.job_id, None)
-        self._prices_seen.pop(job.job_id, None)
-        self._evictions.pop(job.job_id, None)
+        self._jobs.pop(job.job_id, None)
         self._rates.forget(job.job_id)
         if self._gate is not None:
             self._gate.forget(job.job_id)
@@ -569,16 +564,6 @@ class Controller:
             for rec in alive
         ]
 
-    def _evicted_at(self, job_id: str) -> dict[Market, float]:
-        """When each market last took one of the job's instances back. Read from the store's
-        records the first time (so a restarted controller knows too), then kept by
-        `_reconcile`, which ends every evicted instance: the job's whole instance history is
-        read once per controller, not at every tick."""
-        last = self._evictions.get(job_id)
-        if last is None:
-            last = self._evictions[job_id] = _last_evictions(self.store.list_instances(job_id))
-        return last
-
     def _transition(self, job: JobRecord, state: JobState, now_s: float, message: str) -> JobRecord:
         updated = self.store.transition(
             job.job_id, state, expected_version=job.version, now_s=now_s, message=message
@@ -592,22 +577,6 @@ class Controller:
 
     def _log(self, event: Event) -> None:
         self.store.append_event(event)
-
-
-def _last_evictions(instances: Sequence[InstanceRecord]) -> dict[Market, float]:
-    """When each market last took one of these instances back (read from the store's records,
-    so a restarted controller knows too)."""
-    last: dict[Market, float] = {}
-    for rec in instances:
-        _note_eviction(last, rec)
-    return last
-
-
-def _note_eviction(last: dict[Market, float], rec: InstanceRecord) -> None:
-    """Count `rec` in `last` (market -> latest eviction) if it ended evicted."""
-    if rec.end_reason == EndReason.EVICTED and rec.ended_at is not None:
-        market = Market(rec.instance_type, rec.zone)
-        last[market] = max(last.get(market, rec.ended_at), rec.ended_at)
 
 
 def _finite(value: float) -> float | None:

@@ -43,9 +43,11 @@ from orchestrator.store import (
     LaunchFailedEvent,
     LedgerEntry,
     NoticeEvent,
+    PipelineStageReport,
     PriceSnapshot,
     RedisStore,
     Store,
+    TrainingReport,
 )
 
 with warnings.catch_warnings():
@@ -317,7 +319,6 @@ def test_the_read_only_token_changes_nothing(client: TestClient, store: Store) -
     calls = [
         ("POST", "/v1/jobs", {"json": SPEC}),
         ("POST", f"/v1/jobs/{job_id}/cancel", {}),
-        ("POST", f"/v1/jobs/{job_id}/training", {"json": {"iteration": 3}}),
         ("GET", f"/v1/jobs/{job_id}/weights", {}),
         ("GET", f"/v1/jobs/{job_id}/checkpoint", {}),
         ("PUT", "/v1/code/sha256:" + "0" * 64, {"content": b"x"}),
@@ -587,10 +588,8 @@ def _feed_a_running_job(client: TestClient, store: Store) -> str:
             at_s=5.0, prices={"p3.2xlarge@us-east-1a": 0.9, "p3.8xlarge@us-east-1b": 4.0}
         ),
     )
-    response = client.post(f"/v1/jobs/{job_id}/training", headers=AUTH,
-                           json={"iteration": 42, "loss": 0.5, "reassigned": 3,
-                                 "stage_transitions": 2})  # fmt: skip
-    assert response.status_code == 202, response.text
+    store.append_training(job_id, TrainingReport(at_s=9.0, iteration=42, loss=0.5,
+                                                 reassigned=3, stage_transitions=2))  # fmt: skip
     return job_id
 
 
@@ -700,35 +699,19 @@ def test_dashboard_data_follows_the_contract(client: TestClient, store: Store) -
     assert client.get("/v1/jobs/job-nope/dashboard", headers=READ).status_code == 404
 
 
-def test_training_reports_need_the_token_and_valid_numbers(
-    client: TestClient, store: Store
-) -> None:
-    job_id = submit(client)["job_id"]
-    assert client.post(f"/v1/jobs/{job_id}/training", json={"iteration": 1}).status_code == 401
-    error = error_of(
-        client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json={"iteration": -1}), 422
-    )
-    assert "iteration" in error["field"]
-    assert store.training(job_id) == []
-
-
 def test_a_pipeline_jobs_page_lists_its_stages_as_last_reported(
     client: TestClient, store: Store
 ) -> None:
     job_id = submit(client)["job_id"]
     stages = [{"stage": 0, "first_layer": 0, "last_layer": 2, "nodes": ["i-1", "i-2"]},
               {"stage": 1, "first_layer": 3, "last_layer": 6, "nodes": ["i-3"]}]  # fmt: skip
-    body = {"iteration": 5, "stages": stages}
-    assert client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json=body).status_code == 202
+    reported = tuple(PipelineStageReport.model_validate(st) for st in stages)
+    store.append_training(job_id, TrainingReport(at_s=5.0, iteration=5, stages=reported))
     assert client.get(f"/v1/jobs/{job_id}/dashboard", headers=READ).json()["pipeline"] == stages
     moved = [{**stages[0], "nodes": ["i-4"]}]
-    body = {"iteration": 9, "stages": moved}
-    assert client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json=body).status_code == 202
+    moved_report = (PipelineStageReport.model_validate(moved[0]),)
+    store.append_training(job_id, TrainingReport(at_s=9.0, iteration=9, stages=moved_report))
     assert client.get(f"/v1/jobs/{job_id}/dashboard", headers=READ).json()["pipeline"] == moved
-    bad = {"iteration": 9, "stages": [{"stage": -1, "first_layer": 0, "last_layer": 0}]}
-    error = error_of(client.post(f"/v1/jobs/{job_id}/training", headers=AUTH, json=bad), 422)
-    assert "stages" in error["field"]
-    assert len(store.training(job_id)) == 2
 
 
 def test_dashboard_page_and_its_assets_are_served(client: TestClient) -> None:

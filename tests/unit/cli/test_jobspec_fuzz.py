@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from support.fuzz import Tally
 
-from orchestrator.agileml.hosting import validate_training_section
+from orchestrator.agileml.spec import validate_training_section
 from orchestrator.cli.jobs import load_submission
 from orchestrator.errors import UserError
 from orchestrator.jobspec import JobSubmission

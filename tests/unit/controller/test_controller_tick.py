@@ -217,3 +217,29 @@ def test_half_a_bill_from_an_older_controller_does_not_stop_the_ticks(store, ec2
     ctl.tick(T0 + 600.0)
     assert not store.get_instance(spot.instance_id).alive
     ctl.tick(T0 + 720.0)
+
+
+def test_a_jobs_spec_is_typed_once_and_its_state_dropped_when_it_ends(
+    store, ec2, prices, monkeypatch
+) -> None:
+    """The controller types a job's stored spec at its first tick (not at every one) and
+    keeps its BidBrain state in one place, dropped when the job ends."""
+    submit(store)
+    ctl = controller(store, ec2, prices)
+    validated: list[object] = []
+    original = JobSubmission.model_validate.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[JobSubmission], obj: Any, *args: Any, **kwargs: Any) -> Any:
+        validated.append(obj)
+        return original(cls, obj, *args, **kwargs)
+
+    monkeypatch.setattr(JobSubmission, "model_validate", classmethod(counting))
+    for k in range(4):
+        ctl.tick(T0 + 300.0 * k)
+    assert len(validated) == 1
+    assert set(ctl._jobs) == {"job-1"}
+    job = store.get_job("job-1")
+    store.transition("job-1", JobState.CANCELLING, expected_version=job.version, now_s=T0 + 1300.0)
+    ctl.tick(T0 + 1300.0)
+    assert store.get_job("job-1").state is JobState.CANCELLED
+    assert ctl._jobs == {}
