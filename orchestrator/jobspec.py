@@ -34,6 +34,13 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 #: One V100: a reference-GPU-hour is an hour of it (work rate 1).
 REFERENCE_INSTANCE_TYPE = "p3.2xlarge"
 MAX_GPUS = 4096
+#: Bounds no real job reaches: a number past one is a typo (or a probe), and BidBrain could not
+#: decide for it (the job would sit running, paying for its on-demand node).
+MAX_BUDGET_USD = 10_000_000.0
+MAX_WORK_GPU_HOURS = 10_000_000.0
+MAX_USD_PER_HOUR = 100_000.0
+MAX_WORK_RATE = 1_000.0  # reference GPUs (V100s) per GPU
+MAX_SECONDS_PER_ITERATION = 86_400.0
 
 
 class IterationTime(BaseModel):
@@ -42,7 +49,9 @@ class IterationTime(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    seconds_per_iteration: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    seconds_per_iteration: Annotated[
+        float, Field(gt=0, le=MAX_SECONDS_PER_ITERATION, allow_inf_nan=False, strict=True)
+    ]
     measured_on: str = Field(
         REFERENCE_INSTANCE_TYPE,
         description="the GPU instance type it was measured on (its GPUs' catalog work rates "
@@ -76,26 +85,33 @@ class JobSubmission(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     name: str = Field(description="letters, digits, '.', '_' and '-', up to 64")
-    budget_usd: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    # strict: a number (an int or a float), never `true` or "40"
+    budget_usd: Annotated[float, Field(gt=0, le=MAX_BUDGET_USD, allow_inf_nan=False, strict=True)]
     iteration_time: IterationTime | None = Field(
         None,
         description="a training job's seconds per iteration on one instance of a GPU type: "
         "its work is training.iterations of it (catalog rates until measured rates exist)",
     )
-    work_gpu_hours: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+    work_gpu_hours: Annotated[
+        float, Field(gt=0, le=MAX_WORK_GPU_HOURS, allow_inf_nan=False, strict=True)
+    ] = Field(
         description="the work in reference-GPU-hours; a training job may give iteration_time "
         "instead (filled in from it at submission; when both are given this one counts)"
     )
-    max_gpus: Annotated[float, Field(gt=0, le=MAX_GPUS, allow_inf_nan=False)] = 16.0
+    max_gpus: Annotated[float, Field(gt=0, le=MAX_GPUS, allow_inf_nan=False, strict=True)] = 16.0
     regions: tuple[str, ...] = ("us-east-1",)
     instance_types: tuple[str, ...] | None = Field(
         None, description="GPU types the job may run on (default: every GPU type priced)"
     )
     reliable_type: str = "m5.xlarge"
-    reliable_count: Annotated[int, Field(ge=1, le=64)] = 1
+    reliable_count: Annotated[int, Field(ge=1, le=64, strict=True)] = 1
     app: AppParams = AppParams()
-    time_value_usd_per_hour: Annotated[float, Field(ge=0)] | None = None
-    gpu_work_rates: dict[str, Annotated[float, Field(gt=0)]] | None = None
+    time_value_usd_per_hour: (
+        Annotated[float, Field(ge=0, le=MAX_USD_PER_HOUR, strict=True)] | None
+    ) = None
+    gpu_work_rates: (
+        dict[str, Annotated[float, Field(gt=0, le=MAX_WORK_RATE, strict=True)]] | None
+    ) = None
     training: dict[str, Any] | None = Field(
         None,
         description="train a model with AgileML (TrainingSpec fields but job_id): on AWS the "
@@ -106,9 +122,9 @@ class JobSubmission(BaseModel):
         description="when the work must be done, ISO 8601 with a zone (2026-11-27T17:00:00Z); "
         "BidBrain keeps a safety net of on-demand GPUs for when the slack runs out",
     )
-    deadline_hours: Annotated[float, Field(gt=0, le=24 * 366, allow_inf_nan=False)] | None = Field(
-        None, description="the deadline as hours after submission (becomes `deadline`)"
-    )
+    deadline_hours: (
+        Annotated[float, Field(gt=0, le=24 * 366, allow_inf_nan=False, strict=True)] | None
+    ) = Field(None, description="the deadline as hours after submission (becomes `deadline`)")
     deadline_soft: bool = Field(
         False,
         description="when meeting the deadline could cost more than the budget: false (the "

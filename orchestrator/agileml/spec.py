@@ -73,13 +73,13 @@ class TrainingSpec(BaseModel):
     model: ModelSpec = ModelSpec()
     samples: Annotated[int, Field(ge=1, le=10_000_000)] = 4096
     data_seed: int = 0
-    global_batch: Annotated[int, Field(ge=1)] = 256
-    lr: Annotated[float, Field(gt=0)] = 0.05
+    global_batch: Annotated[int, Field(ge=1, le=10_000_000, strict=True)] = 256
+    lr: Annotated[float, Field(gt=0, le=1_000, strict=True)] = 0.05
     slack: Annotated[int, Field(ge=0, le=1000)] = 0
-    iterations: Annotated[int, Field(ge=1)] = 100
+    iterations: Annotated[int, Field(ge=1, le=1_000_000_000, strict=True)] = 100
     num_partitions: Annotated[int, Field(ge=1, le=4096)] = 4
     seed: int = 0
-    min_nodes: Annotated[int, Field(ge=1)] = 1  # nodes ready before clock 0 starts
+    min_nodes: Annotated[int, Field(ge=1, le=4096, strict=True)] = 1  # ready before clock 0
     thresholds: StageThresholds = StageThresholds()
     heartbeat_s: Annotated[float, Field(gt=0, le=10)] = 0.1
     failure_timeout_s: Annotated[float, Field(gt=0, le=600)] = 1.0

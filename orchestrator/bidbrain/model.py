@@ -21,6 +21,10 @@ from orchestrator.market.prices import Market
 DEFAULT_TIME_VALUE_FRACTION = 0.02
 
 
+#: The most an overhead of `AppParams` may be: a day.
+MAX_OVERHEAD_S = 86_400.0
+
+
 class AppParams(BaseModel):
     """The application characteristics of Table 4.2 (seed 002 §4.3.1).
 
@@ -39,9 +43,10 @@ class AppParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    phi: Annotated[float, Field(gt=0, le=1)] = 1.0
-    add_overhead_s: Annotated[float, Field(ge=0)] = 240.0
-    eviction_overhead_s: Annotated[float, Field(ge=0)] = 30.0
+    # strict: numbers, never `true`; the overheads at most a day (no node boots for longer)
+    phi: Annotated[float, Field(gt=0, le=1, strict=True)] = 1.0
+    add_overhead_s: Annotated[float, Field(ge=0, le=MAX_OVERHEAD_S, strict=True)] = 240.0
+    eviction_overhead_s: Annotated[float, Field(ge=0, le=MAX_OVERHEAD_S, strict=True)] = 30.0
 
 
 class JobSpec(BaseModel):

@@ -5,13 +5,15 @@ worker instance runs). Importing this module registers both on `orchestrator.cli
         --api-cidr 203.0.113.7/32 --package 'git+https://...'       create or update, wait
     orchestrator deploy ... --dry-run             render and validate only (no AWS call)
     orchestrator deploy ... --template-out DIR    write the template, scripts, parameters
-    orchestrator deploy --teardown [--controller-id ID]   terminate workers, delete the stack
+    orchestrator deploy --teardown [--controller-id ID] [--dry-run] [--yes]
+                                                  say what goes, ask, terminate, delete
 
 Exit codes: 0 ok; 1 validation found problems (--dry-run); 2 user errors.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -79,7 +81,15 @@ DryRunOption = Annotated[
     bool, typer.Option("--dry-run", help="Validate (parameters, policies, cfn-lint) only.")
 ]
 TeardownOption = Annotated[
-    bool, typer.Option("--teardown", help="Terminate the controller's workers, delete the stack.")
+    bool,
+    typer.Option(
+        "--teardown",
+        help="Terminate the controller's workers, delete the stack and its secrets (asks "
+        "first; with --dry-run: only says what it would remove).",
+    ),
+]
+YesOption = Annotated[
+    bool, typer.Option("--yes", "-y", help="With --teardown: do not ask for confirmation.")
 ]
 EndpointOption = Annotated[
     str | None, typer.Option("--endpoint-url", help="AWS endpoint (a moto server offline).")
@@ -115,6 +125,7 @@ def deploy(
     template_out: TemplateOutOption = None,
     dry_run: DryRunOption = False,
     teardown: TeardownOption = False,
+    yes: YesOption = False,
     endpoint_url: EndpointOption = None,
 ) -> None:
     """Deploy the controller node and the worker launch template on AWS (CloudFormation)."""
@@ -125,7 +136,7 @@ def deploy(
     region = region or Settings.load().region
     stack = stack or f"orchestrator-{controller_id}"
     if teardown:
-        _teardown(stack, controller_id, region, endpoint_url)
+        _teardown(stack, controller_id, region, endpoint_url, dry_run=dry_run, yes=yes)
         return
     params = deploy_params(
         {
@@ -209,9 +220,55 @@ def _deploy(
     )
 
 
-def _teardown(stack: str, controller_id: str, region: str, endpoint_url: str | None) -> None:
-    from orchestrator.deploy.run import teardown_stack
+def _teardown(
+    stack: str,
+    controller_id: str,
+    region: str,
+    endpoint_url: str | None,
+    *,
+    dry_run: bool,
+    yes: bool,
+) -> None:
+    """Say what the teardown removes; with `dry_run` stop there, else ask (unless `yes`).
 
+    Raises:
+        UserError: no terminal to ask on and no --yes (nothing is removed).
+        typer.Exit(1): the user said no.
+    """
+    from orchestrator.deploy.run import teardown_plan, teardown_stack
+
+    plan = teardown_plan(
+        stack=stack, controller_id=controller_id, region=region, endpoint_url=endpoint_url
+    )
+    if plan.empty:
+        out.print(
+            f"nothing to tear down: no stack {stack}, no instance tagged with controller id "
+            f"{controller_id}, no token secrets",
+            highlight=False,
+        )
+        return
+    out.print(
+        f"teardown of {stack} in {region} removes:\n"
+        f"  stack:     {stack} ({plan.stack_status or 'not found'})\n"
+        f"  controller node: {plan.controller_instance or 'none'}\n"
+        f"  workers:   {len(plan.workers)} instance(s) tagged with controller id "
+        f"{controller_id}" + (f": {', '.join(plan.workers)}" if plan.workers else "") + "\n"
+        f"  secrets:   {', '.join(plan.secrets) or 'none'}",
+        highlight=False,
+    )
+    if dry_run:
+        out.print("--dry-run: nothing was changed", highlight=False)
+        return
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UserError(
+                "--teardown terminates instances and deletes the stack; no terminal to confirm on",
+                field="--yes",
+                fix="pass --yes to tear down without asking (or --dry-run to see what it removes)",
+            )
+        if not typer.confirm("Tear all of this down?", default=False):
+            out.print("nothing was changed", highlight=False)
+            raise typer.Exit(1)
     out.print(f"tearing down {stack}: workers first, then the stack...", highlight=False)
     terminated = teardown_stack(
         stack=stack,

@@ -7,13 +7,14 @@ Every AWS client comes from `orchestrator.aws` (`endpoint_url`: a moto server of
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from orchestrator.aws import aws_client
 from orchestrator.deploy.checks import lint_problems, policy_problems
-from orchestrator.deploy.stack import StackDeployer, StackEvent
+from orchestrator.deploy.stack import StackDeployer, StackEvent, secret_name
 from orchestrator.deploy.template import OPTION_OF, DeployParams, RenderedStack, load_template
 from orchestrator.errors import UserError
 
@@ -87,6 +88,47 @@ def deploy_stack(
     )
     deployer = StackDeployer(aws_client("cloudformation", region, endpoint_url=endpoint_url), stack)
     return deployer.deploy(rendered, params, on_event=on_event), api_arn
+
+
+@dataclass(frozen=True)
+class TeardownPlan:
+    """What `teardown_stack` would remove, read without changing anything."""
+
+    stack: str
+    stack_status: str | None  # None: no such stack
+    controller_instance: str | None
+    workers: tuple[str, ...]  # instances tagged with the controller id, not yet gone
+    secrets: tuple[str, ...]  # the token secrets that exist
+
+    @property
+    def empty(self) -> bool:
+        return self.stack_status is None and not self.workers and not self.secrets
+
+
+def teardown_plan(
+    *, stack: str, controller_id: str, region: str, endpoint_url: str | None = None
+) -> TeardownPlan:
+    """What a teardown of `stack` would terminate and delete (reads only: describe calls)."""
+    from botocore.exceptions import ClientError
+
+    from orchestrator.cloud.ec2 import EC2Cloud
+
+    ec2 = EC2Cloud(
+        region, controller_id, client=aws_client("ec2", region, endpoint_url=endpoint_url)
+    )
+    deployer = StackDeployer(aws_client("cloudformation", region, endpoint_url=endpoint_url), stack)
+    status = deployer.status()
+    controller = deployer.outputs().get("ControllerInstanceId") if status is not None else None
+    workers = tuple(i.instance_id for i in ec2.describe() if not i.state.is_gone)
+    secrets = aws_client("secretsmanager", region, endpoint_url=endpoint_url)
+    found = []
+    for kind in ("api-token", "worker-token"):
+        try:
+            secrets.describe_secret(SecretId=secret_name(controller_id, kind))
+        except ClientError:
+            continue
+        found.append(secret_name(controller_id, kind))
+    return TeardownPlan(stack, status, controller, workers, tuple(found))
 
 
 def teardown_stack(

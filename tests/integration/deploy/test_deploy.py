@@ -619,3 +619,50 @@ def test_the_controller_hosts_a_pipeline_job_whose_instance_agents_run_its_stage
     ref, _ = train_reference(load_job_code(str(code)), iterations=60, global_batch=64)
     for name, value in ref.state_dict().items():
         assert torch.allclose(weights[name], value, atol=1e-5), name
+
+
+def test_teardown_says_what_it_removes_and_dry_run_and_no_answer_change_nothing(aws):
+    """`deploy --teardown --dry-run` lists the stack, the controller node, the workers and the
+    secrets and changes nothing; without --yes and no terminal to ask on it refuses (exit 2);
+    with --yes it removes them."""
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    ec2 = aws
+    deployer, params, outputs = _deploy(ec2)
+    cloud = EC2Cloud(REGION, "prod", client=ec2)
+    spec = LaunchSpec(
+        instance_type="g4dn.xlarge", zone=_network(ec2)[1][1]["AvailabilityZone"], count=1,
+        job_id="job-1", allocation_id="a-1", max_price_usd_per_hour=1.0,
+    )  # fmt: skip
+    [worker] = cloud.launch(spec)
+    secrets = boto3.client("secretsmanager", region_name=REGION)
+
+    def untouched() -> None:
+        assert deployer.status() is not None
+        assert [i.instance_id for i in cloud.describe() if not i.state.is_gone] == [
+            worker.instance_id
+        ]
+        for arn in (params.api_token_secret_arn, params.worker_token_secret_arn):
+            secrets.describe_secret(SecretId=arn)
+
+    runner = CliRunner()
+    teardown = ["deploy", "--teardown", "--controller-id", "prod", "--region", REGION]
+    dry = runner.invoke(app, [*teardown, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert worker.instance_id in dry.output and outputs["ControllerInstanceId"] in dry.output
+    assert "orchestrator-prod" in dry.output and "nothing was changed" in dry.output
+    untouched()
+
+    unasked = runner.invoke(app, teardown)  # CliRunner's stdin is no terminal
+    assert isinstance(unasked.exception, UserError), unasked.output  # `main` exits 2 on it
+    assert unasked.exception.field == "--yes"
+    untouched()
+
+    done = runner.invoke(app, [*teardown, "--yes"])
+    assert done.exit_code == 0, done.output
+    assert deployer.status() is None
+    assert not [i for i in cloud.describe() if not i.state.is_gone]
+    again = runner.invoke(app, [*teardown, "--dry-run"])
+    assert again.exit_code == 0 and "nothing to tear down" in again.output, again.output

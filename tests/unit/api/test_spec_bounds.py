@@ -1,0 +1,72 @@
+"""Every money, time and rate number of a job spec has physical bounds: finite, positive where
+it must be, under a bound no real job reaches, and a number (never `true`, never "40"). A job
+BidBrain could not decide for is refused at submission, naming the field, instead of sitting
+`running` and paying for its on-demand node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr, ValidationError
+
+from orchestrator.api.app import create_app
+from orchestrator.jobspec import JobSubmission
+from orchestrator.settings import ApiSettings, Settings
+from orchestrator.store import MemoryStore
+
+BASE: dict[str, Any] = {"name": "bounds", "budget_usd": 10, "work_gpu_hours": 2}
+
+REFUSED = [
+    ({"budget_usd": True}, "budget_usd"),
+    ({"budget_usd": "40"}, "budget_usd"),
+    ({"budget_usd": 1e308}, "budget_usd"),
+    ({"work_gpu_hours": 1e308}, "work_gpu_hours"),
+    ({"work_gpu_hours": False}, "work_gpu_hours"),
+    ({"max_gpus": True}, "max_gpus"),
+    ({"reliable_count": True}, "reliable_count"),
+    ({"app": {"add_overhead_s": 1e308}}, "app.add_overhead_s"),
+    ({"app": {"eviction_overhead_s": 1e308}}, "app.eviction_overhead_s"),
+    ({"app": {"phi": True}}, "app.phi"),
+    ({"gpu_work_rates": {"V100": 1e308}}, "gpu_work_rates.V100"),
+    ({"time_value_usd_per_hour": 1e308}, "time_value_usd_per_hour"),
+    ({"deadline_hours": True}, "deadline_hours"),
+    ({"training": {"iterations": True}}, "iterations"),
+    ({"training": {"iterations": 10**12}}, "iterations"),
+    ({"training": {"global_batch": 10**9}}, "global_batch"),
+    ({"training": {"lr": 1e308}}, "lr"),
+    (
+        {"iteration_time": {"seconds_per_iteration": 1e308}, "training": {"iterations": 10}},
+        "seconds_per_iteration",
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "field"), REFUSED, ids=[f for _, f in REFUSED])
+def test_a_number_out_of_bounds_or_a_boolean_is_refused_by_name(
+    change: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ValidationError) as refused:
+        JobSubmission.model_validate({**BASE, **change})
+    assert field in str(refused.value)
+
+
+def test_the_api_refuses_them_with_422_and_stores_nothing() -> None:
+    store = MemoryStore()
+    settings = Settings(api=ApiSettings(token=SecretStr("t")))
+    client = TestClient(create_app(store, settings, clock=lambda: 0.0))
+    for change, _ in REFUSED:
+        body = {**BASE, **change}
+        response = client.post("/v1/jobs", json=body, headers={"Authorization": "Bearer t"})
+        assert response.status_code == 422, (body, response.text)
+    assert store.list_jobs() == []
+
+
+def test_ordinary_numbers_pass_as_ints_or_floats() -> None:
+    job = JobSubmission.model_validate(
+        {**BASE, "budget_usd": 40, "work_gpu_hours": 12.5, "max_gpus": 4,
+         "app": {"add_overhead_s": 300}, "gpu_work_rates": {"V100": 1, "A100": 3.2},
+         "time_value_usd_per_hour": 2, "training": {"iterations": 500, "lr": 0.1}}
+    )  # fmt: skip
+    assert job.budget_usd == 40.0 and job.max_gpus == 4.0
