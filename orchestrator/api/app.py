@@ -119,8 +119,14 @@ def create_app(
     return app
 
 
-def _job_json(job: JobRecord) -> dict[str, Any]:
-    return job.model_dump(mode="json")
+def _job_json(store: Store, job: JobRecord) -> dict[str, Any]:
+    """The job as stored, its `spent_usd` live (billed + accrued on its running instances;
+    `billed_usd` is the ledger's sum alone)."""
+    return {
+        **job.model_dump(mode="json"),
+        "spent_usd": store.live_spend_usd(job.job_id),
+        "billed_usd": job.spent_usd,
+    }
 
 
 def _job_routes(
@@ -139,7 +145,7 @@ def _job_routes(
         """Queue a job. 422 names the first invalid field."""
         check_code_uploaded(artifacts_root, (submission.training or {}).get("code"))
         try:
-            return _job_json(submit_job(store, submission, now_s=clock(), new_id=new_id))
+            return _job_json(store, submit_job(store, submission, now_s=clock(), new_id=new_id))
         except DeadlineError as exc:  # a valid spec the deadline's numbers refuse
             raise ApiError(
                 422, f"{exc.field}: {exc.message}", fix=exc.fix, field=exc.field
@@ -149,19 +155,19 @@ def _job_routes(
     def list_jobs(state: JobState | None = None) -> dict[str, Any]:
         """Every job, or those in `state`, oldest submission first."""
         jobs = store.list_jobs(None if state is None else [state])
-        return {"jobs": [_job_json(job) for job in jobs]}
+        return {"jobs": [_job_json(store, job) for job in jobs]}
 
     @router.get("/v1/jobs/{job_id}", dependencies=reads)
     def get_job(job_id: str) -> dict[str, Any]:
         """The job's record: state, budget, spend, work done, version, message, spec."""
-        return _job_json(store.get_job(job_id))
+        return _job_json(store, store.get_job(job_id))
 
     @router.post("/v1/jobs/{job_id}/cancel", dependencies=authorized)
     def cancel(job_id: str, response: Response) -> dict[str, Any]:
         """Cancel: 200 when cancelled, 202 when the controller must still release instances."""
         job = cancel_job(store, job_id, now_s=clock())
         response.status_code = 200 if job.state.is_terminal else 202
-        return _job_json(job)
+        return _job_json(store, job)
 
     @router.get("/v1/jobs/{job_id}/cost", dependencies=reads)
     def cost(job_id: str) -> dict[str, Any]:

@@ -26,7 +26,9 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         "store_up": gauge("orchestrator_store_up", "1 if Redis answered this scrape, else 0"),
         "jobs": gauge("orchestrator_jobs", "Jobs by lifecycle state", labels=["state"]),
         "spent": gauge(
-            "orchestrator_job_spent_usd", "Spend so far (sum of the ledger)", labels=job
+            "orchestrator_job_spent_usd",
+            "Spend so far: billed plus accrued on running instances",
+            labels=job,
         ),
         "budget": gauge("orchestrator_job_budget_usd", "The budget", labels=job),
         "projected": gauge(
@@ -153,7 +155,7 @@ class StoreCollector:
 
 def _add_job_samples(m: dict[str, Any], f: JobFacts) -> None:
     job = [f.job.job_id]
-    m["spent"].add_metric(job, f.job.spent_usd)
+    m["spent"].add_metric(job, f.spent_usd)
     m["budget"].add_metric(job, f.job.budget_usd)
     m["work"].add_metric(job, f.job.work_done_gpu_hours)
     for family, value in (

@@ -160,9 +160,10 @@ def job_cost(store: Store, job_id: str) -> dict[str, Any]:
     job = facts.job
     return {
         "job_id": job.job_id,
-        "spent_usd": job.spent_usd,
+        "spent_usd": facts.spent_usd,  # billed + accrued on its running instances
+        "billed_usd": job.spent_usd,
         "budget_usd": job.budget_usd,
-        "remaining_usd": max(0.0, job.budget_usd - job.spent_usd),
+        "remaining_usd": max(0.0, job.budget_usd - facts.spent_usd),
         "projected_usd": facts.projected_cost_usd,
         "evictions": facts.evictions,
         "ledger_entries": len(store.ledger(job_id)),

@@ -141,6 +141,8 @@ class JobFacts(EventTally):
     job: JobRecord
     alive: list[InstanceRecord]
     training: TrainingReport | None = None
+    # billed plus what its alive instances had run up at the controller's last tick
+    spent_usd: float = 0.0
 
     @classmethod
     def read(
@@ -171,7 +173,8 @@ class JobFacts(EventTally):
             else [r for r in instances if r.ended_at is None]
         )
         folded = {f.name: getattr(tally, f.name) for f in fields(EventTally)}
-        return cls(job=job, alive=alive, training=store.latest_training(job.job_id), **folded)
+        return cls(job=job, alive=alive, training=store.latest_training(job.job_id),
+                   spent_usd=store.live_spend_usd(job.job_id), **folded)  # fmt: skip
 
     @property
     def evictions(self) -> int:
@@ -185,7 +188,7 @@ class JobFacts(EventTally):
     def cost_per_work_usd(self) -> float | None:
         """Spent per reference-GPU-hour of work done (None before any work)."""
         done = self.job.work_done_gpu_hours
-        return self.job.spent_usd / done if done > 0 else None
+        return self.spent_usd / done if done > 0 else None
 
     def summary(self) -> dict[str, Any]:
         """JOB_SUMMARY of the contract."""
@@ -195,7 +198,8 @@ class JobFacts(EventTally):
             "name": job.name,
             "state": job.state.value,
             "budget_usd": job.budget_usd,
-            "spent_usd": job.spent_usd,
+            "spent_usd": self.spent_usd,
+            "billed_usd": job.spent_usd,
             "work_gpu_hours": self.work_gpu_hours,
             "work_done_gpu_hours": job.work_done_gpu_hours,
             "projected_cost_usd": self.projected_cost_usd,

@@ -171,7 +171,7 @@ class Controller:
         """What the job has cost so far: its ledger plus what its alive instances have run up."""
         alive = self.store.list_instances(job_id, alive_only=True)
         history = self.prices.history(now_s - PRICE_LOOKBACK_S, now_s)
-        return self.store.spent_usd(job_id) + self._accrued(alive, history, now_s)
+        return self.store.spent_usd(job_id) + sum(self._accrued(alive, history, now_s).values())
 
     # -- the tick -------------------------------------------------------------------------
     def tick(self, now_s: float) -> TickReport:
@@ -288,6 +288,9 @@ class Controller:
             log.exception("reading the job's training failed", extra={"job_id": job.job_id})
             return
         alive = self.store.list_instances(job.job_id, alive_only=True)
+        accrued = self._accrued(alive, history, now_s)
+        # what the API, the CLI, the dashboard and /metrics show as spent: billed + this
+        self.store.record_accrued(job.job_id, accrued, now_s)
         if training is not None and self._gate is not None:
             verdict = self._gate.judge(job, training, alive, now_s, self.instance_logs)
             if verdict.stall is not None:  # released for want of progress
@@ -329,7 +332,7 @@ class Controller:
             now_s=now_s,
             job=spec,
             work_remaining_gpu_hours=remaining,
-            spend_usd=self.store.spent_usd(job.job_id) + self._accrued(alive, history, now_s),
+            spend_usd=self.store.spent_usd(job.job_id) + sum(accrued.values()),
             held=self._held(alive, spec),
             price_of=self._market.price_of(history, now_s),
             prices_usd_per_hour=prices,
@@ -536,17 +539,19 @@ class Controller:
 
     def _accrued(
         self, alive: Sequence[InstanceRecord], history: PriceHistory, now_s: float
-    ) -> float:
-        """What the alive instances have cost so far (not yet in the ledger)."""
-        total = 0.0
+    ) -> dict[str, float]:
+        """What each alive instance has cost so far (not yet in the ledger)."""
+        accrued = {}
         for rec in alive:
             market = Market(rec.instance_type, rec.zone)
             if rec.lifecycle == "on-demand":
                 price = self.catalog.get(rec.instance_type).on_demand_price(market.region)
-                total += price * max(now_s - rec.launched_at, 0.0) / SECONDS_PER_HOUR
+                accrued[rec.instance_id] = (
+                    price * max(now_s - rec.launched_at, 0.0) / SECONDS_PER_HOUR
+                )
             elif market in history:
-                total += history[market].cost_usd(rec.launched_at, now_s)
-        return total
+                accrued[rec.instance_id] = history[market].cost_usd(rec.launched_at, now_s)
+        return accrued
 
     def _held(self, alive: Sequence[InstanceRecord], spec: JobSpec) -> list[HeldInstance]:
         """The job's alive instances as a decision sees them (ready σ after launch)."""

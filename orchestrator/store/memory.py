@@ -169,6 +169,7 @@ class MemoryStore:
         self._streams: dict[tuple[str, str], _Stream] = {}  # (job id, "events"|...) -> stream
         self._ports: dict[str, int] = {}
         self._instance_work: dict[str, dict[str, InstanceWork]] = {}
+        self._accrued: dict[str, dict[str, float]] = {}  # job -> instance -> USD not billed
         self._claims: dict[str, _Claim] = {}
 
     def ping(self) -> None:
@@ -272,6 +273,18 @@ class MemoryStore:
 
     def spent_usd(self, job_id: str) -> float:
         return self.get_job(job_id).spent_usd
+
+    def record_accrued(self, job_id: str, accrued: Mapping[str, float], at_s: float) -> None:
+        check_id("job", job_id)
+        with self._lock:
+            self._accrued[job_id] = {i: float(usd) for i, usd in accrued.items()}
+
+    def live_spend_usd(self, job_id: str) -> float:
+        with self._lock:  # one consistent read: a bill and its instance's end are one write
+            billed = self.get_job(job_id).spent_usd
+            accrued = self._accrued.get(job_id, {})
+            alive = {r.instance_id for r in self.list_instances(job_id, alive_only=True)}
+        return billed + sum(usd for i, usd in accrued.items() if i in alive)
 
     # --- instances
 

@@ -187,6 +187,26 @@ class Store(Protocol):
         """
         ...
 
+    def record_accrued(self, job_id: str, accrued: Mapping[str, float], at_s: float) -> None:
+        """Record what each of the job's alive instances has run up and is not billed yet
+        (instance id -> USD, as of `at_s`; the controller writes it every tick). Replaces
+        the previous record.
+
+        Raises:
+            NotFoundError: `job_id` cannot be a job's id.
+        """
+        ...
+
+    def live_spend_usd(self, job_id: str) -> float:
+        """What the job has cost so far: its ledger plus what its alive instances had run up
+        at the last `record_accrued` (instances ended since are in the ledger instead; one
+        consistent read, so nothing counts twice or not at all).
+
+        Raises:
+            NotFoundError: no such job.
+        """
+        ...
+
     # --- instances
 
     def put_instance(self, rec: InstanceRecord) -> InstanceRecord:

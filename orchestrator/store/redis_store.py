@@ -432,6 +432,40 @@ class RedisStore:
 
     # --- the AgileML controllers this controller hosts (controller/training.py)
 
+    def record_accrued(self, job_id: str, accrued: Mapping[str, float], at_s: float) -> None:
+        """DEL and HSET of the job's `accrued` hash, in one transaction."""
+        key = self._keys.job_part(job_id, "accrued")
+        with redis_errors(self.url):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(key)
+            if accrued:
+                pipe.hset(key, mapping={i: repr(float(usd)) for i, usd in accrued.items()})
+            pipe.execute()
+
+    def live_spend_usd(self, job_id: str) -> float:
+        """The job's `spent_usd`, its alive set and its `accrued` hash in one transaction
+        (MULTI/EXEC): an instance's end and its bill are one script, so it is counted in
+        exactly one of them."""
+        keys = (
+            self._keys.job(job_id),
+            self._keys.instances(job_id, alive_only=True),
+            self._keys.job_part(job_id, "accrued"),
+        )
+        with redis_errors(self.url):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.exists(keys[0])
+            pipe.hget(keys[0], "spent_usd")
+            pipe.smembers(keys[1])
+            pipe.hgetall(keys[2])
+            exists, billed, alive, accrued = pipe.execute()
+        if not exists:
+            raise NotFoundError("job", job_id)
+        total = float(billed) if billed is not None else 0.0
+        for instance_id, usd in cast(dict[str, str], accrued).items():
+            if instance_id in alive:
+                total += float(usd)
+        return total
+
     def record_instance_work(self, job_id: str, work: Mapping[str, InstanceWork]) -> None:
         """HSET of the job's `instance-work` hash (values: the models' JSON)."""
         key = self._keys.job_part(job_id, "instance-work")

@@ -83,6 +83,27 @@ class FleetContract:
         assert store.end_instance("i-1", ended_at=1100.0, reason="evicted", bill=longer) == ended
         assert store.ledger("j1") == bill
 
+    def test_live_spend_is_the_ledger_plus_what_alive_instances_ran_up(self, store: Store) -> None:
+        """Spend is live: billed plus each alive instance's accrued cost as last recorded. An
+        instance that ends is counted in its bill instead, never in both; a new record
+        replaces the last one."""
+        store.create_job(job())
+        store.put_instance(instance("i-1", launched_at=0.0))
+        store.put_instance(instance("i-2", launched_at=0.0))
+        assert store.live_spend_usd("j1") == 0.0  # nothing recorded yet
+        store.record_accrued("j1", {"i-1": 0.15, "i-2": 0.25}, at_s=600.0)
+        assert store.live_spend_usd("j1") == pytest.approx(0.40)
+        bill = [charge(start_s=0.0, billed_s=600.0)]  # 0.15 at 0.9 $/h
+        store.end_instance("i-1", ended_at=600.0, reason="evicted", bill=bill)
+        assert store.live_spend_usd("j1") == pytest.approx(bill[0].charged_usd + 0.25)
+        store.record_accrued("j1", {"i-2": 0.5}, at_s=1200.0)
+        assert store.live_spend_usd("j1") == pytest.approx(bill[0].charged_usd + 0.5)
+        store.record_accrued("j1", {}, at_s=1300.0)
+        assert store.live_spend_usd("j1") == pytest.approx(bill[0].charged_usd)
+        assert store.spent_usd("j1") == pytest.approx(bill[0].charged_usd)  # the ledger alone
+        with pytest.raises(NotFoundError):
+            store.live_spend_usd("j9")
+
     def test_a_bill_that_conflicts_changes_nothing(self, store: Store) -> None:
         store.create_job(job())
         store.put_instance(instance("i-1", launched_at=0.0))
