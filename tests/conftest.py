@@ -19,6 +19,23 @@ REGION = "us-east-1"
 STORE_NAMESPACE = "ctltest"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_local_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The job CLI reaches the world `orchestrator local up` saved: never a developer's own
+    (a test that starts one sets its own folder)."""
+    import os
+
+    from orchestrator.cli.local import LOCAL_DIR_ENV
+
+    saved = os.environ.get(LOCAL_DIR_ENV)
+    os.environ[LOCAL_DIR_ENV] = str(tmp_path_factory.mktemp("local-world"))
+    yield
+    if saved is None:
+        os.environ.pop(LOCAL_DIR_ENV, None)
+    else:
+        os.environ[LOCAL_DIR_ENV] = saved
+
+
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
     """A fresh redis-server per test module. A missing one fails the tests (CI installs it)."""

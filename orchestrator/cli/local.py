@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -26,6 +27,8 @@ import typer
 
 from orchestrator.cli.app import app, err, out
 from orchestrator.errors import UserError
+
+log = logging.getLogger(__name__)
 
 LOCAL_DIR_ENV = "ORCHESTRATOR_LOCAL_DIR"
 #: `local up` waits this long at most for the world to serve (it starts Redis, moto and the
@@ -65,7 +68,10 @@ def saved_world() -> dict[str, Any] | None:
         return None
     if not isinstance(saved, dict) or not all(isinstance(saved.get(k), str) for k in _KEYS):
         return None
-    return saved if _alive(saved.get("pid")) else None
+    pid = saved.get("pid")
+    if not _alive(pid) or saved.get("started") != _start_time(pid):
+        return None  # gone, or its pid taken by another process since
+    return saved
 
 
 @local_app.command("up")
@@ -120,7 +126,7 @@ def down() -> None:
         err.print("no local world is up")
         return
     pid = int(running["pid"])
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + DOWN_TIMEOUT_S
     while _alive(pid) and time.monotonic() < deadline:
@@ -154,6 +160,7 @@ def serve(
             "read_token": read.get_secret_value(),
             "dashboard_url": f"{world.api_url}/dashboard?token={read.get_secret_value()}",
             "pid": os.getpid(),
+            "started": _start_time(os.getpid()),  # with the pid: this process, not a reuse
             "speed": speed,
             "log": str(local_dir() / "world.log"),
             "where": world.where,
@@ -163,7 +170,10 @@ def serve(
         try:
             stop = threading.Event()
             while not stop.is_set():
-                world.step()
+                try:
+                    world.step()
+                except Exception:  # noqa: BLE001 - a failed step (Redis, moto): the next one
+                    log.exception("a step of the local world failed")
                 stop.wait(STEP_WALL_S)
         finally:
             with contextlib.suppress(OSError, ValueError):
@@ -202,7 +212,7 @@ def _start(*, port: int, speed: float, seed: int) -> dict[str, Any]:
         if saved is not None and saved.get("pid") == proc.pid:
             return saved
         time.sleep(0.2)
-    proc.kill()
+    _stop_session(proc)
     raise UserError(
         f"the local world did not serve within {UP_TIMEOUT_S:g} s:\n" + _tail(log_path),
         fix=f"see {log_path}; try again when the machine is less busy",
@@ -232,6 +242,27 @@ def _write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def _stop_session(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the world's session: SIGTERM (it cleans up), then SIGKILL what is left."""
+    for sig, wait_s in ((signal.SIGTERM, DOWN_TIMEOUT_S), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _start_time(pid: object) -> int | None:
+    """When process `pid` started (clock ticks since boot; None: unknown)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[19])  # field 22 of stat, counted after the command's name
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _alive(pid: object) -> bool:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from pydantic import ValidationError
 
 from orchestrator.bidbrain.inputs import HeldInstance, decision_input
 from orchestrator.bidbrain.model import AllocationRequest, JobSpec
@@ -48,6 +49,7 @@ from orchestrator.controller.outcomes import InstanceLogs, JobTraining, Training
 from orchestrator.controller.rates import RateLearning
 from orchestrator.controller.stall import StallWatch
 from orchestrator.controller.training_gate import TrainingGate
+from orchestrator.errors import clip_middle
 from orchestrator.market.billing import BillingModel, EndReason
 from orchestrator.market.catalog import Catalog
 from orchestrator.market.eviction import (
@@ -278,19 +280,25 @@ class Controller:
     ) -> None:
         owner = self._jobs.get(job.job_id)
         if owner is None:  # the job's first tick here: its spec typed once
-            owner = self._jobs[job.job_id] = ControllerJob.of(job, self.settings)
+            try:
+                owner = self._jobs[job.job_id] = ControllerJob.of(job, self.settings)
+            except ValidationError as exc:  # stored by an older version with looser checks
+                self._stop_job(job, history, now_s, EndReason.RELEASED, report)
+                why = clip_middle(f"its stored spec is no longer valid: {exc}", 2000)
+                self._finish(job, JobState.FAILED, now_s, why, report)
+                return
         submission = owner.submission
         spec = self._rates.spec_for(job.job_id, submission.job_spec(), now_s)
         remaining = max(spec.work_gpu_hours - job.work_done_gpu_hours, 0.0)
+        alive = self.store.list_instances(job.job_id, alive_only=True)
+        accrued = self._accrued(alive, history, now_s)
+        # what the API, the CLI, the dashboard and /metrics show as spent: billed + this
+        self.store.record_accrued(job.job_id, accrued, now_s)
         try:
             training = self.training.outcome(job) if self.training is not None else None
         except Exception:  # noqa: BLE001 - one job's runtime must not stop the others' ticks
             log.exception("reading the job's training failed", extra={"job_id": job.job_id})
             return
-        alive = self.store.list_instances(job.job_id, alive_only=True)
-        accrued = self._accrued(alive, history, now_s)
-        # what the API, the CLI, the dashboard and /metrics show as spent: billed + this
-        self.store.record_accrued(job.job_id, accrued, now_s)
         if training is not None and self._gate is not None:
             verdict = self._gate.judge(job, training, alive, now_s, self.instance_logs)
             if verdict.stall is not None:  # released for want of progress
@@ -458,6 +466,7 @@ class Controller:
         report.finished[job.job_id] = state
         self._jobs.pop(job.job_id, None)
         self._rates.forget(job.job_id)
+        self.store.record_accrued(job.job_id, {}, now_s)  # its instances are all billed now
         if self._gate is not None:
             self._gate.forget(job.job_id)
 

@@ -125,8 +125,13 @@ def teardown_plan(
     for kind in ("api-token", "worker-token"):
         try:
             secrets.describe_secret(SecretId=secret_name(controller_id, kind))
-        except ClientError:
-            continue
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "ResourceNotFoundException":
+                continue
+            raise UserError(
+                f"cannot read secret {secret_name(controller_id, kind)}: {exc}",
+                fix="use credentials that may describe the stack's secrets",
+            ) from None
         found.append(secret_name(controller_id, kind))
     return TeardownPlan(stack, status, controller, workers, tuple(found))
 

@@ -378,6 +378,8 @@ class HostedPipeline:
         held = self.pool.nodes()
         survivors = [n for i, n in enumerate(self.placement) if i != lost and n in held]
         spare = self._wait_nodes(1, self.replace_wait_s) if len(launch.lost) == 1 else None
+        # a survivor whose worker has exited (lost after `done`) is free, but no spare
+        spare = [n for n in spare or () if n not in self.placement] or None
         if self._halt.is_set():
             return
         if spare and launch.can_replace(self.backups):
@@ -389,7 +391,7 @@ class HostedPipeline:
             self._event(f"replaced stage {recovery.stage} on {spare[0]} from iteration "
                         f"{self.backups.done // self.microbatches}")  # fmt: skip
             return
-        nodes = survivors + (spare or [])
+        nodes = list(dict.fromkeys(survivors + (spare or [])))
         if not nodes:
             self._event("no node left: waiting for one")
             nodes = self._wait_nodes(1) or []

@@ -300,6 +300,9 @@ class Launch:
                 if worker is not None:
                     leaving[worker] = (header.clock, time.time())
         reports = self._reap()
+        crashed = [w for w, (code, _) in enumerate(reports) if code is not None and code > 0]
+        if crashed:  # an error in the stage's code: a retry repeats it
+            raise AgileMLError(self._crash_report(crashed[0]))
         lost = [w for w, (code, _) in enumerate(reports) if code is not None and code < 0]
         if lost and backups.done >= self.common["minibatches"]:
             log.warning("a stage's node went after its last update: the reliable copy")
@@ -327,10 +330,12 @@ class Launch:
         worker that said `done` but does not exit (or whose exit is not reported) within
         `EXIT_WAIT_S` is killed and counts as lost: its result never comes."""
         reports: list[tuple[int | None, list[str]]] = []
+        exit_by = time.monotonic() + EXIT_WAIT_S  # one wait for them all
         for w, proc in enumerate(self.procs):
             left = self.deadline - time.monotonic()
             try:
-                stdout, _ = proc.communicate(timeout=max(1.0, min(EXIT_WAIT_S, left)))
+                wait_s = min(exit_by, self.deadline) - time.monotonic()
+                stdout, _ = proc.communicate(timeout=max(1.0, wait_s))
             except subprocess.TimeoutExpired:
                 if left <= EXIT_WAIT_S:
                     hint = logs_hint(self.out_dir)

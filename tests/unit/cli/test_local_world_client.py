@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli.jobs import _client
-from orchestrator.cli.local import LOCAL_DIR_ENV, saved_world
+from orchestrator.cli.local import LOCAL_DIR_ENV, _start_time, saved_world
 from orchestrator.settings import ApiSettings
 
 
@@ -24,8 +24,9 @@ def world_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _save(folder: Path, pid: int) -> None:
+def _save(folder: Path, pid: int, started: int | None = None) -> None:
     saved = {"api_url": "http://127.0.0.1:45789", "token": "local-token", "pid": pid,
+             "started": _start_time(pid) if started is None else started,
              "read_token": "r", "dashboard_url": "http://127.0.0.1:45789/dashboard"}  # fmt: skip
     (folder / "world.json").write_text(json.dumps(saved))
 
@@ -61,6 +62,14 @@ def test_a_world_whose_process_is_gone_is_not_reached(world_dir: Path) -> None:
     assert saved_world() is None
     with _client(None, None) as client:
         assert client.base_url == ApiSettings().url.rstrip("/")
+
+
+def test_a_world_whose_pid_another_process_took_is_not_reached(world_dir: Path) -> None:
+    """The pid alone is not the world: a reboot or a crash frees it for any process."""
+    started = _start_time(os.getpid())
+    assert started is not None
+    _save(world_dir, os.getpid(), started=started + 1)
+    assert saved_world() is None
 
 
 def test_a_torn_or_foreign_world_file_is_ignored(world_dir: Path) -> None:

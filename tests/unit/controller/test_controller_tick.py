@@ -243,3 +243,23 @@ def test_a_jobs_spec_is_typed_once_and_its_state_dropped_when_it_ends(
     ctl.tick(T0 + 1300.0)
     assert store.get_job("job-1").state is JobState.CANCELLED
     assert ctl._jobs == {}
+
+
+def test_a_stored_spec_that_no_longer_validates_fails_its_job_not_the_tick(
+    store, ec2, prices
+) -> None:
+    """A job stored by an older version with looser checks (a boolean for a number) fails
+    with the reason at its first tick; the jobs after it still run."""
+    sub = JobSubmission(name="old", budget_usd=100.0, work_gpu_hours=10.0, max_gpus=4.0,
+                        instance_types=("p3.2xlarge",))  # fmt: skip
+    spec = {**sub.model_dump(mode="json"), "app": {"add_overhead_s": True}}
+    store.create_job(JobRecord.submit("job-0", spec, 100.0, T0 - 60))
+    submit(store, "job-1")
+    ctl = controller(store, ec2, prices)
+    ctl.tick(T0)
+    old = store.get_job("job-0")
+    assert old.state is JobState.FAILED
+    assert "stored spec is no longer valid" in old.message and "add_overhead_s" in old.message
+    assert store.get_job("job-1").state is JobState.RUNNING
+    assert store.list_instances("job-1", alive_only=True)
+    assert store.list_instances("job-0", alive_only=True) == []
