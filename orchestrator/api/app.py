@@ -65,6 +65,7 @@ from orchestrator.api.files import (
     save_code,
     weights_folder,
 )
+from orchestrator.api.health import TickHealth
 from orchestrator.api.metrics import StoreCollector
 from orchestrator.api.operations import cancel_job, job_cost, new_job_id, submit_job
 from orchestrator.api.views import EventTallies, fleet, job_dashboard
@@ -92,9 +93,12 @@ def create_app(
     clock: Clock = time.time,
     new_id: Callable[[], str] = new_job_id,
     on_notice: Callable[[InterruptionNotice], None] | None = None,
+    tick_health: Callable[[], TickHealth] | None = None,
 ) -> FastAPI:
     """The API over `store`. `clock` stamps submissions and cancels; `new_id` draws job ids;
-    `on_notice` receives interruption notices posted to `/v1/notices` (the controller's).
+    `on_notice` receives interruption notices posted to `/v1/notices` (the controller's);
+    `tick_health` says how the controller's ticks go, when it runs in this process (`/healthz`
+    is degraded after a few failed in a row; `/metrics` counts them).
 
     Raises:
         UserError: `settings.api.token` is not set (the API refuses to run unauthenticated).
@@ -114,7 +118,7 @@ def create_app(
     app.include_router(_runtime_routes(store, clock, on_notice, writes))
     tallies = EventTallies()  # the dashboard's and /metrics' reads of the event logs
     app.include_router(_dashboard_routes(store, clock, auth, reads, tallies))
-    app.include_router(_health_routes(store, settings, reads, tallies))
+    app.include_router(_health_routes(store, settings, reads, tallies, tick_health))
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 
@@ -291,22 +295,32 @@ def _dashboard_routes(
 
 
 def _health_routes(
-    store: Store, settings: Settings, reads: list[DependsParam], tallies: EventTallies
+    store: Store,
+    settings: Settings,
+    reads: list[DependsParam],
+    tallies: EventTallies,
+    tick_health: Callable[[], TickHealth] | None,
 ) -> APIRouter:
     """Health and Prometheus metrics."""
     router = APIRouter()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(store, tallies))
+    registry.register(StoreCollector(store, tallies, tick_health))
 
     @router.get("/healthz", response_model=None)
     def healthz() -> dict[str, Any] | JSONResponse:
-        """200 {"status": "ok"} when Redis answers PING, else 503 {"status": "degraded"}."""
+        """200 {"status": "ok"} when Redis answers PING and the controller's ticks work, else
+        503 {"status": "degraded"} with the reason."""
         try:
             store.ping()
         except StoreError as exc:
             body = {"status": "degraded", "redis": "unavailable", **error_body(as_user(exc))}
             return JSONResponse(body, status_code=503)
-        return {"status": "ok", "redis": "ok", "controller_id": settings.controller_id}
+        body = {"status": "ok", "redis": "ok", "controller_id": settings.controller_id}
+        health = tick_health() if tick_health is not None else None
+        if health is not None and health.degraded:
+            body.update(status="degraded", controller="failing", reason=health.reason())
+            return JSONResponse(body, status_code=503)
+        return body
 
     @router.get("/metrics", response_class=Response, dependencies=reads)
     def metrics() -> Response:

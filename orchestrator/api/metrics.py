@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from orchestrator.api.health import TickHealth
 from orchestrator.api.views import EventTallies, JobFacts, fleet_facts, tier_of
 from orchestrator.store import JobState, Store, StoreError
 
@@ -24,6 +25,10 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     gauge, counter = GaugeMetricFamily, CounterMetricFamily
     return {
         "store_up": gauge("orchestrator_store_up", "1 if Redis answered this scrape, else 0"),
+        "ticks": counter("orchestrator_controller_ticks", "Controller ticks that worked"),
+        "tick_failures": counter(
+            "orchestrator_controller_tick_failures", "Controller ticks that failed"
+        ),
         "jobs": gauge("orchestrator_jobs", "Jobs by lifecycle state", labels=["state"]),
         "spent": gauge(
             "orchestrator_job_spent_usd",
@@ -112,9 +117,15 @@ class StoreCollector:
     `orchestrator_store_up 0` and no job series.
     """
 
-    def __init__(self, store: Store, tallies: EventTallies | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        tallies: EventTallies | None = None,
+        tick_health: Callable[[], TickHealth] | None = None,
+    ) -> None:
         self._store = store
         self._tallies = tallies
+        self._tick_health = tick_health  # the controller's, when it runs in this process
 
     def describe(self) -> Iterator[Metric]:
         """The families, without reading the store (called once at registration)."""
@@ -123,6 +134,10 @@ class StoreCollector:
     def collect(self) -> Iterator[Metric]:
         """Read the store and yield every family with its samples."""
         m = _families()
+        if self._tick_health is not None:
+            health = self._tick_health()
+            m["ticks"].add_metric([], float(health.ticks))
+            m["tick_failures"].add_metric([], float(health.failures))
         try:
             facts = fleet_facts(self._store, self._tallies)
             prices = {

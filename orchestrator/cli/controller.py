@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from orchestrator.cli.app import app, out
+from orchestrator.logfmt import log_to_stderr
 from orchestrator.settings import Settings
 
 controller_app = typer.Typer(help="Run the BidBrain controller.", no_args_is_help=True)
@@ -87,8 +88,9 @@ def start(
         with_api_token,
     )
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)  # two lines a tick otherwise
+    log_to_stderr("%(name)s")  # the project's one formatter: every record's fields shown
+    # two lines a tick at INFO; a skipped run's warning is the service's own "took longer" line
+    logging.getLogger("apscheduler").setLevel(logging.ERROR)
     settings = _with_options(
         Settings.load(config_file),
         endpoint_url=endpoint_url,

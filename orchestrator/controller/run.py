@@ -95,7 +95,9 @@ def serve_api(running: RunningController) -> None:
 
     settings = running.settings
     tls = settings.api.require_tls()
-    app = create_app(running.store, settings, clock=running.clock, on_notice=running.service.notify)
+    service = running.service
+    app = create_app(running.store, settings, clock=running.clock, on_notice=service.notify,
+                     tick_health=service.health)  # fmt: skip
     uvicorn.run(app, host=settings.api.host, port=settings.api.port, log_level="warning",
                 ssl_certfile=tls and tls[0], ssl_keyfile=tls and tls[1])  # fmt: skip
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from orchestrator.api.health import TickHealth
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.controller.core import Controller, TickReport
 
@@ -49,8 +51,10 @@ class ControllerService:
         self.on_tick = on_tick
         self.ticks = 0
         self.failures = 0
+        self.failing_in_a_row = 0
         self.last_error: str | None = None
         self._lock = threading.Lock()
+        self._again = False  # a notice came during a tick: tick again right after it
         self._scheduler = BackgroundScheduler(timezone=UTC)
 
     @property
@@ -77,23 +81,45 @@ class ControllerService:
             self._scheduler.shutdown(wait=True)
 
     def notify(self, notice: InterruptionNotice) -> None:
-        """Hand a notice to the controller and tick at once."""
+        """Hand a notice to the controller and tick at once (right after the tick running
+        now, if one is: never a second one beside it)."""
         self.controller.notify(notice)
-        if self._scheduler.running:
-            self._scheduler.modify_job(TICK_JOB_ID, next_run_time=datetime.now(UTC))
+        if self._lock.locked():
+            self._again = True
+        elif self._scheduler.running:
+            self._tick_now()
+
+    def health(self) -> TickHealth:
+        """How the ticks went so far."""
+        return TickHealth(self.ticks, self.failures, self.failing_in_a_row, self.last_error)
+
+    def _tick_now(self) -> None:
+        self._scheduler.modify_job(TICK_JOB_ID, next_run_time=datetime.now(UTC))
 
     def tick_once(self) -> TickReport | None:
         """One tick now; errors are logged and counted, never raised (the next tick retries)."""
         with self._lock:
+            self._again = False
+            started = time.monotonic()
             try:
                 report = self.controller.tick(self.clock())
             except Exception as exc:  # noqa: BLE001 - a failed tick must not stop the service
                 self.failures += 1
+                self.failing_in_a_row += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("controller tick failed", extra={"error": self.last_error})
+                log.warning("controller tick failed", extra={"error": self.last_error,
+                            "failing_in_a_row": self.failing_in_a_row})  # fmt: skip
                 return None
+            finally:
+                took = time.monotonic() - started
+                if took > self.interval_s:  # the scheduler skips the runs it overlapped
+                    lag = {"took_s": round(took, 1), "interval_s": self.interval_s}
+                    log.warning("controller tick took longer than its interval", extra=lag)
             self.ticks += 1
+            self.failing_in_a_row = 0
             self.last_error = None
+        if self._again and self._scheduler.running:
+            self._tick_now()
         if self.on_tick is not None:
             self.on_tick(report)
         return report
