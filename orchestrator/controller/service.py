@@ -16,6 +16,7 @@ next tick reconciles.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from orchestrator.controller.core import Controller, TickReport
 log = logging.getLogger(__name__)
 
 TICK_JOB_ID = "controller-tick"
+#: Real seconds between two warnings that ticks take longer than their interval.
+LAG_WARNING_EVERY_S = 60.0
 
 
 class ControllerService:
@@ -55,6 +58,8 @@ class ControllerService:
         self.last_error: str | None = None
         self._lock = threading.Lock()
         self._again = False  # a notice came during a tick: tick again right after it
+        self._slow_ticks = 0  # ticks longer than the interval since the last warning
+        self._lag_warned_at = -math.inf
         self._scheduler = BackgroundScheduler(timezone=UTC)
 
     @property
@@ -93,6 +98,19 @@ class ControllerService:
         """How the ticks went so far."""
         return TickHealth(self.ticks, self.failures, self.failing_in_a_row, self.last_error)
 
+    def _note_lag(self, took_s: float) -> None:
+        """A tick longer than the interval (the scheduler skips the runs it overlapped): one
+        warning line a minute at most, with how many there were since the last."""
+        if took_s <= self.interval_s:
+            return
+        self._slow_ticks += 1
+        now = time.monotonic()
+        if now - self._lag_warned_at >= LAG_WARNING_EVERY_S:
+            lag = {"took_s": round(took_s, 1), "interval_s": self.interval_s,
+                   "slow_ticks": self._slow_ticks}  # fmt: skip
+            log.warning("controller ticks take longer than their interval", extra=lag)
+            self._lag_warned_at, self._slow_ticks = now, 0
+
     def _tick_now(self) -> None:
         self._scheduler.modify_job(TICK_JOB_ID, next_run_time=datetime.now(UTC))
 
@@ -111,10 +129,7 @@ class ControllerService:
                             "failing_in_a_row": self.failing_in_a_row})  # fmt: skip
                 return None
             finally:
-                took = time.monotonic() - started
-                if took > self.interval_s:  # the scheduler skips the runs it overlapped
-                    lag = {"took_s": round(took, 1), "interval_s": self.interval_s}
-                    log.warning("controller tick took longer than its interval", extra=lag)
+                self._note_lag(time.monotonic() - started)
             self.ticks += 1
             self.failing_in_a_row = 0
             self.last_error = None
