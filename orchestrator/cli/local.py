@@ -256,12 +256,20 @@ def _stop_session(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
+def _proc_stat(pid: object) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (None: no such process)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _start_time(pid: object) -> int | None:
     """When process `pid` started (clock ticks since boot; None: unknown)."""
+    fields = _proc_stat(pid)
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[19])  # field 22 of stat, counted after the command's name
-    except (OSError, IndexError, ValueError):
+        return None if fields is None else int(fields[19])  # field 22 of stat
+    except (IndexError, ValueError):
         return None
 
 
@@ -275,10 +283,8 @@ def _alive(pid: object) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # Linux: the state after the command's name in /proc/PID/stat
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    fields = _proc_stat(pid)
+    return fields is None or fields[0] != "Z"  # no /proc (not Linux): kill's answer
 
 
 def _tail(path: Path, lines: int = 15) -> str:

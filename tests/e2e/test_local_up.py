@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from safetensors.torch import load_file
+from support.processes import alive, descendants
 
 from orchestrator.agileml.jobcode import load_job_code
 
@@ -71,32 +72,6 @@ def _spec(name: str, code: str, iterations: int) -> str:
     )
 
 
-def _descendants(pid: int) -> set[int]:
-    """The processes under `pid` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 @pytest.mark.slow
 def test_a_users_job_goes_through_local_up_submit_download_and_down(tmp_path: Path) -> None:
     script = shutil.which("orchestrator")
@@ -127,7 +102,7 @@ def test_a_users_job_goes_through_local_up_submit_download_and_down(tmp_path: Pa
         run = cli("submit", "wine.yaml", "--wait", timeout=420)
         assert run.returncode == 0, run.stdout + run.stderr
         job_id = run.stdout.split()[0]
-        started = _descendants(pid)  # the agents, Redis and moto among them
+        started = descendants(pid)  # the agents, Redis and moto among them
         job: dict[str, Any] = json.loads(cli("job", job_id, "--json").stdout)
         assert job["state"] == "succeeded", job
         assert "trained 300 iterations" in job["message"]
@@ -150,9 +125,9 @@ def test_a_users_job_goes_through_local_up_submit_download_and_down(tmp_path: Pa
         down = cli("local", "down", timeout=120)
     assert down.returncode == 0, down.stderr
     deadline = time.monotonic() + 30  # init reaps what the world left
-    while time.monotonic() < deadline and any(_running(p) for p in {pid, *started}):
+    while time.monotonic() < deadline and alive({pid, *started}):
         time.sleep(0.2)
-    left = sorted(p for p in {pid, *started} if _running(p))
+    left = sorted(alive({pid, *started}))
     for p in left:  # never leave them to the next test
         os.kill(p, signal.SIGKILL)
     assert not left, f"processes left running after `local down`: {left}"

@@ -13,38 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from support.processes import alive as _alive
+from support.processes import children as _children
 
 from orchestrator.lifecycle import SIGTERM_EXIT_STATUS
 
 JOBS = Path(__file__).parents[1] / "support" / "jobs"
-
-
-def _children(pid: int) -> set[int]:
-    """The live processes whose parent is `pid` (from /proc)."""
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.add(int(entry.name))
-    return out
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        if state[state.rindex(")") + 2] != "Z":
-            alive.add(pid)
-    return alive
 
 
 def _wait_for(what: str, check, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
