@@ -52,6 +52,9 @@ PLAIN_LINE_EVERY_SIM_S = 900.0
 #: Real seconds between two measurements of the model's loss (parameters pulled from the
 #: parameter servers, loss over the whole training set).
 LOSS_EVERY_WALL_S = 2.0
+#: If the trace has evicted nothing when this fraction of the work is done, one spot node is
+#: evicted on purpose: early enough that most of the training (and the dashboard) shows recovery.
+INJECT_AT_DONE = 0.25
 #: Where the demo serves the API and dashboard (the API's default port, so the CLI finds it).
 DEFAULT_PORT = 8750
 #: The demo job: a user job file shipped with the package (a small CNN on scikit-learn's
@@ -153,8 +156,8 @@ def run_demo(
 ) -> DemoSummary:
     """Run the demo until the job ends or `timeout_s` real seconds pass.
 
-    If the replayed trace has not evicted anything by the time half the work is done, one spot
-    node is evicted on purpose (with its notice), so that the demo always shows recovery; the
+    If the replayed trace has not evicted anything by the time a quarter of the work is done, one
+    spot node is evicted on purpose (with its notice), so that the demo always shows recovery; the
     summary counts such injected evictions separately. The controller's API and dashboard are
     served on 127.0.0.1:`port` (0: any free port; None: not served) until the job ends, then
     `linger_s` more seconds. With `true_work_rates` (per GPU model) the world's GPUs work at
@@ -224,7 +227,7 @@ def _run(
         if record.state.is_terminal:
             break
         done = record.work_done_gpu_hours / job.work_gpu_hours
-        if done >= 0.5 and not world.replayer.evictions and watch.injected == 0:
+        if done >= INJECT_AT_DONE and not world.replayer.evictions and watch.injected == 0:
             watch.injected += _inject_eviction(world, now)
         if console.is_terminal or now - last_line_s >= PLAIN_LINE_EVERY_SIM_S:
             _progress(console, world, watch, record, job, now)
