@@ -173,7 +173,7 @@ def run_demo(
     settings = demo_settings(speed=speed, start=start)
     watch = _Watch()
     with offline_world(settings, seed=seed, port=port, true_work_rates=true_work_rates) as world:
-        job = _with_uploaded_code(job, world.artifacts)
+        job = with_uploaded_code(job, world.artifacts)
         submit_job(world.store, job, now_s=world.clock.now(), new_id=lambda: JOB_ID)
         _announce(console, world, job, speed, settings)
         _run(world, watch, job, console, deadline=wall0 + timeout_s)
@@ -321,7 +321,7 @@ def _learned_rates(store: Store) -> dict[str, dict[str, float]]:
     return latest
 
 
-def _with_uploaded_code(job: JobSubmission, artifacts: Folder) -> JobSubmission:
+def with_uploaded_code(job: JobSubmission, artifacts: Folder) -> JobSubmission:
     """The job with its code uploaded to the artifact store and named by its digest, as
     `orchestrator submit` does."""
     training = dict(job.training or {})

@@ -255,6 +255,17 @@ class ControllerSettings(BaseModel):
     stall_attempts: Annotated[int, Field(ge=1, le=100)] = Field(
         3, description="the stall that fails the job: after this many releases for no progress"
     )
+    join_grace_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = Field(
+        900.0,
+        description="an instance whose node has not joined its job's training this long after "
+        "launch is released and replaced (seconds; of real time, as stall_after_s)",
+    )
+    rejoin_grace_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = Field(
+        180.0,
+        description="an instance whose node left its job's training (its agent died, it "
+        "stopped heartbeating) and has not come back this long is released and replaced "
+        "(seconds; of real time, as stall_after_s)",
+    )
 
     @field_validator("billing")
     @classmethod

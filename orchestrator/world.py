@@ -56,6 +56,11 @@ TRAINING_EVERY_WALL_S = 2.0
 #: Real seconds without a sign of training (its instances running) before they are released
 #: (`controller.stall_after_s`; the market clock then counts this times the speed).
 STALL_AFTER_WALL_S = 120.0
+#: Real seconds an instance's node has to join its job's training after launch, and to come back
+#: after it left (its agent died), before the instance is released and replaced
+#: (`controller.join_grace_s`, `rejoin_grace_s`; the market clock counts these times the speed).
+JOIN_GRACE_WALL_S = 60.0
+REJOIN_GRACE_WALL_S = 5.0
 #: Real seconds between two checkpoints of a job.
 CHECKPOINT_EVERY_WALL_S = 10.0
 
@@ -74,6 +79,8 @@ def world_settings(*, speed: float, start: str, controller_id: str) -> Settings:
             replay_start=start,
             speed=speed,
             stall_after_s=STALL_AFTER_WALL_S,  # of the training's time (`wiring`)
+            join_grace_s=JOIN_GRACE_WALL_S,
+            rejoin_grace_s=REJOIN_GRACE_WALL_S,
         ),
     )
 

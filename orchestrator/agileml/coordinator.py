@@ -743,6 +743,12 @@ class Coordinator:
                 stage_transitions=self._stage_transitions,
             )
 
+    def members(self) -> frozenset[str]:
+        """The nodes that are members now: joined (loading, ready, training or leaving) and
+        not failed or gone (the failure detector, on heartbeats, decides when one failed)."""
+        with self._lock:
+            return frozenset(self._membership.in_state(NodeState.JOINING, *LIVE_STATES))
+
     def node_work(self) -> dict[str, tuple[int, float]]:
         """Each node's rows computed and seconds spent computing them, as last heard."""
         with self._lock:

@@ -91,6 +91,11 @@ class HostedTraining:
         """A pipeline job's stages (see `HostedPipeline.stages`): none for data-parallel."""
         return []
 
+    def members(self) -> frozenset[str]:
+        """The nodes (instances) the job's training counts now: joined, heartbeating, not
+        failed (the controller releases an instance whose node is not among them)."""
+        return self._coordinator.members()
+
     def node_work(self) -> dict[str, tuple[int, float]]:
         """Each node's rows computed so far and the seconds it spent computing them (the
         instance's speed, for learning the job's work rates)."""

@@ -311,7 +311,8 @@ def describe_event(event: Event) -> str:
         case NoticeEvent():
             return f"{event.notice} notice for {event.instance_id}"
         case ReleaseEvent():
-            return f"{event.instance_id} released ({event.reason})"
+            why = f": {event.detail}" if event.detail else ""
+            return f"{event.instance_id} released ({event.reason}){why}"
         case StateEvent():
             return f"state {event.state.value}" + (f": {event.message}" if event.message else "")
         case ReconcileEvent():

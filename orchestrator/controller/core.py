@@ -47,8 +47,7 @@ from orchestrator.controller.job import ControllerJob
 from orchestrator.controller.market_view import MarketView, price_at
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.rates import RateLearning
-from orchestrator.controller.stall import StallWatch
-from orchestrator.controller.training_gate import TrainingGate
+from orchestrator.controller.training_gate import Patience, TrainingGate
 from orchestrator.errors import clip_middle
 from orchestrator.market.billing import BillingModel, EndReason
 from orchestrator.market.catalog import Catalog
@@ -66,7 +65,6 @@ from orchestrator.store.events import (
     NoticeEvent,
     ReconcileEvent,
     ReleaseEvent,
-    StallEvent,
     StateEvent,
 )
 from orchestrator.store.models import (
@@ -113,9 +111,8 @@ class Controller:
             instances where its runtime is, its final weights kept just before its instances
             go (an error there is logged and the instances go all the same), and how far it
             trained (a training job succeeds only trained, and fails with its runtime's error).
-        stall_after_s, stall_attempts: a training job whose instances run this long (on the
-            controller's clock) without a sign of training has them released; the last
-            attempt fails it (see `controller.stall`).
+        patience: how long a training job may go without progress, and an instance without
+            its node in the job's training, before they are released (`Patience`).
         max_running_jobs: jobs run side by side, each on its own budget; with a limit, queued
             jobs wait (oldest first) until fewer than this many run — 1 runs them in sequence.
     """
@@ -132,8 +129,7 @@ class Controller:
         image_id: str = "ami-orchestrator",
         training: JobTraining | None = None,
         max_running_jobs: int | None = None,
-        stall_after_s: float = 600.0,
-        stall_attempts: int = 3,
+        patience: Patience | None = None,
     ) -> None:
         if max_running_jobs is not None and max_running_jobs < 1:
             raise ValueError("max_running_jobs must be at least 1 (or None: no limit)")
@@ -149,14 +145,8 @@ class Controller:
         self.image_id = image_id
         self.training = training
         self.instance_logs: InstanceLogs | None = None  # the offline world's agents' logs
-        stalls = StallWatch(
-            stall_after_s=stall_after_s,
-            attempts=stall_attempts,
-            stalls_so_far=lambda job_id: sum(
-                1 for _, e in store.events(job_id) if isinstance(e, StallEvent)
-            ),
-        )
-        self._gate = TrainingGate(training, stalls) if training is not None else None
+        patience = patience or Patience()
+        self._gate = None if training is None else TrainingGate.of(training, store, patience)
         self._notices: list[InterruptionNotice] = []
         self._doomed: set[str] = set()
         self._market = MarketView(self.catalog)
@@ -300,7 +290,9 @@ class Controller:
             log.exception("reading the job's training failed", extra={"job_id": job.job_id})
             return
         if training is not None and self._gate is not None:
-            verdict = self._gate.judge(job, training, alive, now_s, self.instance_logs)
+            verdict = self._gate.judge(
+                job, training, alive, now_s, self.instance_logs, self._doomed
+            )
             if verdict.stall is not None:  # released for want of progress
                 for rec in alive:
                     self._terminate(rec, history, now_s, EndReason.RELEASED, report)
@@ -311,6 +303,12 @@ class Controller:
                 self._finish(job, JobState.FAILED, now_s, verdict.fail, report)
             if verdict.stops:
                 return
+            for silent in verdict.silent:  # paid for, not working: BidBrain replaces it
+                self._terminate(silent.instance, history, now_s, EndReason.RELEASED, report,
+                                detail=silent.why)  # fmt: skip
+                accrued.pop(silent.instance.instance_id, None)  # billed now
+            gone = {silent.instance.instance_id for silent in verdict.silent}
+            alive = [rec for rec in alive if rec.instance_id not in gone]
             # the work left is at least what is not trained yet (the offline world counts
             # work on its faster market clock), and none once every iteration is
             remaining = 0.0 if training.trained else max(
@@ -493,13 +491,18 @@ class Controller:
         now_s: float,
         reason: EndReason,
         report: TickReport,
+        detail: str = "",
     ) -> None:
         self.cloud.terminate([rec.instance_id])
         self._end(rec, history, now_s, reason)
         report.terminated.append(rec.instance_id)
         self._log(
             ReleaseEvent(
-                job_id=rec.job_id, at_s=now_s, instance_id=rec.instance_id, reason=str(reason)
+                job_id=rec.job_id,
+                at_s=now_s,
+                instance_id=rec.instance_id,
+                reason=str(reason),
+                detail=detail,
             )
         )
 

@@ -28,6 +28,9 @@ class TrainingOutcome:
     # live runtime's figures tell whether it is progressing
     live: bool = True
     nodes_heard: int = 0  # nodes the runtime has heard from: a new one is a sign of life
+    # the instances whose nodes the live runtime counts as members now (heartbeating);
+    # None: not known (a runtime that does not say, or not live)
+    members: frozenset[str] | None = None
 
     @property
     def trained(self) -> bool:

@@ -255,6 +255,7 @@ class TrainingHost:
             done=hosted.done and error is None,  # an aborted job is `done` too
             error=error,
             nodes_heard=len(hosted.node_work()),
+            members=hosted.members(),
         )
 
     def final_weights(self, job_id: str, iterations: int) -> str | None:

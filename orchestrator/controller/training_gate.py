@@ -1,18 +1,21 @@
 """How a training job's tick goes, from its training's outcome: on (the work left is at least
-what is not trained), failed with its runtime's error, stalled (its instances are released;
+what is not trained; instances whose nodes are not in its training are released, see
+`controller.liveness`), failed with its runtime's error, stalled (its instances are released;
 failed at the last attempt, see `controller.stall`), or done, and then succeeded only with
 its final weights in the artifact store."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from orchestrator.controller.liveness import LivenessWatch, SilentInstance
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.stall import StallWatch
 from orchestrator.errors import clip_middle
+from orchestrator.store import Store
 from orchestrator.store.events import StallEvent
 from orchestrator.store.models import InstanceRecord, JobRecord, JobState
 
@@ -27,10 +30,12 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Verdict:
     """What the controller does with a training job this tick: release its instances for a
-    stall (`stall`, the event to log), end it failed (`fail`, the message), or neither."""
+    stall (`stall`, the event to log), end it failed (`fail`, the message), or neither, and
+    then release the instances that do not work for it (`silent`)."""
 
     stall: StallEvent | None = None
     fail: str | None = None
+    silent: tuple[SilentInstance, ...] = ()
 
     @property
     def stops(self) -> bool:
@@ -38,12 +43,42 @@ class Verdict:
         return self.stall is not None or self.fail is not None
 
 
+@dataclass(frozen=True)
+class Patience:
+    """How long, on the controller's clock, a training job may run without progress before
+    its instances are released (`stall_after_s`; the `stall_attempts`-th time fails it, see
+    `controller.stall`), and an instance without its node in the job's training, from its
+    launch (`join_grace_s`) or from when its node left (`rejoin_grace_s`), before it is
+    released and replaced (see `controller.liveness`)."""
+
+    stall_after_s: float = 600.0
+    stall_attempts: int = 3
+    join_grace_s: float = 900.0
+    rejoin_grace_s: float = 180.0
+
+
 class TrainingGate:
     """Judges the controller's training jobs (see the module docstring)."""
 
-    def __init__(self, training: JobTraining, stalls: StallWatch) -> None:
+    @classmethod
+    def of(cls, training: JobTraining, store: Store, patience: Patience) -> TrainingGate:
+        """The gate of a controller over `store` (a job's stalls so far are its events)."""
+        stalls = StallWatch(
+            stall_after_s=patience.stall_after_s,
+            attempts=patience.stall_attempts,
+            stalls_so_far=lambda job_id: sum(
+                1 for _, e in store.events(job_id) if isinstance(e, StallEvent)
+            ),
+        )
+        liveness = LivenessWatch(
+            join_grace_s=patience.join_grace_s, rejoin_grace_s=patience.rejoin_grace_s
+        )
+        return cls(training, stalls, liveness)
+
+    def __init__(self, training: JobTraining, stalls: StallWatch, liveness: LivenessWatch) -> None:
         self.training = training
         self.stalls = stalls
+        self.liveness = liveness
 
     def judge(
         self,
@@ -52,13 +87,16 @@ class TrainingGate:
         alive: Sequence[InstanceRecord],
         now_s: float,
         logs: InstanceLogs | None = None,
+        doomed: Collection[str] = (),
     ) -> Verdict:
-        """Failed (its training was aborted), stalled, or on."""
+        """Failed (its training was aborted), stalled, or on (with the instances to release
+        that do not work for it; `doomed`: instances under an interruption notice)."""
         if outcome.error is not None:
             return Verdict(fail=clip_middle(f"training failed: {outcome.error}", MAX_REASON_CHARS))
         stall = self.stalls.check(job.job_id, outcome, alive, now_s)
         if stall is None:
-            return Verdict()
+            silent = self.liveness.check(job.job_id, outcome, alive, doomed, now_s)
+            return Verdict(silent=tuple(silent))
         why = clip_middle(self._stall_reason(job.job_id, alive, logs), MAX_REASON_CHARS)
         event = StallEvent(
             job_id=job.job_id, at_s=now_s, attempt=stall.attempt, attempts=stall.attempts,
@@ -97,6 +135,7 @@ class TrainingGate:
 
     def forget(self, job_id: str) -> None:
         self.stalls.forget(job_id)
+        self.liveness.forget(job_id)
 
     @staticmethod
     def _call(what: str, call: Callable[[], T]) -> T | None:

@@ -23,6 +23,7 @@ from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.controller.core import Controller
 from orchestrator.controller.outcomes import JobTraining
+from orchestrator.controller.training_gate import Patience
 from orchestrator.errors import UserError
 from orchestrator.market.billing import billing_model
 from orchestrator.market.catalog import Catalog
@@ -89,11 +90,18 @@ def price_source(settings: Settings, *, client: Any) -> PriceSource:
     return EC2PriceSource(settings.region, client=client)
 
 
-def stall_after_market_s(settings: Settings) -> float:
-    """`controller.stall_after_s` in the controller's clock: a replayed market clock runs
-    `speed` times faster than the training it judges, which runs in real time."""
-    replayed = bool(settings.controller.prices)
-    return settings.controller.stall_after_s * (settings.controller.speed if replayed else 1.0)
+def patience(settings: Settings) -> Patience:
+    """`controller.stall_after_s`, `join_grace_s` and `rejoin_grace_s` in the controller's
+    clock: a replayed market clock runs `speed` times faster than the training it judges,
+    which runs in real time."""
+    c = settings.controller
+    scale = c.speed if c.prices else 1.0
+    return Patience(
+        stall_after_s=c.stall_after_s * scale,
+        stall_attempts=c.stall_attempts,
+        join_grace_s=c.join_grace_s * scale,
+        rejoin_grace_s=c.rejoin_grace_s * scale,
+    )
 
 
 def build_controller(
@@ -139,7 +147,6 @@ def build_controller(
         settings=settings.bidbrain,
         image_id=settings.controller.image_id,
         training=training,
-        stall_after_s=stall_after_market_s(settings),
-        stall_attempts=settings.controller.stall_attempts,
+        patience=patience(settings),
         max_running_jobs=settings.controller.max_running_jobs,
     )

@@ -125,11 +125,13 @@ class NoticeEvent(_EventBase):
 
 
 class ReleaseEvent(_EventBase):
-    """The controller terminated the instance (`reason`: an `EndReason` value)."""
+    """The controller terminated the instance (`reason`: an `EndReason` value; `detail`:
+    why, when not the job's end or its decision, e.g. its node stopped working)."""
 
     kind: Literal[EventKind.RELEASE] = EventKind.RELEASE
     instance_id: str
     reason: str
+    detail: str = ""
 
 
 class StallEvent(_EventBase):

@@ -161,6 +161,10 @@ class HostedPipeline:
         with self._lock:
             return [*self._events]
 
+    def members(self) -> frozenset[str]:
+        """The nodes (instances) registered now and heartbeating, leaving ones included."""
+        return frozenset(self.pool.nodes(include_leaving=True))
+
     def node_work(self) -> dict[str, tuple[int, float]]:
         """Nothing: a stage's speed says nothing of its instance's for the whole model."""
         return {}

@@ -4,83 +4,17 @@ from work counted some other way (the offline world's market-clock work)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from support.controller_training import T0, WORK, AgentLogs, training_world
 
-from orchestrator.cloud.memory import InMemoryCloud, InMemoryEC2
-from orchestrator.controller.core import Controller
 from orchestrator.controller.outcomes import TrainingOutcome
-from orchestrator.controller.wiring import build_controller
-from orchestrator.jobspec import JobSubmission
-from orchestrator.market.prices import to_epoch_seconds
-from orchestrator.market.trace_source import TracePriceSource
 from orchestrator.settings import ControllerSettings, Settings
-from orchestrator.store import EventKind, JobRecord, JobState, MemoryStore, StallEvent
-
-T0 = to_epoch_seconds("2020-02-03T00:00:00Z")  # as conftest's
-REGION = "us-east-1"
-WORK = 40.0
-
-
-class FakeTraining:
-    """The controller's training port, told what to say (the training host in production)."""
-
-    def __init__(self, cloud: InMemoryCloud) -> None:
-        self.cloud = cloud
-        self.outcome_now: TrainingOutcome | None = TrainingOutcome(0, 100)
-        self.weights: str | None = None
-        self.saved: list[tuple[str, int]] = []  # (job, its instances alive when saving)
-        self.save_fails = False
-        self.restarts: list[str] = []
-
-    def tags_for(self, job_id: str) -> Mapping[str, str]:
-        return {"orchestrator:agileml-controller": "tcp://127.0.0.1:29500"}
-
-    def save_final(self, job_id: str) -> None:
-        self.saved.append((job_id, len(self.cloud.describe())))
-        if self.save_fails:
-            raise RuntimeError("a full disk")  # the instances must go all the same
-        if self.outcome_now is not None and self.outcome_now.trained:
-            self.weights = f"s3://bucket/artifacts/{job_id}/final/model.safetensors"
-
-    def outcome(self, job: JobRecord) -> TrainingOutcome | None:
-        return self.outcome_now
-
-    def final_weights(self, job_id: str, iterations: int) -> str | None:
-        return self.weights
-
-    def restart(self, job_id: str) -> None:
-        self.restarts.append(job_id)
-
-    def diagnose(self, job_id: str) -> str:
-        return "its runtime heard from no node"
-
-
-class AgentLogs:
-    def last_log_line(self, instance_id: str) -> str | None:
-        return f"{instance_id}: ModuleNotFoundError: No module named 'transformers'"
-
-
-def _world(
-    store: MemoryStore, ec2: InMemoryEC2, prices: TracePriceSource, settings: Settings | None = None
-) -> tuple[Controller, FakeTraining, InMemoryCloud]:
-    cloud = InMemoryCloud(REGION, "ctl", ec2=ec2)
-    training = FakeTraining(cloud)
-    settings = settings or Settings()
-    ctl = build_controller(settings, store=store, cloud=cloud, prices=prices, training=training)
-    sub = JobSubmission(
-        name="trains", budget_usd=200.0, work_gpu_hours=WORK, max_gpus=8.0,
-        instance_types=("p3.2xlarge", "p3.8xlarge", "p3.16xlarge"),
-    )  # fmt: skip
-    store.create_job(JobRecord.submit("job-1", sub.model_dump(mode="json"), 200.0, T0))
-    ctl.tick(T0)
-    assert store.list_instances("job-1", alive_only=True)
-    return ctl, training, cloud
+from orchestrator.store import EventKind, JobState, MemoryStore, StallEvent
 
 
 def test_a_job_whose_work_is_counted_done_but_not_trained_does_not_succeed(
     store, ec2, prices
 ) -> None:
-    ctl, training, cloud = _world(store, ec2, prices)
+    ctl, training, cloud = training_world(store, ec2, prices)
     training.outcome_now = TrainingOutcome(iterations_done=30, iterations=100)
     store.update_progress("job-1", WORK, T0 + 60)  # the market clock's work: all of it
     report = ctl.tick(T0 + 120.0)
@@ -94,7 +28,7 @@ def test_a_job_whose_work_is_counted_done_but_not_trained_does_not_succeed(
 def test_a_trained_job_succeeds_with_its_weights_saved_before_its_instances_go(
     store, ec2, prices
 ) -> None:
-    ctl, training, cloud = _world(store, ec2, prices)
+    ctl, training, cloud = training_world(store, ec2, prices)
     alive = len(cloud.describe())
     training.outcome_now = TrainingOutcome(iterations_done=100, iterations=100, done=True)
     report = ctl.tick(T0 + 120.0)  # no work counted: trained is done
@@ -110,7 +44,7 @@ def test_a_trained_job_succeeds_with_its_weights_saved_before_its_instances_go(
 
 
 def test_a_trained_job_whose_weights_cannot_be_written_fails_saying_so(store, ec2, prices) -> None:
-    ctl, training, cloud = _world(store, ec2, prices)
+    ctl, training, cloud = training_world(store, ec2, prices)
     training.outcome_now = TrainingOutcome(iterations_done=100, iterations=100, done=True)
     training.save_fails = True
     report = ctl.tick(T0 + 120.0)
@@ -123,7 +57,7 @@ def test_a_trained_job_whose_weights_cannot_be_written_fails_saying_so(store, ec
 def test_a_job_whose_training_aborted_fails_with_the_error_and_releases_its_instances(
     store, ec2, prices
 ) -> None:
-    ctl, training, cloud = _world(store, ec2, prices)
+    ctl, training, cloud = training_world(store, ec2, prices)
     error = (
         "the job's code failed on node t1: the scheduler's step on a parameter server raised "
         "ValueError: Tried to step 101 times.\nTraceback (the job's frames, ...)"
@@ -156,7 +90,7 @@ def test_a_job_that_trains_nothing_has_its_instances_released_then_fails(
 ) -> None:
     """No progress, no spending: 10 minutes (market time) of instances without an iteration
     release them with an event saying why; the third time the job fails."""
-    ctl, training, cloud = _world(store, ec2, prices)
+    ctl, training, cloud = training_world(store, ec2, prices)
     ctl.instance_logs = AgentLogs()
     first = {r.instance_id for r in store.list_instances("job-1", alive_only=True)}
     assert ctl.tick(T0 + 540.0).finished == {} and cloud.describe()  # 9 min: waited for
@@ -186,7 +120,7 @@ def test_a_job_that_trains_nothing_has_its_instances_released_then_fails(
 
 def test_a_job_that_trains_slowly_is_not_stalled(store, ec2, prices) -> None:
     settings = Settings(controller=ControllerSettings(stall_after_s=300.0))
-    ctl, training, cloud = _world(store, ec2, prices, settings)
+    ctl, training, cloud = training_world(store, ec2, prices, settings)
     for minute in range(1, 30):
         training.outcome_now = TrainingOutcome(iterations_done=minute // 4, iterations=100)
         ctl.tick(T0 + 60.0 * minute)  # an iteration every 4 minutes: slow, not stalled
@@ -200,7 +134,7 @@ def test_a_restarted_controller_does_not_take_a_resumed_runtime_for_a_stalled_on
 ) -> None:
     """After a restart the job's last report is read back (not live: no clock), and the
     runtime resumes below it from a checkpoint: figures that go down are progress too."""
-    ctl, training, cloud = _world(store, ec2, prices)
+    ctl, training, cloud = training_world(store, ec2, prices)
     training.outcome_now = TrainingOutcome(1000, 5000, live=False)  # not hosted again yet
     ctl.tick(T0 + 900.0)
     assert _stalls(store) == []
@@ -214,7 +148,7 @@ def test_a_restarted_controller_does_not_take_a_resumed_runtime_for_a_stalled_on
 
 def test_a_node_joining_is_a_sign_of_life(store, ec2, prices) -> None:
     """A node that joins and then loads for long (a large data set) is not a stall."""
-    ctl, training, cloud = _world(store, ec2, prices)
+    ctl, training, cloud = training_world(store, ec2, prices)
     training.outcome_now = TrainingOutcome(0, 100, nodes_heard=0)
     ctl.tick(T0 + 500.0)
     training.outcome_now = TrainingOutcome(0, 100, nodes_heard=1)  # the reliable node joined

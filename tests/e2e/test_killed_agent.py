@@ -1,0 +1,23 @@
+"""Pay only for work, end to end: in the offline world (Redis, moto, real agents training the
+demo's job with AgileML), one spot instance's agent is SIGKILLed while its instance stays up.
+The controller releases that instance once its node has left the job's training, says why,
+buys a working one, and the job still trains to the end (`benchmarks.killed_agent`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.killed_agent import run_once
+
+
+@pytest.mark.slow
+def test_an_instance_whose_agent_was_killed_is_released_and_replaced() -> None:
+    run = run_once(kill_at=0.2, seed=1, speed=300.0, timeout_s=240.0)
+    assert run["state"] == "succeeded", run
+    killed = run["killed"]
+    assert killed["end_reason"] == "released", run
+    assert "left the job's training" in killed["why"][0], run
+    # released a few real seconds after its node left (the offline world's 5 s rejoin grace,
+    # at 300x), with a minute to spare for a busy machine
+    assert killed["ended_at_s"] - killed["at_s"] < 65 * 300.0, run
+    assert run["instances_launched"] >= 3, run  # a working instance bought in its place
