@@ -18,7 +18,8 @@ instances do simulated work (each GPU instance adds its catalog work rate once i
 - `notice_on_time`, `notice_twice`, `notice_late`, `notice_never`: a spot instance is evicted
   (terminated in EC2) two minutes after its notice, after two notices, before its notice, or
   with none;
-- `clock_jump`: the clock steps forward 5-15 minutes or back 1-3 minutes.
+- `clock_jump`: the clock steps forward 5-15 minutes or back 1-3 minutes (the controller
+  refuses to tick until its clock is past the furthest tick made: `controller.clock`).
 
 The controller's tick errors are counted by type (`tick_errors`): a store outage mid-tick is
 expected there (the next tick repairs), anything else is a finding. At the end, with no more
@@ -43,6 +44,7 @@ from orchestrator.cloud.instances import TAG_CONTROLLER
 from orchestrator.cloud.local.moto_server import MotoEC2Server
 from orchestrator.cloud.local.redis_process import LocalRedis
 from orchestrator.cloud.notices import InterruptionNotice
+from orchestrator.controller.clock import ClockRewoundError
 from orchestrator.controller.core import Controller
 from orchestrator.controller.wiring import build_controller
 from orchestrator.jobspec import JobSubmission
@@ -181,7 +183,8 @@ def _step(soak: _Soak) -> None:
     except ControllerKilled:
         soak.controller = None  # its memory is gone; the next tick builds a new one
         soak.broken_since = soak.broken_since or ("controller_killed", started)
-    except StoreError as exc:  # Redis went mid-tick: the next tick repairs
+    except (StoreError, ClockRewoundError) as exc:  # Redis went mid-tick: the next tick
+        # repairs; the clock jumped back: no tick until it is past the mark again
         soak.log.errors[f"expected: {type(exc).__name__}"] += 1
     except CloudError as exc:
         injected = INJECTED in str(exc)  # EC2 kept failing past botocore's retries

@@ -43,6 +43,7 @@ from orchestrator.cloud.instances import CloudInstance, LaunchSpec
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.cloud.reconcile import Reconciler
+from orchestrator.controller.clock import check_clock
 from orchestrator.controller.job import ControllerJob
 from orchestrator.controller.market_view import MarketView, price_at
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
@@ -107,10 +108,8 @@ class Controller:
         billing: how instances are charged (for the ledger).
         settings: BidBrain's knobs.
         image_id: the AMI worker nodes boot.
-        training: the jobs' training (the training host): launch tags telling a job's
-            instances where its runtime is, its final weights kept just before its instances
-            go (an error there is logged and the instances go all the same), and how far it
-            trained (a training job succeeds only trained, and fails with its runtime's error).
+        training: the jobs' training (the training host, `JobTraining`): launch tags, final
+            weights, how far each job trained (it succeeds only trained).
         patience: how long a training job may go without progress, and an instance without
             its node in the job's training, before they are released (`Patience`).
         max_running_jobs: jobs run side by side, each on its own budget; with a limit, queued
@@ -168,7 +167,9 @@ class Controller:
     # -- the tick -------------------------------------------------------------------------
     def tick(self, now_s: float) -> TickReport:
         """Observe, decide, act. Raises StoreUnavailableError if Redis is down (nothing is
-        half-written: each store write is atomic and the next tick reconciles)."""
+        half-written: each store write is atomic and the next tick reconciles), and
+        ClockRewoundError (doing nothing) if `now_s` is behind a tick already made."""
+        check_clock(self.store, now_s)
         report = TickReport(now_s)
         jobs = {j.job_id: j for j in self.store.list_jobs()}
         history = self.prices.history(now_s - PRICE_LOOKBACK_S, now_s)
@@ -496,15 +497,8 @@ class Controller:
         self.cloud.terminate([rec.instance_id])
         self._end(rec, history, now_s, reason)
         report.terminated.append(rec.instance_id)
-        self._log(
-            ReleaseEvent(
-                job_id=rec.job_id,
-                at_s=now_s,
-                instance_id=rec.instance_id,
-                reason=str(reason),
-                detail=detail,
-            )
-        )
+        self._log(ReleaseEvent(job_id=rec.job_id, at_s=now_s, instance_id=rec.instance_id,
+                               reason=str(reason), detail=detail))  # fmt: skip
 
     def _end(
         self, rec: InstanceRecord, history: PriceHistory, now_s: float, reason: EndReason

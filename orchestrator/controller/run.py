@@ -57,11 +57,12 @@ def running_controller(
             missing (nothing was started).
         StoreUnavailableError: Redis does not answer.
     """
-    clock, speed = controller_clock(settings)
+    controller_clock(settings)  # a bad replay setting is refused before Redis is asked
     store = RedisStore.connect(settings.redis_url)
     training: TrainingHost | None = None
     service: ControllerService | None = None
     try:
+        clock, speed = controller_clock(settings, floor_s=store.clock_high_water())
         training = training_host(settings, store)
         controller = build_controller(
             settings,

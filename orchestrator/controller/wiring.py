@@ -13,6 +13,7 @@ model, BidBrain's knobs and the job concurrency.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,16 +28,19 @@ from orchestrator.controller.training_gate import Patience
 from orchestrator.errors import UserError
 from orchestrator.market.billing import billing_model
 from orchestrator.market.catalog import Catalog
-from orchestrator.market.prices import PriceSource, to_epoch_seconds
+from orchestrator.market.prices import PriceSource, to_datetime, to_epoch_seconds
 from orchestrator.settings import Settings
 from orchestrator.store import Store
 
 Clock = Callable[[], float]
+log = logging.getLogger(__name__)
 
 
-def replay_clock(settings: Settings) -> ReplayClock | None:
+def replay_clock(settings: Settings, *, floor_s: float | None = None) -> ReplayClock | None:
     """The replay clock of a trace replay (`controller.prices`): from `controller.replay_start`
-    at `controller.speed`; None when the controller runs on EC2's live prices.
+    at `controller.speed`, or from `floor_s` (the store's clock high-water mark: where its
+    controller already ran) when that is later; None when the controller runs on EC2's live
+    prices.
 
     Raises:
         UserError: a replay without a valid `controller.replay_start`.
@@ -59,17 +63,26 @@ def replay_clock(settings: Settings) -> ReplayClock | None:
             field="--replay-start",
             fix="e.g. 2020-02-03T00:00:00Z",
         ) from None
+    if floor_s is not None and floor_s > start_s:
+        log.warning(
+            "the replay continues from %s UTC, where this store's controller left off, not "
+            "from --replay-start %s (time never runs back; a fresh store starts anew)",
+            f"{to_datetime(floor_s):%Y-%m-%d %H:%M:%S}",
+            c.replay_start,
+        )
+        start_s = floor_s
     return ReplayClock(start_s, c.speed)
 
 
-def controller_clock(settings: Settings) -> tuple[Clock, float]:
+def controller_clock(settings: Settings, *, floor_s: float | None = None) -> tuple[Clock, float]:
     """The clock the controller decides on and how many times faster than real time it runs:
-    the wall clock, or the replay clock of a trace replay (`replay_clock`).
+    the wall clock, or the replay clock of a trace replay (`replay_clock`; from `floor_s`
+    when that is later than its start).
 
     Raises:
         UserError: a replay without a valid `controller.replay_start`.
     """
-    replay = replay_clock(settings)
+    replay = replay_clock(settings, floor_s=floor_s)
     return (time.time, 1.0) if replay is None else (replay.now, replay.speed)
 
 

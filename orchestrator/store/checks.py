@@ -71,6 +71,17 @@ def check_work_done(work_done_gpu_hours: float) -> float:
     return float(work_done_gpu_hours)
 
 
+def check_finite(name: str, value: float) -> float:
+    """`value`, if it is a finite number.
+
+    Raises:
+        ValueError: it is not.
+    """
+    if isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
+
+
 def check_count(count: int | None) -> None:
     """Raises ValueError if a read's `count` is given and not positive."""
     if count is not None and count <= 0:

@@ -40,6 +40,7 @@ from pydantic import BaseModel
 from orchestrator.store.checks import (
     check_bill,
     check_count,
+    check_finite,
     check_id,
     check_namespace,
     check_new_job,
@@ -171,6 +172,7 @@ class MemoryStore:
         self._instance_work: dict[str, dict[str, InstanceWork]] = {}
         self._accrued: dict[str, dict[str, float]] = {}  # job -> instance -> USD not billed
         self._claims: dict[str, _Claim] = {}
+        self._clock_mark: float | None = None
 
     def ping(self) -> None:
         """Always answers."""
@@ -404,6 +406,19 @@ class MemoryStore:
     def forget_training_port(self, job_id: str) -> None:
         with self._lock:
             self._ports.pop(job_id, None)
+
+    # --- the clock's high-water mark
+
+    def advance_clock(self, now_s: float) -> float:
+        check_finite("now_s", now_s)
+        with self._lock:
+            mark = self._clock_mark
+            self._clock_mark = now_s if mark is None else max(mark, now_s)
+            return self._clock_mark
+
+    def clock_high_water(self) -> float | None:
+        with self._lock:
+            return self._clock_mark
 
     # --- claims
 

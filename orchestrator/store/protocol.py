@@ -358,6 +358,23 @@ class Store(Protocol):
         """Forget the job's port (nothing happens if none is remembered)."""
         ...
 
+    # --- the clock's high-water mark
+
+    def advance_clock(self, now_s: float) -> float:
+        """Raise the controller clock's high-water mark to `now_s` if it is higher; return
+        the mark (atomic: concurrent callers never lower it). A controller whose clock reads
+        below the mark is behind what was already decided and billed (see
+        `controller.clock`).
+
+        Raises:
+            ValueError: `now_s` is not finite.
+        """
+        ...
+
+    def clock_high_water(self) -> float | None:
+        """The furthest time a controller of this store ticked at, None before the first."""
+        ...
+
     # --- claims
 
     def claim(self, key: str, owner: str, ttl_s: float) -> bool:

@@ -68,6 +68,9 @@ class RedisKeys:
     def claim(self, key: str) -> str:
         return self.key("claim", key)
 
+    def clock(self) -> str:
+        return self.key("clock-high-water")
+
 
 # KEYS: job hash, jobs index. ARGV: job id, then field, value, ...
 CREATE_JOB_LUA = """
@@ -192,6 +195,17 @@ return 0
 """
 
 
+# KEYS: the mark. ARGV: now (a float's repr). Returns the mark after, as a string.
+ADVANCE_CLOCK_LUA = """
+local mark = redis.call('GET', KEYS[1])
+if not mark or tonumber(mark) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return ARGV[1]
+end
+return mark
+"""
+
+
 @dataclass(frozen=True)
 class Scripts:
     """The scripts above, registered with one client (redis-py loads each on first use)."""
@@ -203,6 +217,7 @@ class Scripts:
     put_instance: Script
     end_instance: Script
     release_claim: Script
+    advance_clock: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:
@@ -214,4 +229,5 @@ class Scripts:
             put_instance=client.register_script(PUT_INSTANCE_LUA),
             end_instance=client.register_script(END_INSTANCE_LUA),
             release_claim=client.register_script(RELEASE_CLAIM_LUA),
+            advance_clock=client.register_script(ADVANCE_CLOCK_LUA),
         )

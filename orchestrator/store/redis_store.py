@@ -31,6 +31,7 @@ from redis.retry import Retry
 from orchestrator.store.checks import (
     check_bill,
     check_count,
+    check_finite,
     check_id,
     check_namespace,
     check_new_job,
@@ -516,6 +517,21 @@ class RedisStore:
         with redis_errors(self.url):
             raw = cast(str | None, self._client.get(self._keys.claim(key)))
         return None if raw is None else str(json.loads(raw))
+
+    # --- the clock's high-water mark
+
+    def advance_clock(self, now_s: float) -> float:
+        """One Lua script: SET if higher; the mark after."""
+        check_finite("now_s", now_s)
+        with redis_errors(self.url):
+            mark = self._scripts.advance_clock(keys=[self._keys.clock()], args=[repr(now_s)])
+        return float(mark)
+
+    def clock_high_water(self) -> float | None:
+        """GET."""
+        with redis_errors(self.url):
+            raw = cast(str | None, self._client.get(self._keys.clock()))
+        return None if raw is None else float(raw)
 
     # --- internals
 

@@ -205,6 +205,24 @@ class FleetContract:
         with pytest.raises(ValueError):
             InstanceWork(work_gpu_hours=1.0, hours=bad)
 
+    # --- the clock's high-water mark
+
+    def test_the_clock_mark_only_rises(self, store: Store) -> None:
+        assert store.clock_high_water() is None
+        assert store.advance_clock(1_580_688_000.25) == 1_580_688_000.25
+        assert store.advance_clock(1_580_688_100.5) == 1_580_688_100.5
+        assert store.advance_clock(1_580_688_000.0) == 1_580_688_100.5  # a clock behind it
+        assert store.clock_high_water() == 1_580_688_100.5
+        for bad in (float("nan"), float("inf"), True):
+            with pytest.raises(ValueError):
+                store.advance_clock(bad)
+        assert store.clock_high_water() == 1_580_688_100.5
+
+    def test_concurrent_clocks_leave_the_highest_mark(self, store: Store) -> None:
+        marks, errors = run_together(8, lambda i: store.advance_clock(1000.0 + i))
+        assert not errors and all(m >= 1000.0 for m in marks)
+        assert store.clock_high_water() == 1007.0
+
     # --- claims
 
     def test_a_held_claim_cannot_be_taken_and_only_its_owner_releases_it(
