@@ -160,13 +160,15 @@ def decision_input(
     unavailable: frozenset[Market] = frozenset(),
     last_eviction_s: Mapping[Market, float] | None = None,
     work_rate_of: WorkRateOf | None = None,
+    lag_reserve_s: float = 0.0,
 ) -> DecisionInput:
     """The `DecisionInput` for a job holding `held` at `now_s` (see the module docstring).
 
     `prices_usd_per_hour` aligns with the policy's `MarketTable` (NaN: no price known);
     `unavailable` are markets refusing launches for now (capacity errors); `last_eviction_s`
     when each market last took one of the job's instances back; `work_rate_of` the rate the
-    job believes an instance of a type has (default: each instance's own `work_rate`).
+    job believes an instance of a type has (default: each instance's own `work_rate`);
+    `lag_reserve_s` the budget's reserve the controller's measured lag needs.
     """
     held = list(held)
     spot_started: dict[str, float] = {}
@@ -186,4 +188,5 @@ def decision_input(
         unavailable=unavailable,
         renewal_due=renewals.due(spot_started, now_s),
         last_eviction_s=dict(last_eviction_s or {}),
+        lag_reserve_s=lag_reserve_s,
     )

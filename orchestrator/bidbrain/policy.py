@@ -118,6 +118,9 @@ class DecisionInput:
     unavailable: frozenset[Market] = frozenset()
     renewal_due: frozenset[str] = frozenset()
     last_eviction_s: Mapping[Market, float] = field(default_factory=dict)
+    # how long past the next decision the budget must hold when the controller's decisions
+    # come later than planned (its measured lag); the settings' reserve is the least
+    lag_reserve_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -218,8 +221,9 @@ class BidBrainPolicy(Policy):
     ladder plus "fill the remaining rate").
 
     Budgets: the spend so far plus what the footprint commits until the next decision, and for
-    `budget_reserve_s` past it, never exceeds the job's budget: the reserve keeps the budget
-    whole when the next decision comes late (a controller restart, failed ticks). Spot is
+    `budget_reserve_s` past it (or the input's `lag_reserve_s`, when the controller's decisions
+    come that late), never exceeds the job's budget: the reserve keeps the budget whole when
+    the next decision comes late (a controller restart, failed ticks, a lagging controller). Spot is
     committed at its price now: a price that rises toward the bid inside that window can
     still take the spend past it (by at most the rise times the window). When the
     budget cannot carry the reliable tier and one more spot instance that long, every spot
@@ -247,7 +251,7 @@ class BidBrainPolicy(Policy):
         job, s = inp.job, self.settings
         phi, lam = job.app.phi, job.app.eviction_overhead_s
         work_s = max(inp.work_remaining_gpu_hours, 1e-9) * SECONDS_PER_HOUR
-        commit_h = self._commit_hours()
+        commit_h = self._commit_hours(inp)
         reliable = self._reliable_request(inp)
         reliable_rate = self._reliable_rate_usd_per_hour(inp, reliable)
         time_value = self._time_value_usd_per_hour(job)
@@ -276,7 +280,9 @@ class BidBrainPolicy(Policy):
         freed = sum(a.count * a.work_rate_per_instance for a in spot if a.allocation_id in releases)
         remaining_rate = self._remaining_rate(inp) + freed
         budget_for_adds = budget_left - commit_rate * commit_h
-        adds, terms = self._greedy(base, cand, remaining_rate, budget_for_adds, work_s, phi, lam)
+        adds, terms = self._greedy(
+            base, cand, remaining_rate, budget_for_adds, work_s, phi, lam, commit_h
+        )
         current_e = terms.cost_per_work(work_s, phi, lam)
 
         # Renew or release at renewal points: would the footprint do better without it?
@@ -293,6 +299,7 @@ class BidBrainPolicy(Policy):
                 work_s,
                 phi,
                 lam,
+                commit_h,
             )
             alt_e = alt.cost_per_work(work_s, phi, lam)
             if alt_e < current_e * (1.0 - s.min_improvement):
@@ -336,9 +343,8 @@ class BidBrainPolicy(Policy):
         job, fp = inp.job, inp.footprint
         hours_left = inp.work_remaining_gpu_hours / (job.app.phi * job.max_work_rate)
         # pay for the footprint to the next decision and the reserve, or to the end if sooner
-        commit_h = min(
-            self._commit_hours(), hours_left + self.settings.decision_interval_s / SECONDS_PER_HOUR
-        )
+        to_end_h = hours_left + self.settings.decision_interval_s / SECONDS_PER_HOUR
+        commit_h = min(self._commit_hours(inp), to_end_h)
         release = list(deadline.spot_to_release(job, fp))
         # spot kept is paid only until the on-demand GPUs work (σ), then released
         overlap_h = min(commit_h, job.app.add_overhead_s / SECONDS_PER_HOUR)
@@ -508,10 +514,11 @@ class BidBrainPolicy(Policy):
         work_s: float,
         phi: float,
         lam: float,
+        commit_h: float,
     ) -> tuple[list[int], FootprintTerms]:
-        """Add the best candidate while it lowers E by at least `min_improvement`."""
+        """Add the best candidate while it lowers E by at least `min_improvement` (each paid
+        for `commit_h` hours out of `budget_usd`)."""
         chosen: list[int] = []
-        commit_h = self._commit_hours()
         for _ in range(self.settings.max_adds_per_decision):
             feasible = cand["valid"] & (cand["kv"] <= remaining_rate + 1e-9)
             if math.isfinite(budget_usd):
@@ -537,11 +544,13 @@ class BidBrainPolicy(Policy):
             budget_usd -= float(cand["commit_rate"][j]) * commit_h
         return chosen, base
 
-    def _commit_hours(self) -> float:
+    def _commit_hours(self, inp: DecisionInput) -> float:
         """How long a footprint is paid for out of the budget: to the next decision and the
-        reserve past it."""
+        reserve past it (the longer of the settings' and the one the controller's lag
+        needs)."""
         s = self.settings
-        return (s.decision_interval_s + s.budget_reserve_s) / SECONDS_PER_HOUR
+        reserve_s = max(s.budget_reserve_s, inp.lag_reserve_s)
+        return (s.decision_interval_s + reserve_s) / SECONDS_PER_HOUR
 
     def _cheapest_instance_rate(self, cand: dict) -> float:
         valid = cand["valid"]

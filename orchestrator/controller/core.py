@@ -347,8 +347,10 @@ class Controller:
             doomed=self._doomed,
             unavailable=self.availability.unavailable(now_s, table.markets),
             last_eviction_s=owner.evicted_at(lambda: self.store.list_instances(job.job_id)),
+            lag_reserve_s=owner.lag_reserve_s(now_s),
         )
         decision = policy.decide(inp)
+        owner.decided(now_s)
         report.decisions[job.job_id] = decision
         self._record_prices(owner, table.markets, prices, now_s)
         self._log(

@@ -3,13 +3,16 @@
 Its submission is typed once (the store keeps the JSON the API validated; a tick used to
 validate it again every time), and it owns the job's BidBrain state: the renewal points of its
 allocations, the prices its last decision recorded (the dashboard's series grows only when
-one changes) and when each market last took one of its instances back. The controller builds
+one changes), when each market last took one of its instances back, and how late its
+decisions came (the budget's reserve follows the longest recent gap: a controller whose ticks
+lag keeps enough back, and releases early). The controller builds
 it at the job's first tick after it starts (so a restarted controller rebuilds it from the
 store) and drops it when the job ends.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +22,12 @@ from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import EndReason
 from orchestrator.market.prices import Market
 from orchestrator.store.models import InstanceRecord, JobRecord
+
+#: The budget's reserve is this many times the longest gap between the job's last decisions.
+LAG_FACTOR = 1.5
+#: The gaps kept (one long gap weighs on this many decisions; a restarted controller starts
+#: with none).
+LAG_WINDOW = 10
 
 
 @dataclass
@@ -31,6 +40,8 @@ class ControllerJob:
     prices_seen: dict[str, float] = field(default_factory=dict)
     # market -> when it last evicted one of the job's instances; None: not read yet
     _evictions: dict[Market, float] | None = None
+    _decided_at: float | None = None  # the job's last decision here
+    _gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))
 
     @classmethod
     def of(cls, record: JobRecord, settings: BidBrainSettings) -> ControllerJob:
@@ -55,6 +66,20 @@ class ControllerJob:
     def forget_evictions(self) -> None:
         """Read them from the store again next time (an eviction may have gone unseen)."""
         self._evictions = None
+
+    def lag_reserve_s(self, now_s: float) -> float:
+        """The budget's reserve past the next decision that the decisions' lag calls for:
+        `LAG_FACTOR` times the longest recent gap between them (the one ending now too)."""
+        gaps = list(self._gaps_s)
+        if self._decided_at is not None:
+            gaps.append(now_s - self._decided_at)
+        return LAG_FACTOR * max(gaps, default=0.0)
+
+    def decided(self, now_s: float) -> None:
+        """The job was decided for at `now_s`."""
+        if self._decided_at is not None:
+            self._gaps_s.append(max(now_s - self._decided_at, 0.0))
+        self._decided_at = now_s
 
     def prices_changed(self, seen: dict[str, float]) -> bool:
         """Whether the decision saw other prices than the last one recorded (kept if so)."""

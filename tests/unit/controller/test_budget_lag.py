@@ -1,0 +1,38 @@
+"""The budget holds under lag: the reserve follows the measured gap between a job's decisions,
+so a controller that decides an hour apart (instead of every 2 minutes) keeps the job within
+its budget (it used to go 50% over) and releases early instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.budget_lag import run
+from orchestrator.bidbrain.policy import BidBrainSettings
+from orchestrator.controller.job import LAG_FACTOR, ControllerJob
+from orchestrator.jobspec import JobSubmission
+from orchestrator.store import JobRecord
+
+
+@pytest.mark.parametrize("gap_s", [120.0, 1800.0, 3600.0])
+def test_a_lagging_controller_keeps_the_job_within_its_budget(gap_s: float) -> None:
+    result = run(gap_s, budget_usd=10.0)
+    assert result["state"] == "budget_exhausted", result  # it ran until the budget bound
+    assert result["spent_usd"] <= 10.0 + 1e-6, result
+
+
+def test_the_reserve_follows_the_longest_recent_gap() -> None:
+    sub = JobSubmission(name="t", budget_usd=10.0, work_gpu_hours=1.0, max_gpus=1.0)
+    job = ControllerJob.of(
+        JobRecord.submit("job-1", sub.model_dump(mode="json"), 10.0, 0.0), BidBrainSettings()
+    )
+    assert job.lag_reserve_s(0.0) == 0.0  # nothing measured yet
+    job.decided(0.0)
+    assert job.lag_reserve_s(120.0) == LAG_FACTOR * 120.0
+    job.decided(120.0)
+    assert job.lag_reserve_s(3720.0) == LAG_FACTOR * 3600.0  # this decision comes an hour late
+    job.decided(3720.0)
+    job.decided(3840.0)
+    assert job.lag_reserve_s(3960.0) == LAG_FACTOR * 3600.0  # remembered for a while
+    for k in range(1, 12):
+        job.decided(3840.0 + 120.0 * k)
+    assert job.lag_reserve_s(3840.0 + 120.0 * 12) == LAG_FACTOR * 120.0  # and then forgotten
