@@ -59,7 +59,7 @@ STALL_AFTER_WALL_S = 120.0
 #: Real seconds an instance's node has to join its job's training after launch, and to come back
 #: after it left (its agent died), before the instance is released and replaced
 #: (`controller.join_grace_s`, `rejoin_grace_s`; the market clock counts these times the speed).
-JOIN_GRACE_WALL_S = 60.0
+JOIN_GRACE_WALL_S = STALL_AFTER_WALL_S  # a job whose nodes never join stalls first
 REJOIN_GRACE_WALL_S = 5.0
 #: Real seconds between two checkpoints of a job.
 CHECKPOINT_EVERY_WALL_S = 10.0

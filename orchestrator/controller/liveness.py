@@ -7,13 +7,15 @@ heartbeats (its failure detector, not a fixed timeout here, decides when a silen
 failed: slow is not dead). The watch then gives an instance
 
 - `join_grace_s` from its launch for its node to join (boot, setup, loading the job), and
-- `rejoin_grace_s` after its node was last a member for it to come back (systemd restarts a
-  dead agent on AWS),
+- `rejoin_grace_s` from when its node was first seen gone for it to come back (systemd
+  restarts a dead agent on AWS),
 
 both on the controller's clock. A job first seen by this controller (after a restart) gives each
 of its instances a fresh join grace from that moment, so a restart never releases a working
 instance whose node has not reconnected yet. Instances under an interruption notice, and jobs
-whose runtime is not live or has trained every iteration, are left alone.
+whose runtime is not live or has trained every iteration, are left alone. A job that has
+released `MAX_RELEASES_WITHOUT_PROGRESS` instances without training an iteration in between
+fails (`hopeless`): its nodes die however often they are replaced.
 
     watch = LivenessWatch(join_grace_s=900.0, rejoin_grace_s=180.0)
     for silent in watch.check(job_id, outcome, alive, doomed, now_s):
@@ -50,10 +52,19 @@ class SilentInstance:
         )
 
 
+#: Instances released for their nodes with no iteration trained in between: the job fails
+#: (nodes that keep dying after they join, e.g. killed loading its data, would otherwise be
+#: replaced until the budget is gone).
+MAX_RELEASES_WITHOUT_PROGRESS = 6
+
+
 @dataclass
 class _JobSeen:
     first_seen_s: float
     member_at: dict[str, float] = field(default_factory=dict)  # instance -> last seen a member
+    absent_at: dict[str, float] = field(default_factory=dict)  # first seen absent after that
+    iterations: int = -1
+    released_since_progress: int = 0
 
 
 class LivenessWatch:
@@ -79,25 +90,37 @@ class LivenessWatch:
         if outcome.members is None or not outcome.live or outcome.trained:
             return []
         seen = self._jobs.setdefault(job_id, _JobSeen(now_s))
+        if outcome.iterations_done != seen.iterations:
+            seen.iterations, seen.released_since_progress = outcome.iterations_done, 0
         alive_ids = {r.instance_id for r in alive}
-        for gone in [i for i in seen.member_at if i not in alive_ids]:
-            del seen.member_at[gone]
+        for known in (seen.member_at, seen.absent_at):
+            for gone in [i for i in known if i not in alive_ids]:
+                del known[gone]
         silent = []
         for rec in alive:
-            if rec.instance_id in outcome.members:
-                seen.member_at[rec.instance_id] = now_s
+            iid = rec.instance_id
+            if iid in outcome.members:
+                seen.member_at[iid] = now_s
+                seen.absent_at.pop(iid, None)
                 continue
-            if rec.instance_id in doomed:
+            if iid in doomed:
                 continue
-            last = seen.member_at.get(rec.instance_id)
-            if last is None:
-                since = max(rec.launched_at, seen.first_seen_s)
-                grace = self.join_grace_s
+            joined = iid in seen.member_at
+            if joined:  # from when it was first seen gone, not its last tick as a member
+                since, grace = seen.absent_at.setdefault(iid, now_s), self.rejoin_grace_s
             else:
-                since, grace = last, self.rejoin_grace_s
+                since, grace = max(rec.launched_at, seen.first_seen_s), self.join_grace_s
             if now_s - since > grace:
-                silent.append(SilentInstance(rec, now_s - since, joined_before=last is not None))
+                silent.append(SilentInstance(rec, now_s - since, joined_before=joined))
+        seen.released_since_progress += len(silent)
         return silent
+
+    def hopeless(self, job_id: str) -> int:
+        """How many instances the job had released since its last iteration, once that is
+        `MAX_RELEASES_WITHOUT_PROGRESS` or more (it should fail); 0 otherwise."""
+        seen = self._jobs.get(job_id)
+        count = 0 if seen is None else seen.released_since_progress
+        return count if count >= MAX_RELEASES_WITHOUT_PROGRESS else 0
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)

@@ -96,6 +96,13 @@ class TrainingGate:
         stall = self.stalls.check(job.job_id, outcome, alive, now_s)
         if stall is None:
             silent = self.liveness.check(job.job_id, outcome, alive, doomed, now_s)
+            released = self.liveness.hopeless(job.job_id)
+            if released:
+                why = clip_middle(self._stall_reason(job.job_id, alive, logs), MAX_REASON_CHARS)
+                return Verdict(fail=(
+                    f"no progress: {released} instances released because their nodes left "
+                    f"the training or never joined, with no iteration trained (at iteration "
+                    f"{outcome.iterations_done}); {why}"))  # fmt: skip
             return Verdict(silent=tuple(silent))
         why = clip_middle(self._stall_reason(job.job_id, alive, logs), MAX_REASON_CHARS)
         event = StallEvent(

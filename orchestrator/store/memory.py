@@ -410,7 +410,7 @@ class MemoryStore:
     # --- the clock's high-water mark
 
     def advance_clock(self, now_s: float) -> float:
-        check_finite("now_s", now_s)
+        now_s = float(check_finite("now_s", now_s))
         with self._lock:
             mark = self._clock_mark
             self._clock_mark = now_s if mark is None else max(mark, now_s)

@@ -524,7 +524,7 @@ class RedisStore:
         """One Lua script: SET if higher; the mark after."""
         check_finite("now_s", now_s)
         with redis_errors(self.url):
-            mark = self._scripts.advance_clock(keys=[self._keys.clock()], args=[repr(now_s)])
+            mark = self._scripts.advance_clock(keys=[self._keys.clock()], args=[repr(float(now_s))])
         return float(mark)
 
     def clock_high_water(self) -> float | None:

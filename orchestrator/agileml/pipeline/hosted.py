@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 REPLACE_WAIT_S = 15.0
 #: Seconds a node may take to profile the job's layers (it loads the job and its data first).
 PROFILE_TIMEOUT_S = 300.0
+#: Seconds a node that said hello counts as the job's (its instance is not released) while it
+#: fetches the job's code and data, which sends no heartbeat, before it registers.
+FETCH_GRACE_S = 600.0
 #: Schedules of a few updates are enough to find a deadlock (the orders repeat per update).
 CHECK_UPDATES = 4
 
@@ -162,8 +165,9 @@ class HostedPipeline:
             return [*self._events]
 
     def members(self) -> frozenset[str]:
-        """The nodes (instances) registered now and heartbeating, leaving ones included."""
-        return frozenset(self.pool.nodes(include_leaving=True))
+        """The nodes (instances) registered now and heartbeating, leaving ones included, and
+        those fetching the job's code and data before they register (for `FETCH_GRACE_S`)."""
+        return frozenset(self.pool.nodes(include_leaving=True)) | self.pool.fetching(FETCH_GRACE_S)
 
     def node_work(self) -> dict[str, tuple[int, float]]:
         """Nothing: a stage's speed says nothing of its instance's for the whole model."""

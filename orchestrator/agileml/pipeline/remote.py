@@ -162,6 +162,7 @@ class NodePool:
             raise
         self._lock = threading.Lock()
         self._nodes: dict[str, RemoteNode] = {}  # in registration order
+        self._hellos: dict[str, float] = {}  # node -> when it said hello, until it registers
         self._stages: dict[str, RemoteStage] = {}
         self._outbox: collections.deque[tuple[RemoteNode, str, dict[str, torch.Tensor]]] = (
             collections.deque()
@@ -195,6 +196,13 @@ class NodePool:
         """The live nodes that take work (and those leaving), in registration order."""
         with self._lock:
             return [n.node_id for n in self._nodes.values() if include_leaving or not n.leaving]
+
+    def fetching(self, within_s: float) -> set[str]:
+        """Nodes that said hello less than `within_s` ago and have not registered yet: they
+        fetch the job's code and data (which sends no heartbeat)."""
+        now = time.monotonic()
+        with self._lock:
+            return {n for n, at in self._hellos.items() if now - at < within_s}
 
     def registered_for(self, node_id: str) -> float:
         """Seconds since the node registered (0: not registered)."""
@@ -311,6 +319,8 @@ class NodePool:
             return
         node_id, now = header.sender, time.monotonic()
         if header.detail == "hello":  # where the job's code is: no work for it yet
+            with self._lock:
+                self._hellos[node_id] = now
             self._send(identity, "welcome", wire.json_body(self.welcome))
             return
         if header.detail == "register":
@@ -349,6 +359,7 @@ class NodePool:
 
     def _register(self, node_id: str, identity: bytes, body: dict[str, Any], now: float) -> None:
         with self._lock:
+            self._hellos.pop(node_id, None)
             old = self._nodes.pop(node_id, None)
             self._nodes[node_id] = RemoteNode(
                 node_id,

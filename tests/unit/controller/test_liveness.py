@@ -10,7 +10,7 @@ from support.controller_training import T0, training_world
 from orchestrator.controller.liveness import LivenessWatch
 from orchestrator.controller.outcomes import TrainingOutcome
 from orchestrator.settings import ControllerSettings, Settings
-from orchestrator.store import InstanceRecord, ReleaseEvent
+from orchestrator.store import InstanceRecord, JobState, ReleaseEvent
 
 
 def _rec(instance_id: str, launched_at: float = T0) -> InstanceRecord:
@@ -40,10 +40,29 @@ def test_a_node_that_left_is_released_after_the_rejoin_grace_unless_it_comes_bac
     assert watch.check("job-1", _members("i-a", "i-b"), alive, (), T0 + 100.0) == []
     assert watch.check("job-1", _members("i-a"), alive, (), T0 + 200.0) == []
     assert watch.check("job-1", _members("i-a", "i-b"), alive, (), T0 + 270.0) == []  # back
-    assert watch.check("job-1", _members("i-a"), alive, (), T0 + 450.0) == []
-    [silent] = watch.check("job-1", _members("i-a"), alive, (), T0 + 451.0)
+    assert watch.check("job-1", _members("i-a"), alive, (), T0 + 300.0) == []  # gone again
+    assert watch.check("job-1", _members("i-a"), alive, (), T0 + 480.0) == []
+    [silent] = watch.check("job-1", _members("i-a"), alive, (), T0 + 481.0)
     assert silent.instance.instance_id == "i-b" and silent.joined_before
     assert silent.unheard_s == 181.0 and "left the job's training 181 s ago" in silent.why
+
+
+def test_a_job_whose_replacements_keep_dying_without_training_is_hopeless() -> None:
+    """Nodes that join and die (killed loading the data) are replaced a few times, not until
+    the budget is gone: six releases with no iteration trained in between."""
+    watch = LivenessWatch(join_grace_s=100.0, rejoin_grace_s=10.0)
+    now, released = T0, 0
+    for k in range(6):
+        rec = _rec(f"i-{k}", launched_at=now)
+        watch.check("job-1", _members(rec.instance_id), [rec], (), now + 1.0)  # it joins
+        released += len(watch.check("job-1", _members(), [rec], (), now + 2.0))
+        assert watch.hopeless("job-1") == 0
+        released += len(watch.check("job-1", _members(), [rec], (), now + 13.0))  # and died
+        now += 20.0
+    assert released == 6 and watch.hopeless("job-1") == 6
+    progress = TrainingOutcome(11, 100, members=frozenset())  # an iteration trained: hope
+    watch.check("job-1", progress, [], (), now)
+    assert watch.hopeless("job-1") == 0
 
 
 def test_instances_under_a_notice_and_runtimes_that_do_not_say_are_left_alone() -> None:
@@ -85,8 +104,8 @@ def test_the_controller_replaces_an_instance_whose_node_left_and_says_why(
     training.outcome_now = TrainingOutcome(6, 100, members=frozenset(ids - {dead}))
     ctl.tick(T0 + 360.0)
     assert dead in {i.instance_id for i in cloud.describe()}  # within the grace
-    spent_before = ctl.spend_usd("job-1", T0 + 421.0)
-    report = ctl.tick(T0 + 421.0)
+    spent_before = ctl.spend_usd("job-1", T0 + 481.0)
+    report = ctl.tick(T0 + 481.0)
     assert dead in report.terminated and dead not in {i.instance_id for i in cloud.describe()}
     assert report.launched, "BidBrain buys a working instance in its place"
     [release] = [
@@ -94,7 +113,40 @@ def test_the_controller_replaces_an_instance_whose_node_left_and_says_why(
     ]
     assert release.reason == "released" and "left the job's training 121 s ago" in release.detail
     # its bill is in the ledger now, and counted once in what the job has spent
-    assert abs(ctl.spend_usd("job-1", T0 + 421.0) - spent_before) < 1e-6
+    assert abs(ctl.spend_usd("job-1", T0 + 481.0) - spent_before) < 1e-6
     decision = [e for _, e in store.events("job-1") if e.kind == "decision"][-1]
     assert abs(decision.spent_usd - spent_before) < 1e-6
     assert store.get_instance(dead).end_reason == "released"
+
+
+def test_a_job_whose_nodes_keep_dying_fails_instead_of_buying_forever(store, ec2, prices) -> None:
+    """Every instance's node joins and then dies (as a node killed loading a too-large data
+    set): replaced a few times, then the job fails saying so; never a loop to the budget."""
+    settings = Settings(controller=ControllerSettings(join_grace_s=600.0, rejoin_grace_s=120.0))
+    ctl, training, cloud = training_world(store, ec2, prices, settings)
+    now = T0
+    for _ in range(40):
+        alive = {r.instance_id for r in store.list_instances("job-1", alive_only=True)}
+        training.outcome_now = TrainingOutcome(
+            0, 100, nodes_heard=len(alive), members=frozenset(alive)
+        )
+        now += 60.0
+        ctl.tick(now)  # they join...
+        training.outcome_now = TrainingOutcome(0, 100, nodes_heard=len(alive), members=frozenset())
+        now += 60.0
+        ctl.tick(now)  # ...and die
+        now += 121.0
+        ctl.tick(now)
+        if store.get_job("job-1").state.is_terminal:
+            break
+    job = store.get_job("job-1")
+    assert job.state is JobState.FAILED, job
+    assert (
+        job.message.startswith("no progress: ")
+        and "released because their nodes left" in job.message
+    )
+    assert cloud.describe() == []
+    # two instances a round (the reliable node and a spot one): released twice with the
+    # reason, and the third time the job fails (and they go with it)
+    released = [e for _, e in store.events("job-1") if isinstance(e, ReleaseEvent)]
+    assert len(released) == 6 and sum(1 for e in released if e.detail) == 4
