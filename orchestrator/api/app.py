@@ -308,8 +308,9 @@ def _health_routes(
 
     @router.get("/healthz", response_model=None)
     def healthz() -> dict[str, Any] | JSONResponse:
-        """200 {"status": "ok"} when Redis answers PING and the controller's ticks work, else
-        503 {"status": "degraded"} with the reason."""
+        """200 {"status": "ok"} when Redis answers PING and the controller's ticks work (200
+        {"status": "standby"} while another process leads), else 503 {"status": "degraded"}
+        with the reason."""
         try:
             store.ping()
         except StoreError as exc:
@@ -320,6 +321,8 @@ def _health_routes(
         if health is not None and health.degraded:
             body.update(status="degraded", controller="failing", reason=health.reason())
             return JSONResponse(body, status_code=503)
+        if health is not None and health.standby is not None:
+            body.update(status="standby", controller="standby", reason=health.standby)
         return body
 
     @router.get("/metrics", response_class=Response, dependencies=reads)

@@ -1,6 +1,7 @@
 """How the controller's ticks go, as the API reports them when the controller runs in its
 process (`controller start`): `/healthz` turns degraded after `DEGRADED_AFTER_FAILURES` failed
-ticks in a row, saying why, and `/metrics` counts ticks and failures."""
+ticks in a row, saying why, says `standby` while another process holds the fleet's lease, and
+`/metrics` counts ticks and failures and says which process leads."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ class TickHealth:
     failures: int
     failing_in_a_row: int
     last_error: str | None
+    standby: str | None = None  # another process holds the fleet's lease: who
+
+    @property
+    def leader(self) -> bool:
+        return self.standby is None
 
     @property
     def degraded(self) -> bool:

@@ -29,6 +29,10 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         "tick_failures": counter(
             "orchestrator_controller_tick_failures", "Controller ticks that failed"
         ),
+        "leader": gauge(
+            "orchestrator_controller_leader",
+            "1 while this controller process holds the fleet's lease, 0 as a standby",
+        ),
         "jobs": gauge("orchestrator_jobs", "Jobs by lifecycle state", labels=["state"]),
         "spent": gauge(
             "orchestrator_job_spent_usd",
@@ -138,6 +142,7 @@ class StoreCollector:
             health = self._tick_health()
             m["ticks"].add_metric([], float(health.ticks))
             m["tick_failures"].add_metric([], float(health.failures))
+            m["leader"].add_metric([], 1.0 if health.leader else 0.0)
         try:
             facts = fleet_facts(self._store, self._tallies)
             prices = {

@@ -105,7 +105,7 @@ class LivenessWatch:
                 continue
             if iid in doomed:
                 continue
-            joined = iid in seen.member_at
+            joined = iid in seen.member_at or iid in outcome.heard
             if joined:  # from when it was first seen gone, not its last tick as a member
                 since, grace = seen.absent_at.setdefault(iid, now_s), self.rejoin_grace_s
             else:

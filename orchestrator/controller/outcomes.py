@@ -31,6 +31,9 @@ class TrainingOutcome:
     # the instances whose nodes the live runtime counts as members now (heartbeating);
     # None: not known (a runtime that does not say, or not live)
     members: frozenset[str] | None = None
+    # every node the runtime has heard from (joined at some time): one not among the members
+    # left, even if no tick of the controller saw it a member
+    heard: frozenset[str] = frozenset()
 
     @property
     def trained(self) -> bool:

@@ -4,10 +4,12 @@ service and the HTTP API (`orchestrator controller start`).
     with running_controller(settings, on_tick=print_tick) as running:
         serve_api(running)  # until Ctrl-C or SIGTERM
 
-Everything is built from `Settings` (`wiring.build_controller`). On exit the service finishes
-the tick in progress and stops, the hosted training controllers stop (their ports stay
-recorded for the next start) and the store is closed; instances keep running and the next
-start reconciles them.
+Everything is built from `Settings` (`wiring.build_controller`). Processes of one controller id
+may run side by side on one store: one holds the fleet's lease and acts, the others stand by
+and take over when it lapses (`controller.lease`); a controller of another id is refused. On
+exit the service finishes the tick in progress, gives the lease up and stops, the hosted
+training controllers stop (their ports stay recorded for the next start) and the store is
+closed; instances keep running and the next start reconciles them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 from pydantic import SecretStr
 
 from orchestrator.controller.core import TickReport
+from orchestrator.controller.lease import FleetLease
 from orchestrator.controller.service import ControllerService
 from orchestrator.controller.wiring import Clock, build_controller, controller_clock, ec2_client
 from orchestrator.errors import UserError
@@ -33,6 +36,10 @@ if TYPE_CHECKING:
     from orchestrator.controller.training import TrainingHost
 
 log = logging.getLogger(__name__)
+
+#: The fleet lease lives this many decision intervals unless renewed (by every tick).
+LEASE_INTERVALS = 1.5
+MIN_LEASE_TTL_S = 2.0
 
 
 @dataclass
@@ -57,11 +64,15 @@ def running_controller(
             missing (nothing was started).
         StoreUnavailableError: Redis does not answer.
     """
-    controller_clock(settings)  # a bad replay setting is refused before Redis is asked
+    _, speed = controller_clock(settings)  # a bad replay setting: refused before Redis is asked
     store = RedisStore.connect(settings.redis_url)
     training: TrainingHost | None = None
     service: ControllerService | None = None
     try:
+        lease = FleetLease(
+            store, controller_id=settings.controller_id, ttl_s=lease_ttl_s(settings, speed)
+        )
+        lease.bind()  # another controller's store is refused before anything starts
         clock, speed = controller_clock(settings, floor_s=store.clock_high_water())
         training = training_host(settings, store)
         controller = build_controller(
@@ -69,6 +80,7 @@ def running_controller(
             store=store,
             client=ec2_client(settings),
             training=training,
+            lease=lease,
         )
 
         def ticked(report: TickReport) -> None:
@@ -77,7 +89,9 @@ def running_controller(
             if on_tick is not None:
                 on_tick(report)
 
-        service = ControllerService(controller, clock=clock, speed=speed, on_tick=ticked)
+        service = ControllerService(
+            controller, clock=clock, speed=speed, on_tick=ticked, lease=lease
+        )
         service.start()
         yield RunningController(settings, store, service, clock, training)
     finally:
@@ -86,6 +100,12 @@ def running_controller(
         if training is not None:
             training.close()
         store.close()
+
+
+def lease_ttl_s(settings: Settings, speed: float) -> float:
+    """The fleet lease's time to live: `LEASE_INTERVALS` decision intervals (real seconds; at
+    least `MIN_LEASE_TTL_S`), so a standby takes over within about two of them."""
+    return max(LEASE_INTERVALS * settings.bidbrain.decision_interval_s / speed, MIN_LEASE_TTL_S)
 
 
 def serve_api(running: RunningController) -> None:

@@ -20,17 +20,20 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from orchestrator.api.health import TickHealth
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.controller.core import Controller, TickReport
+from orchestrator.controller.lease import FleetLease, NotLeaderError
 
 log = logging.getLogger(__name__)
 
 TICK_JOB_ID = "controller-tick"
+#: A standby looks for a lapsed lease every this many decision intervals (the lease lives 1.5).
+STANDBY_POLL_INTERVALS = 0.25
 #: Real seconds between two warnings that ticks take longer than their interval.
 LAG_WARNING_EVERY_S = 60.0
 
@@ -45,6 +48,7 @@ class ControllerService:
         clock: Callable[[], float],
         speed: float = 1.0,
         on_tick: Callable[[TickReport], None] | None = None,
+        lease: FleetLease | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be positive")
@@ -56,6 +60,8 @@ class ControllerService:
         self.failures = 0
         self.failing_in_a_row = 0
         self.last_error: str | None = None
+        self.lease = lease  # the fleet's: ticks only while this process holds it
+        self.standby: str | None = None  # who holds it instead, while this process waits
         self._lock = threading.Lock()
         self._again = False  # a notice came during a tick: tick again right after it
         self._slow_ticks = 0  # ticks longer than the interval since the last warning
@@ -81,9 +87,15 @@ class ControllerService:
         self._scheduler.start()
 
     def stop(self) -> None:
-        """Stop the scheduler; waits for a running tick to finish."""
+        """Stop the scheduler; waits for a running tick to finish; gives the fleet's lease up
+        (a standby takes over at its next tick, not after the lease's time to live)."""
         if self._scheduler.running:
             self._scheduler.shutdown(wait=True)
+        if self.lease is not None and self.lease.token is not None:
+            try:
+                self.lease.release()
+            except Exception:  # noqa: BLE001 - it lapses by itself
+                log.warning("giving the fleet's lease up failed", exc_info=True)
 
     def notify(self, notice: InterruptionNotice) -> None:
         """Hand a notice to the controller and tick at once (right after the tick running
@@ -96,7 +108,12 @@ class ControllerService:
 
     def health(self) -> TickHealth:
         """How the ticks went so far."""
-        return TickHealth(self.ticks, self.failures, self.failing_in_a_row, self.last_error)
+        return TickHealth(
+            self.ticks, self.failures, self.failing_in_a_row, self.last_error, self.standby
+        )
+
+    def _token(self) -> int | None:
+        return None if self.lease is None else self.lease.token
 
     def _note_lag(self, took_s: float) -> None:
         """A tick longer than the interval (the scheduler skips the runs it overlapped): one
@@ -111,8 +128,9 @@ class ControllerService:
             log.warning("controller ticks take longer than their interval", extra=lag)
             self._lag_warned_at, self._slow_ticks = now, 0
 
-    def _tick_now(self) -> None:
-        self._scheduler.modify_job(TICK_JOB_ID, next_run_time=datetime.now(UTC))
+    def _tick_now(self, after_s: float = 0.0) -> None:
+        at = datetime.now(UTC) + timedelta(seconds=after_s)
+        self._scheduler.modify_job(TICK_JOB_ID, next_run_time=at)
 
     def tick_once(self) -> TickReport | None:
         """One tick now; errors are logged and counted, never raised (the next tick retries)."""
@@ -120,7 +138,16 @@ class ControllerService:
             self._again = False
             started = time.monotonic()
             try:
+                if self.lease is not None:
+                    self.lease.hold()
                 report = self.controller.tick(self.clock())
+            except NotLeaderError as exc:  # a standby (or it lost the lease mid-tick)
+                if self.standby is None:
+                    log.warning("controller standing by", extra={"lease": str(exc)})
+                self.standby = str(exc)
+                if self._scheduler.running:  # look again soon: take over within 2 intervals
+                    self._tick_now(after_s=STANDBY_POLL_INTERVALS * self.interval_s)
+                return None
             except Exception as exc:  # noqa: BLE001 - a failed tick must not stop the service
                 self.failures += 1
                 self.failing_in_a_row += 1
@@ -133,6 +160,9 @@ class ControllerService:
             self.ticks += 1
             self.failing_in_a_row = 0
             self.last_error = None
+            if self.standby is not None:
+                log.warning("controller took the fleet's lease", extra={"token": self._token()})
+                self.standby = None
         if self._again and self._scheduler.running:
             self._tick_now()
         if self.on_tick is not None:

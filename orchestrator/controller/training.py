@@ -248,14 +248,15 @@ class TrainingHost:
             return TrainingOutcome(
                 last.iteration if last is not None else 0, spec.iterations, live=False
             )
-        error = hosted.error
+        error, heard, members = hosted.error, frozenset(hosted.node_work()), hosted.members()
         return TrainingOutcome(
             iterations_done=hosted.progress().iteration,
             iterations=hosted.spec.iterations,
             done=hosted.done and error is None,  # an aborted job is `done` too
             error=error,
-            nodes_heard=len(hosted.node_work()),
-            members=hosted.members(),
+            nodes_heard=len(heard),
+            members=members,
+            heard=heard | members,
         )
 
     def final_weights(self, job_id: str, iterations: int) -> str | None:

@@ -23,6 +23,7 @@ from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.controller.core import Controller
+from orchestrator.controller.lease import FencedCloud, FleetLease
 from orchestrator.controller.outcomes import JobTraining
 from orchestrator.controller.training_gate import Patience
 from orchestrator.errors import UserError
@@ -126,6 +127,7 @@ def build_controller(
     client: Any = None,
     catalog: Catalog | None = None,
     training: JobTraining | None = None,
+    lease: FleetLease | None = None,
 ) -> Controller:
     """A controller over `store` configured by `settings` (see the module docstring).
 
@@ -137,6 +139,8 @@ def build_controller(
         catalog: instance types and work rates (default: the bundled catalog).
         training: the jobs' training (the training host: launch tags, final weights, how
             far each job trained).
+        lease: the fleet's lease this process ticks under: every launch and terminate
+            checks it is still held (`controller.lease`).
 
     Raises:
         UserError: a setting cannot be used (e.g. an unknown billing model).
@@ -151,6 +155,8 @@ def build_controller(
             launch_template=settings.worker.launch_template,
             subnets=settings.worker.subnet_ids,
         )
+    if lease is not None:
+        cloud = FencedCloud(cloud, lease)
     return Controller(
         store=store,
         cloud=cloud,

@@ -173,6 +173,9 @@ class MemoryStore:
         self._accrued: dict[str, dict[str, float]] = {}  # job -> instance -> USD not billed
         self._claims: dict[str, _Claim] = {}
         self._clock_mark: float | None = None
+        self._controller_id: str | None = None
+        self._lease: tuple[str, int, float] | None = None  # owner, token, expires (ms)
+        self._fence = 0
 
     def ping(self) -> None:
         """Always answers."""
@@ -419,6 +422,44 @@ class MemoryStore:
     def clock_high_water(self) -> float | None:
         with self._lock:
             return self._clock_mark
+
+    # --- the fleet's controller
+
+    def bind_controller_id(self, controller_id: str) -> str:
+        if not controller_id:
+            raise ValueError("controller_id must not be empty")
+        with self._lock:
+            self._controller_id = self._controller_id or controller_id
+            return self._controller_id
+
+    def acquire_lease(self, owner: str, ttl_s: float) -> int | None:
+        ttl_ms = claim_ttl_ms("lease", owner, ttl_s)
+        with self._lock:
+            held = self._lease_held()
+            if held is not None and held[0] != owner:
+                return None
+            if held is None:
+                self._fence += 1
+                held = (owner, self._fence)
+            self._lease = (held[0], held[1], self._now_ms() + ttl_ms)
+            return held[1]
+
+    def lease_holder(self) -> tuple[str, int] | None:
+        with self._lock:
+            return self._lease_held()
+
+    def release_lease(self, owner: str) -> bool:
+        with self._lock:
+            held = self._lease_held()
+            if held is None or held[0] != owner:
+                return False
+            self._lease = None
+            return True
+
+    def _lease_held(self) -> tuple[str, int] | None:
+        if self._lease is None or self._lease[2] <= self._now_ms():
+            return None
+        return self._lease[0], self._lease[1]
 
     # --- claims
 

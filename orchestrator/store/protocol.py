@@ -375,6 +375,32 @@ class Store(Protocol):
         """The furthest time a controller of this store ticked at, None before the first."""
         ...
 
+    # --- the fleet's controller: its id, and the lease one controller process holds
+
+    def bind_controller_id(self, controller_id: str) -> str:
+        """The id of the controller whose fleet this store records: set to `controller_id`
+        the first time, never changed after (its instances are tagged with it). Returns the
+        bound id (another controller's, when it differs)."""
+        ...
+
+    def acquire_lease(self, owner: str, ttl_s: float) -> int | None:
+        """Take or renew the fleet's lease for `owner` for `ttl_s` seconds. Atomic: of
+        concurrent callers one holds it. Returns its fencing token (a counter that rises with
+        every new holder, kept while the holder renews), or None while someone else holds it.
+
+        Raises:
+            ValueError: `owner` is empty, or `ttl_s` is not positive and finite.
+        """
+        ...
+
+    def lease_holder(self) -> tuple[str, int] | None:
+        """Who holds the fleet's lease now, with its fencing token; None: no one."""
+        ...
+
+    def release_lease(self, owner: str) -> bool:
+        """Give the lease up if `owner` holds it (a standby takes over at once)."""
+        ...
+
     # --- claims
 
     def claim(self, key: str, owner: str, ttl_s: float) -> bool:

@@ -71,6 +71,15 @@ class RedisKeys:
     def clock(self) -> str:
         return self.key("clock-high-water")
 
+    def controller_id(self) -> str:
+        return self.key("controller-id")
+
+    def lease(self) -> str:
+        return self.key("lease")
+
+    def lease_fence(self) -> str:
+        return self.key("lease-fence")
+
 
 # KEYS: job hash, jobs index. ARGV: job id, then field, value, ...
 CREATE_JOB_LUA = """
@@ -206,6 +215,29 @@ return mark
 """
 
 
+# KEYS: lease, fence counter. ARGV: owner, ttl (ms). The lease holds {owner, token} as JSON.
+# Returns the token, or false while another owner holds it.
+ACQUIRE_LEASE_LUA = """
+local held = redis.call('GET', KEYS[1])
+if held then
+  local lease = cjson.decode(held)
+  if lease['owner'] ~= ARGV[1] then return false end
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return lease['token']
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], cjson.encode({owner = ARGV[1], token = token}), 'PX', ARGV[2])
+return token
+"""
+
+# KEYS: lease. ARGV: owner.
+RELEASE_LEASE_LUA = """
+local held = redis.call('GET', KEYS[1])
+if held and cjson.decode(held)['owner'] == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 @dataclass(frozen=True)
 class Scripts:
     """The scripts above, registered with one client (redis-py loads each on first use)."""
@@ -218,6 +250,8 @@ class Scripts:
     end_instance: Script
     release_claim: Script
     advance_clock: Script
+    acquire_lease: Script
+    release_lease: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:
@@ -230,4 +264,6 @@ class Scripts:
             end_instance=client.register_script(END_INSTANCE_LUA),
             release_claim=client.register_script(RELEASE_CLAIM_LUA),
             advance_clock=client.register_script(ADVANCE_CLOCK_LUA),
+            acquire_lease=client.register_script(ACQUIRE_LEASE_LUA),
+            release_lease=client.register_script(RELEASE_LEASE_LUA),
         )

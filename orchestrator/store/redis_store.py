@@ -533,6 +533,40 @@ class RedisStore:
             raw = cast(str | None, self._client.get(self._keys.clock()))
         return None if raw is None else float(raw)
 
+    # --- the fleet's controller
+
+    def bind_controller_id(self, controller_id: str) -> str:
+        """SET NX, then GET."""
+        if not controller_id:
+            raise ValueError("controller_id must not be empty")
+        key = self._keys.controller_id()
+        with redis_errors(self.url):
+            self._client.set(key, controller_id, nx=True)
+            return str(self._client.get(key))
+
+    def acquire_lease(self, owner: str, ttl_s: float) -> int | None:
+        """One Lua script: renew if `owner` holds it, take it (a new token) if no one does."""
+        ttl_ms = claim_ttl_ms("lease", owner, ttl_s)
+        keys = [self._keys.lease(), self._keys.lease_fence()]
+        with redis_errors(self.url):
+            token = self._scripts.acquire_lease(keys=keys, args=[owner, ttl_ms])
+        return None if token is None else int(token)
+
+    def lease_holder(self) -> tuple[str, int] | None:
+        """GET."""
+        with redis_errors(self.url):
+            raw = cast(str | None, self._client.get(self._keys.lease()))
+        if raw is None:
+            return None
+        lease = json.loads(raw)
+        return str(lease["owner"]), int(lease["token"])
+
+    def release_lease(self, owner: str) -> bool:
+        """One Lua script: DEL if `owner` holds it."""
+        with redis_errors(self.url):
+            released = self._scripts.release_lease(keys=[self._keys.lease()], args=[owner])
+        return bool(released)
+
     # --- internals
 
     def _read_hashes(self, model: type[M], keys: list[str]) -> list[M]:

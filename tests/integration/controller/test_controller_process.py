@@ -40,12 +40,13 @@ def start_controller(
     api_port: int,
     extra_env: dict[str, str] | None = None,
     ca_cert: Path | None = None,
+    speed: float = 600.0,
 ) -> subprocess.Popen:
-    """`orchestrator controller start` on the moto server, replaying prices 600x; with
-    `ca_cert`, its API is reached over HTTPS trusting that certificate (once it exists)."""
+    """`orchestrator controller start` on the moto server, replaying prices `speed` times
+    faster than real time; with `ca_cert`, its API is reached over HTTPS trusting that
+    certificate (once it exists). `extra_env` wins over the defaults."""
     env = {
         **os.environ,
-        **(extra_env or {}),
         "ORCHESTRATOR_REDIS_URL": redis_url,
         "ORCHESTRATOR_API__TOKEN": TOKEN,
         "ORCHESTRATOR_API__PORT": str(api_port),
@@ -53,6 +54,7 @@ def start_controller(
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
+        **(extra_env or {}),
     }
     proc = subprocess.Popen(
         [
@@ -68,7 +70,7 @@ def start_controller(
             "--replay-start",
             "2020-02-03T00:00:00Z",
             "--speed",
-            "600",
+            f"{speed:g}",
         ],
         env=env,
         stdout=subprocess.PIPE,

@@ -223,6 +223,40 @@ class FleetContract:
         assert not errors and all(m >= 1000.0 for m in marks)
         assert store.clock_high_water() == 1007.0
 
+    # --- the fleet's controller
+
+    def test_the_controller_id_is_bound_once(self, store: Store) -> None:
+        assert store.bind_controller_id("ctl-a") == "ctl-a"
+        assert store.bind_controller_id("ctl-b") == "ctl-a"  # another controller's fleet
+        assert store.bind_controller_id("ctl-a") == "ctl-a"
+
+    def test_one_owner_holds_the_lease_and_a_new_holder_gets_a_higher_token(
+        self, store: Store
+    ) -> None:
+        assert store.lease_holder() is None
+        first = store.acquire_lease("a", ttl_s=30.0)
+        assert first is not None and store.lease_holder() == ("a", first)
+        assert store.acquire_lease("b", ttl_s=30.0) is None  # a standby waits
+        assert store.acquire_lease("a", ttl_s=30.0) == first  # renewed: the same token
+        assert store.release_lease("b") is False and store.release_lease("a") is True
+        second = store.acquire_lease("b", ttl_s=30.0)
+        assert second is not None and second > first and store.lease_holder() == ("b", second)
+
+    def test_a_lease_not_renewed_lapses(self, store: Store) -> None:
+        first = store.acquire_lease("a", ttl_s=0.05)
+        time.sleep(0.15)
+        assert store.lease_holder() is None
+        second = store.acquire_lease("b", ttl_s=30.0)
+        assert first is not None and second is not None and second > first
+        assert store.acquire_lease("a", ttl_s=30.0) is None
+
+    def test_of_concurrent_lease_takers_exactly_one_holds_it(self, store: Store) -> None:
+        tokens, errors = run_together(8, lambda i: store.acquire_lease(f"ctl-{i}", 30.0))
+        assert not errors and sum(1 for t in tokens if t is not None) == 1
+        for bad in (0.0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError):
+                store.acquire_lease("a", ttl_s=bad)
+
     # --- claims
 
     def test_a_held_claim_cannot_be_taken_and_only_its_owner_releases_it(

@@ -47,6 +47,18 @@ def test_a_node_that_left_is_released_after_the_rejoin_grace_unless_it_comes_bac
     assert silent.unheard_s == 181.0 and "left the job's training 181 s ago" in silent.why
 
 
+def test_a_node_that_joined_and_died_between_two_ticks_counts_as_left() -> None:
+    """The runtime heard it (it joined), though no tick saw it a member: the rejoin grace,
+    not the join grace, applies."""
+    watch = LivenessWatch(join_grace_s=900.0, rejoin_grace_s=180.0)
+    alive = [_rec("i-a")]
+    assert watch.check("job-1", _members(), alive, (), T0) == []
+    gone = TrainingOutcome(10, 100, members=frozenset(), heard=frozenset({"i-a"}))
+    assert watch.check("job-1", gone, alive, (), T0 + 60.0) == []
+    [silent] = watch.check("job-1", gone, alive, (), T0 + 241.0)
+    assert silent.joined_before and silent.unheard_s == 181.0
+
+
 def test_a_job_whose_replacements_keep_dying_without_training_is_hopeless() -> None:
     """Nodes that join and die (killed loading the data) are replaced a few times, not until
     the budget is gone: six releases with no iteration trained in between."""
