@@ -1,8 +1,10 @@
 """Pay only for work (issue #32): what a SIGKILLed instance agent costs a training job.
 
-Runs the offline demo's job (12 GPU-hours of a digits CNN, AgileML on up to 4 V100s, $40) in
-the offline world twice with the same seed: undisturbed, and with the agent of one of its spot
-instances SIGKILLed (its instance stays up in EC2) once a fifth of the work is trained. The
+Runs the offline demo's job (12 GPU-hours of a digits CNN, AgileML on up to 4 V100s; $100), at
+2,000 iterations instead of the demo's 500 (so that the job outlives the kill's detection: its
+reliable node alone trains the demo's few hundred iterations in seconds), in the offline world
+twice with the same seed: undisturbed, and with the agent of one of its spot instances
+SIGKILLed (its instance stays up in EC2) once a fifth of the work is trained. The
 controller should release that instance when its node leaves the job's training (after
 `controller.rejoin_grace_s`) and buy a working one. Prints, per run: the job's state, its
 spend, its simulated and real duration and what happened to the killed agent's instance; and
@@ -25,13 +27,25 @@ from orchestrator.lifecycle import exit_on_signals
 from orchestrator.store import ReleaseEvent
 from orchestrator.world import STEP_WALL_S, OfflineWorld, offline_world
 
+ITERATIONS = 2000
+#: The demo's $40 runs out on a busy machine at 2,000 iterations (its market clock runs on).
+BUDGET_USD = 100.0
 
-def run_once(*, kill_at: float | None, seed: int, speed: float, timeout_s: float) -> dict[str, Any]:
-    """One run of the demo's job; with `kill_at`, one spot instance's agent is SIGKILLed once
-    that fraction of the work is done (and its node trains)."""
+
+def run_once(
+    *,
+    kill_at: float | None,
+    seed: int,
+    speed: float,
+    timeout_s: float,
+    iterations: int = ITERATIONS,
+) -> dict[str, Any]:
+    """One run of the demo's job at `iterations`; with `kill_at`, one spot instance's agent is
+    SIGKILLed once that fraction of the work is done (and its node trains)."""
     wall0 = time.monotonic()
     settings = demo_settings(speed=speed, start=DEFAULT_START)
-    job = sample_job(40.0)
+    job = sample_job(BUDGET_USD)
+    job = job.model_copy(update={"training": {**(job.training or {}), "iterations": iterations}})
     killed: dict[str, Any] = {}
     with offline_world(settings, seed=seed, port=None) as world:
         job = with_uploaded_code(job, world.artifacts)

@@ -12,7 +12,7 @@ from benchmarks.killed_agent import run_once
 
 @pytest.mark.slow
 def test_an_instance_whose_agent_was_killed_is_released_and_replaced() -> None:
-    run = run_once(kill_at=0.2, seed=1, speed=300.0, timeout_s=240.0)
+    run = run_once(kill_at=0.2, seed=1, speed=300.0, timeout_s=280.0)
     assert run["state"] == "succeeded", run
     killed = run["killed"]
     assert killed["end_reason"] == "released", run
