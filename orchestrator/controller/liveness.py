@@ -61,8 +61,8 @@ MAX_RELEASES_WITHOUT_PROGRESS = 6
 @dataclass
 class _JobSeen:
     first_seen_s: float
-    member_at: dict[str, float] = field(default_factory=dict)  # instance -> last seen a member
-    absent_at: dict[str, float] = field(default_factory=dict)  # first seen absent after that
+    members_seen: set[str] = field(default_factory=set)  # instances seen a member once
+    absent_at: dict[str, float] = field(default_factory=dict)  # first seen gone after that
     iterations: int = -1
     released_since_progress: int = 0
 
@@ -93,19 +93,19 @@ class LivenessWatch:
         if outcome.iterations_done != seen.iterations:
             seen.iterations, seen.released_since_progress = outcome.iterations_done, 0
         alive_ids = {r.instance_id for r in alive}
-        for known in (seen.member_at, seen.absent_at):
-            for gone in [i for i in known if i not in alive_ids]:
-                del known[gone]
+        seen.members_seen &= alive_ids
+        for gone in [i for i in seen.absent_at if i not in alive_ids]:
+            del seen.absent_at[gone]
         silent = []
         for rec in alive:
             iid = rec.instance_id
             if iid in outcome.members:
-                seen.member_at[iid] = now_s
+                seen.members_seen.add(iid)
                 seen.absent_at.pop(iid, None)
                 continue
             if iid in doomed:
                 continue
-            joined = iid in seen.member_at or iid in outcome.heard
+            joined = iid in seen.members_seen or iid in outcome.heard
             if joined:  # from when it was first seen gone, not its last tick as a member
                 since, grace = seen.absent_at.setdefault(iid, now_s), self.rejoin_grace_s
             else:

@@ -112,9 +112,6 @@ class ControllerService:
             self.ticks, self.failures, self.failing_in_a_row, self.last_error, self.standby
         )
 
-    def _token(self) -> int | None:
-        return None if self.lease is None else self.lease.token
-
     def _note_lag(self, took_s: float) -> None:
         """A tick longer than the interval (the scheduler skips the runs it overlapped): one
         warning line a minute at most, with how many there were since the last."""
@@ -161,7 +158,8 @@ class ControllerService:
             self.failing_in_a_row = 0
             self.last_error = None
             if self.standby is not None:
-                log.warning("controller took the fleet's lease", extra={"token": self._token()})
+                token = None if self.lease is None else self.lease.token
+                log.warning("controller took the fleet's lease", extra={"token": token})
                 self.standby = None
         if self._again and self._scheduler.running:
             self._tick_now()
