@@ -4,13 +4,14 @@ holding the store's lease acts; the others wait as standbys and take over when i
     lease = FleetLease(store, controller_id="prod", ttl_s=180.0)
     lease.hold()                  # each tick, first: take or renew it, else NotLeaderError
     cloud = FencedCloud(cloud, lease)   # every launch and terminate checks it is still held
+    store = FencedStore(store, lease).as_store()   # and every write of a tick
 
 The lease lives in the store with a time to live (`ttl_s`, real seconds) and a fencing token
 that rises with every new holder: a controller that lost it (a tick longer than the TTL, a
 network partition) and comes back finds another token there and stops before its next EC2
-mutation, instead of launching or terminating beside the new holder. A controller of another
-id refuses the store at start (`bind`): its instances are tagged with the first id, and it
-would take them for gone.
+mutation or store write, instead of launching, terminating or billing beside the new holder. A
+controller of another id refuses the store at start (`bind`): its instances are tagged with the
+first id, and it would take them for gone.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import secrets
 import socket
 from collections.abc import Iterable
+from typing import Any, cast
 
 from orchestrator.cloud.instances import CloudInstance, LaunchSpec
 from orchestrator.cloud.protocol import Cloud
@@ -117,3 +119,38 @@ class FencedCloud:
     def terminate(self, instance_ids: Iterable[str]) -> None:
         self._lease.check()
         self._cloud.terminate(instance_ids)
+
+
+#: The store writes a controller makes in its ticks: each first checks the lease is held.
+FENCED_WRITES = frozenset({
+    "create_job", "transition", "update_progress", "append_ledger", "record_accrued",
+    "put_instance", "end_instance", "append_event", "append_prices", "append_training",
+    "record_instance_work", "set_training_port", "forget_training_port", "advance_clock",
+})  # fmt: skip
+
+
+class FencedStore:
+    """A `Store` whose writes (`FENCED_WRITES`) first check the lease is still held, so that a
+    controller that lost it stops at its next write, as at its next EC2 mutation. Reads pass
+    through. The check and the write are two calls: a lease that lapses between them lets
+    that one write through (its time to live is minutes; a tick's write takes milliseconds).
+    """
+
+    def __init__(self, store: Store, lease: FleetLease) -> None:
+        self._store = store
+        self._lease = lease
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if name not in FENCED_WRITES:
+            return attr
+
+        def fenced(*args: Any, **kwargs: Any) -> Any:
+            self._lease.check()
+            return attr(*args, **kwargs)
+
+        return fenced
+
+    def as_store(self) -> Store:
+        """This, typed as the `Store` it stands in for."""
+        return cast(Store, self)

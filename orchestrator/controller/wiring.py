@@ -23,7 +23,7 @@ from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.controller.core import Controller
-from orchestrator.controller.lease import FencedCloud, FleetLease
+from orchestrator.controller.lease import FencedCloud, FencedStore, FleetLease
 from orchestrator.controller.outcomes import JobTraining
 from orchestrator.controller.training_gate import Patience
 from orchestrator.errors import UserError
@@ -139,8 +139,8 @@ def build_controller(
         catalog: instance types and work rates (default: the bundled catalog).
         training: the jobs' training (the training host: launch tags, final weights, how
             far each job trained).
-        lease: the fleet's lease this process ticks under: every launch and terminate
-            checks it is still held (`controller.lease`).
+        lease: the fleet's lease this process ticks under: every launch, terminate and
+            store write checks it is still held (`controller.lease`).
 
     Raises:
         UserError: a setting cannot be used (e.g. an unknown billing model).
@@ -157,6 +157,7 @@ def build_controller(
         )
     if lease is not None:
         cloud = FencedCloud(cloud, lease)
+        store = FencedStore(store, lease).as_store()
     return Controller(
         store=store,
         cloud=cloud,

@@ -1,7 +1,7 @@
 """One controller per fleet: of two controller processes on one store, one holds the lease and
 acts, the other stands by (and says so) without touching EC2, and takes over when the lease
-lapses or is given up; a controller that lost it stops before its next EC2 mutation; a
-controller of another id is refused the store."""
+lapses or is given up; a controller that lost it stops before its next EC2 mutation or store
+write; a controller of another id is refused the store."""
 
 from __future__ import annotations
 
@@ -78,6 +78,26 @@ def test_a_standby_takes_over_when_the_lease_lapses_and_the_old_leader_stops(wor
         a.controller.cloud.terminate(list(ec2.instances))  # fenced: its token is stale
     assert {i: inst.state for i, inst in ec2.instances.items()} == before
     assert a.tick_once() is None and not a.health().leader
+
+
+def test_a_controller_that_lost_the_lease_writes_nothing_to_the_store(world) -> None:
+    clock, store, ec2, (a, lease_a), (b, _) = world
+    a.tick_once()
+    clock.now += TTL_S + 1.0
+    assert b.tick_once() is not None  # b holds it now
+    job = store.get_job("job-1")
+    events = len(store.events("job-1"))
+    with pytest.raises(NotLeaderError):
+        a.controller.store.update_progress("job-1", 39.0, clock.now)
+    with pytest.raises(NotLeaderError):
+        a.controller.store.transition(
+            "job-1", "cancelled", expected_version=job.version, now_s=clock.now
+        )
+    assert store.get_job("job-1") == job and len(store.events("job-1")) == events
+    assert a.controller.store.get_job("job-1") == job  # reads pass through
+    with pytest.raises(NotLeaderError):
+        a.controller.tick(clock.now)  # its first write stops it (the clock's mark)
+    assert lease_a.token is None
 
 
 def test_a_stopped_leader_gives_the_lease_up_at_once(world) -> None:
