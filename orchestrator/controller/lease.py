@@ -4,6 +4,7 @@ holding the store's lease acts; the others wait as standbys and take over when i
     lease = FleetLease(store, controller_id="prod", ttl_s=180.0)
     lease.hold()                  # each tick, first: take or renew it, else NotLeaderError
     cloud = FencedCloud(cloud, lease)   # every launch and terminate checks it is still held
+    fence_ec2_client(client, lease)     # and every request of them that leaves (retries too)
     store = FencedStore(store, lease).as_store()   # and every write of a tick
 
 The lease lives in the store with a time to live (`ttl_s`, real seconds) and a fencing token
@@ -119,6 +120,22 @@ class FencedCloud:
     def terminate(self, instance_ids: Iterable[str]) -> None:
         self._lease.check()
         self._cloud.terminate(instance_ids)
+
+
+#: The EC2 calls that change the fleet.
+EC2_MUTATIONS = ("RunInstances", "TerminateInstances")
+
+
+def fence_ec2_client(client: Any, lease: FleetLease) -> None:
+    """Check the lease before every EC2 mutation request leaves `client` (a boto3 EC2 client),
+    retries included: botocore's backoff can send a launch again seconds after the
+    `FencedCloud` check passed."""
+
+    def check(**_: Any) -> None:
+        lease.check()
+
+    for operation in EC2_MUTATIONS:
+        client.meta.events.register(f"before-send.ec2.{operation}", check)
 
 
 #: The store writes a controller makes in its ticks: each first checks the lease is held.

@@ -23,7 +23,12 @@ from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.local.clock import ReplayClock
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.controller.core import Controller
-from orchestrator.controller.lease import FencedCloud, FencedStore, FleetLease
+from orchestrator.controller.lease import (
+    FencedCloud,
+    FencedStore,
+    FleetLease,
+    fence_ec2_client,
+)
 from orchestrator.controller.outcomes import JobTraining
 from orchestrator.controller.training_gate import Patience
 from orchestrator.errors import UserError
@@ -148,6 +153,8 @@ def build_controller(
     if cloud is None or prices is None:
         client = client if client is not None else ec2_client(settings)
     if cloud is None:
+        if lease is not None:
+            fence_ec2_client(client, lease)
         cloud = EC2Cloud(
             settings.region,
             settings.controller_id,
