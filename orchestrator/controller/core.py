@@ -44,7 +44,7 @@ from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.cloud.reconcile import Reconciler
 from orchestrator.controller.clock import check_clock
-from orchestrator.controller.job import ControllerJob
+from orchestrator.controller.job import ControllerJob, last_decisions
 from orchestrator.controller.market_view import MarketView, price_at
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.rates import RateLearning
@@ -272,7 +272,8 @@ class Controller:
         owner = self._jobs.get(job.job_id)
         if owner is None:  # the job's first tick here: its spec typed once
             try:
-                owner = self._jobs[job.job_id] = ControllerJob.of(job, self.settings)
+                decided = last_decisions(self.store, job.job_id)
+                owner = self._jobs[job.job_id] = ControllerJob.of(job, self.settings, decided)
             except ValidationError as exc:  # stored by an older version with looser checks
                 self._stop_job(job, history, now_s, EndReason.RELEASED, report)
                 why = clip_middle(f"its stored spec is no longer valid: {exc}", 2000)

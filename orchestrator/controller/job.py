@@ -5,9 +5,9 @@ validate it again every time), and it owns the job's BidBrain state: the renewal
 allocations, the prices its last decision recorded (the dashboard's series grows only when
 one changes), when each market last took one of its instances back, and how late its
 decisions came (the budget's reserve follows the longest recent gap: a controller whose ticks
-lag keeps enough back, and releases early). The controller builds
-it at the job's first tick after it starts (so a restarted controller rebuilds it from the
-store) and drops it when the job ends.
+lag keeps enough back, and releases early). The controller builds it at the job's first tick
+after it starts (so a restarted controller rebuilds it from the store: its spec, its evictions,
+the times of its last decisions) and drops it when the job ends.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from orchestrator.bidbrain.policy import BidBrainSettings
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.billing import EndReason
 from orchestrator.market.prices import Market
+from orchestrator.store.events import DecisionEvent
 from orchestrator.store.models import InstanceRecord, JobRecord
+from orchestrator.store.protocol import Store
 
-#: The budget's reserve is this many times the longest gap between the job's last decisions.
-LAG_FACTOR = 1.5
-#: The gaps kept (one long gap weighs on this many decisions; a restarted controller starts
-#: with none).
+#: The budget's reserve is this many times the longest gap between the job's last decisions:
+#: a lagging controller whose next decision also fails (Redis restarting, EC2 erroring, the
+#: process restarted) decides two gaps later, and the budget still holds.
+LAG_FACTOR = 2.0
+#: The gaps kept (one long gap weighs on this many decisions).
 LAG_WINDOW = 10
 
 
@@ -44,11 +47,17 @@ class ControllerJob:
     _gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))
 
     @classmethod
-    def of(cls, record: JobRecord, settings: BidBrainSettings) -> ControllerJob:
-        """The job of a store record (its spec validated, once)."""
-        return cls(
+    def of(
+        cls, record: JobRecord, settings: BidBrainSettings, decided_at: Sequence[float] = ()
+    ) -> ControllerJob:
+        """The job of a store record (its spec validated, once), with the times of its last
+        decisions (`last_decisions`: a restarted controller knows how late they came)."""
+        job = cls(
             record.job_id, JobSubmission.model_validate(record.spec), RenewalSchedule(settings)
         )
+        for at_s in sorted(decided_at)[-(LAG_WINDOW + 1) :]:
+            job.decided(at_s)
+        return job
 
     def evicted_at(self, instances: Callable[[], Sequence[InstanceRecord]]) -> dict[Market, float]:
         """When each market last took one of the job's instances back: from the store's
@@ -87,6 +96,12 @@ class ControllerJob:
             return False
         self.prices_seen = seen
         return True
+
+
+def last_decisions(store: Store, job_id: str) -> list[float]:
+    """When the job's last decisions were made (its decision events), oldest first."""
+    times = [e.at_s for _, e in store.events(job_id) if isinstance(e, DecisionEvent)]
+    return times[-(LAG_WINDOW + 1) :]
 
 
 def last_evictions(instances: Sequence[InstanceRecord]) -> dict[Market, float]:

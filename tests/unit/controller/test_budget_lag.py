@@ -1,6 +1,7 @@
 """The budget holds under lag: the reserve follows the measured gap between a job's decisions,
 so a controller that decides an hour apart (instead of every 2 minutes) keeps the job within
-its budget (it used to go 50% over) and releases early instead."""
+its budget (it used to go 50% over) and releases early instead; a restarted controller reads
+how late the job's last decisions came from its decision events."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 
 from benchmarks.budget_lag import run
 from orchestrator.bidbrain.policy import BidBrainSettings
-from orchestrator.controller.job import LAG_FACTOR, ControllerJob
+from orchestrator.controller.job import LAG_FACTOR, ControllerJob, last_decisions
 from orchestrator.jobspec import JobSubmission
-from orchestrator.store import JobRecord
+from orchestrator.store import JobRecord, MemoryStore
+from orchestrator.store.events import DecisionEvent, StateEvent
 
 
 @pytest.mark.parametrize("gap_s", [120.0, 1800.0, 3600.0])
@@ -36,3 +38,19 @@ def test_the_reserve_follows_the_longest_recent_gap() -> None:
     for k in range(1, 12):
         job.decided(3840.0 + 120.0 * k)
     assert job.lag_reserve_s(3840.0 + 120.0 * 12) == LAG_FACTOR * 120.0  # and then forgotten
+
+
+def test_a_restarted_controller_knows_how_late_the_jobs_decisions_came() -> None:
+    sub = JobSubmission(name="t", budget_usd=10.0, work_gpu_hours=1.0, max_gpus=1.0)
+    store = MemoryStore()
+    record = store.create_job(JobRecord.submit("job-1", sub.model_dump(mode="json"), 10.0, 0.0))
+    for at_s in (0.0, 120.0, 3720.0, 3840.0):  # one decision came an hour late
+        store.append_event(DecisionEvent(job_id="job-1", at_s=at_s, spent_usd=0.0,
+                                         work_done_gpu_hours=0.0))  # fmt: skip
+    store.append_event(StateEvent(job_id="job-1", at_s=3900.0, state="running"))
+    decided = last_decisions(store, "job-1")
+    assert decided == [0.0, 120.0, 3720.0, 3840.0]
+    job = ControllerJob.of(record, BidBrainSettings(), decided)  # what a restart builds
+    assert job.lag_reserve_s(3960.0) == LAG_FACTOR * 3600.0
+    fresh = ControllerJob.of(record, BidBrainSettings())
+    assert fresh.lag_reserve_s(3960.0) == 0.0  # what it knew before: nothing
