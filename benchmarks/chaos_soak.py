@@ -4,12 +4,17 @@ stderr.
 
 Two parts, run one after the other (2 cores cannot run both without starving one):
 
-- the control plane (`benchmarks.chaos.world`): the controller, a persistent redis-server and
-  a moto EC2 server with several budgeted jobs; controller deaths inside EC2 calls, Redis
-  SIGKILLs mid-tick, EC2 errors (capacity, throttling, 5xx), evictions whose notice comes on
-  time, twice, late or never, and clock jumps. Checks: no orphan instance, every instance
-  billed exactly once over its life (and none unrecorded), no job over budget, every job
-  ended (succeeded, or with its reason), no tick stuck;
+- the control plane (`benchmarks.chaos.world`): controller processes under the fleet's lease,
+  a persistent redis-server and a moto EC2 server with several budgeted jobs; controller
+  deaths inside EC2 calls, Redis SIGKILLs mid-tick, EC2 errors (capacity, throttling, 5xx),
+  evictions whose notice comes on time, twice, late or never, clock jumps, instance agents
+  SIGKILLed while their instances stay up, a second controller beside the leader (and one of
+  another id), a controller restarted with a rewound clock, and decisions lagging up to an
+  hour apart. Checks: no orphan instance, every instance billed exactly once over its life
+  (and none unrecorded), no job over budget, every job ended (succeeded, or with its
+  reason), no tick stuck, no instance paid for past its graces without a live agent, no EC2
+  mutation by a process without the lease, no other id admitted, takeovers within the
+  lease's time to live, no clock run back, no job's spend going down;
 - the runtime (`benchmarks.chaos.runtime`): AgileML jobs of real node processes on the
   additive probe; SIGKILLs of workers, ActivePSs and the reliable node (BackupPS), notices on
   time, twice, or cut short by the kill. Checks: the final parameters bit for bit those of
@@ -71,6 +76,14 @@ def soak(
         "hung": world["hung"] + runtime["hung"],
         "ended_without_reason": world["no_reason"] + runtime["no_reason"],
         "unexpected_aborts": runtime["unexpected_aborts"],
+        "paid_without_agent": world["paid_without_agent"],
+        "acted_without_lease": world["acted_without_lease"],
+        "other_id_admitted": world["other_id_admitted"],
+        "slow_takeovers": world["slow_takeovers"],
+        "no_leader": world["no_leader"],
+        "clock_ran_back": world["clock_ran_back"],
+        "spend_went_down": world["spend_went_down"],
+        "takeover_s": world["takeover_s"],
         "recovery_s_p50": percentile(every, 50),
         "recovery_s_p99": percentile(every, 99),
         "recovery_s_by_kind": {

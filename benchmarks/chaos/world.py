@@ -19,7 +19,19 @@ instances do simulated work (each GPU instance adds its catalog work rate once i
   (terminated in EC2) two minutes after its notice, after two notices, before its notice, or
   with none;
 - `clock_jump`: the clock steps forward 5-15 minutes or back 1-3 minutes (the controller
-  refuses to tick until its clock is past the furthest tick made: `controller.clock`).
+  refuses to tick until its clock is past the furthest tick made: `controller.clock`);
+- `agent_killed`: an instance's agent is SIGKILLed and its instance stays up (a third come
+  back inside the rejoin grace; `benchmarks.chaos.agents`);
+- `second_controller`: a second process of the controller id starts beside the leader and
+  stands by (and one of another id is refused; `benchmarks.chaos.leader`); the leader's
+  next death is a takeover;
+- `controller_rewound`: the leader is SIGKILLed and restarted with `--replay-start` where the
+  soak started, hours back: its clock continues from the store's mark (`wiring.replay_clock`);
+- `long_lag`: the next decisions come late, the gaps growing 1.5 times a tick from 15 minutes
+  to an hour and staying there a while (a controller that lags: the budget must hold).
+
+Every controller process ticks under the fleet's lease, as `controller start` does; a killed
+one keeps it until its time to live runs out.
 
 The controller's tick errors are counted by type (`tick_errors`): a store outage mid-tick is
 expected there (the next tick repairs), anything else is a finding. At the end, with no more
@@ -37,7 +49,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from benchmarks.chaos.faults import EC2_ERRORS, INJECTED, ControllerKilled, Ec2Faults, FaultLog
+from benchmarks.chaos.agents import SimulatedTraining
+from benchmarks.chaos.faults import (
+    EC2_ERRORS,
+    INJECTED,
+    ControllerKilled,
+    Ec2Faults,
+    FaultLog,
+    percentile,
+)
+from benchmarks.chaos.leader import LEASE_TTL_S, Processes
 from orchestrator.api.operations import submit_job
 from orchestrator.cloud.errors import CloudError
 from orchestrator.cloud.instances import TAG_CONTROLLER
@@ -45,10 +66,9 @@ from orchestrator.cloud.local.moto_server import MotoEC2Server
 from orchestrator.cloud.local.redis_process import LocalRedis
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.controller.clock import ClockRewoundError
-from orchestrator.controller.core import Controller
-from orchestrator.controller.wiring import build_controller
+from orchestrator.controller.lease import NotLeaderError
+from orchestrator.controller.wiring import patience, replay_clock
 from orchestrator.jobspec import JobSubmission
-from orchestrator.market.catalog import Catalog
 from orchestrator.market.trace_source import bundled_prices_dir
 from orchestrator.settings import ControllerSettings, Settings
 from orchestrator.store import JobRecord, RedisStore, StoreError
@@ -59,7 +79,15 @@ START = "2020-02-03T00:00:00Z"
 NOTICE_LEAD_S = 120.0  # EC2's two-minute warning
 #: Fault kinds and their weights (EC2 errors share theirs).
 WEIGHTS = {"controller_killed": 3, "redis_restart": 2, "ec2": 6, "notice_on_time": 2,
-           "notice_twice": 1, "notice_late": 1, "notice_never": 2, "clock_jump": 2}  # fmt: skip
+           "notice_twice": 1, "notice_late": 1, "notice_never": 2, "clock_jump": 2,
+           "agent_killed": 3, "second_controller": 1, "controller_rewound": 1,
+           "long_lag": 1}  # fmt: skip
+MAX_PROCESSES = 3  # controller processes alive at once
+#: The kinds injected while the decisions lag: the others fail a tick, and a failed decision
+#: in an hour-long gap is a gap of hours, which no reserve of the budget anticipates.
+DURING_LAG = frozenset({"agent_killed", "second_controller", "notice_on_time", "notice_twice",
+                        "notice_late", "notice_never"})  # fmt: skip
+LAG_FIRST_S, LAG_GROWTH, LAG_MAX_S = 900.0, 1.5, 3600.0
 SLOW_TICK_S = 60.0  # a tick this long (wall) counts as hung: the watchdog's bound
 
 
@@ -86,15 +114,24 @@ class _Soak:
     ec2_faults: Ec2Faults
     log: FaultLog
     now: float
-    controller: Controller | None = None
+    start: float
+    training: SimulatedTraining
+    processes: Processes
     jobs: list[str] = field(default_factory=list)
-    work: dict[str, float] = field(default_factory=dict)  # job -> simulated GPU-hours
     due: list[tuple[float, str, str]] = field(default_factory=list)  # (at, what, instance)
+    doomed: set[str] = field(default_factory=set)  # instances given a notice
+    gaps: list[float] = field(default_factory=list)  # the next decisions' lags (long_lag)
+    spend_seen: dict[str, float] = field(default_factory=dict)  # job -> highest live spend
+    spend_went_down: list[str] = field(default_factory=list)
+    clock_ran_back: int = 0
+    no_leader: int = 0
+    first_kinds: list[str] | None = None  # kinds not injected yet
+    recent: list[str] = field(default_factory=list)  # the last faults, for the findings
+    overran: dict[str, str] = field(default_factory=dict)  # job -> the faults before
     broken_since: tuple[str, float] | None = None  # (fault kind, wall time) until a good tick
     redis_kill_in_s: float | None = None  # kill Redis this long into the next tick
     hung: int = 0
     ticks: int = 0
-    catalog: Catalog = field(default_factory=Catalog.load)
 
 
 def run_world(options: WorldOptions, log: FaultLog | None = None) -> dict[str, Any]:
@@ -110,7 +147,10 @@ def run_world(options: WorldOptions, log: FaultLog | None = None) -> dict[str, A
     )
     with _world(settings) as (redis, store, aws):
         faults = Ec2Faults(log, rng)
-        soak = _Soak(options, rng, redis, store, settings, aws, aws.client(), faults, log, start)
+        training = SimulatedTraining(store, patience(settings))
+        processes = Processes(settings, store, aws, faults, training)
+        soak = _Soak(options, rng, redis, store, settings, aws, aws.client(), faults, log, start,
+                     start, training, processes)  # fmt: skip
         wall0 = time.monotonic()
         while log.total < options.faults and time.monotonic() - wall0 < options.max_wall_s:
             if all(_ended(soak, j) for j in soak.jobs):
@@ -126,7 +166,7 @@ def run_world(options: WorldOptions, log: FaultLog | None = None) -> dict[str, A
             _step(soak)
         for _ in range(2):  # settle: the last releases and their bills
             _step(soak)
-        found = check(soak)
+        found = {**check(soak), **_found(soak)}
         states = _states(soak)
     return {
         "faults": log.total,
@@ -165,26 +205,44 @@ def _submit_wave(soak: _Soak) -> None:
             soak.jobs.append(submit_job(soak.store, job, now_s=soak.now).job_id)
 
 
-def _controller(soak: _Soak) -> Controller:
-    if soak.controller is None:
-        client = soak.aws.client()  # its own: the faults are armed on this one only
-        soak.ec2_faults.install(client)
-        soak.controller = build_controller(soak.settings, store=soak.store, client=client)
-    return soak.controller
-
-
 def _step(soak: _Soak) -> None:
-    """One tick of the controller (with whatever is armed), the evictions due, the work."""
+    """One tick of the controller that holds the lease (with whatever is armed), then the
+    world until the next one: the evictions due, the agents' work, the invariants."""
     soak.ticks += 1
     started = time.monotonic()
     kill_redis = _redis_killer(soak)
     try:
-        _controller(soak).tick(soak.now)
+        _tick(soak, started)
+    finally:
+        if kill_redis is not None:
+            kill_redis.join()
+    if time.monotonic() - started > SLOW_TICK_S:
+        soak.hung += 1
+    gap = soak.gaps.pop(0) if soak.gaps else soak.options.tick_s
+    soak.now += gap
+    _evictions_due(soak)
+    _progress(soak, gap)
+    _check_spend(soak)
+
+
+def _tick(soak: _Soak, started: float) -> None:
+    try:
+        process = soak.processes.leader(max_wait_s=3 * LEASE_TTL_S)
+    except StoreError as exc:  # Redis went as it started: the next tick repairs
+        soak.log.errors[f"expected: {type(exc).__name__}"] += 1
+        return
+    if process is None:  # Redis down (expected), or no process could take the lease
+        if _safe(soak.store.ping, False) is not False:
+            soak.no_leader += 1
+        return
+    try:
+        process.controller.tick(soak.now)
     except ControllerKilled:
-        soak.controller = None  # its memory is gone; the next tick builds a new one
+        soak.processes.died(process)  # its memory is gone; it keeps the lease till it lapses
         soak.broken_since = soak.broken_since or ("controller_killed", started)
-    except (StoreError, ClockRewoundError) as exc:  # Redis went mid-tick: the next tick
-        # repairs; the clock jumped back: no tick until it is past the mark again
+    except (StoreError, ClockRewoundError, NotLeaderError) as exc:  # Redis went mid-tick:
+        # the next tick repairs; the clock jumped back: no tick until it is past the mark
+        # again; a tick longer than the lease's life: the fence stopped it, the next retakes it
         soak.log.errors[f"expected: {type(exc).__name__}"] += 1
     except CloudError as exc:
         injected = INJECTED in str(exc)  # EC2 kept failing past botocore's retries
@@ -192,35 +250,85 @@ def _step(soak: _Soak) -> None:
     except Exception as exc:  # noqa: BLE001 - a finding: counted, the world goes on
         soak.log.errors[f"unexpected: {type(exc).__name__}: {str(exc)[:100]}"] += 1
     else:
+        if process.born_s is None:
+            process.born_s = soak.now
+        soak.training.ticked(soak.now, process.born_s, soak.options.tick_s, soak.doomed)
         if soak.broken_since is not None:
             kind, since = soak.broken_since
             soak.log.recovered(kind, time.monotonic() - since)
             soak.broken_since = None
-    finally:
-        if kill_redis is not None:
-            kill_redis.join()
-    if time.monotonic() - started > SLOW_TICK_S:
-        soak.hung += 1
-    _evictions_due(soak)
-    _progress(soak)
-    soak.now += soak.options.tick_s
 
 
 def _inject(soak: _Soak) -> None:
-    kinds, weights = zip(*WEIGHTS.items(), strict=True)
-    kind = soak.rng.choices(kinds, weights)[0]
+    """One fault: each kind once first (in a random order), then at their weights; while the
+    decisions lag, only those that leave the ticks working (see `DURING_LAG`)."""
     rng = soak.rng
+    if soak.first_kinds is None:
+        soak.first_kinds = rng.sample(list(WEIGHTS), len(WEIGHTS))
+    if soak.first_kinds:
+        kind = soak.first_kinds[-1]
+    else:
+        kinds, weights = zip(*WEIGHTS.items(), strict=True)
+        kind = rng.choices(kinds, weights)[0]
+    if soak.gaps and kind not in DURING_LAG:
+        return
+    if _apply(soak, kind):
+        soak.recent = [*soak.recent[-5:], f"{kind}@{soak.now - soak.start:.0f}s"]
+        if soak.first_kinds:
+            soak.first_kinds.pop()
+
+
+def _apply(soak: _Soak, kind: str) -> bool:
+    """Inflict (or arm) a fault of `kind`; False when there was nothing to inflict it on."""
+    rng, before = soak.rng, soak.log.total
     if kind == "controller_killed":
         soak.ec2_faults.arm_kill(rng.randrange(0, 12))
-    elif kind == "ec2":
+        return True
+    if kind == "ec2":
         soak.ec2_faults.arm_error(rng.choice(list(EC2_ERRORS)), rng.randint(1, 6))
-    elif kind == "redis_restart":
+        return True
+    if kind == "redis_restart":
         soak.redis_kill_in_s = rng.uniform(0.0, 0.05)
-    elif kind == "clock_jump":
+        return True
+    if kind == "clock_jump":
         soak.now += rng.uniform(300, 900) if rng.random() < 0.5 else -rng.uniform(60, 180)
         soak.log.fault("clock_jump")
+    elif kind == "agent_killed":
+        if soak.training.kill(rng, soak.now, soak.options.tick_s) is not None:
+            soak.log.fault(kind)
+    elif kind == "second_controller":
+        if len(soak.processes.live) < MAX_PROCESSES:
+            _safe(soak.processes.start, None)
+            _safe(soak.processes.start_other_id, None)
+            soak.log.fault(kind)
+    elif kind == "controller_rewound":
+        _rewound_restart(soak)
+    elif kind == "long_lag":
+        gap, soak.gaps = LAG_FIRST_S, []
+        while gap < LAG_MAX_S:
+            soak.gaps.append(gap)
+            gap *= LAG_GROWTH
+        soak.gaps += [LAG_MAX_S] * rng.randint(1, 3)
+        soak.log.fault(kind)
     else:
         _evict(soak, kind)
+    return soak.log.total > before
+
+
+def _rewound_restart(soak: _Soak) -> None:
+    """The leader is SIGKILLed and started again with the soak's --replay-start, hours back:
+    its clock must continue from the store's mark."""
+    mark = _safe(soak.store.clock_high_water, None)
+    if mark is None or not soak.processes.live:
+        return
+    soak.processes.died(soak.processes.live[0])
+    soak.processes.start()
+    clock = replay_clock(soak.settings, floor_s=mark)
+    restarted = clock.now() if clock is not None else soak.now
+    if restarted < mark - 1.0:
+        soak.clock_ran_back += 1
+    soak.now = max(soak.now, restarted)
+    soak.log.fault("controller_rewound")
 
 
 def _redis_killer(soak: _Soak) -> threading.Thread | None:
@@ -253,6 +361,7 @@ def _evict(soak: _Soak, kind: str) -> None:
     target = soak.rng.choice(spot).instance_id
     now = soak.now
     if kind in ("notice_on_time", "notice_twice"):
+        soak.doomed.add(target)
         _notify(soak, target, now + NOTICE_LEAD_S)
         if kind == "notice_twice":
             _notify(soak, target, now + NOTICE_LEAD_S)
@@ -269,8 +378,8 @@ def _notify(soak: _Soak, instance_id: str, at_s: float) -> None:
     notice = InterruptionNotice(instance_id=instance_id, kind="interruption", action="terminate",
                                 notice_time=datetime.fromtimestamp(at_s, UTC),
                                 received_at_s=soak.now)  # fmt: skip
-    if soak.controller is not None:  # a dead controller hears nothing
-        soak.controller.notify(notice)
+    for process in soak.processes.live:  # a dead controller hears nothing
+        process.controller.notify(notice)
 
 
 def _terminate(soak: _Soak, instance_id: str) -> None:
@@ -288,24 +397,63 @@ def _evictions_due(soak: _Soak) -> None:
             _notify(soak, instance_id, soak.now)
 
 
-def _progress(soak: _Soak) -> None:
-    """Each running job's GPU instances add their work rate once up for σ (the fleet's
-    agents' report, simulated)."""
-    dt = max(soak.options.tick_s, 0.0)
+def _progress(soak: _Soak, dt: float) -> None:
+    """The agents of the instances EC2 runs work for `dt` (`SimulatedTraining`); each job's
+    trained work is its progress (the agents' report)."""
+    ec2 = _safe(lambda: soak.client.describe_instances(
+        Filters=[{"Name": f"tag:{TAG_CONTROLLER}", "Values": [CONTROLLER_ID]},
+                 {"Name": "instance-state-name", "Values": ["running"]}]), None)  # fmt: skip
+    if ec2 is None:
+        return
+    ids = {i["InstanceId"] for r in ec2["Reservations"] for i in r["Instances"]}
+    running = {}
     for job_id in soak.jobs:
-        record = _safe(lambda job_id=job_id: soak.store.get_job(job_id), None)
-        if record is None or record.state.is_terminal:
-            continue
-        sigma = float(record.spec.get("app", {}).get("add_overhead_s", 240.0))
-        alive = _safe(lambda job_id=job_id: soak.store.list_instances(job_id, alive_only=True), [])
-        rate = sum(
-            soak.catalog.work_rate(r.instance_type)
-            for r in alive
-            if soak.now - r.launched_at >= sigma
-        )
-        soak.work[job_id] = soak.work.get(job_id, 0.0) + rate * dt / SECONDS_PER_HOUR
+        for rec in _safe(lambda job_id=job_id: soak.store.list_instances(job_id), []):
+            if rec.instance_id in ids and rec.alive:
+                running[rec.instance_id] = (job_id, rec.instance_type, rec.launched_at)
+    soak.training.advance(running, soak.now, dt)
+    for job_id, work in soak.training.trained_gpu_h.items():
         with contextlib.suppress(StoreError):
-            soak.store.update_progress(job_id, soak.work[job_id], soak.now)
+            soak.store.update_progress(job_id, work, soak.now)
+
+
+def _check_spend(soak: _Soak) -> None:
+    """A job's live spend (billed + accrued) never goes down."""
+    for job_id in soak.jobs:
+        spent = _safe(lambda job_id=job_id: soak.store.live_spend_usd(job_id), None)
+        if spent is None:
+            continue
+        seen = soak.spend_seen.get(job_id, 0.0)
+        if spent < seen - 1e-6:
+            soak.spend_went_down.append(f"{job_id}: ${seen:.4f} -> ${spent:.4f}")
+        soak.spend_seen[job_id] = max(seen, spent)
+        budget = _safe(lambda job_id=job_id: soak.store.get_job(job_id).budget_usd, None)
+        if budget is not None and spent > budget and job_id not in soak.overran:
+            at = f"{soak.now - soak.start:.0f}s"
+            soak.overran[job_id] = f"${spent:.2f} of ${budget:.2f} at {at} after {soak.recent}"
+
+
+def _found(soak: _Soak) -> dict[str, Any]:
+    """The counts of the new faults' invariants (`check` has the ledger's)."""
+    takeovers, agents = soak.processes.takeover_s, soak.training
+    return {
+        "paid_without_agent": len(agents.overdue),
+        "agent_killed_released_after_sim_s": {
+            "n": len(agents.released_s), "p50": percentile(agents.released_s, 50),
+            "max": max(agents.released_s, default=None)},
+        "acted_without_lease": len(soak.processes.acted_without_lease),
+        "acted_without_lease_details": soak.processes.acted_without_lease[:5],
+        "other_id_admitted": soak.processes.other_id_admitted,
+        "takeover_s": {"n": len(takeovers), "p50": percentile(takeovers, 50),
+                       "max": max(takeovers, default=None), "lease_ttl_s": LEASE_TTL_S},
+        "slow_takeovers": soak.processes.slow_takeovers,
+        "no_leader": soak.no_leader,
+        "clock_ran_back": soak.clock_ran_back,
+        "overran_after": list(soak.overran.values())[:5],
+        "spend_went_down": len(soak.spend_went_down),
+        "spend_went_down_details": soak.spend_went_down[:5],
+        "runtime_restarts": sum(agents.restarts.values()),
+    }  # fmt: skip
 
 
 def _ended(soak: _Soak, job_id: str) -> bool:
@@ -347,14 +495,17 @@ def check(soak: _Soak) -> dict[str, Any]:
     orphans = [i["InstanceId"] for i in ours if i["State"]["Name"] in ("pending", "running")]
     records = {r.instance_id: r for job in soak.jobs for r in soak.store.list_instances(job)}
     bad_billing = [i["InstanceId"] for i in ours if i["InstanceId"] not in records]
-    over, no_reason, not_ended = 0.0, [], []
+    over, no_reason, not_ended, over_jobs = 0.0, [], [], []
     for job_id in soak.jobs:
         job: JobRecord = soak.store.get_job(job_id)
         if not job.state.is_terminal:
             not_ended.append(job_id)
         elif str(job.state) != "succeeded" and not job.message.strip():
             no_reason.append(job_id)
-        over += max(0.0, soak.store.spent_usd(job_id) - job.budget_usd)
+        overrun = soak.store.spent_usd(job_id) - job.budget_usd
+        if overrun > 0:
+            over += overrun
+            over_jobs.append(f"{job_id}: ${overrun:.4f} over ${job.budget_usd:.2f}")
         ledger = soak.store.ledger(job_id)
         for entry in ledger:
             if entry.instance_id not in records:
@@ -370,6 +521,7 @@ def check(soak: _Soak) -> dict[str, Any]:
         "orphans": len(orphans),
         "unbilled_or_double_billed": len(set(bad_billing)),
         "over_budget_usd": round(over, 4),
+        "over_budget_jobs": over_jobs[:5],
         "no_reason": len(no_reason),
         "not_ended": len(not_ended),
     }
