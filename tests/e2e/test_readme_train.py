@@ -70,6 +70,8 @@ def test_the_readmes_train_command_writes_the_weights_it_promises(
     # the faults happened: injected (data-parallel), or recovered from (a pipeline)
     assert any(k.startswith("injected_") or k == "recovered" for k in kinds), kinds
     assert f"wrote {Path('out') / 'model.safetensors'}" in run.stdout
+    if "--pipeline" in command:  # its stages, and the stage its kill took, said so
+        assert "pipeline: stages" in run.stdout and "lost stage" in run.stdout, run.stdout
     job = load_job_code(tmp_path / "digits.py")
     model = job.model()
     model.load_state_dict(load_file(str(out / "model.safetensors")))

@@ -25,7 +25,7 @@ from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.reference import relative_error, train_reference
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.api.app import WEIGHTS_HEADER, create_app
-from orchestrator.artifacts import Folder, JobArtifacts, LocalFolder, S3Folder, folder_name
+from orchestrator.artifacts import Folder, JobArtifacts, S3Folder, folder_name
 from orchestrator.artifacts.code import CACHE_ENV, pack_code, store_code
 from orchestrator.artifacts.folders import s3_client
 from orchestrator.cloud.local.moto_server import MotoEC2Server
@@ -91,12 +91,10 @@ def _step_until(host: TrainingHost, done: object, timeout_s: float = 120.0) -> N
         time.sleep(0.1)
 
 
-@pytest.fixture(params=["local", "s3"])
-def artifact_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Folder]:
-    """A local folder, or a bucket on a moto server (S3 as on AWS; the nodes reach it too)."""
-    if request.param == "local":
-        yield LocalFolder(tmp_path / "artifacts")
-        return
+@pytest.fixture
+def artifact_store() -> Iterator[Folder]:
+    """A bucket on a moto server (S3 as on AWS; the nodes reach it too). The local folder's
+    path is the demo's and `train`'s (their tests)."""
     with MotoEC2Server() as server:
         s3_client(server.endpoint_url).create_bucket(Bucket="artifacts")
         yield S3Folder("artifacts", "orchestrator", endpoint=server.endpoint_url)
