@@ -63,6 +63,7 @@ from orchestrator.agileml.control import (
     dump,
     without_failed,
 )
+from orchestrator.agileml.drops import DropLog
 from orchestrator.agileml.elasticity import (
     AgileMLStage,
     Membership,
@@ -166,6 +167,7 @@ class Coordinator:
     ) -> None:
         self.spec = spec
         self._token = token
+        self._drops = DropLog(log, "elasticity controller dropped a message")
         self._address = f"tcp://{host}:{port}"
         self._now = now
         self._lock = threading.Lock()
@@ -311,28 +313,32 @@ class Coordinator:
                 msg = sock.recv_multipart()
                 if len(msg) < 2:
                     continue
-                identity, frames = msg[0], msg[1:]
                 try:
-                    header, tensors = wire.decode(frames, self._token)
-                except WireError as exc:
-                    log.warning("controller dropped a message", extra={"why": str(exc)})
+                    answer = self._answer(msg[1:])
+                except Exception as exc:  # noqa: BLE001 - one message never ends the loop
+                    self._drops.drop(f"handling failed: {exc!r}")
                     continue
-                reply = self._on_message(header, tensors)
-                answer = wire.encode(
-                    {
-                        "kind": MessageKind.CONTROL_REPLY,
-                        "job_id": self.spec.job_id,
-                        "sender": SENDER,
-                        "seq": header.seq,
-                    },
-                    wire.json_body(dump(reply)),
-                    self._token,
-                )
-                sock.send_multipart([identity, *answer])
-        except Exception:
+                if answer is not None:
+                    sock.send_multipart([msg[0], *answer])
+        except Exception as exc:  # the socket itself failed: nodes can no longer reach it
             log.exception("elasticity controller message loop crashed")
+            if not self._done.is_set():
+                self._abort(f"the elasticity controller's message loop failed: {exc!r}")
         finally:
             sock.close(linger=0)
+
+    def _answer(self, frames: list[bytes]) -> list[bytes | memoryview] | None:
+        """The reply frames to one node message; None (dropped, counted) when it fails
+        `wire.decode` (unauthenticated or malformed)."""
+        try:
+            header, tensors = wire.decode(frames, self._token)
+        except WireError as exc:
+            self._drops.drop(str(exc))
+            return None
+        reply = self._on_message(header, tensors)
+        fields = {"kind": MessageKind.CONTROL_REPLY, "job_id": self.spec.job_id,
+                  "sender": SENDER, "seq": header.seq}  # fmt: skip
+        return wire.encode(fields, wire.json_body(dump(reply)), self._token)
 
     def _on_message(self, header: wire.Header, tensors: dict[str, torch.Tensor]) -> Reply:
         if header.job_id != self.spec.job_id or header.kind is not MessageKind.CONTROL:

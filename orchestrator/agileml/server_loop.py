@@ -6,7 +6,9 @@ thread of their own, refuses messages of another job, and passes every other aut
 request to `_dispatch` (the `ParamServer` decides). Replies made on other threads go through
 `_outbox`; updates for BackupPSs through `_stream_out`, their acks are counted in `_unacked`.
 Malformed or unauthenticated messages never reach `_dispatch`: they get an `error` reply with
-the reason in `detail`, or are dropped if the header is not even JSON; both are counted.
+the reason in `detail` (to the request's `seq` once the MAC checked out, else to seq 0: an
+unauthenticated header is never read), counted, and logged at most every few seconds. A message
+whose handling raises is dropped and counted: one message never ends the loop.
 
 The socket also binds `inproc_endpoint` on the process's shared ZMQ context
 (`wire.process_context`): the worker of the same node reaches its own partitions there, without
@@ -16,7 +18,6 @@ MAC included.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
@@ -28,6 +29,7 @@ import torch
 import zmq
 
 from orchestrator.agileml import wire
+from orchestrator.agileml.drops import DropLog
 from orchestrator.agileml.errors import HandoffError, ServerError, WireError, WireReason
 from orchestrator.agileml.rejections import ROUTINE_REJECTIONS, RejectedError, RejectReason
 from orchestrator.agileml.usercode import JobCodeError, failure_report
@@ -88,6 +90,8 @@ class ServerLoop:
         self._stream_out: list[tuple[str, Frames]] = []  # (backup endpoint, frames)
         self._unacked: dict[int, int] = {}  # replicate seq -> partition
         self._stats = ServerStats()
+        self._drops = DropLog(log, "param server dropped a message", node=node_id)
+        self._refusals = DropLog(log, "param server refused a message", node=node_id)
         self._lock = threading.Lock()
         self._acked = threading.Condition(self._lock)
         self._stop = threading.Event()
@@ -176,7 +180,11 @@ class ServerLoop:
                         msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    for identity, frames in self._handle(msg):
+                    try:
+                        replies = self._handle(msg)
+                    except Exception as exc:  # noqa: BLE001 - one message never ends the loop
+                        replies = self._drop(f"handling failed: {exc!r}")
+                    for identity, frames in replies:
                         sock.send_multipart([identity, *frames], copy=False)
         except Exception:
             log.exception("param server crashed", extra={"node": self.node_id})
@@ -215,9 +223,11 @@ class ServerLoop:
                 frames, self._token, max_message_bytes=self._max_message_bytes
             )
         except WireError as exc:
-            if exc.reason is WireReason.BAD_JSON:
-                return self._drop(str(exc))
-            return [self._reject(identity, _best_effort_seq(bytes(frames[0])), str(exc.reason))]
+            self._refusals.drop(str(exc))
+            seq = 0 if exc.reason in UNAUTHENTICATED else _authenticated_seq(frames)
+            with self._lock:
+                self._stats = replace(self._stats, rejected=self._stats.rejected + 1)
+            return [(identity, self._encode(MessageKind.ERROR, seq, detail=str(exc.reason)))]
         if header.kind is MessageKind.CONTROL and header.job_id == self.job_id:
             return self._on_control(identity, header, tensors)
         with self._lock:
@@ -345,14 +355,20 @@ class ServerLoop:
     def _drop(self, why: str) -> list[Reply]:
         with self._lock:
             self._stats = replace(self._stats, dropped=self._stats.dropped + 1)
-        log.warning("param server dropped a message", extra={"node": self.node_id, "why": why})
+        self._drops.drop(why)
         return []
 
 
-def _best_effort_seq(raw: bytes) -> int:
-    """The `seq` of an unauthenticated header if it has a usable one (for the error reply)."""
+#: Decode failures before the MAC checked out: the header is not read (its error reply goes
+#: to seq 0).
+UNAUTHENTICATED = frozenset({WireReason.NO_FRAMES, WireReason.TOO_LARGE, WireReason.BAD_MAC})
+
+
+def _authenticated_seq(frames: list[Any]) -> int:
+    """The `seq` of a header that passed the MAC but not the schema (for the error reply)."""
     try:
-        seq = json.loads(raw).get("seq")
-    except (ValueError, AttributeError):
+        header = wire.parse_json(bytes(frames[1]))
+    except WireError:
         return 0
-    return seq if isinstance(seq, int) and seq >= 0 else 0
+    seq = header.get("seq") if isinstance(header, dict) else None
+    return seq if type(seq) is int and 0 <= seq <= wire.INT64_MAX else 0

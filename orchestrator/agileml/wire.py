@@ -1,23 +1,26 @@
 """The AgileML wire format: a JSON header plus raw tensor buffers, authenticated with HMAC.
 
-A message is a ZMQ multipart message `[header, buffer_0, ..., buffer_k]`:
+A message is a ZMQ multipart message `[auth, header, buffer_0, ..., buffer_k]`:
 
+* `auth` is 32 bytes: a random 128-bit nonce, then a Poly1305 tag over the header frame's raw
+  bytes and each buffer, each piece prefixed with its 8-byte big-endian length (so bytes cannot
+  be shifted between frames). The tag's one-time key is HMAC-SHA256(job token, label + nonce),
+  so every message has its own key, as Poly1305 requires. Poly1305 runs at ~10 GB/s where
+  HMAC-SHA256 runs at ~1.5 GB/s, which matters when every iteration moves the whole model.
+  The token itself never travels.
 * `header` is canonical JSON (sorted keys, no spaces, ASCII) of a `Header`; its `tensors` list
   names, in order, the dtype and shape of each buffer.
 * `buffer_i` holds the raw little-endian bytes of tensor i (C order), exactly
   `itemsize(dtype) * prod(shape)` bytes.
-* `mac` is a Poly1305 tag over the canonical JSON of the header without `mac`, then each buffer,
-  each piece prefixed with its 8-byte big-endian length (so bytes cannot be shifted between
-  frames). Its one-time key is HMAC-SHA256(job token, the header's random 128-bit `nonce`), so
-  every message has its own key, as Poly1305 requires. Poly1305 runs at ~10 GB/s where
-  HMAC-SHA256 runs at ~1.5 GB/s, which matters when every iteration moves the whole model.
-  The token itself never travels.
 
-Nothing is ever unpickled: tensors are rebuilt with `torch.frombuffer`, in place over a received
-ZMQ frame's own memory (no copy), or over a private copy of any other bytes. `decode` checks, in
-this order: size limit, JSON, MAC, version, kind, schema, dtypes, buffer count, buffer sizes; the
-first failure raises `WireError` with its reason, and the caller must drop the message without
-acting on it.
+The tag is checked over the raw frames before anything is parsed: a frame from a sender
+without the job's token is dropped unread, whatever its JSON holds (deep nesting, huge
+integers). Nothing is ever unpickled: tensors are rebuilt with `torch.frombuffer`, in place over
+a received ZMQ frame's own memory (no copy), or over a private copy of any other bytes.
+`decode` checks, in this order: frame count and sizes, MAC, JSON (its nesting and integers
+bounded), version, kind, schema (strict types: a bool is not an integer; integers within 64
+bits), dtypes, buffer count, buffer sizes; the first failure raises `WireError` with its
+reason, and the caller must drop the message without acting on it.
 """
 
 from __future__ import annotations
@@ -40,11 +43,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.agileml.errors import WireError, WireReason
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # 256 MiB: a generous bound for one partition of a large model; a DoS guard, not a quota.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-MAC_HEX_LENGTH = 32  # Poly1305 tag, hex
-NONCE_HEX_LENGTH = 32  # 128 random bits per message, hex
+#: The header frame's bound (a handoff's worker names are the largest header).
+MAX_HEADER_BYTES = 1024 * 1024
+NONCE_BYTES = 16  # 128 random bits per message
+TAG_BYTES = 16  # Poly1305
+AUTH_BYTES = NONCE_BYTES + TAG_BYTES
+INT64_MAX = 2**63 - 1
 _KEY_LABEL = b"agileml/poly1305-key/"
 ZERO_COPY_MIN_BYTES = 4096  # smaller buffers are copied (ZMQ may store them unaligned)
 MAX_WORKERS = 4096  # bound on the `workers` list of a handoff header (a DoS guard)
@@ -101,6 +108,7 @@ class MessageKind(StrEnum):
 
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 _KINDS = frozenset(k.value for k in MessageKind)
@@ -113,7 +121,7 @@ class TensorSpec(BaseModel):
 
     name: Name
     dtype: str  # checked against DTYPES after validation, to report WireReason.DTYPE
-    shape: tuple[Annotated[int, Field(ge=0)], ...]
+    shape: Annotated[tuple[Count, ...], Field(max_length=16)]
 
 
 class Header(BaseModel):
@@ -132,16 +140,14 @@ class Header(BaseModel):
     kind: MessageKind
     job_id: Name
     sender: Name
-    seq: Annotated[int, Field(ge=0)]
-    partition: Annotated[int, Field(ge=0)] | None = None
-    clock: int | None = None
-    tensors: tuple[TensorSpec, ...] = ()
+    seq: Count
+    partition: Count | None = None
+    clock: Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX)] | None = None
+    tensors: Annotated[tuple[TensorSpec, ...], Field(max_length=4096)] = ()
     detail: Annotated[str, Field(max_length=512)] | None = None
     workers: Annotated[tuple[Name, ...], Field(max_length=MAX_WORKERS)] | None = None
-    epoch: Annotated[int, Field(ge=0)] | None = None
-    roster_version: Annotated[int, Field(ge=0)] | None = None
-    nonce: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
-    mac: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    epoch: Count | None = None
+    roster_version: Count | None = None
 
 
 def canonical_json(obj: Mapping[str, Any]) -> bytes:
@@ -149,24 +155,16 @@ def canonical_json(obj: Mapping[str, Any]) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def compute_mac(
-    header_without_mac: Mapping[str, Any], buffers: Sequence[bytes | memoryview], token: bytes
-) -> str:
-    """The Poly1305 tag (hex) of the canonical header JSON and the buffers, length-prefixed.
-
-    Raises:
-        WireError: BAD_MAC if the header has no well-formed `nonce`.
-    """
-    nonce = header_without_mac.get("nonce")
-    if not isinstance(nonce, str) or len(nonce) != NONCE_HEX_LENGTH:
-        raise WireError(WireReason.BAD_MAC, "missing or malformed nonce")
-    derive = _keyed_hmac(token).copy()  # HMAC-SHA256(token, label + nonce): a one-time key
-    derive.update(_KEY_LABEL + nonce.encode("ascii", "replace"))
+def compute_tag(nonce: bytes, pieces: Sequence[bytes | memoryview], token: bytes) -> bytes:
+    """The Poly1305 tag of `pieces` (the header frame, then each buffer), length-prefixed,
+    under the one-time key HMAC-SHA256(token, label + nonce)."""
+    derive = _keyed_hmac(token).copy()
+    derive.update(_KEY_LABEL + nonce)
     mac = Poly1305(derive.digest())
-    for piece in (canonical_json(header_without_mac), *buffers):
+    for piece in pieces:
         mac.update(len(piece).to_bytes(8, "big"))
         mac.update(piece)
-    return mac.finalize().hex()
+    return mac.finalize()
 
 
 @functools.lru_cache(maxsize=16)
@@ -222,21 +220,29 @@ def encode(
         specs.append(spec)
         buffers.append(data)
     fields = dict(header_fields)
-    if "mac" in fields or "tensors" in fields:
-        raise WireError(WireReason.SCHEMA, "`mac` and `tensors` are computed by encode")
+    if "tensors" in fields:
+        raise WireError(WireReason.SCHEMA, "`tensors` are computed by encode")
     fields.setdefault("v", PROTOCOL_VERSION)
-    fields.setdefault("nonce", secrets.token_hex(NONCE_HEX_LENGTH // 2))
     if isinstance(fields.get("kind"), MessageKind):
         fields["kind"] = str(fields["kind"])
     body = {"partition": None, "clock": None, "detail": None, **fields, "tensors": specs}
+    header = canonical_json(body)
     try:
-        Header.model_validate_json(canonical_json({**body, "mac": "0" * MAC_HEX_LENGTH}))
+        Header.model_validate_json(header)
     except ValidationError as exc:
         raise WireError(WireReason.SCHEMA, _first_error(exc)) from None
-    header = canonical_json({**body, "mac": compute_mac(body, buffers, token)})
-    if len(header) + sum(len(b) for b in buffers) > max_message_bytes:
+    if len(header) > MAX_HEADER_BYTES or (
+        AUTH_BYTES + len(header) + sum(len(b) for b in buffers) > max_message_bytes
+    ):
         raise WireError(WireReason.TOO_LARGE, f"message over {max_message_bytes} bytes")
-    return [header, *buffers]
+    return [sign([header, *buffers], token), header, *buffers]
+
+
+def sign(pieces: Sequence[bytes | memoryview], token: bytes) -> bytes:
+    """The `auth` frame of a message of these header and buffer frames: a fresh nonce and its
+    tag (for peers and tests that build frames by hand; `encode` calls it)."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    return nonce + compute_tag(nonce, pieces, token)
 
 
 def decode(
@@ -258,18 +264,18 @@ def decode(
     total = sum(len(f) for f in frames)
     if total > max_message_bytes:
         raise WireError(WireReason.TOO_LARGE, f"{total} bytes > limit {max_message_bytes}")
-    raw, buffers = bytes(frames[0]), [memoryview(f) for f in frames[1:]]
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(WireReason.BAD_JSON, str(exc)) from None
+    if len(frames) < 2 or len(frames[0]) != AUTH_BYTES:
+        raise WireError(WireReason.BAD_MAC, "no authentication frame (an older or foreign peer)")
+    if len(frames[1]) > MAX_HEADER_BYTES:
+        raise WireError(WireReason.TOO_LARGE, f"header over {MAX_HEADER_BYTES} bytes")
+    auth, raw = bytes(frames[0]), bytes(frames[1])
+    buffers = [memoryview(f) for f in frames[2:]]
+    tag = compute_tag(auth[:NONCE_BYTES], [raw, *buffers], token)
+    if not hmac.compare_digest(auth[NONCE_BYTES:], tag):
+        raise WireError(WireReason.BAD_MAC, "wrong MAC (wrong token or tampered)")
+    obj = parse_json(raw)
     if not isinstance(obj, dict):
         raise WireError(WireReason.BAD_JSON, "header is not a JSON object")
-    mac = obj.pop("mac", None)
-    if not isinstance(mac, str) or not hmac.compare_digest(
-        mac.encode("ascii", "replace"), compute_mac(obj, buffers, token).encode()
-    ):
-        raise WireError(WireReason.BAD_MAC, "missing or wrong MAC (wrong token or tampered)")
     if obj.get("v") != PROTOCOL_VERSION:
         raise WireError(WireReason.VERSION, f"version {obj.get('v')!r} != {PROTOCOL_VERSION}")
     if obj.get("kind") not in _KINDS:
@@ -324,14 +330,67 @@ def json_body(obj: Any) -> dict[str, torch.Tensor]:
 
 
 def parse_json_body(tensors: Mapping[str, torch.Tensor]) -> Any:
-    """The JSON value of a control message. Raises WireError(SCHEMA) if there is none."""
+    """The JSON value of a control message. Raises WireError(SCHEMA) if there is none, and
+    WireError(BAD_JSON) if it is not bounded JSON (see `parse_json`)."""
     body = tensors.get("body")
     if body is None or body.dtype != torch.uint8 or body.dim() != 1:
         raise WireError(WireReason.SCHEMA, "control message without a uint8 `body`")
+    return parse_json(body.numpy().tobytes(), what="body")
+
+
+#: Nesting deeper than this is refused before it is parsed.
+MAX_JSON_DEPTH = 64
+
+
+def parse_json(raw: bytes, *, what: str = "header") -> Any:
+    """Strict, bounded JSON: UTF-8, nested at most `MAX_JSON_DEPTH` deep, integers within 64
+    bits, no NaN or Infinity.
+
+    Raises:
+        WireError: BAD_JSON, saying why.
+    """
+    brackets = raw.count(b"[") + raw.count(b"{")  # at C speed: most messages stop here
+    if brackets > MAX_JSON_DEPTH and _depth(raw) > MAX_JSON_DEPTH:
+        raise WireError(WireReason.BAD_JSON, f"{what}: nested over {MAX_JSON_DEPTH} deep")
     try:
-        return json.loads(body.numpy().tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(WireReason.BAD_JSON, f"body: {exc}") from None
+        return json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError too
+        raise WireError(WireReason.BAD_JSON, f"{what}: {str(exc)[:200]}") from None
+
+
+def _depth(raw: bytes) -> int:
+    """The deepest nesting of brackets outside strings (an upper bound of the JSON's)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 19:  # 2**63 has 19 digits: no longer one is an int64
+        raise ValueError(f"integer of {len(text)} digits")
+    value = int(text)
+    if not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ValueError("integer outside 64 bits")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def process_context() -> zmq.Context[Any]:

@@ -16,6 +16,7 @@ training ends with that error.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ from orchestrator.agileml.wire import MessageKind
 
 if TYPE_CHECKING:
     from orchestrator.agileml.pipeline.remote import NodePool
+
+log = logging.getLogger(__name__)
 
 #: Seconds the supervisor waits for the holder's answer (a cut may be the whole model).
 REQUEST_TIMEOUT_S = 60.0
@@ -125,8 +128,11 @@ class BackupHolder:
             with self._lock:
                 if header.job_id != self.attempt or header.detail != "backup":
                     continue  # an earlier attempt's
-                self._file(header, tensors)
-                self._forward(header, tensors)
+                try:
+                    self._file(header, tensors)
+                    self._forward(header, tensors)
+                except Exception:  # noqa: BLE001 - one message never ends the loop
+                    log.warning("backup holder dropped a backup", exc_info=True)
 
     def _file(self, header: wire.Header, tensors: dict[str, torch.Tensor]) -> None:
         try:

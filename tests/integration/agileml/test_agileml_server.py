@@ -115,15 +115,26 @@ def test_refused_push_gets_an_error_and_changes_nothing(
     assert server.stats().rejected == 1
 
 
-def test_unparseable_message_is_dropped_without_reply(
-    server: ParamServer, ctx: WireClients
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"\x80not json", b"junk"],
+        [b"\0" * 32, b"[" * 100_000 + b"]" * 100_000],  # RecursionError, once
+        [b"\0" * 32, b'{"seq":' + b"9" * 5000 + b"}"],  # ValueError, once
+        [b"\0" * 32, b'{"seq":true}'],
+    ],
+    ids=["not-json", "deep", "huge-int", "bool-seq"],
+)
+def test_an_unauthenticated_message_is_refused_unread_and_the_server_serves_on(
+    server: ParamServer, ctx: WireClients, frames: list[bytes]
 ) -> None:
     client = ctx(server.endpoint, "w0")
-    client.sock.send_multipart([b"\x80not json", b"junk"])
-    assert client.silent()
+    client.sock.send_multipart(frames)
+    header, _ = client.recv()
+    assert (header.kind, header.seq, header.detail) == (MessageKind.ERROR, 0, "bad_mac")
     client.send(MessageKind.HELLO)  # the server is still serving
     assert client.recv()[0].kind is MessageKind.HELLO
-    assert server.stats().dropped == 1 and torch.equal(server.state(0), INITIAL)
+    assert server.stats().rejected == 1 and torch.equal(server.state(0), INITIAL)
 
 
 def test_stop_is_bounded_and_idempotent() -> None:

@@ -1,4 +1,5 @@
-"""The AgileML wire format: round trips, and every malformed message refused with its reason."""
+"""The AgileML wire format: round trips, every malformed message refused with its reason, and
+nothing parsed before the MAC checks out (a hostile frame is dropped unread)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ def _header(**overrides: Any) -> dict[str, Any]:
         "job_id": "job-1",
         "sender": "w-0",
         "seq": 7,
-        "nonce": "0123456789abcdef" * 2,
         "partition": 2,
         "clock": 3,
         "detail": None,
@@ -32,8 +32,12 @@ def _header(**overrides: Any) -> dict[str, Any]:
 
 def _frames(header: dict[str, Any], buffers: list[bytes], token: bytes = TOKEN) -> list[bytes]:
     """Hand-built frames, correctly signed, so that the check under test is the one that fails."""
-    signed = {**header, "mac": wire.compute_mac(header, buffers, token)}
-    return [wire.canonical_json(signed), *buffers]
+    return _signed([wire.canonical_json(header), *buffers], token)
+
+
+def _signed(pieces: list[bytes], token: bytes = TOKEN) -> list[bytes]:
+    """`pieces` (a header frame of any bytes, then buffers) with a valid auth frame."""
+    return [wire.sign(pieces, token), *pieces]
 
 
 def _reason(frames: list[bytes], **kwargs: Any) -> WireReason:
@@ -86,9 +90,15 @@ def test_hand_built_valid_message_decodes() -> None:
     ("frames", "reason"),
     [
         ([], WireReason.NO_FRAMES),
-        ([b"{not json"], WireReason.BAD_JSON),
-        ([b"\xff\xfe"], WireReason.BAD_JSON),
-        ([b"[1, 2]"], WireReason.BAD_JSON),
+        (_signed([b"{not json"]), WireReason.BAD_JSON),
+        (_signed([b"\xff\xfe"]), WireReason.BAD_JSON),
+        (_signed([b"[1, 2]"]), WireReason.BAD_JSON),
+        (_signed([b"[" * 65 + b"]" * 65]), WireReason.BAD_JSON),  # nested too deep
+        (_signed([b'{"seq":' + b"9" * 20 + b"}"]), WireReason.BAD_JSON),  # past 64 bits
+        (_signed([b'{"seq":NaN}']), WireReason.BAD_JSON),
+        (_frames(_header(seq=True), [FLOAT_BYTES]), WireReason.SCHEMA),  # a bool: no int
+        (_frames(_header(seq=2**63), [FLOAT_BYTES]), WireReason.BAD_JSON),
+        (_frames(_header(clock=2**63 - 1), [FLOAT_BYTES]), None),  # the largest int64: fine
         (_frames(_header(v=wire.PROTOCOL_VERSION + 1), [FLOAT_BYTES]), WireReason.VERSION),
         (_frames(_header(kind="gossip"), [FLOAT_BYTES]), WireReason.UNKNOWN_KIND),
         (_frames(_header(seq=-1), [FLOAT_BYTES]), WireReason.SCHEMA),
@@ -130,9 +140,34 @@ def test_hand_built_valid_message_decodes() -> None:
     ids=lambda x: x if isinstance(x, str) else "",
 )
 def test_malformed_message_is_rejected_with_its_reason(
-    frames: list[bytes], reason: WireReason
+    frames: list[bytes], reason: WireReason | None
 ) -> None:
+    if reason is None:
+        wire.decode(frames, TOKEN)
+        return
     assert _reason(frames) is reason
+
+
+HOSTILE = [
+    b"[" * 100_000 + b"]" * 100_000,  # RecursionError once
+    b'{"seq":' + b"9" * 5000 + b"}",  # ValueError (int digits) once
+    b'{"seq":true}',  # a bool where the sequence number goes
+    b"\xff" * 64,
+    b'{"v":3,"kind":"hello","job_id":"j","sender":"s","seq":1,"tensors":[]}',
+]
+
+
+@pytest.mark.parametrize("header", HOSTILE, ids=["deep", "huge_int", "bool_seq", "binary", "ok"])
+@pytest.mark.parametrize("auth", [b"", b"\0" * wire.AUTH_BYTES, b"\0" * 7])
+def test_an_unauthenticated_frame_is_refused_before_its_json_is_read(
+    header: bytes, auth: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_parse(*_: Any, **__: Any) -> Any:
+        raise AssertionError("parsed before the MAC was checked")
+
+    monkeypatch.setattr(wire.json, "loads", no_parse)
+    frames = [auth, header] if auth else [header]
+    assert _reason(frames) is WireReason.BAD_MAC
 
 
 def test_message_over_the_size_limit_is_rejected_before_parsing() -> None:
@@ -155,21 +190,21 @@ def test_wrong_token_is_rejected_as_bad_mac() -> None:
     assert _reason(frames) is WireReason.BAD_MAC
 
 
-@pytest.mark.parametrize("tamper", ["header", "buffer", "shift", "missing_mac", "bad_mac_type"])
+@pytest.mark.parametrize("tamper", ["header", "buffer", "shift", "missing_auth", "nonce"])
 def test_tampered_message_is_rejected_as_bad_mac(tamper: str) -> None:
     specs = [{"name": n, "dtype": "float32", "shape": [1]} for n in ("a", "b")]
     header = _header(tensors=specs)
     frames = _frames(header, [FLOAT_BYTES[:4], FLOAT_BYTES[4:]])
     if tamper == "header":
-        frames[0] = frames[0].replace(b'"clock":3', b'"clock":4')
+        frames[1] = frames[1].replace(b'"clock":3', b'"clock":4')
     elif tamper == "buffer":
-        frames[1] = FLOAT_BYTES[4:]
+        frames[2] = FLOAT_BYTES[4:]
     elif tamper == "shift":  # same concatenated bytes, split differently
-        frames = [frames[0], FLOAT_BYTES[:2], FLOAT_BYTES[2:]]
-    elif tamper == "missing_mac":
-        frames[0] = wire.canonical_json(header)
-    else:
-        frames[0] = wire.canonical_json({**header, "mac": 12})
+        frames = [frames[0], frames[1], FLOAT_BYTES[:2], FLOAT_BYTES[2:]]
+    elif tamper == "missing_auth":
+        frames = frames[1:]
+    else:  # the same tag under another nonce
+        frames[0] = bytes([frames[0][0] ^ 1]) + frames[0][1:]
     assert _reason(frames) is WireReason.BAD_MAC
 
 
@@ -192,20 +227,19 @@ def test_encode_refuses_invalid_header_fields() -> None:
 
 def test_the_mac_is_poly1305_under_a_key_derived_per_nonce() -> None:
     """A known answer, computed here from the primitives: HMAC-SHA256(token, label + nonce) as
-    the one-time Poly1305 key over the length-prefixed canonical header and buffers."""
+    the one-time Poly1305 key over the length-prefixed raw header frame and buffers."""
     import hashlib
     import hmac
 
     from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-    token, nonce = b"t" * 32, "ab" * 16
-    header = {"kind": "push", "nonce": nonce, "seq": 3}
-    buffers = [b"\x00\x01\x02", b""]
+    token, nonce = b"t" * 32, b"\xab" * wire.NONCE_BYTES
+    pieces = [b'{"kind":"push","seq":3}', b"\x00\x01\x02", b""]
     for _ in range(2):  # the second time from the cached key schedule
-        key = hmac.new(token, b"agileml/poly1305-key/" + nonce.encode(), hashlib.sha256).digest()
+        key = hmac.new(token, b"agileml/poly1305-key/" + nonce, hashlib.sha256).digest()
         mac = Poly1305(key)
-        for piece in (wire.canonical_json(header), *buffers):
+        for piece in pieces:
             mac.update(len(piece).to_bytes(8, "big") + piece)
-        assert wire.compute_mac(header, buffers, token) == mac.finalize().hex()
-    other = wire.compute_mac(header, buffers, b"u" * 32)
-    assert other != wire.compute_mac(header, buffers, token)  # the cache is per token
+        assert wire.compute_tag(nonce, pieces, token) == mac.finalize()
+    other = wire.compute_tag(nonce, pieces, b"u" * 32)
+    assert other != wire.compute_tag(nonce, pieces, token)  # the cache is per token

@@ -1,6 +1,7 @@
 """Control calls and the elasticity controller's reconfiguration thread under failures found
 by the chaos soak: a call to a node that stopped heartbeating is not waited out, and the
-reconfiguration thread never dies silently (the job would stall with nobody to notice)."""
+reconfiguration thread never dies silently (the job would stall with nobody to notice), nor
+does its serving thread on a hostile frame."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import pytest
 import zmq
 
+from orchestrator.agileml import wire
 from orchestrator.agileml.control import ControlClient, ControlError, ModelSpec, TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
 
@@ -59,4 +61,42 @@ def test_an_unexpected_error_in_reconfiguration_aborts_the_job_with_its_reason(m
         assert coordinator.error is not None and "KeyError" in coordinator.error
         assert any(e.kind == "aborted" for e in coordinator.events())
     finally:
+        coordinator.stop()
+
+
+HOSTILE_BODIES = [
+    b"[" * 100_000 + b"]" * 100_000,  # RecursionError once
+    b'{"op":"heartbeat","clock":' + b"9" * 5000 + b"}",  # ValueError (int digits) once
+    b'{"op":"heartbeat","clock":true}',
+    b'{"op":"heartbeat","clock":NaN}',
+]
+
+
+def test_hostile_frames_never_silence_the_elasticity_controller() -> None:
+    """Unauthenticated frames of the classes that once killed its serving thread, and the
+    same bodies authenticated (a node with the token but a bug): each is refused, and a
+    legitimate node is still answered."""
+    spec = TrainingSpec(job_id="hostile", model=ModelSpec(kind="additive", features=8),
+                        global_batch=8, iterations=10, num_partitions=1, min_nodes=1)  # fmt: skip
+    coordinator = Coordinator(spec, token=TOKEN).start()
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(coordinator.endpoint)
+    client = ControlClient(job_id="hostile", sender="n0", token=TOKEN)
+    try:
+        for body in HOSTILE_BODIES:
+            raw.send_multipart([body])  # no authentication frame at all
+            raw.send_multipart([b"\0" * wire.AUTH_BYTES, body])  # a forged one
+            fields = {"kind": "control", "job_id": "hostile", "sender": "n0", "seq": 1}
+            header = wire.canonical_json({**fields, "v": wire.PROTOCOL_VERSION, "tensors": [
+                {"name": "body", "dtype": "uint8", "shape": [len(body)]}]})  # fmt: skip
+            raw.send_multipart([wire.sign([header, body], TOKEN), header, body])
+        reply = client.call(coordinator.endpoint, {"op": "heartbeat", "clock": 0}, 10.0)
+        assert "ok" in reply  # answered (an unknown node's heartbeat is refused, politely)
+        assert coordinator.error is None
+    finally:
+        client.close()
+        raw.close()
+        ctx.term()
         coordinator.stop()
