@@ -307,6 +307,8 @@ class AgileMLNode:
                 view = self._view
                 if self._lost:
                     return "lost_controller"
+                if self._server is not None and self._server.crashed:
+                    raise AgileMLError(self._server.crashed)  # its partitions are unreachable
                 if view.shutdown or (view.done and not self._owns_partitions()):
                     return "done"
                 if view.epoch == 0 or view.roster is None or view.done:

@@ -91,6 +91,7 @@ class ServerLoop:
         self._unacked: dict[int, int] = {}  # replicate seq -> partition
         self._stats = ServerStats()
         self._drops = DropLog(log, "param server dropped a message", node=node_id)
+        self.crashed: str | None = None  # why the serving thread ended, if it failed
         self._refusals = DropLog(log, "param server refused a message", node=node_id)
         self._lock = threading.Lock()
         self._acked = threading.Condition(self._lock)
@@ -186,8 +187,9 @@ class ServerLoop:
                         replies = self._drop(f"handling failed: {exc!r}")
                     for identity, frames in replies:
                         sock.send_multipart([identity, *frames], copy=False)
-        except Exception:
+        except Exception as exc:  # the socket itself failed: its node must fail, not idle on
             log.exception("param server crashed", extra={"node": self.node_id})
+            self.crashed = f"this node's parameter server stopped serving: {exc!r}"
         finally:
             for dealer in backup_socks.values():
                 dealer.close(linger=0)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+import zmq
 from support.wire_client import WireClients
 
 from orchestrator.agileml.errors import ServerError
@@ -135,6 +137,41 @@ def test_an_unauthenticated_message_is_refused_unread_and_the_server_serves_on(
     client.send(MessageKind.HELLO)  # the server is still serving
     assert client.recv()[0].kind is MessageKind.HELLO
     assert server.stats().rejected == 1 and torch.equal(server.state(0), INITIAL)
+
+
+def test_a_message_whose_handling_raises_is_dropped_and_the_server_serves_on(
+    server: ParamServer, ctx: WireClients, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = ctx(server.endpoint, "w0")
+    real = server._dispatch
+
+    def broken(identity, header, tensors):  # a bug in one request's handling
+        if header.kind is MessageKind.PULL:
+            raise IndexError("a bug")
+        return real(identity, header, tensors)
+
+    monkeypatch.setattr(server, "_dispatch", broken)
+    client.send(MessageKind.PULL, partition=0, clock=0)
+    assert client.silent()
+    assert client.push(0, torch.ones(4)).detail == "applied"  # still serving
+    assert server.stats().dropped == 1 and server.crashed is None
+
+
+def test_a_serving_thread_that_dies_says_so(
+    server: ParamServer, ctx: WireClients, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The socket itself failing ends the loop: `crashed` says why (the node fails on it)."""
+
+    def socket_gone(*_: object) -> None:
+        raise zmq.ZMQError(zmq.ETERM)
+
+    monkeypatch.setattr(server, "_handle", socket_gone)
+    monkeypatch.setattr(server, "_drop", socket_gone)
+    ctx(server.endpoint, "w0").send(MessageKind.HELLO)
+    deadline = time.monotonic() + 5.0
+    while server.crashed is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.crashed is not None and "stopped serving" in server.crashed
 
 
 def test_stop_is_bounded_and_idempotent() -> None:
