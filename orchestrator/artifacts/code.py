@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,7 @@ ENTRY_FILE = "job.py"
 REQUIREMENTS = "requirements.txt"
 MAX_CODE_BYTES = 64 * 1024 * 1024  # packed; data belongs in the dataset's download or S3
 MAX_UNPACKED_BYTES = 4 * MAX_CODE_BYTES  # what an archive may unpack to on a node
+MAX_MEMBERS = 10_000  # files and folders in one archive (a job's code, not a dataset)
 SKIPPED = {"__pycache__", ".git", ".hg", ".venv", "venv", ".mypy_cache", ".pytest_cache"}
 PIP_TIMEOUT_S = 900.0
 CACHE_ENV = "ORCHESTRATOR_CODE_CACHE"
@@ -112,13 +114,15 @@ def store_code(store: Folder, packed: bytes, ref: str | None = None) -> str:
     """Store packed code under its digest; returns the reference (`sha256:<hex>`).
 
     Raises:
-        CodeError: `ref` given and not the digest of `packed` (a corrupted upload).
+        CodeError: `ref` given and not the digest of `packed` (a corrupted upload), or not an
+            archive of a job's code (`check_archive`).
     """
     actual = code_ref(packed)
     if ref is not None and ref != actual:
         raise CodeError(f"uploaded code is {actual}, not {ref}", fix="upload it again")
     if len(packed) > MAX_CODE_BYTES:
         raise CodeError(f"code archive over {MAX_CODE_BYTES // 2**20} MiB", fix="make it smaller")
+    check_archive(packed)
     name = _archive_name(actual)
     folder = store.sub(CODE_FOLDER)
     if not folder.exists(name):
@@ -231,24 +235,62 @@ def is_ready(home: Path) -> bool:
     return (home / _READY).is_file()
 
 
+def check_archive(packed: bytes) -> None:
+    """Check that `packed` is a job's code as `pack_code` makes it, reading its member list
+    only (never more than `MAX_MEMBERS` of them): a gzip tar holding `job.py`, only plain files
+    and folders inside it, at most `MAX_UNPACKED_BYTES` unpacked.
+
+    Raises:
+        CodeError: the first way it is not, with the fix.
+    """
+    _checked_members(packed)
+
+
+def _checked_members(packed: bytes) -> list[tarfile.TarInfo]:
+    fix = "pack the code with `orchestrator submit` (a .tar.gz holding job.py)"
+    members: list[tarfile.TarInfo] = []
+    size = 0
+    try:
+        with tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz") as tar:
+            while (member := tar.next()) is not None:
+                members.append(member)
+                size += member.size
+                if len(members) > MAX_MEMBERS:
+                    raise CodeError(f"code archive holds over {MAX_MEMBERS} files", fix=fix)
+                if size > MAX_UNPACKED_BYTES:
+                    raise CodeError(
+                        f"code archive unpacks to over {MAX_UNPACKED_BYTES // 2**20} MiB", fix=fix
+                    )
+                _check_member(member)
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # not gzip, truncated
+        raise CodeError(f"code archive is not a readable .tar.gz: {exc}", fix=fix) from None
+    if not any(m.isfile() and m.name in (ENTRY_FILE, f"./{ENTRY_FILE}") for m in members):
+        raise CodeError(f"code archive holds no {ENTRY_FILE} at its top", fix=fix)
+    return members
+
+
+def _check_member(member: tarfile.TarInfo) -> None:
+    parts = Path(member.name).parts
+    unsafe = not member.isfile() and not member.isdir()
+    if unsafe or member.name.startswith("/") or ".." in parts or not parts:
+        raise CodeError(
+            f"code archive member {member.name!r} is not a plain file inside the job",
+            fix="pack the code with `orchestrator submit` (no links, no absolute paths)",
+        )
+
+
 def _unpack(packed: bytes, target: Path) -> None:
     target.mkdir(parents=True)
     root = target.resolve()
-    with tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz") as tar:
-        if sum(m.size for m in tar.getmembers()) > MAX_UNPACKED_BYTES:
-            raise CodeError(
-                f"code archive unpacks to over {MAX_UNPACKED_BYTES // 2**20} MiB",
-                fix="pack the code with `orchestrator submit`",
-            )
-        for member in tar.getmembers():
-            dest = (target / member.name).resolve()
-            unsafe = not member.isfile() and not member.isdir()
-            if unsafe or member.name.startswith("/") or not dest.is_relative_to(root):
-                raise CodeError(
-                    f"code archive member {member.name!r} is not a plain file inside the job",
-                    fix="pack the code with `orchestrator submit` (no links, no absolute paths)",
-                )
-        tar.extractall(target, filter="data")
+    members = _checked_members(packed)
+    for member in members:
+        if not (target / member.name).resolve().is_relative_to(root):
+            _check_member(tarfile.TarInfo("/" + member.name))  # raises: outside the job
+    try:
+        with tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz") as tar:
+            tar.extractall(target, members=members, filter="data")
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        raise CodeError(f"code archive could not be unpacked: {exc}", fix="submit again") from None
 
 
 def _pip_install(requirements: list[str], site: Path) -> None:

@@ -45,6 +45,9 @@ def test_the_api_stores_code_under_its_digest_and_checks_submissions(tmp_path: P
     refused = client.post("/v1/jobs", json=job, headers=AUTH)
     assert refused.status_code == 422 and "was not uploaded" in refused.json()["error"]["message"]
 
+    junk = b"any bytes at all"  # named by their own digest: still not code
+    refused = client.put(f"/v1/code/{code_ref(junk)}", content=junk, headers=AUTH)
+    assert refused.status_code == 400 and "not a readable .tar.gz" in refused.text
     stored = client.put(f"/v1/code/{ref}", content=packed, headers=AUTH)
     assert stored.status_code == 201 and stored.json() == {"code": ref, "bytes": len(packed)}
     assert client.post("/v1/jobs", json=job, headers=AUTH).status_code == 201

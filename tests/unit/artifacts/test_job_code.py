@@ -16,6 +16,7 @@ from moto import mock_aws
 
 from orchestrator.artifacts import CODE_FOLDER, Folder, LocalFolder, S3Folder
 from orchestrator.artifacts.code import (
+    MAX_MEMBERS,
     CodeError,
     code_ref,
     fetch_code,
@@ -95,22 +96,57 @@ def test_code_that_is_missing_or_corrupted_is_refused(store: Folder, tmp_path: P
         fetch_code(store, "sha256:../../etc", tmp_path / "cache")
 
 
-@pytest.mark.parametrize("name", ["../evil.py", "/etc/evil.py", "link"])
-def test_an_archive_member_outside_the_job_is_refused(tmp_path: Path, name: str) -> None:
+def _archive(members: list[tarfile.TarInfo | str], *, job: bool = True) -> bytes:
+    """A .tar.gz of `members` (a name: a 1-byte file), with job.py first unless not `job`."""
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:
-        info = tarfile.TarInfo(name)
-        if name == "link":
-            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
-            tar.addfile(info)
-        else:
-            info.size = 1
-            tar.addfile(info, io.BytesIO(b"x"))
+        for member in (["job.py"] if job else []) + members:
+            info = tarfile.TarInfo(member) if isinstance(member, str) else member
+            if info.isfile():
+                info.size = 1
+                tar.addfile(info, io.BytesIO(b"x"))
+            else:
+                tar.addfile(info)
+    return gzip.compress(raw.getvalue())
+
+
+def _link() -> tarfile.TarInfo:
+    info = tarfile.TarInfo("link")
+    info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    return info
+
+
+def _device() -> tarfile.TarInfo:
+    info = tarfile.TarInfo("dev")
+    info.type = tarfile.CHRTYPE
+    return info
+
+
+BAD_ARCHIVES = {
+    "parent": (_archive(["../evil.py"]), "not a plain file inside the job"),
+    "absolute": (_archive(["/etc/evil.py"]), "not a plain file inside the job"),
+    "link": (_archive([_link()]), "not a plain file inside the job"),
+    "device": (_archive([_device()]), "not a plain file inside the job"),
+    "no_job": (_archive(["helpers.py"], job=False), "holds no job.py"),
+    "many": (_archive([f"f{i}.py" for i in range(MAX_MEMBERS + 1)]), "over 10000 files"),
+    "not_gzip": (b"just some bytes, not an archive", "not a readable .tar.gz"),
+    "truncated": (_archive(["a.py"])[:40], "not a readable .tar.gz"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARCHIVES))
+def test_an_archive_that_is_not_a_jobs_code_is_refused_at_upload_and_at_fetch(
+    tmp_path: Path, case: str
+) -> None:
+    packed, message = BAD_ARCHIVES[case]
     store = LocalFolder(tmp_path / "store")
-    ref = store_code(store, gzip.compress(raw.getvalue()))
-    with pytest.raises(CodeError, match="not a plain file inside the job"):
+    with pytest.raises(CodeError, match=message):
+        store_code(store, packed)
+    ref = code_ref(packed)  # put there some other way (an older version, by hand)
+    store.sub(CODE_FOLDER).write_bytes(ref.removeprefix("sha256:") + ".tar.gz", packed)
+    with pytest.raises(CodeError, match=message):
         fetch_code(store, ref, tmp_path / "cache")
-    assert not (tmp_path / "evil.py").exists()
+    assert not (tmp_path / "evil.py").exists() and not Path("/etc/evil.py").exists()
     assert list((tmp_path / "cache").iterdir()) == []  # nothing half-made is left
 
 
