@@ -83,7 +83,8 @@ Clock = Callable[[], float]
 WEIGHTS_HEADER = "X-Orchestrator-Weights"  # final, or the checkpoint the weights come from
 DEFAULT_EVENTS_LIMIT = 1000
 MAX_EVENTS_LIMIT = 10_000
-_STREAM_ID_RE = re.compile(r"^(-|\d+(-\d+)?)$")
+#: "-", "<ms>" or "<ms>-<seq>": at most 19 digits each, so always within Redis's 64-bit ids.
+_STREAM_ID_RE = re.compile(r"^(-|\d{1,19}(-\d{1,19})?)$")
 
 
 def create_app(

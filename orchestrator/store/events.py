@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from orchestrator.store.models import JobState, RecordId
+from orchestrator.store.models import INT64_MAX, Count, JobState, RecordId
 
 
 class EventKind(StrEnum):
@@ -140,10 +140,10 @@ class StallEvent(_EventBase):
     (the runtime's view, an agent's last log line)."""
 
     kind: Literal[EventKind.STALL] = EventKind.STALL
-    attempt: Annotated[int, Field(ge=1)]
-    attempts: Annotated[int, Field(ge=1)]  # the attempt that fails the job
+    attempt: Annotated[int, Field(ge=1, le=INT64_MAX)]
+    attempts: Annotated[int, Field(ge=1, le=INT64_MAX)]  # the attempt that fails the job
     stalled_s: Annotated[float, Field(ge=0)]
-    iteration: Annotated[int, Field(ge=0)]
+    iteration: Count
     released: tuple[RecordId, ...] = ()
     reason: str = ""
 

@@ -25,6 +25,10 @@ NonNegative = Annotated[float, Field(ge=0)]
 INSTANCE_ENDED = "ended"
 
 _RECORD_CONFIG = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+#: Integers are stored and served as 64-bit (Redis, JSON readers, Prometheus): none above.
+INT64_MAX = 2**63 - 1
+#: A count from outside (a report, an event): 0 up to int64.
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class JobState(StrEnum):
@@ -113,7 +117,7 @@ class JobRecord(BaseModel):
     )
     budget_usd: Annotated[float, Field(gt=0)]
     state: JobState = JobState.QUEUED
-    version: Annotated[int, Field(ge=0)] = 0
+    version: Count = 0
     submitted_at: float
     updated_at: float
     spent_usd: NonNegative = 0.0
@@ -251,7 +255,7 @@ class InstanceWork(BaseModel):
 
     work_gpu_hours: NonNegative
     hours: NonNegative
-    gpus: Annotated[int, Field(ge=1)] | None = None
+    gpus: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
 
 
 class PipelineStageReport(BaseModel):
@@ -260,9 +264,9 @@ class PipelineStageReport(BaseModel):
 
     model_config = _RECORD_CONFIG
 
-    stage: Annotated[int, Field(ge=0)]
-    first_layer: Annotated[int, Field(ge=0)]
-    last_layer: Annotated[int, Field(ge=0)]
+    stage: Count
+    first_layer: Count
+    last_layer: Count
     nodes: tuple[Annotated[str, Field(max_length=128)], ...] = ()
 
 
@@ -274,8 +278,8 @@ class TrainingReport(BaseModel):
     model_config = _RECORD_CONFIG
 
     at_s: float
-    iteration: Annotated[int, Field(ge=0)]
+    iteration: Count
     loss: Annotated[float, Field(allow_inf_nan=False)] | None = None  # some losses go below 0
-    reassigned: Annotated[int, Field(ge=0)] = 0
-    stage_transitions: Annotated[int, Field(ge=0)] = 0
+    reassigned: Count = 0
+    stage_transitions: Count = 0
     stages: Annotated[tuple[PipelineStageReport, ...], Field(max_length=1024)] = ()

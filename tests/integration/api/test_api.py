@@ -513,8 +513,11 @@ def test_events_since_returns_only_newer_events(client: TestClient, store: Store
     ).json()
     assert [(e["kind"], e["at_s"]) for e in newer["events"]] == [("launch", 7.0)]
     assert newer["next_since"] == newer["events"][0]["id"]
-    bad = client.get(f"/v1/jobs/{job_id}/events", params={"since": "yesterday"}, headers=READ)
-    assert error_of(bad, 422)["field"] == "since"
+    for since in ("yesterday", "9" * 31, "1-" + "9" * 20):  # 20 digits: past 64 bits
+        bad = client.get(f"/v1/jobs/{job_id}/events", params={"since": since}, headers=READ)
+        assert error_of(bad, 422)["field"] == "since"
+    top = client.get(f"/v1/jobs/{job_id}/events", params={"since": "9" * 19}, headers=READ)
+    assert top.status_code == 200 and top.json()["events"] == []
 
 
 # --- health and metrics

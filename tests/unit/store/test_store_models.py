@@ -11,6 +11,7 @@ from orchestrator.store import (
     JobRecord,
     JobState,
     LedgerEntry,
+    TrainingReport,
 )
 
 
@@ -36,3 +37,19 @@ def test_transition_table_covers_every_state_and_terminal_states_go_nowhere() ->
 def test_ledger_entry_charge_must_match_price_and_billed_time() -> None:
     with pytest.raises(ValueError, match="charged_usd"):
         LedgerEntry.model_validate(charge().model_dump() | {"charged_usd": 5.0})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"iteration": 10**400},  # once stored, /metrics answered 500 until the next report
+        {"iteration": 2**63},
+        {"iteration": 1, "reassigned": 2**63},
+        {"iteration": 1, "stage_transitions": 10**30},
+        {"iteration": 1, "loss": float("nan")},
+    ],
+)
+def test_a_training_report_holds_only_numbers_a_reader_can_take(fields: dict) -> None:
+    with pytest.raises(ValueError):
+        TrainingReport(at_s=0.0, **fields)
+    TrainingReport(at_s=0.0, iteration=2**63 - 1)  # the largest int64 is fine
