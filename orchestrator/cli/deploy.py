@@ -45,7 +45,7 @@ ControllerIdOption = Annotated[
     str, typer.Option("--controller-id", help="Tag value scoping the controller's IAM.")
 ]
 StackOption = Annotated[
-    str | None, typer.Option("--stack", help="Stack name [orchestrator-<controller-id>].")
+    str | None, typer.Option("--stack", help="Stack name \\[orchestrator-<controller-id>].")
 ]
 RegionOption = Annotated[
     str | None, typer.Option("--region", help="AWS region [ORCHESTRATOR_REGION].")
@@ -119,7 +119,7 @@ def deploy(
         typer.Option(
             "--api-tls-secret",
             help='Secrets Manager ARN of the API\'s certificate and key, JSON {"certificate": '
-            'PEM, "private_key": PEM} [default: a self-signed one].',
+            'PEM, "private_key": PEM} \\[default: a self-signed one].',
         ),
     ] = None,
     template_out: TemplateOutOption = None,
@@ -293,7 +293,7 @@ def worker_start(
         str | None,
         typer.Option(
             "--agileml-controller",
-            help="The job's elasticity controller [the instance's tag].",
+            help="The job's elasticity controller \\[the instance's tag].",
         ),
     ] = None,
     token_secret: Annotated[

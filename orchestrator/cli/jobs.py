@@ -48,7 +48,7 @@ ApiOption = Annotated[
     str | None,
     typer.Option(
         "--api",
-        help="Controller API URL [default: $ORCHESTRATOR_API__URL, else the world of "
+        help="Controller API URL \\[default: $ORCHESTRATOR_API__URL, else the world of "
         "`orchestrator local up`, else http://127.0.0.1:8750].",
         show_default=False,
     ),
@@ -57,7 +57,7 @@ TokenOption = Annotated[
     str | None,
     typer.Option(
         "--token",
-        help="API token for submit/cancel [default: $ORCHESTRATOR_API__TOKEN].",
+        help="API token for submit/cancel \\[default: $ORCHESTRATOR_API__TOKEN].",
         show_default=False,
     ),
 ]
@@ -462,11 +462,11 @@ def cancel(
 def serve(
     host: Annotated[
         str | None,
-        typer.Option("--host", help="[default: $ORCHESTRATOR_API__HOST or 127.0.0.1]"),
+        typer.Option("--host", help="\\[default: $ORCHESTRATOR_API__HOST or 127.0.0.1]"),
     ] = None,
     port: Annotated[
         int | None,
-        typer.Option("--port", min=1, max=65535, help="[default: $ORCHESTRATOR_API__PORT or 8750]"),
+        typer.Option("--port", min=1, max=65535, help="\\[default: $ORCHESTRATOR_API__PORT or 8750]"),
     ] = None,
 ) -> None:
     """Serve the HTTP API on the store at ORCHESTRATOR_REDIS_URL (needs ORCHESTRATOR_API__TOKEN)."""

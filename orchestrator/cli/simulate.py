@@ -94,10 +94,10 @@ def simulate(
     starts: Annotated[
         int | None, typer.Option("--starts", help="Random start times [1000].")
     ] = None,
-    seed: Annotated[int | None, typer.Option("--seed", help="[default: 1]")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="\\[default: 1]")] = None,
     billing: BillingOption = None,
     reference_type: Annotated[
-        str | None, typer.Option("--reference-type", help="[default: p3.2xlarge]")
+        str | None, typer.Option("--reference-type", help="\\[default: p3.2xlarge]")
     ] = None,
     budget: Annotated[
         float | None, typer.Option("--budget", help="Job budget in USD (default: none).")
