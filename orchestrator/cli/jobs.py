@@ -466,7 +466,9 @@ def serve(
     ] = None,
     port: Annotated[
         int | None,
-        typer.Option("--port", min=1, max=65535, help="\\[default: $ORCHESTRATOR_API__PORT or 8750]"),
+        typer.Option(
+            "--port", min=1, max=65535, help="\\[default: $ORCHESTRATOR_API__PORT or 8750]"
+        ),
     ] = None,
 ) -> None:
     """Serve the HTTP API on the store at ORCHESTRATOR_REDIS_URL (needs ORCHESTRATOR_API__TOKEN)."""
