@@ -28,7 +28,7 @@ from orchestrator.bidbrain.errors import DeadlineError
 from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.bidbrain.policy import BidBrainSettings
 from orchestrator.market.catalog import Catalog, InstanceType
-from orchestrator.units import SECONDS_PER_HOUR
+from orchestrator.units import MAX_WORK_RATE, SECONDS_PER_HOUR
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 #: One V100: a reference-GPU-hour is an hour of it (work rate 1).
@@ -39,7 +39,6 @@ MAX_GPUS = 4096
 MAX_BUDGET_USD = 10_000_000.0
 MAX_WORK_GPU_HOURS = 10_000_000.0
 MAX_USD_PER_HOUR = 100_000.0
-MAX_WORK_RATE = 1_000.0  # reference GPUs (V100s) per GPU
 MAX_SECONDS_PER_ITERATION = 86_400.0
 
 

@@ -2,7 +2,8 @@
 package that does the work, and renders what it returns.
 
 User errors (bad files, bad options) print what is wrong and what to do, with no traceback,
-and exit with code 2; `--debug` shows the traceback.
+and exit with code 2; any other error prints one line and exits 1; `--debug` shows the
+traceback.
 
     app.py         the typer app, the consoles, option-name mapping for errors
     train.py       train (a user's job on local processes)
@@ -21,7 +22,7 @@ import sys
 import typer
 
 from orchestrator.cli.app import DEBUG, app, err
-from orchestrator.errors import UserError
+from orchestrator.errors import UserError, clip_middle
 from orchestrator.lifecycle import exit_on_signals
 
 __all__ = ["app", "main"]
@@ -59,6 +60,13 @@ def main() -> None:
     except _usage_errors() as exc:
         exc.show()  # type: ignore[attr-defined]
         sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, exit 1 (--debug: the traceback)
+        if DEBUG["on"]:
+            raise
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())
+        err.print(f"[bold red]internal error:[/bold red] {clip_middle(what, 300)}", highlight=False)
+        err.print("Run again with --debug for the traceback, and report it.", highlight=False)
+        sys.exit(1)
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:

@@ -3,6 +3,7 @@ settings to the options that set them (for error messages)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -71,6 +72,21 @@ def _root(
     ] = False,
 ) -> None:
     DEBUG["on"] = debug
+
+
+def finite(value: float, option: str, *, low: float, high: float) -> float:
+    """`value` if finite and within [low, high] (click's ranges let NaN through).
+
+    Raises:
+        UserError: it is not, naming `option`.
+    """
+    if not (math.isfinite(value) and low <= value <= high):
+        raise UserError(
+            f"{option}: {value} is not a number from {low:g} to {high:g}",
+            field=option,
+            fix=f"pass a finite {option} from {low:g} to {high:g}",
+        )
+    return value
 
 
 def rates_option(text: str | None, option: str) -> dict[str, str] | None:

@@ -421,7 +421,14 @@ def report(
         )
     with _client(api, token) as client:
         data = {"fleet": client.fleet_dashboard(), "job": client.job_dashboard(job_id)}
-    out_path.write_text(dashboard_html(data))
+    try:
+        out_path.write_text(dashboard_html(data))
+    except OSError as exc:  # a folder, a full disk, no permission
+        raise UserError(
+            f"cannot write {out_path}: {exc.strerror or exc}",
+            field="--out",
+            fix="pass --out a file path you can write (e.g. report.html)",
+        ) from None
     out.print(f"wrote {out_path} ({out_path.stat().st_size / 1024:.0f} KiB): job {job_id}")
 
 

@@ -12,8 +12,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from orchestrator.cli.app import app, out
+from orchestrator.cli.app import app, finite, out
 from orchestrator.errors import UserError
+from orchestrator.jobspec import MAX_USD_PER_HOUR
 from orchestrator.units import SECONDS_PER_HOUR
 
 
@@ -32,6 +33,8 @@ def risk(
     """Eviction risk of one market at one bid: β within the horizon and median time to eviction."""
     from orchestrator.market.risk import market_risk
 
+    finite(bid_delta, "--bid-delta", low=0.0, high=MAX_USD_PER_HOUR)
+    finite(horizon_hours, "--horizon-hours", low=1e-6, high=24.0 * 366)
     result = market_risk(
         instance_type,
         zone,

@@ -35,7 +35,10 @@ _LEVELS_FIX = "write workers-per-component:bytes-per-s from the lowest level up,
 
 @app.command("plan")
 def plan_command(
-    workers: Annotated[int, typer.Option("--workers", help="Workers (GPUs) to use, all of them.")],
+    workers: Annotated[
+        int,
+        typer.Option("--workers", min=1, max=4096, help="Workers (GPUs) to use, all of them."),
+    ],
     bandwidth: Annotated[
         float, typer.Option("--bandwidth", help="Link bandwidth in bytes/s (one flat level).")
     ],

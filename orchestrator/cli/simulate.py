@@ -12,7 +12,14 @@ from typing import IO, TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 from pydantic import ValidationError
 
-from orchestrator.cli.app import app, err, out, rates_option, validation_to_user_error
+from orchestrator.cli.app import (
+    app,
+    err,
+    finite,
+    out,
+    rates_option,
+    validation_to_user_error,
+)
 from orchestrator.errors import UserError
 
 if TYPE_CHECKING:  # the simulator loads only when a command runs
@@ -305,12 +312,13 @@ def ledger_check(
     from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
     from orchestrator.sim.ledger import verify_ledger
 
+    finite(tolerance, "--tolerance", low=0.0, high=1.0)
     history = TracePriceSource(prices or [bundled_prices_dir("us-east-1")]).all()
     expected = None
     if report is not None:
         try:
             expected = json.loads(report.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UserError(
                 f"cannot read report {report}: {exc}",
                 field="--report",

@@ -44,6 +44,11 @@ def read_price_file(path: Path) -> list[PriceSeries]:
         raise PriceDataError(
             f"cannot read price file {path}: {exc.strerror}", path=str(path)
         ) from None
+    except UnicodeDecodeError:
+        raise PriceDataError(
+            f"price file {path} is not text (a DescribeSpotPriceHistory JSON file is)",
+            path=str(path),
+        ) from None
     if not text.strip():
         raise PriceDataError(f"price file {path} is empty", path=str(path))
     try:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import zlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,24 +138,37 @@ def _ledger_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             f"cannot read ledger {path}: {exc.strerror}", path=str(path), fix=_LEDGER_FIX
         ) from None
     with handle:
-        for lineno, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError:
-                line = None
-            if not isinstance(line, dict):
-                missing = ["(not a JSON object)"]
-            else:
-                missing = [f for f in REQUIRED_FIELDS if f not in line]
-            if missing:
-                raise UserError(
-                    f"{path}:{lineno}: missing {', '.join(missing)}",
-                    path=str(path),
-                    fix=_LEDGER_FIX,
-                )
-            yield f"{path}:{lineno}", line
+        try:
+            yield from _checked_lines(path, handle)
+        except (UnicodeDecodeError, EOFError, OSError, zlib.error) as exc:  # binary, not gzip
+            raise UserError(
+                f"ledger {path} is not JSON lines{' (gzip)' if path.suffix == '.gz' else ''}: "
+                f"{exc}",
+                path=str(path),
+                fix=_LEDGER_FIX,
+            ) from None
+
+
+def _checked_lines(path: Path, handle: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each non-empty line of `handle` with every field (`_ledger_lines`)."""
+    for lineno, text in enumerate(handle, start=1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            line = None
+        if not isinstance(line, dict):
+            missing = ["(not a JSON object)"]
+        else:
+            missing = [f for f in REQUIRED_FIELDS if f not in line]
+        if missing:
+            raise UserError(
+                f"{path}:{lineno}: missing {', '.join(missing)}",
+                path=str(path),
+                fix=_LEDGER_FIX,
+            )
+        yield f"{path}:{lineno}", line
 
 
 def _numbers(where: str, line: dict[str, Any]) -> tuple[float, float, float, float, float]:

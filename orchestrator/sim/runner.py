@@ -35,7 +35,7 @@ from orchestrator.sim.engine import Run, RuntimeParams
 from orchestrator.sim.results import RunResult
 from orchestrator.sim.strategies import Strategy, get_strategies, run_oracle
 from orchestrator.sim.world import World
-from orchestrator.units import SECONDS_PER_HOUR
+from orchestrator.units import MAX_WORK_RATE, SECONDS_PER_HOUR
 
 DEFAULT_STRATEGIES = (
     "on-demand",
@@ -45,6 +45,10 @@ DEFAULT_STRATEGIES = (
     "bidbrain",
     "oracle",
 )
+
+
+#: A GPU model's work rate (reference GPUs per GPU).
+WorkRate = Annotated[float, Field(gt=0, le=MAX_WORK_RATE, allow_inf_nan=False)]
 
 
 class SimConfig(BaseModel):
@@ -73,10 +77,10 @@ class SimConfig(BaseModel):
     runtime: RuntimeParams = RuntimeParams()
     bidbrain: BidBrainSettings = BidBrainSettings()
     workers: Annotated[int, Field(ge=1, le=64)] | None = None
-    gpu_work_rates: dict[str, Annotated[float, Field(gt=0)]] | None = Field(
+    gpu_work_rates: dict[str, WorkRate] | None = Field(
         None, description="work rate per GPU model, merged over the catalog's (V100 = 1.0)"
     )
-    true_work_rates: dict[str, Annotated[float, Field(gt=0)]] | None = Field(
+    true_work_rates: dict[str, WorkRate] | None = Field(
         None,
         description="the job's real rate per GPU model where it differs from the stated ones "
         "(gpu_work_rates, else the catalog's): instances work at these; strategies that learn "

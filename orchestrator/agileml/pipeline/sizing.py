@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.agileml.pipeline.planner import plan
 from orchestrator.agileml.pipeline.profiler import ModelProfile
-from orchestrator.units import SECONDS_PER_HOUR
+from orchestrator.units import MAX_WORK_RATE, SECONDS_PER_HOUR
 
 
 class PipelineSizing(BaseModel):
@@ -38,7 +38,7 @@ class PipelineSizing(BaseModel):
     planned_per_s: Annotated[float, Field(gt=0)]
     parallel_efficiency: Annotated[float, Field(gt=0, le=1)]
     work_gpu_hours: Annotated[float, Field(gt=0)]
-    gpu_work_rates: dict[str, Annotated[float, Field(gt=0)]]
+    gpu_work_rates: dict[str, Annotated[float, Field(gt=0, le=MAX_WORK_RATE)]]
 
     def job_fields(self) -> dict[str, Any]:
         """The fields of a job submission (`orchestrator submit`) this sizing sets."""

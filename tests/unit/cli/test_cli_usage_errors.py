@@ -51,7 +51,26 @@ CASES: dict[str, tuple[tuple[str, ...], str]] = {
     "submit_bad_yaml": (("submit", "JOB_DIR/syntax.yaml"), "not valid YAML/JSON"),
     "submit_nested_too_deeply": (("submit", "JOB_DIR/deep.yaml"), "nests lists or mappings"),
     "risk_missing_option": (("risk",), "Missing option '--type'"),
+    # issue #33: inputs that once printed a traceback, or passed
+    "risk_binary_price_file": (("risk", "--type", "p3.2xlarge", "--zone", "us-east-1b",
+                                "--prices", "JOB_DIR/binary_prices"), "is not text"),
+    "risk_nan_bid": (("risk", "--type", "p3.2xlarge", "--zone", "us-east-1b",
+                      "--bid-delta", "nan"), "--bid-delta: nan is not a number"),
+    "risk_infinite_bid": (("risk", "--type", "p3.2xlarge", "--zone", "us-east-1b",
+                           "--bid-delta", "inf"), "--bid-delta: inf is not a number"),
+    "ledger_binary": (("ledger-check", "JOB_DIR/binary.jsonl"), "is not JSON lines"),
+    "ledger_binary_gz": (("ledger-check", "JOB_DIR/binary.jsonl.gz"), "is not JSON lines (gzip)"),
+    "ledger_binary_report": (("ledger-check", "JOB_DIR/binary.jsonl", "--report",
+                              "JOB_DIR/binary.jsonl"), "cannot read report"),
+    "ledger_nan_tolerance": (("ledger-check", "JOB_DIR/binary.jsonl", "--tolerance", "nan"),
+                             "--tolerance: nan is not a number"),
+    "plan_too_many_workers": (("plan", "--workers", "100000", "--bandwidth", "1e9"),
+                              "Invalid value for '--workers'"),
+    "simulate_huge_work_rate": (("simulate", "--gpu-work-rates", "V100=1e308", "--starts", "2"),
+                                "--gpu-work-rates"),
 }  # fmt: skip
+
+BINARY = bytes(range(256)) * 8  # not UTF-8, not gzip
 
 FILES = {
     "broken.py": "def model(:\n",
@@ -83,6 +102,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
     folder = tmp_path_factory.mktemp("cli-usage")
     for name, text in FILES.items():
         (folder / name).write_text(text)
+    (folder / "binary_prices").mkdir()
+    for name in ("binary_prices/prices.json", "binary.jsonl", "binary.jsonl.gz"):
+        (folder / name).write_bytes(BINARY[128:] + BINARY)
     commands = {
         case: [script, *(a.replace("JOB_DIR", str(folder)) for a in args)]
         for case, (args, _) in CASES.items()
