@@ -118,10 +118,12 @@ class SimulatedTraining:
             join = max(agent.launched_at, born_s) + p.join_grace_s
             rejoin = max(agent.dead_since or now_s, born_s) + p.rejoin_grace_s + tick_s
             due = max(join, rejoin) if agent.member_once else join
-            if now_s > due:
-                agent.ticks_overdue += 1
-                if agent.ticks_overdue >= OVERDUE_TICKS:
-                    self.overdue.add(iid)
+            if now_s <= due:  # inside a grace (a new controller's too): start again
+                agent.ticks_overdue = 0
+                continue
+            agent.ticks_overdue += 1
+            if agent.ticks_overdue >= OVERDUE_TICKS:
+                self.overdue.add(iid)
 
     def _member(self, agent: _Agent, now_s: float) -> bool:
         if not agent.alive(now_s):

@@ -62,6 +62,7 @@ class Processes:
     other_id_admitted: int = 0
     takeover_s: list[float] = field(default_factory=list)
     leader_died_at: float | None = None  # wall time of the leader's death, until a takeover
+    last_leader: Process | None = None  # the process that held the lease at the last tick
     _names: Any = field(default_factory=lambda: itertools.count(1))
 
     def start(self) -> Process:
@@ -108,8 +109,12 @@ class Processes:
                     process.lease.hold()
                 except NotLeaderError:
                     continue
-                except StoreError:  # Redis is down: no one acts this tick
+                except StoreError:  # Redis is down: no one acts this tick (and a takeover
+                    # is timed from when it is back: a lapsed lease cannot be seen before)
+                    if self.leader_died_at is not None:
+                        self.leader_died_at = time.monotonic()
                     return None
+                self.last_leader = process
                 if self.leader_died_at is not None:
                     self.takeover_s.append(time.monotonic() - self.leader_died_at)
                     self.leader_died_at = None

@@ -67,7 +67,7 @@ from orchestrator.cloud.local.redis_process import LocalRedis
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.controller.clock import ClockRewoundError
 from orchestrator.controller.lease import NotLeaderError
-from orchestrator.controller.wiring import patience, replay_clock
+from orchestrator.controller.wiring import controller_clock, patience
 from orchestrator.jobspec import JobSubmission
 from orchestrator.market.trace_source import bundled_prices_dir
 from orchestrator.settings import ControllerSettings, Settings
@@ -319,12 +319,13 @@ def _rewound_restart(soak: _Soak) -> None:
     """The leader is SIGKILLed and started again with the soak's --replay-start, hours back:
     its clock must continue from the store's mark."""
     mark = _safe(soak.store.clock_high_water, None)
-    if mark is None or not soak.processes.live:
+    leader = soak.processes.last_leader
+    if mark is None or leader is None or leader not in soak.processes.live:
         return
-    soak.processes.died(soak.processes.live[0])
+    soak.processes.died(leader)
     soak.processes.start()
-    clock = replay_clock(soak.settings, floor_s=mark)
-    restarted = clock.now() if clock is not None else soak.now
+    clock, _ = controller_clock(soak.settings, floor_s=mark)  # as `controller start` makes it
+    restarted = clock()
     if restarted < mark - 1.0:
         soak.clock_ran_back += 1
     soak.now = max(soak.now, restarted)

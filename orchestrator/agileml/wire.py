@@ -1,4 +1,4 @@
-"""The AgileML wire format: a JSON header plus raw tensor buffers, authenticated with HMAC.
+"""The AgileML wire format: a JSON header plus raw tensor buffers, authenticated (Poly1305).
 
 A message is a ZMQ multipart message `[auth, header, buffer_0, ..., buffer_k]`:
 
@@ -201,9 +201,7 @@ def encode(
     Args:
         header_fields: `kind`, `job_id`, `sender`, `seq` and optionally `partition`, `clock`,
             `detail`, `workers` (a list of names), `epoch`, `roster_version` (omitted when not
-            given); `v`
-            defaults to `PROTOCOL_VERSION` and `nonce` to a fresh random one (set them only to
-            test peers).
+            given); `v` defaults to `PROTOCOL_VERSION` (set it only to test peers).
         tensors: the buffers to send, in order; CPU copies are taken, inputs are not changed.
             With `zero_copy`, contiguous CPU tensors are framed in place instead: send with
             `copy=False` and do not change them until the message is sent.
@@ -301,6 +299,9 @@ def _tensors(header: Header, buffers: list[memoryview]) -> dict[str, torch.Tenso
     out: dict[str, torch.Tensor] = {}
     for spec, buf in zip(header.tensors, buffers, strict=True):
         dtype = DTYPES[spec.dtype]
+        if math.prod(d for d in spec.shape if d) > INT64_MAX // 8:  # even an empty one:
+            # torch cannot lay out a shape whose strides overflow 64 bits
+            raise WireError(WireReason.SCHEMA, f"tensor {spec.name!r}: shape {spec.shape}")
         expected = math.prod(spec.shape) * dtype.itemsize
         if len(buf) != expected:
             raise WireError(
@@ -335,16 +336,17 @@ def parse_json_body(tensors: Mapping[str, torch.Tensor]) -> Any:
     body = tensors.get("body")
     if body is None or body.dtype != torch.uint8 or body.dim() != 1:
         raise WireError(WireReason.SCHEMA, "control message without a uint8 `body`")
-    return parse_json(body.numpy().tobytes(), what="body")
+    # a body may carry a diverged loss (NaN, Infinity): its model decides what it accepts
+    return parse_json(body.numpy().tobytes(), what="body", non_finite=True)
 
 
 #: Nesting deeper than this is refused before it is parsed.
 MAX_JSON_DEPTH = 64
 
 
-def parse_json(raw: bytes, *, what: str = "header") -> Any:
+def parse_json(raw: bytes, *, what: str = "header", non_finite: bool = False) -> Any:
     """Strict, bounded JSON: UTF-8, nested at most `MAX_JSON_DEPTH` deep, integers within 64
-    bits, no NaN or Infinity.
+    bits, and no NaN, Infinity or number that overflows to one unless `non_finite`.
 
     Raises:
         WireError: BAD_JSON, saying why.
@@ -353,7 +355,14 @@ def parse_json(raw: bytes, *, what: str = "header") -> Any:
     if brackets > MAX_JSON_DEPTH and _depth(raw) > MAX_JSON_DEPTH:
         raise WireError(WireReason.BAD_JSON, f"{what}: nested over {MAX_JSON_DEPTH} deep")
     try:
-        return json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constant)
+        if non_finite:
+            return json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
+        return json.loads(
+            raw.decode("utf-8"),
+            parse_int=_bounded_int,
+            parse_float=_finite_float,
+            parse_constant=_no_constant,
+        )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError too
         raise WireError(WireReason.BAD_JSON, f"{what}: {str(exc)[:200]}") from None
 
@@ -386,6 +395,13 @@ def _bounded_int(text: str) -> int:
     value = int(text)
     if not -INT64_MAX - 1 <= value <= INT64_MAX:
         raise ValueError("integer outside 64 bits")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} overflows to {value}")
     return value
 
 

@@ -57,6 +57,7 @@ class ControllerJob:
         )
         for at_s in sorted(decided_at)[-(LAG_WINDOW + 1) :]:
             job.decided(at_s)
+        job._decided_at = None  # the time the controller was down is not a decision's lag
         return job
 
     def evicted_at(self, instances: Callable[[], Sequence[InstanceRecord]]) -> dict[Market, float]:

@@ -282,7 +282,10 @@ class Launch:
             if header.job_id != self.job_id or header.clock is None:
                 continue  # a late message of an earlier attempt
             if header.detail == "hello":
-                hellos[header.clock] = wire.parse_json_body(tensors)["inbox"]
+                try:
+                    hellos[header.clock] = str(wire.parse_json_body(tensors)["inbox"])
+                except (WireError, KeyError, TypeError):
+                    continue  # a malformed hello: dropped, the stage says hello again
                 if len(hellos) == workers:
                     self._send_peers(hellos)
             elif header.detail == "backup":

@@ -92,7 +92,11 @@ class StageLink:
                 continue  # unauthenticated or malformed: dropped unread
             ours = header.job_id == self.job_id  # not an earlier attempt's
             if ours and header.kind is MessageKind.PIPE and header.detail == "rewind":
-                raise Rewind(wire.parse_json_body(tensors), tensors)
+                try:
+                    body = wire.parse_json_body(tensors)
+                except WireError:
+                    continue  # a malformed rewind: dropped unread
+                raise Rewind(body, tensors)
             if (
                 ours
                 and header.kind is MessageKind.PIPE

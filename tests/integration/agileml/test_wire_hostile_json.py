@@ -207,3 +207,30 @@ def test_both_servers_answer_after_the_fuzz(
     _controller_answers(coordinator)
     print(f"wire fuzz: parameter server {dict(to_server.counts)}, stats {ps.stats()}; "
           f"elasticity controller {dict(to_controller.counts)}")  # fmt: skip
+
+
+HOSTILE_BODIES = [
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"op":"status","x":' + b"9" * 5000 + b"}",
+    b'{"op":true}',
+    b'{"op":"heartbeat","clock":NaN,"loss":Infinity}',
+    b'"\\ud800"',
+    b"\xff\xfe",
+]
+
+
+@pytest.mark.parametrize("body", HOSTILE_BODIES, ids=range(len(HOSTILE_BODIES)))
+def test_a_signed_control_message_with_a_hostile_body_reaches_neither_server_as_data(
+    server: tuple[ParamServer, Target], controller: tuple[Coordinator, Target], body: bytes
+) -> None:
+    """A valid, signed header (a node with the token, but a bug) over each hostile body."""
+    ps, to_server = server
+    coordinator, to_controller = controller
+    header = wire.canonical_json({"v": wire.PROTOCOL_VERSION, "kind": "control", "job_id": JOB,
+                                  "sender": "w0", "seq": 3, "partition": None, "clock": None,
+                                  "detail": None, "tensors": [{"name": "body", "dtype": "uint8",
+                                                               "shape": [len(body)]}]})  # fmt: skip
+    for target in (to_server, to_controller):
+        target.send([wire.sign([header, body], TOKEN), header, body])
+    _server_answers(ps)
+    _controller_answers(coordinator)

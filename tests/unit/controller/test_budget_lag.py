@@ -54,3 +54,7 @@ def test_a_restarted_controller_knows_how_late_the_jobs_decisions_came() -> None
     assert job.lag_reserve_s(3960.0) == LAG_FACTOR * 3600.0
     fresh = ControllerJob.of(record, BidBrainSettings())
     assert fresh.lag_reserve_s(3960.0) == 0.0  # what it knew before: nothing
+    # the hours the controller was down are not a decision's lag: a near-spent job is not
+    # ended for them at the first tick after the restart
+    steady = ControllerJob.of(record, BidBrainSettings(), [0.0, 120.0, 240.0])
+    assert steady.lag_reserve_s(240.0 + 3 * 3600.0) == LAG_FACTOR * 120.0
