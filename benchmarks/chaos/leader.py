@@ -29,8 +29,10 @@ from orchestrator.settings import Settings
 from orchestrator.store import RedisStore, StoreError
 
 #: The lease's time to live in the soak (real seconds): a tick longer than this loses it (the
-#: fence stops the rest of that tick) and takes it again at the next.
-LEASE_TTL_S = 2.0
+#: fence stops the rest of that tick) and takes it again at the next. At 2 s, one tick in nine
+#: of a full soak on a busy machine lost it that way; inside a long lag such failed decisions
+#: stretch a gap past the budget's reserve (production's lease lives 1.5 decision intervals).
+LEASE_TTL_S = 5.0
 #: A takeover may take the time to live and this much more (the standby's polling).
 TAKEOVER_SLACK_S = 1.0
 #: Real seconds between a standby's looks at a lapsed lease.

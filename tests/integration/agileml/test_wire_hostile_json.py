@@ -152,28 +152,21 @@ FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None,
                                        HealthCheck.too_slow])  # fmt: skip
 
 
+@pytest.mark.parametrize("target", ["server", "controller"])
 @pytest.mark.parametrize("how", HOW)
 @FUZZ
 @given(header=HEADERS, body=JSON)
-def test_the_parameter_server_outlives_hostile_json(
-    server: tuple[ParamServer, Target], header: str, body: str, how: str
+def test_a_live_server_outlives_hostile_json(
+    request: pytest.FixtureRequest, target: str, header: str, body: str, how: str
 ) -> None:
-    ps, target = server
-    target.counts[how] += 1
-    target.send(_hostile_frames(header, body, how))
-    _server_answers(ps)
-
-
-@pytest.mark.parametrize("how", HOW)
-@FUZZ
-@given(header=HEADERS, body=JSON)
-def test_the_elasticity_controller_outlives_hostile_json(
-    controller: tuple[Coordinator, Target], header: str, body: str, how: str
-) -> None:
-    coordinator, target = controller
-    target.counts[how] += 1
-    target.send(_hostile_frames(header, body, how))
-    _controller_answers(coordinator)
+    """`server`: a parameter server; `controller`: an elasticity controller."""
+    served, to_it = request.getfixturevalue(target)
+    to_it.counts[how] += 1
+    to_it.send(_hostile_frames(header, body, how))
+    if target == "server":
+        _server_answers(served)
+    else:
+        _controller_answers(served)
 
 
 @pytest.mark.parametrize("how", HOW)
