@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pydantic import SecretStr
 
 from orchestrator.controller.core import TickReport
-from orchestrator.controller.lease import FleetLease
+from orchestrator.controller.lease import FencedStore, FleetLease
 from orchestrator.controller.service import ControllerService
 from orchestrator.controller.wiring import Clock, build_controller, controller_clock, ec2_client
 from orchestrator.errors import UserError
@@ -74,7 +74,8 @@ def running_controller(
         )
         lease.bind()  # another controller's store is refused before anything starts
         clock, speed = controller_clock(settings, floor_s=store.clock_high_water())
-        training = training_host(settings, store)
+        # the training host's writes (ports, reports, progress) are fenced as the tick's are
+        training = training_host(settings, FencedStore(store, lease).as_store())
         controller = build_controller(
             settings,
             store=store,
