@@ -44,7 +44,7 @@ from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.cloud.protocol import Cloud
 from orchestrator.cloud.reconcile import Reconciler
 from orchestrator.controller.clock import check_clock
-from orchestrator.controller.job import ControllerJob, last_decisions
+from orchestrator.controller.job import ControllerJob, DecisionLag, last_decisions
 from orchestrator.controller.market_view import MarketView, price_at
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.rates import RateLearning
@@ -150,6 +150,8 @@ class Controller:
         self._doomed: set[str] = set()
         self._market = MarketView(self.catalog)
         self._jobs: dict[str, ControllerJob] = {}  # running jobs: their typed spec and state
+        self._ticks = DecisionLag()  # how late this controller's ticks come: a job new to
+        # a lagging controller has no lag of its own yet, and its budget must hold all the same
         self._rates = RateLearning(store, self.catalog)  # the jobs' learned work rates
 
     # -- inputs from outside the tick -----------------------------------------------------
@@ -193,6 +195,7 @@ class Controller:
             except ConflictError:
                 # the job changed under us (a cancel through the API): the next tick re-reads it
                 log.info("job changed during the tick", extra={"job_id": job.job_id})
+        self._ticks.decided(now_s)
         return report
 
     # -- observe --------------------------------------------------------------------------
@@ -348,7 +351,7 @@ class Controller:
             doomed=self._doomed,
             unavailable=self.availability.unavailable(now_s, table.markets),
             last_eviction_s=owner.evicted_at(lambda: self.store.list_instances(job.job_id)),
-            lag_reserve_s=owner.lag_reserve_s(now_s),
+            lag_reserve_s=max(owner.lag_reserve_s(now_s), self._ticks.reserve_s(now_s)),
         )
         decision = policy.decide(inp)
         owner.decided(now_s)

@@ -34,6 +34,28 @@ LAG_WINDOW = 10
 
 
 @dataclass
+class DecisionLag:
+    """How late decisions came: the last one, and the gaps between the last `LAG_WINDOW`."""
+
+    decided_at: float | None = None
+    gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))
+
+    def reserve_s(self, now_s: float) -> float:
+        """The budget's reserve past the next decision that the lag calls for: `LAG_FACTOR`
+        times the longest recent gap (the one ending now too)."""
+        gaps = list(self.gaps_s)
+        if self.decided_at is not None:
+            gaps.append(now_s - self.decided_at)
+        return LAG_FACTOR * max(gaps, default=0.0)
+
+    def decided(self, now_s: float) -> None:
+        """A decision was made at `now_s`."""
+        if self.decided_at is not None:
+            self.gaps_s.append(max(now_s - self.decided_at, 0.0))
+        self.decided_at = now_s
+
+
+@dataclass
 class ControllerJob:
     """One job's typed submission and BidBrain state (see the module docstring)."""
 
@@ -43,8 +65,7 @@ class ControllerJob:
     prices_seen: dict[str, float] = field(default_factory=dict)
     # market -> when it last evicted one of the job's instances; None: not read yet
     _evictions: dict[Market, float] | None = None
-    _decided_at: float | None = None  # the job's last decision here
-    _gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))
+    lag: DecisionLag = field(default_factory=DecisionLag)  # of the job's decisions here
 
     @classmethod
     def of(
@@ -57,7 +78,7 @@ class ControllerJob:
         )
         for at_s in sorted(decided_at)[-(LAG_WINDOW + 1) :]:
             job.decided(at_s)
-        job._decided_at = None  # the time the controller was down is not a decision's lag
+        job.lag.decided_at = None  # the time the controller was down is not a decision's lag
         return job
 
     def evicted_at(self, instances: Callable[[], Sequence[InstanceRecord]]) -> dict[Market, float]:
@@ -78,18 +99,12 @@ class ControllerJob:
         self._evictions = None
 
     def lag_reserve_s(self, now_s: float) -> float:
-        """The budget's reserve past the next decision that the decisions' lag calls for:
-        `LAG_FACTOR` times the longest recent gap between them (the one ending now too)."""
-        gaps = list(self._gaps_s)
-        if self._decided_at is not None:
-            gaps.append(now_s - self._decided_at)
-        return LAG_FACTOR * max(gaps, default=0.0)
+        """The budget's reserve the job's own decisions' lag calls for (`DecisionLag`)."""
+        return self.lag.reserve_s(now_s)
 
     def decided(self, now_s: float) -> None:
         """The job was decided for at `now_s`."""
-        if self._decided_at is not None:
-            self._gaps_s.append(max(now_s - self._decided_at, 0.0))
-        self._decided_at = now_s
+        self.lag.decided(now_s)
 
     def prices_changed(self, seen: dict[str, float]) -> bool:
         """Whether the decision saw other prices than the last one recorded (kept if so)."""

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.budget_lag import run
+from benchmarks.budget_lag import T0, run
 from orchestrator.bidbrain.policy import BidBrainSettings
+from orchestrator.cloud.memory import InMemoryCloud, InMemoryEC2
 from orchestrator.controller.job import LAG_FACTOR, ControllerJob, last_decisions
+from orchestrator.controller.wiring import build_controller
 from orchestrator.jobspec import JobSubmission
+from orchestrator.market.trace_source import TracePriceSource, bundled_prices_dir
+from orchestrator.settings import Settings
 from orchestrator.store import JobRecord, MemoryStore
 from orchestrator.store.events import DecisionEvent, StateEvent
 
@@ -58,3 +62,24 @@ def test_a_restarted_controller_knows_how_late_the_jobs_decisions_came() -> None
     # ended for them at the first tick after the restart
     steady = ControllerJob.of(record, BidBrainSettings(), [0.0, 120.0, 240.0])
     assert steady.lag_reserve_s(240.0 + 3 * 3600.0) == LAG_FACTOR * 120.0
+
+
+def test_a_job_new_to_a_lagging_controller_keeps_its_budget() -> None:
+    """Found by the chaos soak: a job submitted while the controller ticked an hour apart had
+    no lag of its own, bought what a 15-minute reserve allowed, and went over its budget by
+    the next tick. The controller's own tick gaps count for every job."""
+    now = [T0]
+    store = MemoryStore()
+    cloud = InMemoryCloud("us-east-1", "lag", ec2=InMemoryEC2(clock=lambda: now[0]))
+    prices = TracePriceSource([bundled_prices_dir("us-east-1")])
+    ctl = build_controller(Settings(), store=store, cloud=cloud, prices=prices)
+    for _ in range(3):  # lagging: an hour between ticks, no job yet
+        ctl.tick(now[0])
+        now[0] += 3600.0
+    sub = JobSubmission(name="new", budget_usd=3.76, work_gpu_hours=2.5, max_gpus=4.0,
+                        instance_types=("p3.2xlarge", "p3.8xlarge"))  # fmt: skip
+    store.create_job(JobRecord.submit("job-1", sub.model_dump(mode="json"), 3.76, now[0]))
+    for _ in range(3):
+        ctl.tick(now[0])
+        now[0] += 3600.0
+    assert ctl.spend_usd("job-1", now[0]) <= 3.76 + 1e-6
