@@ -4,5 +4,7 @@ from __future__ import annotations
 
 SECONDS_PER_HOUR = 3600.0
 SECONDS_PER_DAY = 86400.0
+#: The largest integer stored or sent (Redis, JSON readers, Prometheus take 64-bit ones).
+INT64_MAX = 2**63 - 1
 #: A GPU's work rate, in reference GPUs (V100s): none does more than this.
 MAX_WORK_RATE = 1_000.0

@@ -67,6 +67,7 @@ class SimulatedTraining:
     trained_gpu_h: dict[str, float] = field(default_factory=dict)
     saved: set[str] = field(default_factory=set)  # jobs whose final weights were kept
     restarts: Counter[str] = field(default_factory=Counter)
+    sigma_s: dict[str, float] = field(default_factory=dict)  # job -> σ
     overdue: set[str] = field(default_factory=set)  # instances that broke the invariant
     released_s: list[float] = field(default_factory=list)  # agent death -> instance gone
     running: frozenset[str] = frozenset()  # running in EC2 at the last `advance`
@@ -135,11 +136,14 @@ class SimulatedTraining:
         return True
 
     def _sigma(self, job_id: str) -> float:
-        try:
-            spec = self.store.get_job(job_id).spec
-        except StoreError:
-            return DEFAULT_SIGMA_S
-        return float(spec.get("app", {}).get("add_overhead_s", DEFAULT_SIGMA_S))
+        """σ of the job (its spec never changes: read once)."""
+        if job_id not in self.sigma_s:
+            try:
+                spec = self.store.get_job(job_id).spec
+            except StoreError:
+                return DEFAULT_SIGMA_S
+            self.sigma_s[job_id] = float(spec.get("app", {}).get("add_overhead_s", DEFAULT_SIGMA_S))
+        return self.sigma_s[job_id]
 
     # -- the controller's port (`JobTraining`) -----------------------------------------------
 

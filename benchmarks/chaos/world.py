@@ -128,6 +128,7 @@ class _Soak:
     first_kinds: list[str] | None = None  # kinds not injected yet
     recent: list[str] = field(default_factory=list)  # the last faults, for the findings
     overran: dict[str, str] = field(default_factory=dict)  # job -> the faults before
+    budgets: dict[str, float] = field(default_factory=dict)  # job -> its budget (USD)
     broken_since: tuple[str, float] | None = None  # (fault kind, wall time) until a good tick
     redis_kill_in_s: float | None = None  # kill Redis this long into the next tick
     hung: int = 0
@@ -203,6 +204,7 @@ def _submit_wave(soak: _Soak) -> None:
                             instance_types=("p3.2xlarge", "p3.8xlarge"))  # fmt: skip
         with contextlib.suppress(StoreError):  # Redis down at that moment: one job fewer
             soak.jobs.append(submit_job(soak.store, job, now_s=soak.now).job_id)
+            soak.budgets[soak.jobs[-1]] = job.budget_usd
 
 
 def _step(soak: _Soak) -> None:
@@ -428,8 +430,8 @@ def _check_spend(soak: _Soak) -> None:
         if spent < seen - 1e-6:
             soak.spend_went_down.append(f"{job_id}: ${seen:.4f} -> ${spent:.4f}")
         soak.spend_seen[job_id] = max(seen, spent)
-        budget = _safe(lambda job_id=job_id: soak.store.get_job(job_id).budget_usd, None)
-        if budget is not None and spent > budget and job_id not in soak.overran:
+        budget = soak.budgets[job_id]
+        if spent > budget and job_id not in soak.overran:
             at = f"{soak.now - soak.start:.0f}s"
             soak.overran[job_id] = f"${spent:.2f} of ${budget:.2f} at {at} after {soak.recent}"
 

@@ -34,6 +34,7 @@ from orchestrator.agileml.errors import HandoffError, ServerError, WireError, Wi
 from orchestrator.agileml.rejections import ROUTINE_REJECTIONS, RejectedError, RejectReason
 from orchestrator.agileml.usercode import JobCodeError, failure_report
 from orchestrator.agileml.wire import Header, MessageKind
+from orchestrator.units import INT64_MAX
 
 MAX_DETAIL_CHARS = 512  # a reply's `detail` (wire.Header)
 
@@ -373,4 +374,4 @@ def _authenticated_seq(frames: list[Any]) -> int:
     except WireError:
         return 0
     seq = header.get("seq") if isinstance(header, dict) else None
-    return seq if type(seq) is int and 0 <= seq <= wire.INT64_MAX else 0
+    return seq if type(seq) is int and 0 <= seq <= INT64_MAX else 0

@@ -42,6 +42,7 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.agileml.errors import WireError, WireReason
+from orchestrator.units import INT64_MAX
 
 PROTOCOL_VERSION = 3
 # 256 MiB: a generous bound for one partition of a large model; a DoS guard, not a quota.
@@ -51,7 +52,6 @@ MAX_HEADER_BYTES = 1024 * 1024
 NONCE_BYTES = 16  # 128 random bits per message
 TAG_BYTES = 16  # Poly1305
 AUTH_BYTES = NONCE_BYTES + TAG_BYTES
-INT64_MAX = 2**63 - 1
 _KEY_LABEL = b"agileml/poly1305-key/"
 ZERO_COPY_MIN_BYTES = 4096  # smaller buffers are copied (ZMQ may store them unaligned)
 MAX_WORKERS = 4096  # bound on the `workers` list of a handoff header (a DoS guard)

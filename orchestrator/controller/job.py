@@ -76,8 +76,8 @@ class ControllerJob:
         job = cls(
             record.job_id, JobSubmission.model_validate(record.spec), RenewalSchedule(settings)
         )
-        for at_s in sorted(decided_at)[-(LAG_WINDOW + 1) :]:
-            job.decided(at_s)
+        for at_s in sorted(decided_at):
+            job.decided(at_s)  # the deque keeps the last LAG_WINDOW gaps
         job.lag.decided_at = None  # the time the controller was down is not a decision's lag
         return job
 

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from orchestrator.store.models import INT64_MAX, Count, JobState, RecordId
+from orchestrator.store.models import Count, JobState, RecordId
+from orchestrator.units import INT64_MAX
 
 
 class EventKind(StrEnum):

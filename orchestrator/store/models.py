@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from orchestrator.market.billing import BilledInterval
-from orchestrator.units import SECONDS_PER_HOUR
+from orchestrator.units import INT64_MAX, SECONDS_PER_HOUR
 
 #: Ids appear inside Redis keys (`{namespace}:job:{job_id}:ledger`), so they may not hold ":"
 #: (that could make one job's key collide with another's sub-key).
@@ -25,8 +25,6 @@ NonNegative = Annotated[float, Field(ge=0)]
 INSTANCE_ENDED = "ended"
 
 _RECORD_CONFIG = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-#: Integers are stored and served as 64-bit (Redis, JSON readers, Prometheus): none above.
-INT64_MAX = 2**63 - 1
 #: A count from outside (a report, an event): 0 up to int64.
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
