@@ -27,6 +27,7 @@ import zmq
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from orchestrator.agileml import wire
+from orchestrator.agileml.drops import DropLog
 from orchestrator.agileml.errors import WireError
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.straggler.protocol import PEER_MESSAGE, PeerMessage
@@ -60,6 +61,7 @@ class PeerLink:
         self._out: dict[str, zmq.Socket[Any]] = {}
         self._seq = 0
         self.sent = self.dropped_out = self.refused_in = 0
+        self._drops = DropLog(log, "dropped a peer message", worker=worker_id)
 
     def _bind(self, host: str) -> zmq.Socket[Any]:
         sock = self._ctx.socket(zmq.PULL)
@@ -119,7 +121,7 @@ class PeerLink:
                 message = PEER_MESSAGE.validate_python(wire.parse_json_body(tensors))
             except (WireError, ValidationError) as exc:
                 self.refused_in += 1
-                log.warning("dropped a peer message", extra={"error": str(exc)[:200]})
+                self._drops.drop(str(exc))
                 continue
             tensors.pop("body", None)
             return header.sender, header.epoch, message, tensors

@@ -38,8 +38,11 @@ from orchestrator.straggler.spec import StragglerSpec
 
 log = logging.getLogger(__name__)
 
-Clock = Annotated[int, Field(ge=0)]
-Row = Annotated[int, Field(ge=0)]
+# from a peer over the wire: a bool is no number, and a timer is finite
+Clock = Annotated[int, Field(ge=0, strict=True)]
+Row = Annotated[int, Field(ge=0, strict=True)]
+Id = Annotated[int, Field(ge=0, strict=True)]  # an assignment or a roster version
+Timer = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Message(BaseModel):
@@ -52,7 +55,7 @@ class Progress(_Message):
     """A potential helper reached its progress checkpoint of `clock` at `timer`."""
 
     type: Literal["progress"] = "progress"
-    timer: float
+    timer: Timer
 
 
 class Listening(_Message):
@@ -71,12 +74,12 @@ class DoThis(_Message):
     `roster_version`, offered as `assignment` (unique per sender and epoch) at `timer`."""
 
     type: Literal["do_this"] = "do_this"
-    assignment: Annotated[int, Field(ge=0)]
-    roster_version: Annotated[int, Field(ge=0)] = 0
+    assignment: Id
+    roster_version: Id = 0
     start: Row
     end: Row
-    rows: Annotated[int, Field(ge=1)]
-    timer: float
+    rows: Annotated[int, Field(ge=1, strict=True)]
+    timer: Timer
 
     @model_validator(mode="after")
     def _range(self) -> DoThis:
@@ -89,15 +92,15 @@ class Begun(_Message):
     """The sender has started on `assignment`."""
 
     type: Literal["begun"] = "begun"
-    assignment: Annotated[int, Field(ge=0)]
+    assignment: Id
 
 
 class Cancel(_Message):
     """The sender withdraws `assignments` (offers it had no `begun` for) at `timer`."""
 
     type: Literal["cancel"] = "cancel"
-    timer: float
-    assignments: tuple[Annotated[int, Field(ge=0)], ...]
+    timer: Timer
+    assignments: tuple[Id, ...]
 
 
 class Completed(_Message):
@@ -105,8 +108,8 @@ class Completed(_Message):
     helpee (the helper is leaving). The update of the done rows travels with the message."""
 
     type: Literal["completed"] = "completed"
-    assignment: Annotated[int, Field(ge=0)]
-    roster_version: Annotated[int, Field(ge=0)] = 0  # the offer's: whose rows were computed
+    assignment: Id
+    roster_version: Id = 0  # the offer's: whose rows were computed
     start: Row
     end: Row
     done_end: Row

@@ -27,6 +27,7 @@ from safetensors.torch import load as load_entries
 from safetensors.torch import save as save_entries
 
 from orchestrator.agileml import wire
+from orchestrator.agileml.drops import DropLog
 from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.pipeline.launch import Backups
 from orchestrator.agileml.wire import MessageKind
@@ -64,6 +65,8 @@ class BackupHolder:
         self._stop = threading.Event()
         self._seq = 0
         self._thread = threading.Thread(target=self._serve, name="backup-holder", daemon=True)
+        self._drops = DropLog(log, "backup holder dropped a message", job_id=job_id)
+        self.crashed: str | None = None  # why its thread ended, if it failed
 
     def start(self) -> None:
         self._thread.start()
@@ -118,21 +121,28 @@ class BackupHolder:
         return out
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self.inbox.poll(100):
-                continue
+        try:
+            while not self._stop.is_set():
+                if self.inbox.poll(100):
+                    self._receive(self.inbox.recv_multipart())
+        except Exception as exc:  # the socket itself failed: its node fails on it
+            log.exception("backup holder crashed", extra={"job_id": self.job_id})
+            self.crashed = f"the backup holder stopped serving: {exc!r}"
+
+    def _receive(self, frames: list[bytes]) -> None:
+        try:
+            header, tensors = wire.decode(frames, self._token)
+        except WireError as exc:
+            self._drops.drop(str(exc))  # not ours or malformed: dropped unread
+            return
+        with self._lock:
+            if header.job_id != self.attempt or header.detail != "backup":
+                return  # an earlier attempt's
             try:
-                header, tensors = wire.decode(self.inbox.recv_multipart(), self._token)
-            except WireError:
-                continue  # not ours or malformed: dropped unread
-            with self._lock:
-                if header.job_id != self.attempt or header.detail != "backup":
-                    continue  # an earlier attempt's
-                try:
-                    self._file(header, tensors)
-                    self._forward(header, tensors)
-                except Exception:  # noqa: BLE001 - one message never ends the loop
-                    log.warning("backup holder dropped a backup", exc_info=True)
+                self._file(header, tensors)
+                self._forward(header, tensors)
+            except Exception as exc:  # noqa: BLE001 - one message never ends the loop
+                self._drops.drop(f"handling a backup failed: {exc!r}")
 
     def _file(self, header: wire.Header, tensors: dict[str, torch.Tensor]) -> None:
         try:

@@ -150,7 +150,8 @@ class HostedPipeline:
 
     @property
     def error(self) -> str | None:
-        return self._error
+        """Why the job failed: the supervisor's error, or its node server's crash."""
+        return self._error or self.pool.crashed
 
     @property
     def done(self) -> bool:
@@ -265,6 +266,8 @@ class HostedPipeline:
     def _wait_nodes(self, count: int, timeout_s: float = math.inf) -> list[str] | None:
         deadline = time.monotonic() + timeout_s
         while not self._halt.is_set() and time.monotonic() < deadline:
+            if self.pool.crashed:
+                return None  # `error` says why
             busy = self.pool.busy()
             nodes = [n for n in self.pool.nodes() if n not in busy]
             if len(nodes) >= count:

@@ -36,7 +36,7 @@ import torch
 import zmq
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.errors import WireError
+from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.jobcode import resolve_code
 from orchestrator.agileml.node import NodeResult
 from orchestrator.agileml.pipeline.holder import BackupHolder
@@ -171,6 +171,8 @@ class PipelineNode:
         next_beat = 0.0
         notified = False
         while not self._stop.is_set():
+            if self.holder is not None and self.holder.crashed:
+                raise AgileMLError(self.holder.crashed)  # the cut it held is unreachable
             if time.monotonic() >= next_beat:
                 self._send(sock, "heartbeat", {})
                 next_beat = time.monotonic() + self.heartbeat_s

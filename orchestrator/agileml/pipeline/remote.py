@@ -34,12 +34,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import zmq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.agileml import wire
+from orchestrator.agileml.drops import DropLog
 from orchestrator.agileml.errors import WireError
 from orchestrator.agileml.wire import MessageKind
 
@@ -52,6 +54,15 @@ POLL_MS = 50
 EXIT_REPORT_S = 60.0
 #: Worker names the pool hands out (`stage{k}.{r}-{attempt}`): plain file names.
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class Registration(BaseModel):
+    """A node's `register` (and `hello`) body."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    host: str = Field(default="", max_length=253)
+    tier: Literal["reliable", "transient"] = "transient"
 
 
 def file_tensors(files: dict[str, bytes]) -> dict[str, torch.Tensor]:
@@ -175,6 +186,8 @@ class NodePool:
         self._waiting: dict[int, threading.Event] = {}  # requests not answered yet
         self._answers: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
         self._rid = 0
+        self._drops = DropLog(log, "pipeline node message dropped", job_id=job_id)
+        self.crashed: str | None = None  # why the pool's thread ended, if it failed
 
     def start(self) -> None:
         self._thread.start()
@@ -273,19 +286,26 @@ class NodePool:
             self._outbox.append((node, detail, {**wire.json_body(body), **(files or {})}))
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            self._flush()
-            if self.sock.poll(POLL_MS):
-                while True:
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._receive(frames)
-                    except Exception as exc:  # noqa: BLE001 - one bad message, not the pool
-                        log.warning("pipeline node message dropped", extra={"error": repr(exc)})
-            self._expire(time.monotonic())
+        try:
+            while not self._stop.is_set():
+                self._flush()
+                if self.sock.poll(POLL_MS):
+                    self._receive_all()
+                self._expire(time.monotonic())
+        except Exception as exc:  # the socket itself failed: the nodes can no longer reach it
+            log.exception("pipeline node server crashed", extra={"job_id": self.job_id})
+            self.crashed = f"the pipeline's node server stopped serving: {exc!r}"
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._receive(frames)
+            except Exception as exc:  # noqa: BLE001 - one bad message never ends the loop
+                self._drops.drop(f"handling failed: {exc!r}")
 
     def _flush(self) -> None:
         while self._outbox:
@@ -306,14 +326,17 @@ class NodePool:
 
     def _receive(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
+            self._drops.drop("a frame without a routing identity")
             return
         identity = frames[0]
         try:
             header, tensors = wire.decode(frames[1:], self._token)
             body = wire.parse_json_body(tensors)
-        except WireError:
-            return  # not ours or malformed: dropped unread
+        except WireError as exc:
+            self._drops.drop(str(exc))  # not ours or malformed: dropped unread
+            return
         if not isinstance(body, dict):
+            self._drops.drop("a body that is not an object")
             return
         if header.job_id != self.job_id or header.kind is not MessageKind.PIPE:
             return
@@ -324,7 +347,12 @@ class NodePool:
             self._send(identity, "welcome", wire.json_body(self.welcome))
             return
         if header.detail == "register":
-            self._register(node_id, identity, body, now)
+            try:
+                registration = Registration.model_validate(body)
+            except ValidationError as exc:
+                self._drops.drop(f"a malformed register: {exc.errors()[0]['msg']}")
+                return
+            self._register(node_id, identity, registration, now)
             return
         with self._lock:
             node = self._nodes.get(node_id)
@@ -357,18 +385,15 @@ class NodePool:
             (self.out_dir / f"{stage.name}.log").write_text(str(body["log"]))
         stage.exited(int(body.get("code", 1)), str(body.get("stdout", "")))
 
-    def _register(self, node_id: str, identity: bytes, body: dict[str, Any], now: float) -> None:
+    def _register(
+        self, node_id: str, identity: bytes, registration: Registration, now: float
+    ) -> None:
         with self._lock:
             self._hellos.pop(node_id, None)
             old = self._nodes.pop(node_id, None)
-            self._nodes[node_id] = RemoteNode(
-                node_id,
-                identity,
-                str(body.get("host", "")),
-                str(body.get("tier", "transient")),
-                now,
-                registered_at=now,
-            )
+            node = RemoteNode(node_id, identity, registration.host, registration.tier, now)
+            node.registered_at = now
+            self._nodes[node_id] = node
         if old is not None:  # it restarted: what it ran is gone
             self._lose_workers(old)
         self.events.append(f"registered {node_id}")

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.hosting import host_training
 from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.pipeline.hosted import HostedPipeline
@@ -372,3 +373,56 @@ def test_a_restarted_supervisor_resumes_from_the_reliable_holders_cut(tmp_path):
             second.stop()
         shutil.rmtree(first.out_dir, ignore_errors=True)
     nodes.join()
+
+
+def test_a_crashed_node_server_fails_the_job_with_its_reason(monkeypatch):
+    """Issue #33: a serving thread is never silently dead. The pool's socket failing ends its
+    thread; the hosted job's `error` says why (the controller fails the job on it)."""
+    hosted = host_training(_spec(4), token=secrets.token_bytes(32), host="127.0.0.1", port=0)
+    assert isinstance(hosted, HostedPipeline)
+    try:
+
+        def broken(now: float) -> None:
+            raise zmq.ZMQError(zmq.ETERM, "the socket died")
+
+        monkeypatch.setattr(hosted.pool, "_expire", broken)
+        deadline = time.monotonic() + 10.0
+        while hosted.error is None:
+            assert time.monotonic() < deadline, "the crash was not reported"
+            time.sleep(0.05)
+        assert "node server stopped serving" in hosted.error and "socket died" in hosted.error
+        assert not hosted.pool._thread.is_alive()
+    finally:
+        hosted.stop()
+
+
+def test_a_crashed_backup_holder_fails_its_node(monkeypatch):
+    """The reliable node holding the job's cut fails loudly when its holder's thread dies, so
+    the supervisor loses it (and plans without it) instead of backing up into nothing."""
+    from orchestrator.agileml.pipeline.holder import BackupHolder
+
+    holder = BackupHolder(secrets.token_bytes(32), "pipe-job", "127.0.0.1", "tcp://127.0.0.1:9")
+
+    def broken(timeout: int = 0) -> int:
+        raise zmq.ZMQError(zmq.ETERM, "the inbox died")
+
+    monkeypatch.setattr(holder.inbox, "poll", broken)
+    holder.start()
+    holder._thread.join(timeout=10.0)
+    assert holder.crashed is not None and "inbox died" in holder.crashed
+    node = PipelineNode("n1", "reliable", job_id="pipe-job", controller="tcp://127.0.0.1:9",
+                        token=secrets.token_bytes(32))  # fmt: skip
+    node.holder, node._spawner = holder, object()  # type: ignore[assignment]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    stop = threading.Timer(10.0, node.stop)  # without the check, `_serve` would run on
+    stop.start()
+    try:
+        with pytest.raises(AgileMLError, match="backup holder stopped serving"):
+            node._serve(sock, {"rendezvous_port": 9}, Path("."), "x")
+    finally:
+        stop.cancel()
+        sock.close(linger=0)
+        ctx.term()
+        monkeypatch.undo()
+        holder.stop()

@@ -7,94 +7,40 @@ alive, its state untouched, and a legitimate request is answered. Seeded, bounde
 
 from __future__ import annotations
 
-import json
 import secrets
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import zmq
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import given
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.control import ControlClient, ModelSpec, TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.server import ParamServer
 from orchestrator.agileml.wire import MessageKind
+from tests.support.hostile_json import (
+    FIELDS,
+    FUZZ,
+    HOW,
+    Target,
+    deep,
+    hostile_frames,
+    hostile_json,
+    hostile_objects,
+    signed_body_frames,
+)
 
 JOB, TOKEN = "job-hostile", secrets.token_bytes(32)
 INITIAL = torch.tensor([1.0, 2.0, 3.0, 4.0])
-EXAMPLES = 100  # per target and way of signing
-FIELDS = ["v", "kind", "job_id", "sender", "seq", "partition", "clock", "tensors", "detail",
-          "workers", "epoch", "roster_version", "op", "tier", "endpoint"]  # fmt: skip
-
-#: Leaves of the classes that broke, as raw JSON text (Python's own `json.dumps` cannot write
-#: most of them): bools, integers far past 64 bits (5,000 digits once raised a ValueError),
-#: nesting 100,000 deep (once a RecursionError), NaN and Infinity, lone surrogates, and
-#: strings of the kinds a header names.
-LEAVES = st.one_of(
-    st.sampled_from(["null", "true", "false", "NaN", "Infinity", "-Infinity", "1e999", "-0"]),
-    st.integers(min_value=-(2**70), max_value=2**70).map(str),
-    st.integers(min_value=1, max_value=6000).map(lambda n: "9" * n),
-    st.integers(min_value=1, max_value=100_000).map(lambda n: "[" * n + "]" * n),
-    st.sampled_from(['"\\ud800"', '"push"', '"hello"', '"control"', '"float32"', f'"{JOB}"']),
-    st.text(max_size=8).map(json.dumps),
-)
-
-
-def _object(pairs: list[tuple[str, str]]) -> str:
-    return "{" + ",".join(f"{json.dumps(k)}:{v}" for k, v in pairs) + "}"
-
-
-JSON = st.recursive(
-    LEAVES,
-    lambda inner: (
-        st.lists(inner, max_size=4).map(lambda xs: "[" + ",".join(xs) + "]")
-        | st.lists(st.tuples(st.sampled_from(FIELDS) | st.text(max_size=4), inner), max_size=6).map(
-            _object
-        )
-    ),
-    max_leaves=12,
-)
-HEADERS = st.lists(st.tuples(st.sampled_from(FIELDS), JSON), max_size=10).map(_object)
-
-
-def _deep(depth: int) -> bytes:
-    return b"[" * depth + b"]" * depth
+JSON = hostile_json(FIELDS, "push", "hello", "control", "float32", JOB)
+HEADERS = hostile_objects(FIELDS, "push", "hello", "control", "float32", JOB)
 
 
 def _hostile_frames(header: str, body: str, how: str) -> list[bytes]:
-    """The frames of one case: `how` says whether it is signed with the job's token."""
-    raw_header, raw_body = header.encode(), body.encode()
-    if how == "unsigned":
-        return [raw_header, raw_body]
-    if how == "forged":
-        return [b"\0" * wire.AUTH_BYTES, raw_header, raw_body]
-    return [wire.sign([raw_header, raw_body], TOKEN), raw_header, raw_body]
-
-
-class Target:
-    """A live server, a raw socket to it, and a legitimate request it must answer."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.counts: Counter[str] = Counter()
-
-    def send(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
-        while self.sock.poll(0):
-            self.sock.recv_multipart()
-            self.counts["replies"] += 1
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
+    return hostile_frames(header, body, how, TOKEN)
 
 
 @pytest.fixture(scope="module")
@@ -146,12 +92,6 @@ def _controller_answers(coordinator: Coordinator) -> None:
     assert coordinator.error is None and coordinator.view().epoch == 0  # no one joined
 
 
-HOW = ["unsigned", "forged", "signed"]
-FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                       HealthCheck.too_slow])  # fmt: skip
-
-
 @pytest.mark.parametrize("target", ["server", "controller"])
 @pytest.mark.parametrize("how", HOW)
 @FUZZ
@@ -177,7 +117,7 @@ def test_deep_nesting_and_huge_integers_reach_neither_server_as_data(
     bodies, then a legitimate request to each."""
     ps, to_server = server
     coordinator, to_controller = controller
-    for raw in (_deep(100_000), b'{"seq":' + b"9" * 5000 + b"}", b'{"seq":true}'):
+    for raw in (deep(100_000), b'{"seq":' + b"9" * 5000 + b"}", b'{"seq":true}'):
         for target in (to_server, to_controller):
             frames = _hostile_frames("{}", "{}", how)
             frames[-2:] = [raw, raw]  # header and body both
@@ -219,11 +159,8 @@ def test_a_signed_control_message_with_a_hostile_body_reaches_neither_server_as_
     """A valid, signed header (a node with the token, but a bug) over each hostile body."""
     ps, to_server = server
     coordinator, to_controller = controller
-    header = wire.canonical_json({"v": wire.PROTOCOL_VERSION, "kind": "control", "job_id": JOB,
-                                  "sender": "w0", "seq": 3, "partition": None, "clock": None,
-                                  "detail": None, "tensors": [{"name": "body", "dtype": "uint8",
-                                                               "shape": [len(body)]}]})  # fmt: skip
+    fields = {"kind": "control", "job_id": JOB, "sender": "w0", "seq": 3}
     for target in (to_server, to_controller):
-        target.send([wire.sign([header, body], TOKEN), header, body])
+        target.send(signed_body_frames(fields, body, TOKEN))
     _server_answers(ps)
     _controller_answers(coordinator)
