@@ -8,3 +8,7 @@ SECONDS_PER_DAY = 86400.0
 INT64_MAX = 2**63 - 1
 #: A GPU's work rate, in reference GPUs (V100s): none does more than this.
 MAX_WORK_RATE = 1_000.0
+#: The largest random seed (numpy's generators take 32-bit ones).
+MAX_SEED = 2**32 - 1
+#: A setting measured in seconds no job reaches (a leap year).
+MAX_SETTING_S = 366 * SECONDS_PER_DAY

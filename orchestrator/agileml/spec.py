@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.straggler.spec import StragglerSpec
+from orchestrator.units import MAX_SEED, MAX_SETTING_S
 
 NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
 
@@ -24,8 +25,8 @@ class StageThresholds(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    stage2_above: float = 1.0
-    stage3_above: float = 15.0
+    stage2_above: Annotated[float, Field(le=1e6, strict=True)] = 1.0
+    stage3_above: Annotated[float, Field(le=1e6, strict=True)] = 15.0
 
     @model_validator(mode="after")
     def _ordered(self) -> StageThresholds:
@@ -48,9 +49,9 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Literal["mlr", "mlp", "additive"] = "mlr"
-    features: Annotated[int, Field(ge=1, le=1_000_000)] = 64
-    classes: Annotated[int, Field(ge=2, le=100_000)] = 10
-    hidden: Annotated[int, Field(ge=1, le=100_000)] = 64
+    features: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] = 64
+    classes: Annotated[int, Field(ge=2, le=100_000, strict=True)] = 10
+    hidden: Annotated[int, Field(ge=1, le=100_000, strict=True)] = 64
 
 
 class TrainingSpec(BaseModel):
@@ -71,22 +72,22 @@ class TrainingSpec(BaseModel):
     # job's dataset() finds it at $ORCHESTRATOR_DATA_DIR (see `orchestrator.artifacts.data`)
     data: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     model: ModelSpec = ModelSpec()
-    samples: Annotated[int, Field(ge=1, le=10_000_000)] = 4096
-    data_seed: int = 0
+    samples: Annotated[int, Field(ge=1, le=10_000_000, strict=True)] = 4096
+    data_seed: Annotated[int, Field(ge=0, le=MAX_SEED, strict=True)] = 0
     global_batch: Annotated[int, Field(ge=1, le=10_000_000, strict=True)] = 256
     lr: Annotated[float, Field(gt=0, le=1_000, strict=True)] = 0.05
-    slack: Annotated[int, Field(ge=0, le=1000)] = 0
+    slack: Annotated[int, Field(ge=0, le=1000, strict=True)] = 0
     iterations: Annotated[int, Field(ge=1, le=1_000_000_000, strict=True)] = 100
-    num_partitions: Annotated[int, Field(ge=1, le=4096)] = 4
-    seed: int = 0
+    num_partitions: Annotated[int, Field(ge=1, le=4096, strict=True)] = 4
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED, strict=True)] = 0
     min_nodes: Annotated[int, Field(ge=1, le=4096, strict=True)] = 1  # ready before clock 0
     thresholds: StageThresholds = StageThresholds()
-    heartbeat_s: Annotated[float, Field(gt=0, le=10)] = 0.1
-    failure_timeout_s: Annotated[float, Field(gt=0, le=600)] = 1.0
+    heartbeat_s: Annotated[float, Field(gt=0, le=10, strict=True)] = 0.1
+    failure_timeout_s: Annotated[float, Field(gt=0, le=600, strict=True)] = 1.0
     # how far ahead of the fastest worker servers let workers compute, at least (more when
     # iterations are short, see `horizon`); joins and evictions take effect just past it, so
     # no worker ever computes a clock on an outdated roster
-    horizon_clocks: Annotated[int, Field(ge=2, le=10_000)] = 8
+    horizon_clocks: Annotated[int, Field(ge=2, le=10_000, strict=True)] = 8
     # workers compute on the first pulled partitions while the rest arrive, and push each
     # partition as soon as backward has its gradients (`agileml.streams`); same gradients.
     # Off by default: no gain measured on a 2-core machine, and a worse eviction blip there
@@ -98,8 +99,8 @@ class TrainingSpec(BaseModel):
     # `checkpoint_every_s` seconds (0: not by that measure); `resume_from` a checkpoint to start
     # from instead of the initial model
     checkpoint_dir: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
-    checkpoint_every: Annotated[int, Field(ge=0)] = 0
-    checkpoint_every_s: Annotated[float, Field(ge=0)] = 0.0
+    checkpoint_every: Annotated[int, Field(ge=0, le=1_000_000_000, strict=True)] = 0
+    checkpoint_every_s: Annotated[float, Field(ge=0, le=MAX_SETTING_S, strict=True)] = 0.0
     resume_from: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     # the artifact store (location string) that uploaded code (`code` = "sha256:<hex>") is
     # fetched from (see `orchestrator.artifacts.code`)
@@ -110,7 +111,7 @@ class TrainingSpec(BaseModel):
     # planner's) apply to pipeline jobs only
     parallelism: Literal["data", "pipeline"] = "data"
     schedule: Literal["flush", "gpipe", "1f1b", "2bw"] = "flush"
-    stages: Annotated[int, Field(ge=1, le=1024)] | None = None
+    stages: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = None
 
     @model_validator(mode="after")
     def _timeouts(self) -> TrainingSpec:

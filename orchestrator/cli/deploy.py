@@ -130,10 +130,11 @@ def deploy(
 ) -> None:
     """Deploy the controller node and the worker launch template on AWS (CloudFormation)."""
     from orchestrator.deploy import render
-    from orchestrator.deploy.run import deploy_params, port_range, template_problems
+    from orchestrator.deploy.run import check_region, deploy_params, port_range, template_problems
     from orchestrator.settings import Settings
 
     region = region or Settings.load().region
+    check_region(region)
     stack = stack or f"orchestrator-{controller_id}"
     if teardown:
         _teardown(stack, controller_id, region, endpoint_url, dry_run=dry_run, yes=yes)

@@ -160,3 +160,25 @@ def teardown_stack(
         aws_client("secretsmanager", region, endpoint_url=endpoint_url), controller_id
     )
     return terminated
+
+
+def check_region(region: str, option: str = "--region") -> None:
+    """Refuse a region no AWS partition knows (botocore's list), before any call to it.
+
+    Raises:
+        UserError: naming `option`, with the regions it knows.
+    """
+    import botocore.session
+
+    session = botocore.session.get_session()
+    known = {
+        r
+        for partition in session.get_available_partitions()
+        for r in session.get_available_regions("ec2", partition_name=partition)
+    }
+    if region not in known:
+        raise UserError(
+            f"{option}: {region!r} is not an AWS region (none of botocore's {len(known)})",
+            field=option,
+            fix="pass one such as us-east-1 or eu-west-1 (aws ec2 describe-regions lists yours)",
+        )

@@ -29,6 +29,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from orchestrator.units import MAX_SEED
+
 logger = logging.getLogger(__name__)
 
 _MODEL_CONFIG = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -53,10 +55,14 @@ class SlowWorker(BaseModel):
     model_config = _MODEL_CONFIG
 
     kind: Literal["slow_worker"] = "slow_worker"
-    delay_percent: Annotated[float, Field(ge=0, description="100 = twice as slow while slowed")]
-    probability: Annotated[float, Field(ge=0, le=1, description="per delay point")] = 0.01
-    points_per_iteration: Annotated[int, Field(ge=1)] = 10
-    max_period_iterations: Annotated[float, Field(gt=0)] = 2.0
+    delay_percent: Annotated[
+        float, Field(ge=0, le=100_000, strict=True, description="100 = twice as slow while slowed")
+    ]
+    probability: Annotated[float, Field(ge=0, le=1, strict=True, description="per delay point")] = (
+        0.01
+    )
+    points_per_iteration: Annotated[int, Field(ge=1, le=10_000, strict=True)] = 10
+    max_period_iterations: Annotated[float, Field(gt=0, le=1e6, strict=True)] = 2.0
 
 
 class DisruptedMachine(BaseModel):
@@ -69,10 +75,10 @@ class DisruptedMachine(BaseModel):
     model_config = _MODEL_CONFIG
 
     kind: Literal["disrupted_machine"] = "disrupted_machine"
-    delay_percent: Annotated[float, Field(ge=0)]
-    period_s: Annotated[float, Field(gt=0)] = 20.0
-    probability: Annotated[float, Field(ge=0, le=1)] = 0.2
-    machines: Annotated[int, Field(ge=1)] = 4
+    delay_percent: Annotated[float, Field(ge=0, le=100_000, strict=True)]
+    period_s: Annotated[float, Field(gt=0, le=86_400, strict=True)] = 20.0
+    probability: Annotated[float, Field(ge=0, le=1, strict=True)] = 0.2
+    machines: Annotated[int, Field(ge=1, le=4096, strict=True)] = 4
 
 
 class PowerLaw(BaseModel):
@@ -84,7 +90,7 @@ class PowerLaw(BaseModel):
     model_config = _MODEL_CONFIG
 
     kind: Literal["power_law"] = "power_law"
-    alpha: float
+    alpha: Annotated[float, Field(le=1e6, strict=True)]
 
     @field_validator("alpha")
     @classmethod
@@ -104,7 +110,7 @@ class UnevenWorkload(BaseModel):
     model_config = _MODEL_CONFIG
 
     kind: Literal["uneven"] = "uneven"
-    heavy_share: Annotated[float, Field(gt=0.5, lt=1)] = 0.75
+    heavy_share: Annotated[float, Field(gt=0.5, lt=1, strict=True)] = 0.75
 
 
 StragglerPattern = Annotated[
@@ -119,8 +125,10 @@ class InjectedWork(BaseModel):
     model_config = _MODEL_CONFIG
 
     pattern: StragglerPattern = NoStragglers()
-    row_ms: Annotated[float, Field(gt=0, description="nominal emulated work per row")] = 2.0
-    seed: int = 0
+    row_ms: Annotated[
+        float, Field(gt=0, le=60_000, strict=True, description="nominal emulated work per row")
+    ] = 2.0
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED, strict=True)] = 0
 
 
 def _rng(*parts: object) -> random.Random:

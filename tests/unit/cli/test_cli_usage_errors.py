@@ -68,6 +68,14 @@ CASES: dict[str, tuple[tuple[str, ...], str]] = {
                               "Invalid value for '--workers'"),
     "simulate_huge_work_rate": (("simulate", "--gpu-work-rates", "V100=1e308", "--starts", "2"),
                                 "--gpu-work-rates"),
+    "deploy_unknown_region": (("deploy", "--region", "mars-1", "--dry-run", "--vpc",
+                               "vpc-0123456789abcdef0", "--controller-subnet",
+                               "subnet-0123456789abcdef0", "--worker-subnets",
+                               "subnet-0123456789abcdef1", "--api-cidr", "10.0.0.0/8",
+                               "--package", "orchestrator"),
+                              "--region: 'mars-1' is not an AWS region"),
+    "teardown_unknown_region": (("deploy", "--teardown", "--region", "mars-1", "--yes"),
+                                "--region: 'mars-1' is not an AWS region"),
 }  # fmt: skip
 
 BINARY = bytes(range(256)) * 8  # not UTF-8, not gzip
@@ -152,3 +160,40 @@ def test_a_command_that_fails_exits_1_through_the_console_script(tmp_path: Path)
     line["charged_usd"] = 61.2  # 20 h at $3.06
     ledger.write_text(json.dumps(line) + "\n")
     assert _run([console_script(), "ledger-check", str(ledger)]).returncode == 0
+
+
+def test_a_teardown_against_an_aws_that_answers_500_exits_2_with_one_line() -> None:
+    """Issue #33: `deploy --teardown` against an endpoint answering HTTP 500 to everything
+    (botocore retries, then gives up): one error line and its fix, no traceback."""
+    import http.server
+    import os
+    import threading
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"<Error><Code>InternalError</Code></Error>")
+
+        do_GET = do_POST  # noqa: N815
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
+    try:
+        proc = subprocess.run(
+            [console_script(), "deploy", "--teardown", "--yes", "--region", "us-east-1",
+             "--endpoint-url", f"http://127.0.0.1:{server.server_port}"],
+            capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    assert "Traceback" not in output and len(ERROR_LINE.findall(proc.stderr)) == 1, output
+    assert "DescribeStacks failed" in proc.stderr, output
