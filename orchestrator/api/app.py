@@ -311,7 +311,8 @@ def _health_routes(
     def healthz() -> dict[str, Any] | JSONResponse:
         """200 {"status": "ok"} when Redis answers PING and the controller's ticks work (200
         {"status": "standby"} while another process leads), else 503 {"status": "degraded"}
-        with the reason."""
+        with the reason. An API served apart from the controller (`api serve`) cannot see its
+        ticks: it says `"controller": "not in this process"`."""
         try:
             store.ping()
         except StoreError as exc:
@@ -319,6 +320,8 @@ def _health_routes(
             return JSONResponse(body, status_code=503)
         body = {"status": "ok", "redis": "ok", "controller_id": settings.controller_id}
         health = tick_health() if tick_health is not None else None
+        if tick_health is None:
+            body["controller"] = "not in this process"
         if health is not None and health.degraded:
             body.update(status="degraded", controller="failing", reason=health.reason())
             return JSONResponse(body, status_code=503)

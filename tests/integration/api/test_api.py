@@ -527,6 +527,8 @@ def test_healthz_is_ok_while_redis_answers(client: TestClient) -> None:
     response = client.get("/healthz")
     assert response.status_code == 200
     assert response.json()["status"] == "ok" and response.json()["redis"] == "ok"
+    # served apart from a controller: it does not claim the ticks work
+    assert response.json()["controller"] == "not in this process"
 
 
 def test_healthz_is_503_degraded_after_redis_stops() -> None:
