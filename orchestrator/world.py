@@ -188,7 +188,6 @@ def offline_world(
                 replayer=replayer,
                 log_dir=tmp / "agents",
                 training_token=token,
-                record_progress=store.update_progress,
                 record_instance_work=instance_work_recorder(store),
                 true_work_rates=true_work_rates,
             )  # fmt: skip

@@ -48,7 +48,7 @@ from orchestrator.controller.job import ControllerJob, DecisionLag, last_decisio
 from orchestrator.controller.market_view import MarketView, price_at
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.rates import RateLearning
-from orchestrator.controller.training_gate import Patience, TrainingGate
+from orchestrator.controller.training_gate import NOTHING_COUNTS_ITS_WORK, Patience, TrainingGate
 from orchestrator.errors import clip_middle
 from orchestrator.market.billing import BillingModel, EndReason
 from orchestrator.market.catalog import Catalog
@@ -293,6 +293,10 @@ class Controller:
             training = self.training.outcome(job) if self.training is not None else None
         except Exception:  # noqa: BLE001 - one job's runtime must not stop the others' ticks
             log.exception("reading the job's training failed", extra={"job_id": job.job_id})
+            return
+        if training is None and self._gate is not None:  # it would pay until its budget ran out
+            self._stop_job(job, history, now_s, EndReason.RELEASED, report)
+            self._finish(job, JobState.FAILED, now_s, NOTHING_COUNTS_ITS_WORK, report)
             return
         if training is not None and self._gate is not None:
             verdict = self._gate.judge(

@@ -25,6 +25,12 @@ log = logging.getLogger(__name__)
 #: (they carry text from the nodes: a user's traceback, log lines).
 MAX_REASON_CHARS = 6000
 T = TypeVar("T")
+#: Why a job without a `training` section fails under a controller that trains its jobs.
+NOTHING_COUNTS_ITS_WORK = (
+    "the job has no training section: the controller counts a job's work from the iterations "
+    "it trains, so nothing would count this one's and it would pay until its budget ran out; "
+    "add a `training` section naming your job file (see the job contract in the README)"
+)
 
 
 @dataclass(frozen=True)

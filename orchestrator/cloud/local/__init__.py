@@ -22,7 +22,7 @@ A demo loop (see `tests/integration/offline/test_local_world.py` for a complete 
         replayer = EvictionReplayer(aws.client(), CID, AvailabilityTrace.bundled(), clock,
                                     seed=0, on_notice=controller.notify)
         with LocalFleet(r.url, NS, clock, cloud_client=aws.client(), controller_id=CID,
-                        replayer=replayer, record_progress=store.update_progress) as fleet:
+                        replayer=replayer) as fleet:
             while not done:
                 controller.tick(clock.now()); replayer.step(); fleet.step(); time.sleep(0.2)
 """

@@ -14,11 +14,12 @@ Each `step()`:
    does not train gets no agent;
 3. stops (SIGTERM, SIGKILL after `AGENT_STOP_TIMEOUT_SECONDS`) the agents of instances that are
    no longer running, and their metadata mocks;
-4. sums each job's `{ns}:job:{job_id}:agent-work` hash (`cloud.local.reports`) and hands it to
-   `record_progress` (the store's `update_progress`), except for a job that trains: its work
-   done is what it trained, which the controller's training host counts from its iterations
-   as on AWS. Each instance's simulated work (at its type's rate on the market clock) goes to
-   `record_instance_work` for every job: BidBrain learns the job's work rates from it.
+4. reads each job's `{ns}:job:{job_id}:agent-work` hash (`cloud.local.reports`): each
+   instance's simulated work (at its GPU type's rate on the market clock), handed to
+   `record_instance_work` (BidBrain learns the job's work rates from it: the offline world's
+   CPU processes cannot show one GPU type being faster than another). It is never a job's
+   progress: a job's work done is what it trained, counted from its iterations by the
+   controller's training host, as on AWS.
 
 A typical instance: launched (pending) -> step: running, agent + mock started -> the agent
 reports work after σ -> replayer: notice on the mock, agent stops counting at the eviction
@@ -80,7 +81,6 @@ LOG_TAIL_CHARS = 2000
 MAX_LOG_LINE_CHARS = 500  # of an agent's last log line, in a stall's event
 
 #: What the fleet does with a job's summed work: (job_id, GPU-hours, now_s).
-RecordProgress = Callable[[str, float, float], object]
 #: What the fleet does with a job's work per instance: (job_id, instance id -> (GPU-hours,
 #: the hours it worked for them)).
 RecordInstanceWork = Callable[[str, Mapping[str, tuple[float, float]]], object]
@@ -143,13 +143,14 @@ class LocalNode:
 
 @dataclass
 class FleetStepReport:
-    """What one `LocalFleet.step` did; `progress` is GPU-hours per job as recorded."""
+    """What one `LocalFleet.step` did; `agent_work`: the simulated GPU-hours of each job's
+    instances (their agents' reports; never the job's progress)."""
 
     now_s: float
     started: list[str] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
     exited: list[str] = field(default_factory=list)
-    progress: dict[str, float] = field(default_factory=dict)
+    agent_work: dict[str, float] = field(default_factory=dict)
 
 
 class LocalFleet:
@@ -169,8 +170,6 @@ class LocalFleet:
         training_token: the AgileML token of the jobs that train (handed to their agents in
             the environment, never on argv); an instance trains when it carries the
             `orchestrator:agileml-controller` tag its controller launched it with.
-        record_progress: receives the summed work of each job that does not train, at every
-            step (default: dropped).
         record_instance_work: receives each job's work per instance at every step (the
             store's `record_instance_work`: BidBrain learns the job's rates from it).
         true_work_rates: the rate per GPU model the agents work at, where the world's jobs
@@ -200,11 +199,9 @@ class LocalFleet:
         report_interval_s: float = REPORT_INTERVAL_SECONDS,
         notice_poll_s: float = DEFAULT_NOTICE_POLL_SECONDS,
         training_token: bytes | None = None,
-        record_progress: RecordProgress | None = None,
         record_instance_work: RecordInstanceWork | None = None,
         true_work_rates: Mapping[str, float] | None = None,
     ) -> None:
-        self.record_progress = record_progress
         self.record_instance_work = record_instance_work
         self.true_work_rates = true_work_rates
         self.redis_url = redis_url
@@ -229,7 +226,6 @@ class LocalFleet:
         self._agents_tmp = tempfile.TemporaryDirectory(prefix="orchestrator-agents-")
         self.nodes: dict[str, LocalNode] = {}
         self._jobs: set[str] = set()
-        self._training_jobs: set[str] = set()  # their progress is what they trained
         self._redis = redis.Redis.from_url(
             redis_url,
             socket_timeout=REDIS_TIMEOUT_SECONDS,
@@ -295,7 +291,7 @@ class LocalFleet:
                             "log_tail": _tail(node.log_path),
                         },
                     )
-        report.progress = self._record_progress(now)
+        report.agent_work = self._record_instance_work()
         return report
 
     def last_log_line(self, instance_id: str) -> str | None:
@@ -352,22 +348,19 @@ class LocalFleet:
         except redis.exceptions.RedisError as exc:
             raise ReportsUnavailableError(f"cannot read {key}: {exc}") from exc
 
-    def _record_progress(self, now: float) -> dict[str, float]:
-        progress: dict[str, float] = {}
+    def _record_instance_work(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
         for job_id in sorted(self._jobs):
             try:
-                total = sum(self.work_of(job_id).values())
-                if self.record_progress is not None and job_id not in self._training_jobs:
-                    self.record_progress(job_id, total, now)
+                totals[job_id] = sum(self.work_of(job_id).values())
                 if self.record_instance_work is not None:
                     self.record_instance_work(job_id, self._worked(job_id))
             except OrchestratorError as exc:  # Redis or the store: rewritten at the next step
                 log.warning(
-                    "fleet: progress not recorded", extra={"job_id": job_id, "error": str(exc)}
+                    "fleet: instance work not recorded",
+                    extra={"job_id": job_id, "error": str(exc)},
                 )
-                continue
-            progress[job_id] = total
-        return progress
+        return totals
 
     # -- nodes ----------------------------------------------------------------------------------
 
@@ -390,8 +383,6 @@ class LocalFleet:
         if instance.job_id is None or (work_rate <= 0 and not trains):
             return node  # not a job's instance, or a CPU node with nothing to train
         self._jobs.add(instance.job_id)
-        if trains:
-            self._training_jobs.add(instance.job_id)
         mock = MetadataMock(instance.instance_id, tags=self._tags_of(instance))
         try:
             mock.start()

@@ -174,3 +174,30 @@ def test_final_weights_count_only_when_they_hold_every_iteration(tmp_path, store
     assert host.final_weights("job-1", 500) == f"{final.location}/model.safetensors"
     final.write_bytes(FINAL_INFO, b"not json")
     assert host.final_weights("job-1", 500) is None
+
+
+def test_a_job_without_a_training_section_fails_at_once_under_a_training_controller(
+    tmp_path, store, ec2, prices
+) -> None:
+    """Issue #31: work is what was trained. Nothing counts the work of a job that trains
+    nothing (the offline world once counted its agents' simulated work instead): it fails at
+    its first tick, saying how to fix it, before anything is bought for it."""
+    from orchestrator.cloud.memory import InMemoryCloud
+    from orchestrator.controller.training import TrainingHost
+    from orchestrator.controller.training_gate import NOTHING_COUNTS_ITS_WORK
+    from orchestrator.controller.wiring import build_controller
+    from orchestrator.jobspec import JobSubmission
+    from orchestrator.store import JobRecord
+
+    cloud = InMemoryCloud("us-east-1", "ctl", ec2=ec2)
+    with TrainingHost(store, token=bytes(32), advertise_host="127.0.0.1",
+                      artifacts_root=tmp_path) as host:  # fmt: skip
+        ctl = build_controller(Settings(), store=store, cloud=cloud, prices=prices,
+                               training=host)  # fmt: skip
+        spec = JobSubmission(name="no-training", budget_usd=50.0, work_gpu_hours=4.0)
+        store.create_job(JobRecord.submit("job-x", spec.model_dump(mode="json"), 50.0, T0))
+        report = ctl.tick(T0)
+    assert report.finished == {"job-x": JobState.FAILED}
+    job = store.get_job("job-x")
+    assert job.message == NOTHING_COUNTS_ITS_WORK and "add a `training` section" in job.message
+    assert cloud.describe() == [] and job.spent_usd == 0.0
