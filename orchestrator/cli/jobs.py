@@ -607,6 +607,8 @@ def _finish(job: dict[str, Any], *, hoped: str) -> None:
     """Print the final line on stdout; exit 1 if the job did not end in `hoped`."""
     out.print(f"{job['job_id']}: {_summary(job)}", highlight=False)
     if job["state"] != hoped:
+        if job.get("message"):  # why: the user's error, a stall, a missing training section
+            err.print(f"{job['job_id']}: {job['message']}", highlight=False, markup=False)
         raise typer.Exit(1)
 
 

@@ -121,6 +121,7 @@ def test_a_users_job_goes_through_local_up_submit_download_and_down(tmp_path: Pa
         failed_job = json.loads(cli("job", failed.stdout.split()[0], "--json").stdout)
         assert failed_job["state"] == "failed"
         assert "Tried to step 21 times" in failed_job["message"]  # the user's scheduler
+        assert "Tried to step 21 times" in failed.stderr  # on the console too
     finally:
         down = cli("local", "down", timeout=120)
     assert down.returncode == 0, down.stderr

@@ -912,6 +912,37 @@ def test_cli_submit_wait_follows_the_job_until_it_succeeds(
     assert f"{job_id}: succeeded" in stdout and "work 20.00 of 20 GPU-h" in stdout
 
 
+def test_cli_submit_wait_of_a_job_that_fails_exits_1_saying_why(
+    live_api: tuple[str, Store], tmp_path: Path
+) -> None:
+    """The reason a job failed (a user's traceback, a stall, no training section) is on the
+    console, not only in `orchestrator job`."""
+    url, store = live_api
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "submit", str(write_spec(tmp_path, GOOD_YAML))]
+        + ["--wait", "--timeout", "20"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(url),
+    )
+    try:
+        assert proc.stdout is not None
+        job_id = proc.stdout.readline().strip()
+        assert job_id.startswith("job-"), proc.communicate(timeout=CLI_TIMEOUT_S)
+        running = to_state(store, job_id, JobState.RUNNING)
+        store.transition(job_id, JobState.FAILED, expected_version=running.version, now_s=4.0,
+                         message="training failed: ValueError: [bad] lr")  # fmt: skip
+        stdout, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, stderr
+    assert f"{job_id}: failed" in stdout
+    assert f"{job_id}: training failed: ValueError: [bad] lr" in stderr  # brackets kept
+
+
 def test_cli_submit_of_a_bad_spec_exits_2_naming_the_field(
     live_api: tuple[str, Store], tmp_path: Path
 ) -> None:
