@@ -269,3 +269,12 @@ def test_hostile_peer_fields_are_refused_not_delivered(peers: Peers) -> None:
         peers.raw["work"].send_multipart(signed_body_frames(fields, body, TOKEN))
         assert peers.link.receive(10_000) is None
         assert peers.link.refused_in == refused + 1, body
+
+
+def test_the_peer_inboxes_deliver_after_the_fuzz(peers: Peers) -> None:
+    """Runs after the peer fuzz above: the counts go to the note."""
+    _handled(peers)
+    stats = peers.reassigner.stats
+    print(f"wire fuzz: peer inboxes refused {peers.link.refused_in}, "
+          f"reassigner dropped {stats.dropped_messages}")  # fmt: skip
+    assert peers.link.refused_in > 0
