@@ -45,7 +45,7 @@ from orchestrator.cloud.protocol import Cloud
 from orchestrator.cloud.reconcile import Reconciler
 from orchestrator.controller.clock import check_clock
 from orchestrator.controller.job import ControllerJob, DecisionLag, last_decisions
-from orchestrator.controller.market_view import MarketView, price_at
+from orchestrator.controller.market_view import MarketView, no_market, price_at
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.rates import RateLearning
 from orchestrator.controller.training_gate import NOTHING_COUNTS_ITS_WORK, Patience, TrainingGate
@@ -327,12 +327,11 @@ class Controller:
             self._stop_job(job, history, now_s, EndReason.JOB_FINISHED, report)
             self._finish_done(job, training, spec.work_gpu_hours, now_s, report)
             return
-        table = self._market.table(submission, spec, history)
+        gpus_used = training.gpus_per_node if training is not None else None
+        table = self._market.table(submission, spec, history, gpus_used=gpus_used)
         if len(table) == 0:
             self._stop_job(job, history, now_s, EndReason.RELEASED, report)
-            self._finish(
-                job, JobState.FAILED, now_s, "no market offers the job's GPU types", report
-            )
+            self._finish(job, JobState.FAILED, now_s, no_market(gpus_used), report)
             return
         policy = BidBrainPolicy(
             table,

@@ -14,8 +14,8 @@ both on the controller's clock. A job first seen by this controller (after a res
 of its instances a fresh join grace from that moment, so a restart never releases a working
 instance whose node has not reconnected yet. Instances under an interruption notice, and jobs
 whose runtime is not live or has trained every iteration, are left alone. A job that has
-released `MAX_RELEASES_WITHOUT_PROGRESS` instances without training an iteration in between
-fails (`hopeless`): its nodes die however often they are replaced.
+released instances at `MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS` ticks without training an
+iteration in between fails (`hopeless`): its nodes die however often they are replaced.
 
     watch = LivenessWatch(join_grace_s=900.0, rejoin_grace_s=180.0)
     for silent in watch.check(job_id, outcome, alive, doomed, now_s):
@@ -52,10 +52,11 @@ class SilentInstance:
         )
 
 
-#: Instances released for their nodes with no iteration trained in between: the job fails
-#: (nodes that keep dying after they join, e.g. killed loading its data, would otherwise be
-#: replaced until the budget is gone).
-MAX_RELEASES_WITHOUT_PROGRESS = 6
+#: Ticks that released instances for their nodes with no iteration trained in between: the
+#: job fails (nodes that keep dying after they join, e.g. killed loading its data, would
+#: otherwise be replaced until the budget is gone). Rounds, not instances: a job of eight
+#: one-GPU instances is replaced as often as one of two.
+MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS = 3
 
 
 @dataclass
@@ -65,6 +66,7 @@ class _JobSeen:
     absent_at: dict[str, float] = field(default_factory=dict)  # first seen gone after that
     iterations: int = -1
     released_since_progress: int = 0
+    rounds_since_progress: int = 0  # ticks that released some of them
 
 
 class LivenessWatch:
@@ -92,6 +94,7 @@ class LivenessWatch:
         seen = self._jobs.setdefault(job_id, _JobSeen(now_s))
         if outcome.iterations_done != seen.iterations:
             seen.iterations, seen.released_since_progress = outcome.iterations_done, 0
+            seen.rounds_since_progress = 0
         alive_ids = {r.instance_id for r in alive}
         seen.members_seen &= alive_ids
         for gone in [i for i in seen.absent_at if i not in alive_ids]:
@@ -113,14 +116,16 @@ class LivenessWatch:
             if now_s - since > grace:
                 silent.append(SilentInstance(rec, now_s - since, joined_before=joined))
         seen.released_since_progress += len(silent)
+        seen.rounds_since_progress += 1 if silent else 0
         return silent
 
     def hopeless(self, job_id: str) -> int:
-        """How many instances the job had released since its last iteration, once that is
-        `MAX_RELEASES_WITHOUT_PROGRESS` or more (it should fail); 0 otherwise."""
+        """How many instances the job had released since its last iteration, once they went
+        in `MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS` ticks or more (it should fail); 0 otherwise."""
         seen = self._jobs.get(job_id)
-        count = 0 if seen is None else seen.released_since_progress
-        return count if count >= MAX_RELEASES_WITHOUT_PROGRESS else 0
+        if seen is None or seen.rounds_since_progress < MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS:
+            return 0
+        return seen.released_since_progress
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)

@@ -26,9 +26,20 @@ class MarketView:
         self._price_model: PriceCrossingModel | None = None
         self._price_model_at = -math.inf
 
-    def table(self, submission: JobSubmission, spec: JobSpec, history: PriceHistory) -> MarketTable:
-        """The job's markets: its instance types (else every GPU type) in its regions."""
+    def table(
+        self,
+        submission: JobSubmission,
+        spec: JobSpec,
+        history: PriceHistory,
+        *,
+        gpus_used: int | None = None,
+    ) -> MarketTable:
+        """The job's markets: its instance types (else every GPU type) in its regions; with
+        `gpus_used` (the GPUs a node of the job trains on), only types with no more GPUs than
+        that (more would be paid for and idle)."""
         types = set(submission.instance_types or self.catalog.gpu_types())
+        if gpus_used is not None:
+            types = {t for t in types if self.catalog.get(t).gpu_count <= gpus_used}
         markets = [
             m
             for m in history
@@ -66,3 +77,14 @@ def price_at(history: PriceHistory, market: Market, now_s: float) -> float:
         return math.nan
     price = history[market].price_at(now_s)
     return math.nan if price is None else price
+
+
+def no_market(gpus_used: int | None) -> str:
+    """Why a job with no market fails (`gpus_used`: as `MarketView.table` took it)."""
+    if gpus_used is None:
+        return "no market offers the job's GPU types"
+    return (
+        f"no market offers the job's GPU types with at most {gpus_used} GPU(s) an instance: a "
+        f"node of a training job trains on {gpus_used}, so an instance with more would be paid "
+        "for and idle; list a type with one GPU in instance_types (p3.2xlarge, g4dn.xlarge, ...)"
+    )

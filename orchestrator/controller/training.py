@@ -42,7 +42,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from orchestrator.agileml.hosting import AgileMLError, TrainingSpec, host_training
+from orchestrator.agileml.hosting import (
+    DEVICES_PER_NODE,
+    AgileMLError,
+    TrainingSpec,
+    host_training,
+)
 from orchestrator.artifacts import (
     FINAL_INFO,
     WEIGHTS,
@@ -246,7 +251,10 @@ class TrainingHost:
                 return None
             last = self.store.latest_training(job.job_id)
             return TrainingOutcome(
-                last.iteration if last is not None else 0, spec.iterations, live=False
+                last.iteration if last is not None else 0,
+                spec.iterations,
+                live=False,
+                gpus_per_node=DEVICES_PER_NODE,
             )
         error, heard, members = hosted.error, frozenset(hosted.node_work()), hosted.members()
         return TrainingOutcome(
@@ -257,6 +265,7 @@ class TrainingHost:
             nodes_heard=len(heard),
             members=members,
             heard=heard | members,
+            gpus_per_node=DEVICES_PER_NODE,
         )
 
     def final_weights(self, job_id: str, iterations: int) -> str | None:

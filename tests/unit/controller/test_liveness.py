@@ -61,17 +61,18 @@ def test_a_node_that_joined_and_died_between_two_ticks_counts_as_left() -> None:
 
 def test_a_job_whose_replacements_keep_dying_without_training_is_hopeless() -> None:
     """Nodes that join and die (killed loading the data) are replaced a few times, not until
-    the budget is gone: six releases with no iteration trained in between."""
+    the budget is gone: releases at three ticks with no iteration trained in between, however
+    many instances each released (two here, then one)."""
     watch = LivenessWatch(join_grace_s=100.0, rejoin_grace_s=10.0)
     now, released = T0, 0
-    for k in range(6):
-        rec = _rec(f"i-{k}", launched_at=now)
-        watch.check("job-1", _members(rec.instance_id), [rec], (), now + 1.0)  # it joins
-        released += len(watch.check("job-1", _members(), [rec], (), now + 2.0))
+    for k, size in enumerate((2, 2, 1)):
+        recs = [_rec(f"i-{k}-{n}", launched_at=now) for n in range(size)]
+        watch.check("job-1", _members(*(r.instance_id for r in recs)), recs, (), now + 1.0)
+        released += len(watch.check("job-1", _members(), recs, (), now + 2.0))
         assert watch.hopeless("job-1") == 0
-        released += len(watch.check("job-1", _members(), [rec], (), now + 13.0))  # and died
+        released += len(watch.check("job-1", _members(), recs, (), now + 13.0))  # and died
         now += 20.0
-    assert released == 6 and watch.hopeless("job-1") == 6
+    assert released == 5 and watch.hopeless("job-1") == 5
     progress = TrainingOutcome(11, 100, members=frozenset())  # an iteration trained: hope
     watch.check("job-1", progress, [], (), now)
     assert watch.hopeless("job-1") == 0
@@ -158,7 +159,9 @@ def test_a_job_whose_nodes_keep_dying_fails_instead_of_buying_forever(store, ec2
         and "released because their nodes left" in job.message
     )
     assert cloud.describe() == []
-    # two instances a round (the reliable node and a spot one): released twice with the
-    # reason, and the third time the job fails (and they go with it)
+    # released twice with the reason (the round's instances: the reliable node and one-GPU
+    # spot ones), and the third time the job fails (and they go with it)
     released = [e for _, e in store.events("job-1") if isinstance(e, ReleaseEvent)]
-    assert len(released) == 6 and sum(1 for e in released if e.detail) == 4
+    per_round = len(released) // 3
+    assert per_round >= 2 and len(released) == 3 * per_round
+    assert sum(1 for e in released if e.detail) == 2 * per_round
