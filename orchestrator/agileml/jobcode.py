@@ -4,7 +4,9 @@
     def dataset() -> torch.utils.data.Dataset       # map-style; items are (input, target)
     def loss(output, target) -> torch.Tensor        # the mean over the batch (a scalar)
     def optimizer(params) -> torch.optim.Optimizer  # as in plain PyTorch
-    def scheduler(optimizer) -> LRScheduler         # optional; stepped once per iteration
+    def scheduler(optimizer, total_iterations) -> LRScheduler
+                                                    # optional; stepped once per iteration
+                                                    # (`scheduler(optimizer)` works too)
     def collate(items) -> (inputs, targets)         # optional; default: PyTorch's
     def evaluate(model) -> dict[str, float]         # optional; held-out metrics
     def stages(model) -> list[torch.nn.Module]      # optional; the layers a pipeline splits
@@ -18,9 +20,11 @@ finite scalar, an optimizer or scheduler the parameter servers cannot run.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,10 +64,22 @@ class JobCode:
     dataset: Callable[[], Any]
     loss: Callable[[Any, Any], torch.Tensor]
     optimizer: Callable[[Any], torch.optim.Optimizer]
-    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    scheduler: Callable[..., Any] | None = None  # the job's own, one or two arguments
     collate: Callable[[list[Any]], Any] | None = None
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None
     stages: Callable[[nn.Module], Any] | None = None
+    total_iterations: int | None = None  # the run's (`for_run`): what a scheduler is told
+
+    def for_run(self, iterations: int) -> JobCode:
+        """This job's functions for a run of `iterations` iterations."""
+        return dataclasses.replace(self, total_iterations=iterations)
+
+    @property
+    def make_scheduler(self) -> Callable[[torch.optim.Optimizer], Any] | None:
+        """The scheduler as the runtime calls it, `make_scheduler(optimizer)` (None: none)."""
+        if self.scheduler is None:
+            return None
+        return with_total_iterations(self.scheduler, self.total_iterations)
 
 
 def job_file(path: str | Path) -> Path:
@@ -117,8 +133,9 @@ def resolve_code(code: str, code_store: str | None, data: str | None = None) -> 
     return str(fetch_code(folder_at(code_store), code))
 
 
-def load_job_code(path: str | Path) -> JobCode:
-    """Import the job's file and collect its functions.
+def load_job_code(path: str | Path, *, iterations: int | None = None) -> JobCode:
+    """Import the job's file and collect its functions; a `scheduler(optimizer,
+    total_iterations)` is told the run's `iterations` (see `with_total_iterations`).
 
     Raises:
         JobCodeError: no such file, importing it failed, or a function is missing or not
@@ -136,7 +153,33 @@ def load_job_code(path: str | Path) -> JobCode:
         if not callable(fn):
             raise JobCodeError(f"{file.name}: `{name}` is a {type(fn).__name__}, not a function")
         found[name] = fn
-    return JobCode(path=file, **found)
+    return JobCode(path=file, total_iterations=iterations, **found)
+
+
+def with_total_iterations(
+    scheduler: Callable[..., Any], iterations: int | None
+) -> Callable[[torch.optim.Optimizer], Any]:
+    """The job's scheduler as the runtime calls it, `scheduler(optimizer)`: a scheduler that
+    takes a second argument is given the run's iteration count there (OneCycleLR's
+    total_steps, a cosine schedule's length), so it never has to hard-code it."""
+    try:
+        params = list(inspect.signature(scheduler).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: as it is
+        return scheduler
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return scheduler
+
+    def bound(optimizer: torch.optim.Optimizer) -> Any:
+        if iterations is None:
+            raise JobCodeError(
+                "scheduler(optimizer, total_iterations) needs the run's iteration count, "
+                "which this run did not give",
+                fix="report this: every run gives its iterations (JobCode.for_run)",
+            )
+        return scheduler(optimizer, iterations)
+
+    return bound
 
 
 def _import(file: Path) -> ModuleType:
@@ -240,15 +283,15 @@ def optimizer_plan(
         JobCodeError: optimizer() or scheduler() raised, or cannot run per partition.
     """
     try:
-        plan = OptimizerPlan.from_model(model, code.optimizer, code.scheduler, buffer_sizes)
+        plan = OptimizerPlan.from_model(model, code.optimizer, code.make_scheduler, buffer_sizes)
     except AgileMLError as exc:
         raise JobCodeError(f"optimizer(params): {exc}") from exc
     except USER_CODE_ERRORS as exc:
         unless_stopping(exc)
         raise JobCodeError(f"optimizer(params) raised {type(exc).__name__}: {exc}") from exc
-    if code.scheduler is not None:
+    if code.make_scheduler is not None:
         with job_code_call("scheduler(optimizer)"):
-            scheduler = code.scheduler(code.optimizer(model.parameters()))
+            scheduler = code.make_scheduler(code.optimizer(model.parameters()))
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise JobCodeError(
                 "scheduler(optimizer) returned ReduceLROnPlateau, which needs a metric; the "

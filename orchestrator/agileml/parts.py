@@ -88,7 +88,7 @@ def model_parts(spec: TrainingSpec, *, with_data: bool = False) -> ModelParts:
         factory = build_model(spec)
         model = initial_model(factory, spec.seed)
         return ModelParts(factory, model, PartitionLayout(model, spec.num_partitions), None)
-    code = load_job_code(code_path(spec, with_data=with_data))
+    code = load_job_code(code_path(spec, with_data=with_data), iterations=spec.iterations)
     model = seeded_model(code, spec.seed)
     return ModelParts(code.model, model, PartitionLayout(model, spec.num_partitions), code)
 

@@ -19,7 +19,8 @@ def train_reference(
     model.train()
     rows = dataset_rows(code)
     optimizer = code.optimizer(model.parameters())
-    scheduler = code.scheduler(optimizer) if code.scheduler is not None else None
+    make_scheduler = code.for_run(iterations).make_scheduler
+    scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
     losses = []
     for clock in range(iterations):
         x, y = rows.take(global_batch_indices(seed, clock, len(rows), global_batch))

@@ -162,7 +162,8 @@ def check_plan(plan: TrainPlan) -> None:
             f"--inject takes away {leaving} transient nodes of {plan.nodes + joins}; at least "
             f"one must stay. To fix: start more with --nodes."
         )
-    check_job_code(load_job_code(plan.code), global_batch=plan.global_batch, seed=plan.seed)
+    code = load_job_code(plan.code, iterations=plan.iterations)
+    check_job_code(code, global_batch=plan.global_batch, seed=plan.seed)
     if plan.checkpoint_every and plan.checkpoint_dir is None:
         raise UserError("--checkpoint-every needs --out: checkpoints go to OUT/checkpoints")
     if plan.resume is not None:

@@ -166,7 +166,8 @@ def _upload_code(client: Any, training: dict[str, Any], job_file: Path, check: b
 
         err.print(f"checking {path} ...", highlight=False)
         spec = validate_training_section(training)  # its defaults, as the nodes will see them
-        found = check_job_code(load_job_code(path), global_batch=spec.global_batch, seed=spec.seed)
+        job_code = load_job_code(path, iterations=spec.iterations)
+        found = check_job_code(job_code, global_batch=spec.global_batch, seed=spec.seed)
         err.print(f"checked: {found.rows} rows, {found.parameters:,} parameters", highlight=False)
     if path.is_file() and [p for p in path.parent.glob("*.py") if p != path]:
         err.print(

@@ -89,15 +89,16 @@ def builtin_source(spec: ChainModelSpec, seed: int) -> ChainSource:
     return ChainSource(layers=lambda: list(build_chain(spec, seed)), rows=rows, loss=loss)
 
 
-def job_source(path: str, seed: int) -> ChainSource:
-    """A user's job file as a chain (see the module docstring). Raises JobCodeError."""
-    code = load_job_code(path)
+def job_source(path: str, seed: int, iterations: int | None = None) -> ChainSource:
+    """A user's job file as a chain (see the module docstring; `iterations`: the run's, for
+    a `scheduler(optimizer, total_iterations)`). Raises JobCodeError."""
+    code = load_job_code(path, iterations=iterations)
     return ChainSource(
         layers=lambda: job_layers(code, seeded_model(code, seed)),
         rows=lambda: dataset_rows(code),
         loss=code.loss,
         optimizer=code.optimizer,
-        scheduler=code.scheduler,
+        scheduler=code.make_scheduler,
     )
 
 

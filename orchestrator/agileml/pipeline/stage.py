@@ -51,7 +51,8 @@ from orchestrator.lifecycle import exit_with_parent
 def stage_source(config: StageConfig) -> ChainSource:
     """The model and data a stage trains: the job's code, or the built-in chain."""
     if config.code is not None:
-        return job_source(config.code, config.seed)
+        iterations = config.minibatches // config.microbatches
+        return job_source(config.code, config.seed, iterations)
     return builtin_source(config.model, config.seed)
 
 

@@ -93,7 +93,7 @@ def check_pipeline_plan(plan: TrainPlan) -> None:
             "--checkpoint-every and --resume are not supported with --pipeline yet. To fix: "
             "leave them out (every stage's weights are backed up after each update)."
         )
-    code = load_job_code(plan.code)
+    code = load_job_code(plan.code, iterations=plan.iterations)
     check_job_code(code, global_batch=plan.global_batch, seed=plan.seed)
     layers = job_source(plan.code, plan.seed).layers()
     _check_untied(layers)

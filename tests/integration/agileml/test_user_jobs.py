@@ -144,3 +144,20 @@ def test_train_cli_refuses_bad_input_with_one_line_and_exit_2(
     assert run.returncode == 2
     assert message in run.stderr and "Traceback" not in run.stderr
     assert os.listdir(tmp_path) == []  # nothing written
+
+
+@pytest.mark.slow
+def test_a_schedule_told_the_runs_length_runs_to_its_end_exactly(tmp_path: Path) -> None:
+    """Issue #36, item 1: `scheduler(optimizer, total_iterations)` is told the run's
+    iterations (a OneCycleLR raises one step past its total_steps), through an eviction; the
+    weights equal a single-process loop's that is told the same."""
+    path = JOBS / "cancer_onecycle.py"
+    iterations = 60
+    plan = TrainPlan(code=str(path), nodes=2, reliable=1, iterations=iterations,
+                     global_batch=32, injections=tuple(parse_injections("evict@20")))  # fmt: skip
+    result = train_locally(plan)
+    assert "evicted" in [e["kind"] for e in result.events], result.events
+    expected, _ = train_reference(load_job_code(path), iterations=iterations, global_batch=32)
+    assert relative_error(result.model, expected) <= 1e-5
+    code = load_job_code(path)
+    assert code.evaluate is not None and code.evaluate(result.model)["held_out_accuracy"] > 0.9
