@@ -106,12 +106,12 @@ def agileml_seconds_per_iteration(
 
 def _ddp_train(rank: int, plan: _DdpPlan) -> list[float]:
     """Train this rank's slices of the global batches; returns each iteration's end time."""
-    code = load_job_code(plan.job)
+    code = load_job_code(plan.job, iterations=plan.iterations)
     model = DistributedDataParallel(seeded_model(code, plan.seed))
     model.train()
     rows = dataset_rows(code)
     optimizer = code.optimizer(model.parameters())
-    scheduler = code.scheduler(optimizer) if code.scheduler is not None else None
+    scheduler = code.make_scheduler(optimizer) if code.make_scheduler is not None else None
     ends: list[float] = []
     dist.barrier()  # start together; no barriers inside the timed loop
     for clock in range(plan.iterations):

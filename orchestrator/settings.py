@@ -30,6 +30,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from orchestrator.bidbrain.policy import BidBrainSettings
 from orchestrator.errors import UserError
+from orchestrator.units import MAX_SETTING_S
 
 ENV_PREFIX = "ORCHESTRATOR_"
 ENV_NESTED_DELIMITER = "__"
@@ -207,7 +208,7 @@ class TrainingSettings(BaseModel):
         "or a folder every node mounts; None: artifacts_dir, which only nodes on this machine "
         "reach (offline and local runs; on AWS the final weights then come over the wire)",
     )
-    checkpoint_every_s: Annotated[float, Field(ge=0)] = Field(
+    checkpoint_every_s: Annotated[float, Field(ge=0, le=MAX_SETTING_S)] = Field(
         600.0,
         description="seconds between two checkpoints of a job whose spec sets no "
         "checkpoint_every / checkpoint_every_s (0: none)",

@@ -52,6 +52,7 @@ from orchestrator.artifacts.data import use_data
 REQUIRED = ("model", "dataset", "loss", "optimizer")
 OPTIONAL = ("scheduler", "collate", "evaluate", "stages")
 ENTRY_FILE = "job.py"  # the module a job directory must hold
+TOTAL = "total_iterations"  # a scheduler's parameter that is always told the run's length
 CHECK_ROWS = 4
 
 
@@ -159,15 +160,17 @@ def load_job_code(path: str | Path, *, iterations: int | None = None) -> JobCode
 def with_total_iterations(
     scheduler: Callable[..., Any], iterations: int | None
 ) -> Callable[[torch.optim.Optimizer], Any]:
-    """The job's scheduler as the runtime calls it, `scheduler(optimizer)`: a scheduler that
-    takes a second argument is given the run's iteration count there (OneCycleLR's
-    total_steps, a cosine schedule's length), so it never has to hard-code it."""
+    """The job's scheduler as the runtime calls it, `scheduler(optimizer)`: a scheduler whose
+    second parameter has no default (or is named `total_iterations`) is given the run's
+    iteration count there (OneCycleLR's total_steps, a cosine schedule's length), so it never
+    has to hard-code it; `scheduler(opt, warmup=5)` keeps its default."""
     try:
         params = list(inspect.signature(scheduler).parameters.values())
     except (TypeError, ValueError):  # a builtin or C callable: as it is
         return scheduler
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+    second = positional[1] if len(positional) >= 2 else None
+    if second is None or (second.default is not second.empty and second.name != TOTAL):
         return scheduler
 
     def bound(optimizer: torch.optim.Optimizer) -> Any:

@@ -47,6 +47,7 @@ from orchestrator.agileml.usercode import JobCodeError, failure_report, job_code
 from orchestrator.artifacts import WEIGHTS, folder_at
 from orchestrator.errors import UserError
 from orchestrator.straggler.spec import StragglerSpec
+from orchestrator.units import MAX_SEED
 
 WARMUP_ITERATIONS = 5  # not counted in the time per iteration
 NEAR_EVENT = 2  # iterations on either side of an injection not counted either
@@ -94,15 +95,15 @@ class TrainPlan(BaseModel):
     code: str
     nodes: Annotated[int, Field(ge=1, le=64)] = 4  # transient nodes at the start
     reliable: Annotated[int, Field(ge=1, le=16)] = 1
-    iterations: Annotated[int, Field(ge=1)] = 300
-    global_batch: Annotated[int, Field(ge=1)] = 256
-    seed: int = 0
+    iterations: Annotated[int, Field(ge=1, le=1_000_000_000)] = 300
+    global_batch: Annotated[int, Field(ge=1, le=10_000_000)] = 256
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
     injections: tuple[Injection, ...] = ()
     slack: Annotated[int, Field(ge=0, le=100)] = 0
     # partitions of the model; None: by its size (`auto_partitions`)
     partitions: Annotated[int, Field(ge=1, le=4096)] | None = None
     checkpoint_dir: str | None = None  # checkpoints written here (see `checkpoints`)
-    checkpoint_every: Annotated[int, Field(ge=0)] = 0  # iterations; 0: none
+    checkpoint_every: Annotated[int, Field(ge=0, le=1_000_000_000)] = 0  # iterations; 0: none
     resume: str | None = None  # a checkpoint, or a folder of them (the newest is taken)
     overlap: bool = False  # communication overlapped with computation (`agileml.streams`)
     # pipeline-parallel instead (`agileml.pipeline.trainrun`): its schedule and, if given, depth

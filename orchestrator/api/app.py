@@ -312,7 +312,7 @@ def _health_routes(
         """200 {"status": "ok"} when Redis answers PING and the controller's ticks work (200
         {"status": "standby"} while another process leads), else 503 {"status": "degraded"}
         with the reason. An API served apart from the controller (`api serve`) cannot see its
-        ticks: it says `"controller": "not in this process"`."""
+        ticks: it says `"controller": "not watched"`."""
         try:
             store.ping()
         except StoreError as exc:
@@ -321,7 +321,7 @@ def _health_routes(
         body = {"status": "ok", "redis": "ok", "controller_id": settings.controller_id}
         health = tick_health() if tick_health is not None else None
         if tick_health is None:
-            body["controller"] = "not in this process"
+            body["controller"] = "not watched"  # its ticks run where this API cannot see
         if health is not None and health.degraded:
             body.update(status="degraded", controller="failing", reason=health.reason())
             return JSONResponse(body, status_code=503)

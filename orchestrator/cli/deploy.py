@@ -134,7 +134,7 @@ def deploy(
     from orchestrator.settings import Settings
 
     region = region or Settings.load().region
-    check_region(region)
+    check_region(region, option="--region (or ORCHESTRATOR_REGION)")
     stack = stack or f"orchestrator-{controller_id}"
     if teardown:
         _teardown(stack, controller_id, region, endpoint_url, dry_run=dry_run, yes=yes)

@@ -45,7 +45,7 @@ from orchestrator.cloud.protocol import Cloud
 from orchestrator.cloud.reconcile import Reconciler
 from orchestrator.controller.clock import check_clock
 from orchestrator.controller.job import ControllerJob, DecisionLag, last_decisions
-from orchestrator.controller.market_view import MarketView, no_market, price_at
+from orchestrator.controller.market_view import MarketView, price_at
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
 from orchestrator.controller.rates import RateLearning
 from orchestrator.controller.training_gate import NOTHING_COUNTS_ITS_WORK, Patience, TrainingGate
@@ -331,7 +331,8 @@ class Controller:
         table = self._market.table(submission, spec, history, gpus_used=gpus_used)
         if len(table) == 0:
             self._stop_job(job, history, now_s, EndReason.RELEASED, report)
-            self._finish(job, JobState.FAILED, now_s, no_market(gpus_used), report)
+            why = self._market.why_empty(submission, spec, history, gpus_used)
+            self._finish(job, JobState.FAILED, now_s, why, report)
             return
         policy = BidBrainPolicy(
             table,

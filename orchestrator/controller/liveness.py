@@ -14,8 +14,9 @@ both on the controller's clock. A job first seen by this controller (after a res
 of its instances a fresh join grace from that moment, so a restart never releases a working
 instance whose node has not reconnected yet. Instances under an interruption notice, and jobs
 whose runtime is not live or has trained every iteration, are left alone. A job that has
-released instances at `MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS` ticks without training an
-iteration in between fails (`hopeless`): its nodes die however often they are replaced.
+released `MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS` fleets' worth of instances (its most instances
+alive at once, at least two) without training an iteration in between fails (`hopeless`): its
+nodes die however often they are replaced.
 
     watch = LivenessWatch(join_grace_s=900.0, rejoin_grace_s=180.0)
     for silent in watch.check(job_id, outcome, alive, doomed, now_s):
@@ -52,11 +53,13 @@ class SilentInstance:
         )
 
 
-#: Ticks that released instances for their nodes with no iteration trained in between: the
-#: job fails (nodes that keep dying after they join, e.g. killed loading its data, would
-#: otherwise be replaced until the budget is gone). Rounds, not instances: a job of eight
-#: one-GPU instances is replaced as often as one of two.
+#: Fleets' worth of instances released for their nodes with no iteration trained in between:
+#: the job fails (nodes that keep dying after they join, e.g. killed loading its data, would
+#: otherwise be replaced until the budget is gone). Counted in fleets (the most instances the
+#: job had alive at once, at least `MIN_FLEET`): a job of eight one-GPU instances is replaced
+#: as often as one of two, whether its instances die together or one by one.
 MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS = 3
+MIN_FLEET = 2
 
 
 @dataclass
@@ -66,7 +69,7 @@ class _JobSeen:
     absent_at: dict[str, float] = field(default_factory=dict)  # first seen gone after that
     iterations: int = -1
     released_since_progress: int = 0
-    rounds_since_progress: int = 0  # ticks that released some of them
+    fleet: int = MIN_FLEET  # the most instances alive at once since its last iteration
 
 
 class LivenessWatch:
@@ -94,7 +97,7 @@ class LivenessWatch:
         seen = self._jobs.setdefault(job_id, _JobSeen(now_s))
         if outcome.iterations_done != seen.iterations:
             seen.iterations, seen.released_since_progress = outcome.iterations_done, 0
-            seen.rounds_since_progress = 0
+            seen.fleet = MIN_FLEET
         alive_ids = {r.instance_id for r in alive}
         seen.members_seen &= alive_ids
         for gone in [i for i in seen.absent_at if i not in alive_ids]:
@@ -116,16 +119,18 @@ class LivenessWatch:
             if now_s - since > grace:
                 silent.append(SilentInstance(rec, now_s - since, joined_before=joined))
         seen.released_since_progress += len(silent)
-        seen.rounds_since_progress += 1 if silent else 0
+        seen.fleet = max(seen.fleet, len(alive))
         return silent
 
     def hopeless(self, job_id: str) -> int:
-        """How many instances the job had released since its last iteration, once they went
-        in `MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS` ticks or more (it should fail); 0 otherwise."""
+        """How many instances the job had released since its last iteration, once they are
+        `MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS` fleets' worth or more (it should fail); 0
+        otherwise."""
         seen = self._jobs.get(job_id)
-        if seen is None or seen.rounds_since_progress < MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS:
+        if seen is None:
             return 0
-        return seen.released_since_progress
+        enough = MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS * seen.fleet
+        return seen.released_since_progress if seen.released_since_progress >= enough else 0
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)

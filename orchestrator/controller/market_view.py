@@ -49,6 +49,23 @@ class MarketView:
         ]
         return MarketTable.build(markets, self.catalog, spec.gpu_work_rates)
 
+    def why_empty(
+        self,
+        submission: JobSubmission,
+        spec: JobSpec,
+        history: PriceHistory,
+        gpus_used: int | None,
+    ) -> str:
+        """Why the job's market table (as `table` built it, with `gpus_used`) is empty."""
+        if gpus_used is None or len(self.table(submission, spec, history)) == 0:
+            return "no market offers the job's GPU types in its regions"
+        return (
+            f"no market offers the job's GPU types with at most {gpus_used} GPU(s) an instance: "
+            f"a node of a training job trains on {gpus_used}, so an instance with more would be "
+            "paid for and idle; list a type with one GPU in instance_types (p3.2xlarge, "
+            "g4dn.xlarge, ...)"
+        )
+
     def price_of(self, history: PriceHistory, now_s: float) -> PriceOf:
         """A market's price now: on-demand from the catalog, spot from the history."""
 
@@ -77,14 +94,3 @@ def price_at(history: PriceHistory, market: Market, now_s: float) -> float:
         return math.nan
     price = history[market].price_at(now_s)
     return math.nan if price is None else price
-
-
-def no_market(gpus_used: int | None) -> str:
-    """Why a job with no market fails (`gpus_used`: as `MarketView.table` took it)."""
-    if gpus_used is None:
-        return "no market offers the job's GPU types"
-    return (
-        f"no market offers the job's GPU types with at most {gpus_used} GPU(s) an instance: a "
-        f"node of a training job trains on {gpus_used}, so an instance with more would be paid "
-        "for and idle; list a type with one GPU in instance_types (p3.2xlarge, g4dn.xlarge, ...)"
-    )

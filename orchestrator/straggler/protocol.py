@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 Clock = Annotated[int, Field(ge=0, strict=True)]
 Row = Annotated[int, Field(ge=0, strict=True)]
 Id = Annotated[int, Field(ge=0, strict=True)]  # an assignment or a roster version
-Timer = Annotated[float, Field(allow_inf_nan=False)]
+Timer = Annotated[float, Field(allow_inf_nan=False, strict=True)]
 
 
 class _Message(BaseModel):

@@ -14,6 +14,7 @@ is exact up to 2**24).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -42,7 +43,8 @@ class ChainSource:
     rows: Callable[[], RowSource]
     loss: Callable[[Any, Any], torch.Tensor]  # the mean over a microbatch's rows
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
-    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    # (optimizer, the updates the stage makes in the run) -> the job's scheduler
+    scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None
 
 
 class ChainModelSpec(BaseModel):
@@ -89,17 +91,23 @@ def builtin_source(spec: ChainModelSpec, seed: int) -> ChainSource:
     return ChainSource(layers=lambda: list(build_chain(spec, seed)), rows=rows, loss=loss)
 
 
-def job_source(path: str, seed: int, iterations: int | None = None) -> ChainSource:
-    """A user's job file as a chain (see the module docstring; `iterations`: the run's, for
-    a `scheduler(optimizer, total_iterations)`). Raises JobCodeError."""
-    code = load_job_code(path, iterations=iterations)
+def job_source(path: str, seed: int) -> ChainSource:
+    """A user's job file as a chain (see the module docstring). Raises JobCodeError."""
+    code = load_job_code(path)
     return ChainSource(
         layers=lambda: job_layers(code, seeded_model(code, seed)),
         rows=lambda: dataset_rows(code),
         loss=code.loss,
         optimizer=code.optimizer,
-        scheduler=code.make_scheduler,
+        scheduler=None if code.scheduler is None else functools.partial(_scheduler, code),
     )
+
+
+def _scheduler(code: JobCode, optimizer: torch.optim.Optimizer, updates: int) -> Any:
+    """The job's scheduler on a stage's optimizer, told the `updates` of the run."""
+    make = code.for_run(updates).make_scheduler
+    assert make is not None  # only made for a job with a scheduler
+    return make(optimizer)
 
 
 def job_layers(code: JobCode, model: nn.Module) -> list[nn.Module]:

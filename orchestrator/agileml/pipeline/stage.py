@@ -51,8 +51,7 @@ from orchestrator.lifecycle import exit_with_parent
 def stage_source(config: StageConfig) -> ChainSource:
     """The model and data a stage trains: the job's code, or the built-in chain."""
     if config.code is not None:
-        iterations = config.minibatches // config.microbatches
-        return job_source(config.code, config.seed, iterations)
+        return job_source(config.code, config.seed)
     return builtin_source(config.model, config.seed)
 
 
@@ -181,7 +180,8 @@ class PipelineStage:
                 self._load_optimizer(load_file(config.initial_optimizer))
         self.scheduler = None
         if self.optimizer is not None and source.scheduler is not None:
-            self.scheduler = source.scheduler(self.optimizer)
+            # told the updates this stage makes in the run (its scheduler steps once each)
+            self.scheduler = source.scheduler(self.optimizer, config.minibatches // self.group)
             with warnings.catch_warnings():  # stepped ahead of the optimizer on purpose
                 warnings.simplefilter("ignore", UserWarning)
                 for _ in range(config.first_minibatch // self.group):  # a function of steps

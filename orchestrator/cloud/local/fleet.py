@@ -80,7 +80,6 @@ REDIS_TIMEOUT_SECONDS = 2.0
 LOG_TAIL_CHARS = 2000
 MAX_LOG_LINE_CHARS = 500  # of an agent's last log line, in a stall's event
 
-#: What the fleet does with a job's summed work: (job_id, GPU-hours, now_s).
 #: What the fleet does with a job's work per instance: (job_id, instance id -> (GPU-hours,
 #: the hours it worked for them)).
 RecordInstanceWork = Callable[[str, Mapping[str, tuple[float, float]]], object]

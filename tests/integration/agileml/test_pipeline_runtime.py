@@ -3,6 +3,9 @@ plain SGD on one process, 1F1B with weight stashing trains, 2BW keeps at most tw
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -377,3 +380,15 @@ def test_asynchronous_schedules_recover_from_an_eviction_close_to_the_run_withou
     assert tail_evicted < 0.8 * sum(evicted.losses[:10]) / 10  # it kept learning
     assert abs(tail_evicted - tail_plain) < 0.15 * tail_plain
     assert float((plain.weights - evicted.weights).abs().max()) < 0.5
+
+
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.TWO_BW, Schedule.FLUSH])
+def test_a_stage_tells_the_jobs_scheduler_the_updates_it_makes(schedule: Schedule) -> None:
+    """Issue #36, item 1: a `scheduler(optimizer, total_iterations)` (a OneCycleLR, which
+    raises one step past its total) is told the updates its stage makes in the run, whatever
+    the schedule groups into one update (1f1b: a minibatch per replica; 2bw: M per replica)."""
+    job = Path(__file__).parents[2] / "support" / "jobs" / "cancer_onecycle.py"
+    result = run_pipeline(code=str(job), layout=chain_layout([(0, 0), (1, 2)], [2, 1]),
+                          schedule=schedule, minibatches=40, microbatches=4,
+                          microbatch_size=8)  # fmt: skip
+    assert len(result.losses) == 40 and all(math.isfinite(v) for v in result.losses)

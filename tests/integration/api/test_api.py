@@ -528,7 +528,7 @@ def test_healthz_is_ok_while_redis_answers(client: TestClient) -> None:
     assert response.status_code == 200
     assert response.json()["status"] == "ok" and response.json()["redis"] == "ok"
     # served apart from a controller: it does not claim the ticks work
-    assert response.json()["controller"] == "not in this process"
+    assert response.json()["controller"] == "not watched"
 
 
 def test_healthz_is_503_degraded_after_redis_stops() -> None:

@@ -39,6 +39,16 @@ def test_a_one_argument_scheduler_is_called_as_it_was() -> None:
     assert with_total_iterations(scheduler, 7) is scheduler
     assert with_total_iterations(scheduler, None) is scheduler
 
+    def with_default(opt, warmup=5):  # type: ignore[no-untyped-def]
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=warmup)
+
+    assert with_total_iterations(with_default, 7) is with_default  # keeps its default
+
+    def named(opt, total_iterations=100):  # type: ignore[no-untyped-def]
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=total_iterations)
+
+    assert with_total_iterations(named, 7)(_optimizer()).step_size == 7
+
 
 def test_a_run_that_did_not_give_its_length_says_so() -> None:
     def scheduler(opt, total):  # type: ignore[no-untyped-def]

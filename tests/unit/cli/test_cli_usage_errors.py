@@ -73,9 +73,9 @@ CASES: dict[str, tuple[tuple[str, ...], str]] = {
                                "subnet-0123456789abcdef0", "--worker-subnets",
                                "subnet-0123456789abcdef1", "--api-cidr", "10.0.0.0/8",
                                "--package", "orchestrator"),
-                              "--region: 'mars-1' is not an AWS region"),
+                              "'mars-1' is not an AWS region"),
     "teardown_unknown_region": (("deploy", "--teardown", "--region", "mars-1", "--yes"),
-                                "--region: 'mars-1' is not an AWS region"),
+                                "'mars-1' is not an AWS region"),
 }  # fmt: skip
 
 BINARY = bytes(range(256)) * 8  # not UTF-8, not gzip

@@ -61,18 +61,18 @@ def test_a_node_that_joined_and_died_between_two_ticks_counts_as_left() -> None:
 
 def test_a_job_whose_replacements_keep_dying_without_training_is_hopeless() -> None:
     """Nodes that join and die (killed loading the data) are replaced a few times, not until
-    the budget is gone: releases at three ticks with no iteration trained in between, however
-    many instances each released (two here, then one)."""
+    the budget is gone: three fleets' worth released (its most instances alive at once, two
+    here) with no iteration trained in between, whether they die together or one by one."""
     watch = LivenessWatch(join_grace_s=100.0, rejoin_grace_s=10.0)
     now, released = T0, 0
-    for k, size in enumerate((2, 2, 1)):
+    for k, size in enumerate((2, 1, 1, 2)):  # dying together, then one at a time
         recs = [_rec(f"i-{k}-{n}", launched_at=now) for n in range(size)]
         watch.check("job-1", _members(*(r.instance_id for r in recs)), recs, (), now + 1.0)
         released += len(watch.check("job-1", _members(), recs, (), now + 2.0))
         assert watch.hopeless("job-1") == 0
         released += len(watch.check("job-1", _members(), recs, (), now + 13.0))  # and died
         now += 20.0
-    assert released == 5 and watch.hopeless("job-1") == 5
+    assert released == 6 and watch.hopeless("job-1") == 6
     progress = TrainingOutcome(11, 100, members=frozenset())  # an iteration trained: hope
     watch.check("job-1", progress, [], (), now)
     assert watch.hopeless("job-1") == 0
