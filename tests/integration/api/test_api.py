@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from datetime import datetime
 from pathlib import Path
@@ -884,10 +884,11 @@ def test_cli_submits_lists_shows_and_cancels_through_the_api(
     assert_user_error(run_cli("job", "job-00000000", env=env), "no job 'job-00000000'")
 
 
-def test_cli_submit_wait_follows_the_job_until_it_succeeds(
-    live_api: tuple[str, Store], tmp_path: Path
-) -> None:
-    url, store = live_api
+def _submit_and_wait(
+    url: str, store: Store, tmp_path: Path, end: Callable[[str, JobRecord], None]
+) -> tuple[str, int, str, str]:
+    """`submit --wait` as a user runs it; `end(job_id, running)` ends the job meanwhile.
+    Returns the job id, the exit code, stdout and stderr."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "submit", str(write_spec(tmp_path, GOOD_YAML))]
         + ["--wait", "--timeout", "20"],
@@ -900,15 +901,26 @@ def test_cli_submit_wait_follows_the_job_until_it_succeeds(
         assert proc.stdout is not None
         job_id = proc.stdout.readline().strip()
         assert job_id.startswith("job-"), proc.communicate(timeout=CLI_TIMEOUT_S)
-        running = to_state(store, job_id, JobState.RUNNING)
-        store.update_progress(job_id, 20.0, now_s=3.0)
-        store.transition(job_id, JobState.SUCCEEDED, expected_version=running.version, now_s=4.0)
+        end(job_id, to_state(store, job_id, JobState.RUNNING))
         stdout, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, stderr
+    return job_id, proc.returncode, stdout, stderr
+
+
+def test_cli_submit_wait_follows_the_job_until_it_succeeds(
+    live_api: tuple[str, Store], tmp_path: Path
+) -> None:
+    url, store = live_api
+
+    def succeed(job_id: str, running: JobRecord) -> None:
+        store.update_progress(job_id, 20.0, now_s=3.0)
+        store.transition(job_id, JobState.SUCCEEDED, expected_version=running.version, now_s=4.0)
+
+    job_id, code, stdout, stderr = _submit_and_wait(url, store, tmp_path, succeed)
+    assert code == 0, stderr
     assert f"{job_id}: succeeded" in stdout and "work 20.00 of 20 GPU-h" in stdout
 
 
@@ -918,27 +930,13 @@ def test_cli_submit_wait_of_a_job_that_fails_exits_1_saying_why(
     """The reason a job failed (a user's traceback, a stall, no training section) is on the
     console, not only in `orchestrator job`."""
     url, store = live_api
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "submit", str(write_spec(tmp_path, GOOD_YAML))]
-        + ["--wait", "--timeout", "20"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=cli_env(url),
-    )
-    try:
-        assert proc.stdout is not None
-        job_id = proc.stdout.readline().strip()
-        assert job_id.startswith("job-"), proc.communicate(timeout=CLI_TIMEOUT_S)
-        running = to_state(store, job_id, JobState.RUNNING)
+
+    def fail(job_id: str, running: JobRecord) -> None:
         store.transition(job_id, JobState.FAILED, expected_version=running.version, now_s=4.0,
                          message="training failed: ValueError: [bad] lr")  # fmt: skip
-        stdout, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 1, stderr
+
+    job_id, code, stdout, stderr = _submit_and_wait(url, store, tmp_path, fail)
+    assert code == 1, stderr
     assert f"{job_id}: failed" in stdout
     assert f"{job_id}: training failed: ValueError: [bad] lr" in stderr  # brackets kept
 
