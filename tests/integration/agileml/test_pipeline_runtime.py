@@ -382,7 +382,7 @@ def test_asynchronous_schedules_recover_from_an_eviction_close_to_the_run_withou
     assert float((plain.weights - evicted.weights).abs().max()) < 0.5
 
 
-@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.TWO_BW, Schedule.FLUSH])
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.TWO_BW])  # flush: as train
 def test_a_stage_tells_the_jobs_scheduler_the_updates_it_makes(schedule: Schedule) -> None:
     """Issue #36, item 1: a `scheduler(optimizer, total_iterations)` (a OneCycleLR, which
     raises one step past its total) is told the updates its stage makes in the run, whatever
