@@ -25,7 +25,7 @@ from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.parts import ModelParts, TrainingParts, model_parts, training_parts
-from orchestrator.agileml.spec import DEVICES_PER_NODE, validate_training_section
+from orchestrator.agileml.spec import validate_training_section
 
 if TYPE_CHECKING:
     from orchestrator.agileml.pipeline.hosted import HostedPipeline
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     Hosted: TypeAlias = "HostedTraining | HostedPipeline"
 
 __all__ = [
-    "DEVICES_PER_NODE",
     "AgileMLError",
     "HostedTraining",
     "TrainingSpec",

@@ -13,9 +13,6 @@ from orchestrator.straggler.spec import StragglerSpec
 from orchestrator.units import MAX_SEED, MAX_SETTING_S
 
 NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
-#: The devices a node trains on: one (its first GPU, else the CPU). An instance with more GPUs
-#: would be paid for and idle, so the controller does not buy one for a training job.
-DEVICES_PER_NODE = 1
 
 
 class StageThresholds(BaseModel):

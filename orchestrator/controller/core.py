@@ -327,12 +327,12 @@ class Controller:
             self._stop_job(job, history, now_s, EndReason.JOB_FINISHED, report)
             self._finish_done(job, training, spec.work_gpu_hours, now_s, report)
             return
-        gpus_used = training.gpus_per_node if training is not None else None
-        table = self._market.table(submission, spec, history, gpus_used=gpus_used)
+        table = self._market.table(submission, spec, history)
         if len(table) == 0:
             self._stop_job(job, history, now_s, EndReason.RELEASED, report)
-            why = self._market.why_empty(submission, spec, history, gpus_used)
-            self._finish(job, JobState.FAILED, now_s, why, report)
+            self._finish(
+                job, JobState.FAILED, now_s, "no market offers the job's GPU types", report
+            )
             return
         policy = BidBrainPolicy(
             table,

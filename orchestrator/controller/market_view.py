@@ -26,20 +26,9 @@ class MarketView:
         self._price_model: PriceCrossingModel | None = None
         self._price_model_at = -math.inf
 
-    def table(
-        self,
-        submission: JobSubmission,
-        spec: JobSpec,
-        history: PriceHistory,
-        *,
-        gpus_used: int | None = None,
-    ) -> MarketTable:
-        """The job's markets: its instance types (else every GPU type) in its regions; with
-        `gpus_used` (the GPUs a node of the job trains on), only types with no more GPUs than
-        that (more would be paid for and idle)."""
+    def table(self, submission: JobSubmission, spec: JobSpec, history: PriceHistory) -> MarketTable:
+        """The job's markets: its instance types (else every GPU type) in its regions."""
         types = set(submission.instance_types or self.catalog.gpu_types())
-        if gpus_used is not None:
-            types = {t for t in types if self.catalog.get(t).gpu_count <= gpus_used}
         markets = [
             m
             for m in history
@@ -48,23 +37,6 @@ class MarketView:
             and self.catalog.get(m.instance_type).offered_in(m.region)
         ]
         return MarketTable.build(markets, self.catalog, spec.gpu_work_rates)
-
-    def why_empty(
-        self,
-        submission: JobSubmission,
-        spec: JobSpec,
-        history: PriceHistory,
-        gpus_used: int | None,
-    ) -> str:
-        """Why the job's market table (as `table` built it, with `gpus_used`) is empty."""
-        if gpus_used is None or len(self.table(submission, spec, history)) == 0:
-            return "no market offers the job's GPU types in its regions"
-        return (
-            f"no market offers the job's GPU types with at most {gpus_used} GPU(s) an instance: "
-            f"a node of a training job trains on {gpus_used}, so an instance with more would be "
-            "paid for and idle; list a type with one GPU in instance_types (p3.2xlarge, "
-            "g4dn.xlarge, ...)"
-        )
 
     def price_of(self, history: PriceHistory, now_s: float) -> PriceOf:
         """A market's price now: on-demand from the catalog, spot from the history."""

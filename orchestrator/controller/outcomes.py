@@ -34,8 +34,6 @@ class TrainingOutcome:
     # every node the runtime has heard from (joined at some time): one not among the members
     # left, even if no tick of the controller saw it a member
     heard: frozenset[str] = frozenset()
-    # the GPUs each node of the job trains on: an instance with more is paid for and idle
-    gpus_per_node: int = 1
 
     @property
     def trained(self) -> bool:

@@ -42,12 +42,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from orchestrator.agileml.hosting import (
-    DEVICES_PER_NODE,
-    AgileMLError,
-    TrainingSpec,
-    host_training,
-)
+from orchestrator.agileml.hosting import AgileMLError, TrainingSpec, host_training
 from orchestrator.artifacts import (
     FINAL_INFO,
     WEIGHTS,
@@ -251,10 +246,7 @@ class TrainingHost:
                 return None
             last = self.store.latest_training(job.job_id)
             return TrainingOutcome(
-                last.iteration if last is not None else 0,
-                spec.iterations,
-                live=False,
-                gpus_per_node=DEVICES_PER_NODE,
+                last.iteration if last is not None else 0, spec.iterations, live=False
             )
         error, heard, members = hosted.error, frozenset(hosted.node_work()), hosted.members()
         return TrainingOutcome(
@@ -265,7 +257,6 @@ class TrainingHost:
             nodes_heard=len(heard),
             members=members,
             heard=heard | members,
-            gpus_per_node=DEVICES_PER_NODE,
         )
 
     def final_weights(self, job_id: str, iterations: int) -> str | None:

@@ -201,22 +201,3 @@ def test_a_job_without_a_training_section_fails_at_once_under_a_training_control
     job = store.get_job("job-x")
     assert job.message == NOTHING_COUNTS_ITS_WORK and "add a `training` section" in job.message
     assert cloud.describe() == [] and job.spent_usd == 0.0
-
-
-def test_a_training_job_is_not_given_gpus_its_nodes_would_leave_idle(store, ec2, prices) -> None:
-    """Issue #34, item 2: a node trains on one GPU, so a training job whose types include
-    4- and 8-GPU instances gets one-GPU ones only; one limited to a 4-GPU type fails saying
-    why, before anything is bought."""
-    from orchestrator.jobspec import JobSubmission
-    from orchestrator.store import JobRecord
-
-    ctl, training, cloud = training_world(store, ec2, prices)  # p3.2x, 8x and 16xlarge allowed
-    gpu = [i for i in cloud.describe() if i.instance_type.startswith("p3")]
-    assert gpu and {i.instance_type for i in gpu} == {"p3.2xlarge"}
-    only_big = JobSubmission(name="big", budget_usd=100.0, work_gpu_hours=8.0,
-                             instance_types=("p3.8xlarge",))  # fmt: skip
-    store.create_job(JobRecord.submit("job-2", only_big.model_dump(mode="json"), 100.0, T0))
-    report = ctl.tick(T0 + 120.0)
-    assert report.finished.get("job-2") is JobState.FAILED
-    assert "at most 1 GPU(s) an instance" in store.get_job("job-2").message
-    assert not store.list_instances("job-2")
