@@ -18,6 +18,7 @@ from torch import nn
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.roster import global_batch_indices
+from orchestrator.agileml.seeding import seeded
 from orchestrator.agileml.server import ParamServer
 from orchestrator.agileml.server_loop import ServerStats
 from orchestrator.agileml.updates import sgd_rules
@@ -122,8 +123,7 @@ def full_loss(spec: TrainingSpec, model: nn.Module) -> float:
 
 def initial_model(factory: ModelFactory, seed: int) -> nn.Module:
     """A model from `factory` with parameters drawn from `seed`; the global RNG is untouched."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
+    with seeded(seed):
         return factory()
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from orchestrator.agileml.batches import DatasetRows
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.seeding import seeded
 from orchestrator.agileml.updates import OptimizerPlan
 from orchestrator.agileml.usercode import (
     USER_CODE_ERRORS,
@@ -234,10 +235,8 @@ def seeded_model(code: JobCode, seed: int) -> nn.Module:
     Raises:
         JobCodeError: it raised, or did not return an nn.Module.
     """
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        with job_code_call("model()"):
-            model = code.model()
+    with seeded(seed), job_code_call("model()"):
+        model = code.model()
     if not isinstance(model, nn.Module):
         raise JobCodeError(f"model() returned {type(model).__name__}, not a torch.nn.Module")
     return model
