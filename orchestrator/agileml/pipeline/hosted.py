@@ -320,7 +320,7 @@ class HostedPipeline:
                 placed = [n for n in self.placement if n in held]
                 self._restart(launch, profile, placed + free, "joined")
                 continue
-            self._recover(launch, profile)
+            self._recover(launch, profile, minibatches)
 
     def _place_backups(self, nodes: list[str], sizes: list[int]) -> tuple[str | None, int, int]:
         """The reliable copy on the first reliable node: its holder's endpoint (the stages
@@ -377,8 +377,9 @@ class HostedPipeline:
             nodes = self._wait_nodes(spec.min_nodes) or []  # that node went: ask another
         return None
 
-    def _recover(self, launch: Launch, profile: ModelProfile) -> None:
-        """A worker was lost: replace it alone on a node that takes its place, else re-plan."""
+    def _recover(self, launch: Launch, profile: ModelProfile, minibatches: int) -> None:
+        """A worker was lost: replace it alone on a node that takes its place, else re-plan;
+        nothing when every minibatch got backed up meanwhile (the run loop finishes)."""
         if self._halt.is_set():
             return
         self._recovery_told = False
@@ -391,8 +392,8 @@ class HostedPipeline:
         spare = self._wait_nodes(1, self.replace_wait_s) if len(launch.lost) == 1 else None
         # a survivor whose worker has exited (lost after `done`) is free, but no spare
         spare = [n for n in spare or () if n not in self.placement] or None
-        if self._halt.is_set():
-            return
+        if self._halt.is_set() or self.backups.done >= minibatches:
+            return  # a stage relaunched at the end would have nothing to run
         if spare and launch.can_replace(self.backups):
             with self._lock:
                 self.placement[lost] = spare[0]
