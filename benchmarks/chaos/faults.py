@@ -4,7 +4,7 @@ EC2 client see EC2's errors (or dies with the controller) at the calls it is arm
 
 The errors are real EC2 error documents handed to botocore before the request leaves
 (`before-send`), so botocore parses them and retries what it retries (throttling and 5xx,
-`orchestrator.aws.RETRY_CONFIG`) exactly as it does for AWS's own.
+`orchestrator.aws.retry_config()`) exactly as it does for AWS's own.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from orchestrator.settings import ControllerSettings, Settings
 def _fake_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
 
 
 def retries_of(client: object) -> dict:
@@ -42,3 +43,16 @@ def test_a_given_config_is_merged_over_the_policy() -> None:
     client = aws_client("ec2", "us-east-1", config=Config(connect_timeout=5))
     assert client.meta.config.connect_timeout == 5
     assert retries_of(client)["mode"] == "adaptive"
+
+
+@pytest.mark.parametrize(
+    ("value", "total"),
+    [("2", 2), (" 1 ", 1), ("20", 20), ("0", None), ("21", None), ("-3", None), ("x", None)],
+)
+def test_aws_max_attempts_replaces_the_budget_only_when_it_is_a_sane_count(
+    monkeypatch: pytest.MonkeyPatch, value: str, total: int | None
+) -> None:
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", value)
+    client = aws_client("ec2", "us-east-1")
+    assert retries_of(client)["mode"] == "adaptive"
+    assert retries_of(client)["total_max_attempts"] == (total or RETRY_MAX_ATTEMPTS + 1)

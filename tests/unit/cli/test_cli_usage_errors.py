@@ -183,7 +183,11 @@ def test_a_teardown_against_an_aws_that_answers_500_exits_2_with_one_line() -> N
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
+    # two attempts per call (AWS_MAX_ATTEMPTS), not botocore's nine with their backoff
+    env = {
+        **os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
+        "AWS_MAX_ATTEMPTS": "2",
+    }  # fmt: skip
     try:
         proc = subprocess.run(
             [console_script(), "deploy", "--teardown", "--yes", "--region", "us-east-1",
