@@ -70,6 +70,9 @@ def demo(
     """The offline demo: Redis, a moto EC2 server, replayed 2020 prices and p3 evictions, the
     controller and local instance agents, running one job with a budget to the end, watched on a
     live dashboard."""
+    from orchestrator.extras import require
+
+    require("offline", what="the offline demo")
     from orchestrator.demo import job_state_ok, run_demo, write_summary
 
     if budget <= 0 or not math.isfinite(budget):

@@ -96,8 +96,11 @@ def up(
 ) -> None:
     """Start the offline world in the background (Redis, moto, the controller, local instance
     agents) and save where it is, so `submit`, `jobs`, `job` and `cancel` reach it."""
+    from orchestrator.extras import require
+
     running = saved_world()
     if running is None:
+        require("offline", what="the offline world (`local up`)")
         running = _start(port=port, speed=speed, seed=seed)
     else:
         err.print(f"a local world is already up (pid {running['pid']})", highlight=False)

@@ -226,6 +226,11 @@ def _check_plot_path(plot: Path) -> None:
         )
     if plot.suffix.lower() in (".html", ".htm"):
         return
+    from orchestrator.extras import require
+
+    require(
+        "plot", what=f"--plot {plot.name} (an image; a .html report needs nothing)", field="--plot"
+    )
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = sorted(FigureCanvasBase.get_supported_filetypes())

@@ -82,7 +82,7 @@ class MotoEC2Server:
         except ImportError as exc:
             raise MotoServerError(
                 f"moto's server is not installed ({exc}). "
-                "To fix: pip install 'moto[server]' (or pip install -e '.[dev]')"
+                "To fix: pip install 'orchestrator[offline]' (./setup.sh installs it)"
             ) from exc
         for name, value in MOTO_SPEEDUP_ENV.items():
             self._saved_env[name] = os.environ.get(name)
