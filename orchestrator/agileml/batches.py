@@ -75,6 +75,19 @@ class DatasetRows:
         return batch[0], batch[1]
 
 
+def micro_batches(rows: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) spans splitting `rows` rows into `parts` micro-batches in order, their
+    sizes differing by at most one (fewer spans when there are fewer rows; one when none)."""
+    k = max(1, min(parts, rows))
+    size, extra = divmod(rows, k)
+    spans, start = [], 0
+    for i in range(k):
+        end = start + size + (1 if i < extra else 0)
+        spans.append((start, end))
+        start = end
+    return spans
+
+
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
     """Rows [start, stop) of a collated batch (tensors sliced on their first dimension)."""
     if isinstance(batch, torch.Tensor):

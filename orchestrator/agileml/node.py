@@ -233,6 +233,7 @@ class AgileMLNode:
                 spec.slack,
                 seed=spec.seed,
                 overlap=spec.overlap,
+                accumulate=spec.accumulate,
             ),
             token=self._token,
             layout=self._layout,

@@ -62,6 +62,8 @@ class Worker(Protocol):
     def dataset_rows(self) -> int: ...
     @property
     def batch_rows(self) -> int: ...
+    @property
+    def micro_batches(self) -> int: ...
     def share_rows(self, identity: str, clock: int) -> int: ...
     def backward_first_rows(self, n: int) -> float: ...
     def backward_rows(
@@ -251,7 +253,8 @@ class Reassigner:
         """Compute chunks of the own rows, checking the inbox between them, until every row is
         done here or by a helper; returns (loss sum, when the own range was done)."""
         clock, rows = own.clock, own.rows
-        chunk = self._chunk_rows(rows)
+        # gradient accumulation: no chunk larger than one of the share's micro-batches
+        chunk = min(self._chunk_rows(rows), math.ceil(rows / w.micro_batches))
         loss = 0.0
         own_end_at: float | None = None
         while True:

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 from torch import nn
 
+from orchestrator.agileml.batches import micro_batches, slice_batch
 from orchestrator.agileml.jobcode import JobCode, dataset_rows, seeded_model
 from orchestrator.agileml.roster import global_batch_indices
 
 
 def train_reference(
-    code: JobCode, *, iterations: int, global_batch: int, seed: int = 0
+    code: JobCode, *, iterations: int, global_batch: int, seed: int = 0, accumulate: int = 1
 ) -> tuple[nn.Module, list[float]]:
-    """Train the job for `iterations` iterations in this process; returns the model and the
-    loss of each iteration."""
+    """Train the job for `iterations` iterations in this process, each global batch in
+    `accumulate` micro-batches (their mean losses weighted by their rows, gradients summed);
+    returns the model and the loss of each iteration."""
     model = seeded_model(code, seed)
     model.train()
     rows = dataset_rows(code)
@@ -23,14 +25,18 @@ def train_reference(
     scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
     losses = []
     for clock in range(iterations):
-        x, y = rows.take(global_batch_indices(seed, clock, len(rows), global_batch))
+        batch = rows.take(global_batch_indices(seed, clock, len(rows), global_batch))
         optimizer.zero_grad(set_to_none=True)
-        loss = code.loss(model(x), y)
-        loss.backward()
+        total = 0.0
+        for start, end in micro_batches(global_batch, accumulate):
+            x, y = slice_batch(batch, start, end)
+            loss = code.loss(model(x), y) * ((end - start) / global_batch)
+            loss.backward()
+            total += float(loss.item())
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-        losses.append(float(loss.item()))
+        losses.append(total)
     return model, losses
 
 

@@ -13,6 +13,8 @@ from orchestrator.straggler.spec import StragglerSpec
 from orchestrator.units import MAX_SEED, MAX_SETTING_S
 
 NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+#: The most micro-batches a worker may split its share of an iteration into (`accumulate`).
+MAX_ACCUMULATE = 4096
 
 
 class StageThresholds(BaseModel):
@@ -92,6 +94,10 @@ class TrainingSpec(BaseModel):
     # partition as soon as backward has its gradients (`agileml.streams`); same gradients.
     # Off by default: no gain measured on a 2-core machine, and a worse eviction blip there
     overlap: bool = False
+    # gradient accumulation: each worker computes its share of an iteration in this many
+    # micro-batches (activations of one at a time), their gradients summed before the push;
+    # the global batch and the update are unchanged
+    accumulate: Annotated[int, Field(ge=1, le=MAX_ACCUMULATE, strict=True)] = 1
     # FlexRR (RapidReassignment between workers); `{"flexrr": false}` turns it off
     straggler: StragglerSpec = StragglerSpec()
     # checkpoints (see `checkpoints`): written under `checkpoint_dir` (a directory the reliable
@@ -124,6 +130,11 @@ class TrainingSpec(BaseModel):
             raise ValueError(
                 "parallelism `pipeline` needs the job's code (a job file whose model() is an "
                 "nn.Sequential); the built-in example models train data-parallel only"
+            )
+        if self.parallelism == "pipeline" and self.accumulate > 1:
+            raise ValueError(
+                "accumulate applies to data-parallel jobs: a pipeline already runs each "
+                "iteration as microbatches through its stages"
             )
         if self.parallelism == "data" and (self.stages is not None or self.schedule != "flush"):
             raise ValueError("schedule and stages apply to parallelism `pipeline` only")

@@ -43,6 +43,7 @@ from orchestrator.agileml.jobcode import (
 from orchestrator.agileml.local import LocalJob, NodeOutcome, mean_phase_seconds
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.parts import training_parts
+from orchestrator.agileml.spec import MAX_ACCUMULATE
 from orchestrator.agileml.usercode import JobCodeError, failure_report, job_code_call
 from orchestrator.artifacts import WEIGHTS, folder_at
 from orchestrator.errors import UserError
@@ -106,6 +107,8 @@ class TrainPlan(BaseModel):
     checkpoint_every: Annotated[int, Field(ge=0, le=1_000_000_000)] = 0  # iterations; 0: none
     resume: str | None = None  # a checkpoint, or a folder of them (the newest is taken)
     overlap: bool = False  # communication overlapped with computation (`agileml.streams`)
+    # micro-batches per worker per iteration (gradient accumulation; the global batch is kept)
+    accumulate: Annotated[int, Field(ge=1, le=MAX_ACCUMULATE)] = 1
     # pipeline-parallel instead (`agileml.pipeline.trainrun`): its schedule and, if given, depth
     pipeline: bool = False
     schedule: Literal["1f1b", "flush", "gpipe", "2bw"] = "flush"
@@ -246,6 +249,7 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         checkpoint_every=plan.checkpoint_every,
         resume_from=resume,
         overlap=plan.overlap,
+        accumulate=plan.accumulate,
     )
 
 

@@ -39,7 +39,14 @@ import torch
 import zmq
 from torch import nn
 
-from orchestrator.agileml.batches import Batch, RowSource, TensorRows, slice_batch, to_device
+from orchestrator.agileml.batches import (
+    Batch,
+    RowSource,
+    TensorRows,
+    micro_batches,
+    slice_batch,
+    to_device,
+)
 from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
@@ -91,7 +98,7 @@ class Worker(ServerRequests):
         device: torch.device | None = None,
         local_endpoints: Mapping[str, str] | None = None,
     ) -> None:
-        if spec.batch_size < 1 or spec.slack < 0:
+        if spec.batch_size < 1 or spec.slack < 0 or spec.accumulate < 1:
             raise ValueError(f"invalid worker spec: {spec}")
         self.spec = spec
         torch.set_num_threads(1)  # as `step`: the warm-up and FlexRR's calibration time it so
@@ -318,30 +325,38 @@ class Worker(ServerRequests):
         return mean
 
     def _compute_share(self, identity: str, clock: int, pushes: Round) -> float:
+        """The share's rows in `spec.accumulate` micro-batches, their gradients summed in the
+        model (partitions may leave early only from the last one's backward, when they are
+        final), then pushed. Returns the share's mean loss."""
         with job_code_call(DATA):
-            (x, y), n = self._minibatch(identity, clock)
+            batch, n = self._minibatch(identity, clock)
         self._plain_rows += n
         self._model.zero_grad(set_to_none=True)
         before = self._buffers_before()
-        with self._loading(), job_code_call(FORWARD):
-            loss = self._loss_fn(self._model(x), y)
-        armed = self._arm_early(identity, clock, pushes)
-        try:
-            with job_code_call(BACKWARD):
-                if self.roster is not None:
-                    # the loss is a sum over the share: scaled by the global batch, the
-                    # workers' updates add up to the global batch's mean gradient whoever
-                    # computes what
-                    (loss / self.spec.batch_size).backward()
-                    mean = float(loss.item()) / max(n, 1)
-                else:
-                    loss.backward()
-                    mean = float(loss.item())
-        finally:
-            sent = self._disarm_early(armed)
+        spans = micro_batches(n, self.spec.accumulate)
+        total, sent = 0.0, []
+        for i, (start, end) in enumerate(spans):
+            x, y = batch if len(spans) == 1 else slice_batch(batch, start, end)
+            with self._loading(), job_code_call(FORWARD):
+                loss = self._loss_fn(self._model(x), y)
+            armed = i == len(spans) - 1 and self._arm_early(identity, clock, pushes)
+            try:
+                with job_code_call(BACKWARD):
+                    if self.roster is not None:
+                        # the loss is a sum over the rows: scaled by the global batch, the
+                        # workers' updates add up to the global batch's mean gradient whoever
+                        # computes what
+                        (loss / self.spec.batch_size).backward()
+                        total += float(loss.item())
+                    else:  # a mean over the micro-batch: weighted by its share of the rows
+                        (loss * ((end - start) / n)).backward()
+                        total += float(loss.item()) * (end - start)
+            finally:
+                if armed:
+                    sent = self._disarm_early(armed)
         delta = self._buffer_delta(before, clock)
         self._push_rest(identity, clock, pushes, sent, delta)
-        return mean
+        return total / max(n, 1)
 
     def _compute_reassigned(self, reassigner: Reassigner, clock: int, pushes: Round) -> float:
         """The own share of `clock` in chunks, some rows perhaps computed by helpers; pushed
@@ -406,6 +421,11 @@ class Worker(ServerRequests):
     def batch_rows(self) -> int:
         """The rows of a step's batch (with a roster, the global batch that the members share)."""
         return self.spec.batch_size
+
+    @property
+    def micro_batches(self) -> int:
+        """How many micro-batches a share is computed in (gradient accumulation)."""
+        return self.spec.accumulate
 
     def share_rows(self, identity: str, clock: int) -> int:
         """How many rows of the global batch of `clock` are `identity`'s.

@@ -45,6 +45,8 @@ class WorkerSpec:
     # overlap communication with computation (`streams`): compute on the first pulled
     # partitions while the rest arrive, push each partition as soon as its gradients are in
     overlap: bool = False
+    # micro-batches per share of an iteration (gradient accumulation; `TrainingSpec.accumulate`)
+    accumulate: int = 1
 
 
 @dataclass

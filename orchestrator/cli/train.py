@@ -54,7 +54,7 @@ OverlapOption = Annotated[
         "--overlap/--no-overlap",
         help="Compute on the first pulled partitions while the rest arrive, and push each "
         "partition as soon as backward has its gradients (the same gradients; off by default: "
-        "see the README's measurements).",
+        "see docs/results.md).",
     ),
 ]
 ResumeOption = Annotated[
@@ -67,6 +67,16 @@ ResumeOption = Annotated[
 ]
 
 
+AccumulateOption = Annotated[
+    int,
+    typer.Option(
+        "--accumulate",
+        help="Compute each worker's rows of an iteration in K micro-batches, their gradients "
+        "summed (less memory for activations; the global batch and the update are unchanged).",
+        min=1,
+        metavar="K",
+    ),
+]
 PipelineOption = Annotated[
     bool,
     typer.Option(
@@ -110,6 +120,7 @@ def train_command(
     checkpoint_every: CheckpointEveryOption = 0,
     resume: ResumeOption = None,
     overlap: OverlapOption = False,
+    accumulate: AccumulateOption = 1,
     pipeline: PipelineOption = False,
     schedule: ScheduleOption = "flush",
     stages: StagesOption = None,
@@ -134,6 +145,7 @@ def train_command(
             checkpoint_every=checkpoint_every,
             resume=str(resume) if resume is not None else None,
             overlap=overlap,
+            accumulate=accumulate,
             pipeline=pipeline,
             schedule=schedule,
             stages=stages,
@@ -142,9 +154,10 @@ def train_command(
         raise validation_to_user_error(exc) from None
     if not pipeline and (schedule != "flush" or stages is not None):
         raise UserError("--schedule and --stages need --pipeline", field="--pipeline")
-    if pipeline and (partitions is not None or overlap or reliable != 1):
+    if pipeline and (partitions is not None or overlap or reliable != 1 or accumulate != 1):
         raise UserError(
-            "--partitions, --overlap and --reliable are data-parallel options; a pipeline "
+            "--partitions, --overlap, --reliable and --accumulate are data-parallel options; "
+            "a pipeline runs each iteration as microbatches and "
             "backs its stages up to the launcher",
             field="--pipeline",
             fix="leave them out with --pipeline",

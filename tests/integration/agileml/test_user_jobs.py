@@ -18,8 +18,10 @@ from orchestrator.agileml import checkpoints
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.local import LocalJob
+from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.reference import relative_error, train_reference
 from orchestrator.agileml.trainrun import TrainPlan, parse_injections, train_locally, train_spec
+from orchestrator.straggler.spec import StragglerSpec
 
 JOBS = Path(__file__).parents[2] / "support" / "jobs"
 ITERATIONS = 120
@@ -29,10 +31,16 @@ PAUSE_S = "0.05"  # per loss call: gives the joining node time to load and enter
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["digits_sgd.py", "digits_adamw.py"])
+@pytest.mark.parametrize(
+    ("job", "accumulate"),
+    [("digits_sgd.py", 1), ("digits_adamw.py", 3)],
+    ids=["digits_sgd.py", "digits_adamw.py-accumulate3"],
+)
 def test_weights_through_evict_join_and_kill_equal_a_single_process_loop(
-    job: str, monkeypatch: pytest.MonkeyPatch
+    job: str, accumulate: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With `accumulate`, each worker computes its rows of an iteration in micro-batches
+    (FlexRR's chunks no larger than one) and the loop does the same with the global batch."""
     path = JOBS / job
     monkeypatch.setenv("ORCHESTRATOR_TEST_JOB_PAUSE_S", PAUSE_S)
     plan = TrainPlan(
@@ -43,6 +51,7 @@ def test_weights_through_evict_join_and_kill_equal_a_single_process_loop(
         global_batch=GLOBAL_BATCH,
         partitions=8,  # spread over the ActivePSs: the kill of one is a roll-back
         injections=tuple(parse_injections(FAULTS)),
+        accumulate=accumulate,
     )
     result = train_locally(plan)
     monkeypatch.delenv("ORCHESTRATOR_TEST_JOB_PAUSE_S")
@@ -55,10 +64,33 @@ def test_weights_through_evict_join_and_kill_equal_a_single_process_loop(
     # the victims are the oldest transient nodes: ActivePSs, so the kill is a roll-back
     assert {"evicted", "joined", "rolled_back"} <= set(kinds), result.events
     expected, losses = train_reference(
-        load_job_code(path), iterations=ITERATIONS, global_batch=GLOBAL_BATCH
-    )
+        load_job_code(path), iterations=ITERATIONS, global_batch=GLOBAL_BATCH,
+        accumulate=accumulate,
+    )  # fmt: skip
     assert relative_error(result.model, expected) <= 1e-5
     assert result.final_loss is not None and result.final_loss < losses[0] / 2
+
+
+def test_accumulation_without_flexrr_equals_the_single_process_loop() -> None:
+    """FlexRR off (as for a BatchNorm job): a worker's share in 4 micro-batches, gradients
+    summed; the weights are the loop's."""
+    path = JOBS / "digits_sgd.py"
+    plan = TrainPlan(code=str(path), nodes=2, reliable=1, iterations=20, global_batch=48)
+    spec = train_spec(plan).model_copy(
+        update={"accumulate": 4, "straggler": StragglerSpec(flexrr=False)}
+    )
+    with LocalJob(spec) as job:
+        for node_id, tier in (
+            ("r0", NodeTier.RELIABLE),
+            ("t0", NodeTier.TRANSIENT),
+            ("t1", NodeTier.TRANSIENT),
+        ):
+            job.add_node(node_id, tier)
+        params, _ = job.finish(timeout_s=120)
+    model = training_parts(spec).model_with(params)
+    code = load_job_code(path)
+    expected, _ = train_reference(code, iterations=20, global_batch=48, accumulate=4)
+    assert relative_error(model, expected) <= 1e-5
 
 
 @pytest.mark.slow

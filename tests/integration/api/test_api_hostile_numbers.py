@@ -60,7 +60,8 @@ BODIES: list[dict[str, Any]] = [
      "training": _training(PATTERNS[1])},
     {"name": "pipeline", "budget_usd": 10, "work_gpu_hours": 2,
      "training": _training(PATTERNS[2], parallelism="pipeline", stages=2, code="job.py")},
-    {"name": "uneven", "budget_usd": 10, "work_gpu_hours": 2, "training": _training(PATTERNS[3])},
+    {"name": "uneven", "budget_usd": 10, "work_gpu_hours": 2,
+     "training": _training(PATTERNS[3], accumulate=2)},
 ]  # fmt: skip
 OUTCOMES: Counter[str] = Counter()
 
