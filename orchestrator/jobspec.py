@@ -89,7 +89,8 @@ class JobSubmission(BaseModel):
     iteration_time: IterationTime | None = Field(
         None,
         description="a training job's seconds per iteration on one instance of a GPU type: "
-        "its work is training.iterations of it (catalog rates until measured rates exist)",
+        "its work is training.iterations of it, sized once at submission from the catalog's "
+        "rates with the job's gpu_work_rates over them",
     )
     work_gpu_hours: Annotated[
         float, Field(gt=0, le=MAX_WORK_GPU_HOURS, allow_inf_nan=False, strict=True)

@@ -394,7 +394,7 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
             raise UserError(
                 f"config {path}: {unknown[0]} is not a setting",
                 field=unknown[0],
-                fix="remove it (the README lists the settings under Configuration)",
+                fix="remove it (docs/configuration.md lists the settings)",
             )
         return data
 

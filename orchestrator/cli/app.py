@@ -119,7 +119,7 @@ def validation_to_user_error(exc: ValidationError, config_file: Path | None = No
     where = f" (from {config_file} or the command line)" if config_file else ""
     fix = f"pass a valid value for {option}"
     if first.get("type") == "extra_forbidden":
-        fix = f"remove {option}: it is not a setting (the README lists them under Configuration)"
+        fix = f"remove {option}: it is not a setting (docs/configuration.md lists them)"
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     got = repr(first.get("input"))
     if len(got) > MAX_QUOTED_INPUT_CHARS:

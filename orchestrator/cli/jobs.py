@@ -270,7 +270,8 @@ def _read_job_file(path: Path) -> dict[str, Any]:
             f"job file {path} nests lists or mappings too deeply to read",
             field="JOB.yaml",
             path=str(path),
-            fix="a job spec is a flat mapping with a few nested sections (see the README)",
+            fix="a job spec is a flat mapping with a few nested sections "
+            "(see docs/controller.md, Job specs)",
         ) from None
     if not isinstance(data, dict):
         raise UserError(

@@ -29,7 +29,7 @@ T = TypeVar("T")
 NOTHING_COUNTS_ITS_WORK = (
     "the job has no training section: the controller counts a job's work from the iterations "
     "it trains, so nothing would count this one's and it would pay until its budget ran out; "
-    "add a `training` section naming your job file (see the job contract in the README)"
+    "add a `training` section naming your job file (the job contract: docs/job-contract.md)"
 )
 
 

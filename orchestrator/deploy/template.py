@@ -84,7 +84,7 @@ class DeployParams(BaseModel):
             ) from None
         if network.prefixlen < MIN_API_PREFIX:
             raise ValueError(
-                f"{value} would open the API (plain HTTP) to much of the internet; give your "
+                f"{value} would open the API to much of the internet; give your "
                 "own address (e.g. `curl -s https://checkip.amazonaws.com`/32) or your VPN's "
                 f"range (a /{MIN_API_PREFIX} or longer prefix)"
             )

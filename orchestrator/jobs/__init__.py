@@ -1,5 +1,5 @@
 """Example training jobs shipped with the package (job files a user can copy; the offline demo
-trains `digits_cnn.py`). See README "Your own PyTorch job" for the contract."""
+trains `digits_cnn.py`). The contract: docs/job-contract.md."""
 
 from pathlib import Path
 
