@@ -429,6 +429,7 @@ class Coordinator:
         for n in batch.get("ready", []):
             self._move(n, NodeState.READY)
         if not started:
+            self._drop_silent_before_start()
             if self._count(NodeState.READY) >= self.spec.min_nodes and self._has_reliable():
                 self._start(client)
             return
@@ -448,6 +449,14 @@ class Coordinator:
                 self._scale_up(client, waiting)
         finally:
             self._check_done()
+
+    def _drop_silent_before_start(self) -> None:
+        """Before the start no node holds anything: one the detector takes for failed is only
+        dropped (failed, then gone), so that the start waits for live nodes instead of calling
+        a dead one again at every step."""
+        for n in self._detect_failures():
+            if self._move(n, NodeState.FAILED) and self._move(n, NodeState.GONE):
+                self._record("failed", [n], "silent before the job started")
 
     def _start(self, client: ControlClient) -> None:
         nodes = self._nodes_in(NodeState.READY)
