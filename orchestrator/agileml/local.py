@@ -23,7 +23,7 @@ import torch
 
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator, CoordinatorEvent
-from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.elasticity import NodeState, NodeTier
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.artifacts.code import is_code_ref
@@ -70,6 +70,7 @@ class LocalJob:
         self._procs: dict[str, subprocess.Popen[str]] = {}
         self._killed: set[str] = set()
         self._held: set[str] = set()  # started, not released yet
+        self._unjoined: set[str] = set()  # stopped at the end while still joining
         # a log folder made here is removed on every exit (a crashed node's error carries the
         # end of its log), kept after an error with ORCHESTRATOR_KEEP_LOGS=1 (`remove_run_dir`)
         self._own_log_dir = log_dir is None
@@ -123,6 +124,10 @@ class LocalJob:
                 text=True,
                 env=env,
             )
+
+    def starting_nodes(self) -> list[str]:
+        """The nodes started to join now (not held back for a later join)."""
+        return [n for n in self._procs if n not in self._held]
 
     def release(self, node_id: str) -> None:
         """Let a held node join."""
@@ -185,7 +190,18 @@ class LocalJob:
             raise AgileMLError(f"the job was aborted: {self.coordinator.error}")
         params = self.coordinator.fetch_parameters()
         self.coordinator.stop()
+        self._stop_unjoined()
         return params, self._collect()
+
+    def _stop_unjoined(self) -> None:
+        """Stop the nodes that were still joining (or held) when the job ended: they wait to
+        hear that they are ready, not that the job is over, and would be waited on for
+        `STOP_GRACE_SECONDS` each (a joiner released near the end kept `train` 10 s longer)."""
+        computing = (NodeState.ACTIVE, NodeState.LEAVING, NodeState.GONE)
+        for node_id, proc in self._procs.items():
+            if proc.poll() is None and self.coordinator.node_state(node_id) not in computing:
+                self._unjoined.add(node_id)
+                proc.terminate()
 
     def close(self) -> None:
         """Stop the controller and every node process that is still running."""
@@ -211,6 +227,7 @@ class LocalJob:
             lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("{")]
             if node_id in self._killed or node_id in self._held or not lines:
                 ended = "killed" if node_id in self._killed else "crashed"
+                ended = "still joining at the end" if node_id in self._unjoined else ended
                 ended = "never released" if node_id in self._held else ended
                 out[node_id] = NodeOutcome(node_id, ended, [], [], {}, {})
                 continue

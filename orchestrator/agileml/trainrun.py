@@ -31,7 +31,7 @@ from torch import nn
 
 from orchestrator.agileml import checkpoints
 from orchestrator.agileml.control import TrainingSpec
-from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.elasticity import NodeState, NodeTier
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import (
     JobCode,
@@ -143,6 +143,7 @@ class TrainProgress:
     total: int
     loss: float | None
     seconds_per_iteration: float | None
+    starting: str | None = None  # before the first iteration: what start-up is waiting on
 
 
 def check_plan(plan: TrainPlan) -> None:
@@ -400,7 +401,26 @@ def _progress(job: LocalJob, plan: TrainPlan, recent: list[tuple[int, float]]) -
     rate = None
     if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
         rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
-    return TrainProgress(clock + 1, plan.iterations, loss, rate)
+    return TrainProgress(clock + 1, plan.iterations, loss, rate, _starting(job, clock))
+
+
+def _starting(job: LocalJob, clock: int) -> str | None:
+    """Before the first iteration, how far the start-up is (None once training)."""
+    if clock >= 0:
+        return None
+    nodes = job.starting_nodes()
+    states = [job.coordinator.node_state(n) for n in nodes]
+    ready = sum(1 for s in states if s in (NodeState.READY, NodeState.ACTIVE))
+    if any(e.kind == "started" for e in job.events()):
+        return f"{len(nodes)} nodes started; first iteration"
+    joined = sum(1 for s in states if s is not None)
+    return f"starting {len(nodes)} nodes: {joined} joined, {ready} ready"
+
+
+def startup_seconds(result: TrainResult) -> float | None:
+    """Seconds from the run's start to the job's start (every first node joined, loaded and
+    configured): the start-up, apart from the training."""
+    return next((e["at_s"] for e in result.events if e.get("kind") == "started"), None)
 
 
 def _finish_timeout(plan: TrainPlan) -> float:
@@ -451,6 +471,7 @@ def save_outputs(result: TrainResult, out: Path) -> None:
         "mean_seconds_per_iteration": result.mean_seconds_per_iteration,
         "phase_seconds": {k: round(v, 6) for k, v in result.phase_seconds.items()},
         "wall_seconds": round(result.wall_seconds, 2),
+        "startup_seconds": startup_seconds(result),
         "resumed_from": result.resumed_from,
         "evaluation": result.evaluation,
         "evaluation_error": result.evaluation_error,

@@ -195,19 +195,20 @@ def _train_with_progress(plan: TrainPlan, log_dir: Path | None) -> TrainResult:
     from orchestrator.agileml.trainrun import train_locally
 
     columns = (
-        TextColumn("[bold]training"),
+        TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}  {task.fields[rate]}"),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=err, transient=False) as bar:
-        task = bar.add_task("train", total=plan.iterations, loss="-", rate="")
+        task = bar.add_task("starting", total=plan.iterations, loss="-", rate="")
 
         def show(p: TrainProgress) -> None:
             bar.update(
                 task,
-                completed=p.iteration,
+                description=p.starting or "training",
+                completed=min(p.iteration, p.total),
                 loss=f"{p.loss:.4f}" if p.loss is not None else "-",
                 rate=f"{p.seconds_per_iteration:.3f} s/it" if p.seconds_per_iteration else "",
             )
@@ -223,12 +224,18 @@ def _train_with_progress(plan: TrainPlan, log_dir: Path | None) -> TrainResult:
 
 
 def _print_result(result: TrainResult) -> None:
+    from orchestrator.agileml.trainrun import startup_seconds
+
     per_it = result.seconds_per_iteration
+    took = f"{result.wall_seconds:.1f} s"
+    startup = startup_seconds(result)
+    if startup is not None:
+        took += f" (start-up {startup:.1f} s, training {result.wall_seconds - startup:.1f} s)"
     out.print(
-        f"trained {result.iterations} iterations in {result.wall_seconds:.1f} s; final loss "
+        f"trained {result.iterations} iterations in {took}; final loss "
         f"{result.final_loss:.4f}; {per_it:.3f} s per steady iteration"
         if result.final_loss is not None and per_it is not None
-        else f"trained {result.iterations} iterations in {result.wall_seconds:.1f} s"
+        else f"trained {result.iterations} iterations in {took}"
     )
     if result.resumed_from is not None:
         out.print(f"resumed from {result.resumed_from}")

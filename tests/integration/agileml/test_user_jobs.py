@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +149,9 @@ def test_train_cli_writes_weights_that_load_into_the_users_model(tmp_path: Path)
     assert set(summary["phase_seconds"]) == {"wait", "pull", "compute", "push"}
     assert summary["final_loss"] < 0.5
     assert summary["evaluation"]["held_out_accuracy"] >= 0.9
+    # start-up (nodes joined, loaded, configured) reported apart from the training
+    assert 0 < summary["startup_seconds"] < summary["wall_seconds"]
+    assert re.search(r"in [\d.]+ s \(start-up [\d.]+ s, training [\d.]+ s\)", run.stdout)
     sys.path.insert(0, str(JOBS / "bn_rmsprop"))
     try:
         job = load_job_code(JOBS / "bn_rmsprop")
