@@ -28,7 +28,7 @@ def retry_config() -> Config:
     number of attempts from 1 to `MAX_ATTEMPTS_ENV_CAP` (ignored otherwise)."""
     retries = RETRY_MAX_ATTEMPTS
     text = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
-    if text.isdigit() and 1 <= int(text) <= MAX_ATTEMPTS_ENV_CAP:
+    if text.isdecimal() and text.isascii() and 1 <= int(text) <= MAX_ATTEMPTS_ENV_CAP:
         retries = int(text) - 1  # botocore's max_attempts here counts retries
     return Config(retries={"mode": RETRY_MODE, "max_attempts": retries})
 

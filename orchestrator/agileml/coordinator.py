@@ -429,9 +429,10 @@ class Coordinator:
         for n in batch.get("ready", []):
             self._move(n, NodeState.READY)
         if not started:
-            self._drop_silent_before_start()
-            if self._count(NodeState.READY) >= self.spec.min_nodes and self._has_reliable():
-                self._start(client)
+            heard = self._ready_and_heard()
+            reliable = any(n.tier is NodeTier.RELIABLE for n in heard)
+            if len(heard) >= self.spec.min_nodes and reliable:
+                self._start(client, heard)
             return
         failed = self._detect_failures()
         if failed:
@@ -450,16 +451,15 @@ class Coordinator:
         finally:
             self._check_done()
 
-    def _drop_silent_before_start(self) -> None:
-        """Before the start no node holds anything: one the detector takes for failed is only
-        dropped (failed, then gone), so that the start waits for live nodes instead of calling
-        a dead one again at every step."""
-        for n in self._detect_failures():
-            if self._move(n, NodeState.FAILED) and self._move(n, NodeState.GONE):
-                self._record("failed", [n], "silent before the job started")
+    def _ready_and_heard(self) -> list[Node]:
+        """The ready nodes the start may call: not silent for `GONE_AFTER` failure timeouts.
+        A silent one keeps its state (slow is not dead: it counts again once it heartbeats),
+        so that the start does not call a dead node again at every step."""
+        return [
+            n for n in self._nodes_in(NodeState.READY) if not self._silent(n.node_id, GONE_AFTER)
+        ]
 
-    def _start(self, client: ControlClient) -> None:
-        nodes = self._nodes_in(NodeState.READY)
+    def _start(self, client: ControlClient, nodes: list[Node]) -> None:
         plan = plan_roles(nodes, self.spec.thresholds)
         owners = assign_partitions(self.spec.num_partitions, plan.serving)
         for p, o in owners.items():
@@ -877,9 +877,6 @@ class Coordinator:
     def _count(self, state: NodeState) -> int:
         with self._lock:
             return len(self._membership.in_state(state))
-
-    def _has_reliable(self) -> bool:
-        return any(n.tier is NodeTier.RELIABLE for n in self._nodes_in(NodeState.READY))
 
     def _move(self, node: str, to: NodeState) -> bool:
         with self._lock:

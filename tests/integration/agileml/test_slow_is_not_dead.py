@@ -43,12 +43,13 @@ def test_a_node_slow_to_configure_is_waited_for_while_it_heartbeats(
     assert "failed" not in kinds and "aborted" not in kinds, job.coord.events()
 
 
-def test_a_ready_node_that_dies_before_the_start_is_dropped_and_the_others_start(
+def test_a_ready_node_that_dies_before_the_start_is_left_out_and_the_others_start(
     jobs: Callable[[TrainingSpec], Job], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A node ready while the job waits for `min_nodes` dies (no heartbeats, no answers):
     the start goes ahead with the live nodes, instead of calling the dead one again and again
-    (seen in a local world on a busy machine: 1,743 failed starts in ten minutes)."""
+    (seen in a local world on a busy machine: 1,743 failed starts in ten minutes). The silent
+    node keeps its state: a slow one counts again once it heartbeats."""
     heartbeats, on_control = AgileMLNode._heartbeats, AgileMLNode._on_control
 
     def dead_heartbeats(self: AgileMLNode, spec: TrainingSpec) -> None:
@@ -66,11 +67,9 @@ def test_a_ready_node_that_dies_before_the_start_is_dropped_and_the_others_start
     job.launch("r0", NodeTier.RELIABLE)
     job.launch("t1")
     job.wait_for("t1 ready", lambda: job.coord.node_state("t1") is NodeState.READY)
-    time.sleep(2 * job.spec.failure_timeout_s)  # silent past the detector's limit
+    time.sleep(4 * job.spec.failure_timeout_s)  # silent past GONE_AFTER failure timeouts
     job.launch("t0")
     job.launch("t2")
     torch.testing.assert_close(job.finish(), job.expected(), rtol=0, atol=0)
-    assert job.coord.node_state("t1") is NodeState.GONE
-    assert "t1" in job.event_nodes("failed")
     roster = job.coord.view().roster
     assert roster is not None and "t1" not in roster.members(0)
