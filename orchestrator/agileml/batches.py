@@ -76,8 +76,10 @@ class DatasetRows:
 
 
 def micro_batches(rows: int, parts: int) -> list[tuple[int, int]]:
-    """[start, end) spans splitting `rows` rows into `parts` micro-batches in order, their
-    sizes differing by at most one (fewer spans when there are fewer rows; one when none)."""
+    """[start, end) spans splitting `rows` rows into `parts` near-equal parts in order (a
+    worker's micro-batches; the workers' shares of a global batch, `roster.worker_share`),
+    the first `rows % parts` one row larger (fewer spans when there are fewer rows; one when
+    none)."""
     k = max(1, min(parts, rows))
     size, extra = divmod(rows, k)
     spans, start = [], 0

@@ -20,6 +20,7 @@ from typing import Annotated
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from orchestrator.agileml.batches import micro_batches
 from orchestrator.agileml.errors import RosterError
 
 WorkerId = Annotated[str, Field(min_length=1, max_length=128)]
@@ -169,7 +170,5 @@ def worker_share(members: tuple[str, ...], worker: str, batch: int) -> slice:
         raise RosterError(f"worker {worker!r} is not in {list(members)}")
     if len(members) > batch:
         raise RosterError(f"{len(members)} workers for a global batch of {batch} rows")
-    i = members.index(worker)
-    base, extra = divmod(batch, len(members))
-    start = i * base + min(i, extra)
-    return slice(start, start + base + (1 if i < extra else 0))
+    start, end = micro_batches(batch, len(members))[members.index(worker)]
+    return slice(start, end)

@@ -339,6 +339,7 @@ class Worker(ServerRequests):
             x, y = batch if len(spans) == 1 else slice_batch(batch, start, end)
             with self._loading(), job_code_call(FORWARD):
                 loss = self._loss_fn(self._model(x), y)
+            # partitions leave early only from the last backward: then their gradients are final
             armed = i == len(spans) - 1 and self._arm_early(identity, clock, pushes)
             try:
                 with job_code_call(BACKWARD):
