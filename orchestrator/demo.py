@@ -64,7 +64,7 @@ TRAINING: dict[str, Any] = {
     "code": str(DIGITS_CNN),
     "global_batch": 128,
     # the job succeeds once these are trained and its weights stored (its work is counted
-    # from them): a run of about half a minute on a quiet 2-core machine
+    # from them): about 15 s of training on a quiet 2-core machine
     "iterations": DEMO_ITERATIONS,
     "num_partitions": 4,
     "min_nodes": 2,
@@ -109,17 +109,26 @@ class DemoSummary:
     job_message: str = ""  # why it ended (its weights' place; a failure's error)
 
 
-def sample_job(budget_usd: float, *, pipeline: bool = False) -> JobSubmission:
+def sample_job(
+    budget_usd: float, *, pipeline: bool = False, iterations: int = DEMO_ITERATIONS
+) -> JobSubmission:
     """A 12 reference-GPU-hour job on up to 4 V100s (p3 types) that trains `TRAINING` (or
-    `PIPELINE_TRAINING`)."""
+    `PIPELINE_TRAINING`) for `iterations`."""
+    training = PIPELINE_TRAINING if pipeline else TRAINING
     return JobSubmission(
         name="demo-pipeline" if pipeline else "demo-training",
         budget_usd=budget_usd,
         work_gpu_hours=12.0,
         max_gpus=4.0,
         instance_types=("p3.2xlarge", "p3.8xlarge", "p3.16xlarge"),
-        training=PIPELINE_TRAINING if pipeline else TRAINING,
+        training={**training, "iterations": iterations},
     )
+
+
+def demo_timeout_s(iterations: int) -> float:
+    """How long the demo waits for its job: 240 s for the default 500 iterations (about 15 s
+    on a quiet 2-core machine), and as much more per iteration for a longer run."""
+    return 240.0 * max(1.0, iterations / DEMO_ITERATIONS)
 
 
 def demo_settings(*, speed: float, start: str) -> Settings:
@@ -146,7 +155,8 @@ def run_demo(
     budget_usd: float = 40.0,
     start: str = DEFAULT_START,
     seed: int = 1,
-    timeout_s: float = 240.0,
+    timeout_s: float | None = None,
+    iterations: int = DEMO_ITERATIONS,
     console: Console | None = None,
     port: int | None = DEFAULT_PORT,
     linger_s: float = 0.0,
@@ -154,7 +164,8 @@ def run_demo(
     pipeline: bool = False,
     true_work_rates: Mapping[str, float] | None = None,
 ) -> DemoSummary:
-    """Run the demo until the job ends or `timeout_s` real seconds pass.
+    """Run the demo, training the sample job for `iterations`, until the job ends or
+    `timeout_s` real seconds pass (None: `demo_timeout_s(iterations)`).
 
     If the replayed trace has not evicted anything by the time a quarter of the work is done, one
     spot node is evicted on purpose (with its notice), so that the demo always shows recovery; the
@@ -169,7 +180,9 @@ def run_demo(
     """
     console = console or Console()
     wall0 = time.monotonic()
-    job = sample_job(budget_usd, pipeline=pipeline)
+    job = sample_job(budget_usd, pipeline=pipeline, iterations=iterations)
+    if timeout_s is None:
+        timeout_s = demo_timeout_s(iterations)
     settings = demo_settings(speed=speed, start=start)
     watch = _Watch()
     with offline_world(settings, seed=seed, port=port, true_work_rates=true_work_rates) as world:

@@ -11,6 +11,9 @@ import typer
 from orchestrator.cli.app import app, out, rates_option
 from orchestrator.errors import UserError
 
+#: The most `--iterations` the demo takes (about an hour of training on a 2-core machine).
+MAX_DEMO_ITERATIONS = 100_000
+
 
 @app.command()
 def demo(
@@ -57,6 +60,15 @@ def demo(
             "instead of data-parallel.",
         ),
     ] = False,
+    iterations: Annotated[
+        int,
+        typer.Option(
+            "--iterations",
+            min=10,
+            max=MAX_DEMO_ITERATIONS,
+            help="How many iterations the sample job trains (more: a longer run to watch).",
+        ),
+    ] = 500,
     true_work_rates: Annotated[
         str | None,
         typer.Option(
@@ -96,6 +108,7 @@ def demo(
         linger_s=linger,
         weights_out=weights_out,
         pipeline=pipeline,
+        iterations=iterations,
         true_work_rates=_true_rates(true_work_rates),
     )
     if json_summary is not None:

@@ -21,14 +21,18 @@ from support.browser import body_data, chromium, have_browser, until
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts"
 LIVE_LAG_S = 5.0  # the dashboard shows a change within this long of the API
+LIVE_ITERATIONS = 1500  # about 45 s of training on a quiet 2-core machine
 
 
 @pytest.mark.slow
 def test_the_offline_demo_finishes_within_budget_and_its_dashboard_follows_it_live(tmp_path):
+    """A longer run than the default (LIVE_ITERATIONS), so that the page is watched while the
+    job runs and recovers from its eviction even on a fast machine; the browser starts first."""
     summary_path = tmp_path / "summary.json"
+    driver = chromium() if have_browser() else None
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "demo", "--json-summary", str(summary_path),
-         "--port", "0", "--linger", "20"],
+         "--port", "0", "--linger", "20", "--iterations", str(LIVE_ITERATIONS)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -37,11 +41,12 @@ def test_the_offline_demo_finishes_within_budget_and_its_dashboard_follows_it_li
     output: list[str] = []
     try:
         url = _dashboard_url(lines, output, timeout_s=60)
-        browser = have_browser()
-        if browser:
-            _watch_in_chromium(url, tmp_path)
-        proc.wait(timeout=290)
+        if driver is not None:
+            _watch_in_chromium(driver, url, tmp_path)
+        proc.wait(timeout=400)
     finally:
+        if driver is not None:
+            driver.quit()
         if proc.poll() is None:
             proc.kill()
         output += _drain(lines)
@@ -53,7 +58,8 @@ def test_the_offline_demo_finishes_within_budget_and_its_dashboard_follows_it_li
     assert summary["evictions"] >= 1
     assert summary["orphans_after"] == 0
     assert summary["work_done_fraction"] == 1.0
-    assert summary["wall_seconds"] < 300
+    assert summary["wall_seconds"] < 400
+    assert summary["training_iterations"] == LIVE_ITERATIONS
     # the agents trained a real model with AgileML through the evictions
     assert summary["training_iterations"] > 0
     assert summary["final_loss"] < summary["loss_at_start"]
@@ -63,7 +69,7 @@ def test_the_offline_demo_finishes_within_budget_and_its_dashboard_follows_it_li
     assert "Returned weights" in text
     assert any(event.startswith("evicted") for event in summary["training_events"])
     assert "Summary: job succeeded" in text
-    if not browser:
+    if driver is None:
         pytest.skip("the demo passed; chromium/chromedriver missing, so the dashboard was not "
                     "checked in a browser")  # fmt: skip
 
@@ -153,41 +159,37 @@ def test_demo_refuses_a_non_positive_budget():
 # --- the browser side
 
 
-def _watch_in_chromium(url: str, tmp_path: Path) -> None:
+def _watch_in_chromium(driver: Any, url: str, tmp_path: Path) -> None:
     """While the demo runs: the page follows the API's spend and evictions within LIVE_LAG_S.
     Once the job has ended: every number and chart matches the API; a screenshot is saved; the
     report of the job renders the same."""
     api = url  # the dashboard link carries the read-only token
-    driver = chromium()
-    try:
-        driver.get(url)
-        until(lambda: body_data(driver, "state") == "ready"
-              and body_data(driver, "job") == "job-demo",
-              30, "the dashboard to show job-demo")  # fmt: skip
-        _assert_follows_live(driver, api)
-        until(lambda: _job(api)["job"]["state"] == "succeeded", 240, "the job to succeed")
-        final = _job(api)
-        until(lambda: float(body_data(driver, "renderedAt") or 0) >= final["now_s"], 10,
-               "the page to render the ended job")  # fmt: skip
-        final = _job(api)  # the clock moves on; the numbers of an ended job do not
-        _assert_page_matches(driver, final, _fleet(api))
-        ARTIFACTS.mkdir(exist_ok=True)
-        driver.save_screenshot(str(ARTIFACTS / "dashboard-demo.png"))
-        report = tmp_path / "report.html"
-        cli = subprocess.run(
-            [sys.executable, "-m", "orchestrator", "report", "job-demo", "--api", _base(api),
-             "--token", _read_token(api), "--out", str(report)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert cli.returncode == 0, cli.stdout + cli.stderr
-        html = report.read_text()
-        assert 'src="static/' not in html and 'href="static/' not in html  # self-contained
-        driver.get(report.as_uri())
-        until(lambda: body_data(driver, "state") == "ready", 10, "the report to render")
-        _assert_page_matches(driver, _job(api), _fleet(api))
-        driver.save_screenshot(str(ARTIFACTS / "report-demo.png"))
-    finally:
-        driver.quit()
+    driver.get(url)
+    until(lambda: body_data(driver, "state") == "ready"
+          and body_data(driver, "job") == "job-demo",
+          30, "the dashboard to show job-demo")  # fmt: skip
+    _assert_follows_live(driver, api)
+    until(lambda: _job(api)["job"]["state"] == "succeeded", 360, "the job to succeed")
+    final = _job(api)
+    until(lambda: float(body_data(driver, "renderedAt") or 0) >= final["now_s"], 10,
+           "the page to render the ended job")  # fmt: skip
+    final = _job(api)  # the clock moves on; the numbers of an ended job do not
+    _assert_page_matches(driver, final, _fleet(api))
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / "dashboard-demo.png"))
+    report = tmp_path / "report.html"
+    cli = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "report", "job-demo", "--api", _base(api),
+         "--token", _read_token(api), "--out", str(report)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    html = report.read_text()
+    assert 'src="static/' not in html and 'href="static/' not in html  # self-contained
+    driver.get(report.as_uri())
+    until(lambda: body_data(driver, "state") == "ready", 10, "the report to render")
+    _assert_page_matches(driver, _job(api), _fleet(api))
+    driver.save_screenshot(str(ARTIFACTS / "report-demo.png"))
 
 
 def _assert_follows_live(driver: Any, api: str) -> None:
