@@ -112,15 +112,15 @@ class DemoSummary:
 def sample_job(
     budget_usd: float, *, pipeline: bool = False, iterations: int = DEMO_ITERATIONS
 ) -> JobSubmission:
-    """A 12 reference-GPU-hour job on up to 4 V100s (p3 types) that trains `TRAINING` (or
+    """A 12 reference-GPU-hour job on up to 2 V100s (p3.2xlarge) that trains `TRAINING` (or
     `PIPELINE_TRAINING`) for `iterations`."""
     training = PIPELINE_TRAINING if pipeline else TRAINING
     return JobSubmission(
         name="demo-pipeline" if pipeline else "demo-training",
         budget_usd=budget_usd,
         work_gpu_hours=12.0,
-        max_gpus=4.0,
-        instance_types=("p3.2xlarge", "p3.8xlarge", "p3.16xlarge"),
+        max_gpus=2.0,
+        instance_types=("p3.2xlarge",),  # a node trains on one GPU: multi-GPU types idle
         training={**training, "iterations": iterations},
     )
 

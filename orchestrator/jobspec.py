@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     TypeAdapter,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -73,6 +74,14 @@ class IterationTime(BaseModel):
         merged = {**catalog.gpu_work_rates, **rates}
         rate = it.gpu_count * float(merged[it.gpu_model])
         return iterations * self.seconds_per_iteration / SECONDS_PER_HOUR * rate
+
+
+#: The GPUs an AgileML node trains on: one worker on one device. A training job is given only
+#: instance types with no more GPUs than this: the others would be paid for and stand idle.
+DEVICES_PER_NODE = 1
+#: `model_validate(..., context=STORED)`: a spec the store kept (validated when it was
+#: submitted; checks added since then that only guard new submissions are skipped).
+STORED = {"stored": True}
 
 
 class JobSubmission(BaseModel):
@@ -219,6 +228,33 @@ class JobSubmission(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _every_gpu_used(self, info: ValidationInfo) -> JobSubmission:
+        if self.training is None or not self.instance_types or (info.context or {}).get("stored"):
+            return self
+        catalog = Catalog.load()
+        idle = [t for t in self.instance_types if not _fits(catalog, t)]
+        if idle:
+            usable = [
+                t for t in catalog.gpu_types() if catalog.get(t).gpu_count <= DEVICES_PER_NODE
+            ]
+            raise ValueError(
+                f"instance_types: {', '.join(idle)} "
+                f"{'has' if len(idle) == 1 else 'have'} more than {DEVICES_PER_NODE} GPU, and "
+                f"an AgileML node trains on {DEVICES_PER_NODE}: the others would be paid for "
+                f"and idle; list one-GPU types ({', '.join(usable)}) or leave instance_types out"
+            )
+        return self
+
+    def usable_types(self, catalog: Catalog) -> tuple[str, ...]:
+        """The instance types BidBrain may buy for the job: its `instance_types` (else every
+        GPU type); for a training job, only those whose every GPU its node trains on
+        (`DEVICES_PER_NODE`)."""
+        types = self.instance_types or tuple(catalog.gpu_types())
+        if self.training is None:
+            return tuple(types)
+        return tuple(t for t in types if _fits(catalog, t))
+
+    @model_validator(mode="after")
     def _reliable_offered(self) -> JobSubmission:
         reliable = Catalog.load().get(self.reliable_type)
         if not any(reliable.offered_in(r) for r in self.regions):
@@ -253,6 +289,11 @@ class JobSubmission(BaseModel):
         return self.model_copy(update={"deadline": at, "deadline_hours": None})
 
 
+def _fits(catalog: Catalog, instance_type: str) -> bool:
+    """Whether a node trains on every GPU of `instance_type` (`DEVICES_PER_NODE`)."""
+    return catalog.get(instance_type).gpu_count <= DEVICES_PER_NODE
+
+
 #: `gpu_work_rates` as the field checks it (for the work from `iteration_time`, before it is)
 _GPU_WORK_RATES = TypeAdapter(dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]])
 
@@ -284,7 +325,7 @@ def check_deadline(
         return None
     settings = bidbrain or BidBrainSettings()
     catalog = Catalog.load()
-    types = submission.instance_types or tuple(catalog.gpu_types())
+    types = submission.usable_types(catalog)
     offers = [
         (catalog.get(t).on_demand_price(region), catalog.work_rate(t, spec.gpu_work_rates))
         for t in types

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.bidbrain.inputs import RenewalSchedule
 from orchestrator.bidbrain.policy import BidBrainSettings
-from orchestrator.jobspec import JobSubmission
+from orchestrator.jobspec import STORED, JobSubmission
 from orchestrator.market.billing import EndReason
 from orchestrator.market.prices import Market
 from orchestrator.store.events import DecisionEvent
@@ -74,7 +74,7 @@ class ControllerJob:
         """The job of a store record (its spec validated, once), with the times of its last
         decisions (`last_decisions`: a restarted controller knows how late they came)."""
         job = cls(
-            record.job_id, JobSubmission.model_validate(record.spec), RenewalSchedule(settings)
+            record.job_id, JobSubmission.model_validate(record.spec, context=STORED), RenewalSchedule(settings)
         )
         for at_s in sorted(decided_at):
             job.decided(at_s)  # the deque keeps the last LAG_WINDOW gaps

@@ -27,8 +27,9 @@ class MarketView:
         self._price_model_at = -math.inf
 
     def table(self, submission: JobSubmission, spec: JobSpec, history: PriceHistory) -> MarketTable:
-        """The job's markets: its instance types (else every GPU type) in its regions."""
-        types = set(submission.instance_types or self.catalog.gpu_types())
+        """The job's markets: the instance types it may use (`JobSubmission.usable_types`) in
+        its regions."""
+        types = set(submission.usable_types(self.catalog))
         markets = [
             m
             for m in history

@@ -12,7 +12,8 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr, ValidationError
 
 from orchestrator.api.app import create_app
-from orchestrator.jobspec import JobSubmission
+from orchestrator.jobspec import STORED, JobSubmission
+from orchestrator.market.catalog import Catalog
 from orchestrator.settings import ApiSettings, Settings
 from orchestrator.store import MemoryStore
 
@@ -39,6 +40,11 @@ REFUSED = [
     (
         {"iteration_time": {"seconds_per_iteration": 1e308}, "training": {"iterations": 10}},
         "seconds_per_iteration",
+    ),
+    # four V100s billed, one trained on (an AgileML node trains on one GPU)
+    (
+        {"instance_types": ["p3.2xlarge", "p3.8xlarge"], "training": {"iterations": 10}},
+        "p3.8xlarge",
     ),
 ]
 
@@ -70,3 +76,21 @@ def test_ordinary_numbers_pass_as_ints_or_floats() -> None:
          "time_value_usd_per_hour": 2, "training": {"iterations": 500, "lr": 0.1}}
     )  # fmt: skip
     assert job.budget_usd == 40.0 and job.max_gpus == 4.0
+
+
+def test_multi_gpu_types_pass_for_work_without_training_and_for_a_stored_spec() -> None:
+    """Only new training jobs are refused them (a job stored before the check keeps running,
+    on the types whose every GPU it uses); BidBrain never buys them for a training job."""
+    catalog = Catalog.load()
+    types = {"instance_types": ["p3.2xlarge", "p3.8xlarge"]}
+    assert JobSubmission.model_validate({**BASE, **types}).usable_types(catalog) == (
+        "p3.2xlarge",
+        "p3.8xlarge",
+    )
+    stored = {**BASE, **types, "training": {"iterations": 10}}
+    job = JobSubmission.model_validate(stored, context=STORED)
+    assert job.usable_types(catalog) == ("p3.2xlarge",)
+    trains = JobSubmission.model_validate({**BASE, "training": {"iterations": 10}})
+    usable = trains.usable_types(catalog)
+    assert usable and all(catalog.get(t).gpu_count == 1 for t in usable)
+    assert set(usable) < set(catalog.gpu_types())

@@ -14,6 +14,7 @@ from orchestrator.cloud.memory import InMemoryCloud, InMemoryEC2
 from orchestrator.controller.core import Controller
 from orchestrator.controller.wiring import build_controller
 from orchestrator.jobspec import JobSubmission
+from orchestrator.market.catalog import Catalog
 from orchestrator.market.prices import Market, to_epoch_seconds
 from orchestrator.market.trace_source import TracePriceSource
 from orchestrator.settings import Settings
@@ -263,3 +264,23 @@ def test_a_stored_spec_that_no_longer_validates_fails_its_job_not_the_tick(
     assert store.get_job("job-1").state is JobState.RUNNING
     assert store.list_instances("job-1", alive_only=True)
     assert store.list_instances("job-0", alive_only=True) == []
+
+
+def test_a_training_job_is_given_only_instances_whose_every_gpu_its_nodes_train_on(
+    store, ec2, prices
+) -> None:
+    """An AgileML node trains on one GPU: a training job is never given a p3.8xlarge (four
+    V100s billed, one training), though the same work without training would be."""
+    catalog = Catalog.load()
+
+    def bought(job_id: str, training: dict[str, Any] | None) -> set[int]:
+        sub = JobSubmission(name=job_id, budget_usd=400.0, work_gpu_hours=40.0, max_gpus=16.0,
+                            training=training)  # fmt: skip
+        store.create_job(JobRecord.submit(job_id, sub.model_dump(mode="json"), 400.0, T0))
+        controller(store, ec2, prices).tick(T0)
+        spot = [r for r in store.list_instances(job_id) if r.lifecycle == "spot"]
+        assert spot
+        return {catalog.get(r.instance_type).gpu_count for r in spot}
+
+    assert max(bought("job-sim", None)) > 1  # what this test would catch
+    assert bought("job-train", {"code": "job.py", "iterations": 100}) == {1}
