@@ -476,6 +476,11 @@ class AgileMLNode:
                 server.set_horizon(int(body["horizon"]), int(body["slack"]))
             if "backups" in body:
                 server.set_backups({int(p): e for p, e in body["backups"].items()})
+            if "init_own" in body:  # the start: what the node holds is exactly this
+                server.keep_only(
+                    {int(p) for p in body["init_own"]},
+                    {int(p) for p in body.get("init_backup", [])},
+                )
             for p, version in body.get("init_own", {}).items():
                 server.add_partition(int(p), version=int(version), **self._start_of(int(p)))
             for p in body.get("init_backup", []):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -178,6 +178,18 @@ class ParamServer(ServerLoop):
         """Back up partition p, starting from these values (the owner's initial values)."""
         with self._lock:
             self._backup.add(p, values, rule_state=rule_state, clock=clock)
+
+    def keep_only(self, owned: Collection[int], backed: Collection[int]) -> None:
+        """Drop the partitions owned or backed up here that are not listed: the job's start
+        says all a node holds (a start retried with another plan leaves nothing stale)."""
+        with self._lock:
+            for p in self._store.owned():
+                if p not in owned:
+                    self._store.drop_partition(p, 0)
+                    self._held.pop(p, None)  # their workers pull from the new owner
+            for p in self._backup.owned():
+                if p not in backed:
+                    self._backup.drop_partition(p, 0)
 
     def partition_states(
         self, clock: int, *, backup: bool

@@ -14,6 +14,7 @@ from support.agileml_jobs import Job, additive_spec
 
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.elasticity import NodeState, NodeTier
+from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.node import AgileMLNode
 
 SLOW_S = 3.0  # past the 2 s the controller once gave a configure (2 x the failure timeout)
@@ -73,3 +74,39 @@ def test_a_ready_node_that_dies_before_the_start_is_left_out_and_the_others_star
     torch.testing.assert_close(job.finish(), job.expected(), rtol=0, atol=0)
     roster = job.coord.view().roster
     assert roster is not None and "t1" not in roster.members(0)
+
+
+def test_a_start_retried_without_a_node_that_died_in_it_leaves_nothing_stale(
+    jobs: Callable[[TrainingSpec], Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start configures its nodes in id order. r0, t0 and t1 are ready: a stage-2 plan
+    (t0 the ActivePS of every partition, r0 their BackupPS); t1 dies in its configure, after
+    r0 and t0 took their parts. The start is retried without t1 (stage 1: r0 owns every
+    partition): it replaces what each node holds, so t0 keeps no stale partitions and r0 no
+    stale backups, and the job trains exactly."""
+    on_control = AgileMLNode._on_control
+
+    def dies_in_start(self: AgileMLNode, body: dict[str, Any]) -> dict[str, Any]:
+        if self.node_id == "t1" and body.get("op") == "configure" and "init_own" in body:
+            self.stop()  # no more heartbeats: it is given up on
+            raise AgileMLError("t1 died in its configure")
+        return on_control(self, body)
+
+    monkeypatch.setattr(AgileMLNode, "_on_control", dies_in_start)
+    job = jobs(additive_spec("dies-in-start", min_nodes=2, iterations=20))
+    job.launch("t0")
+    job.launch("t1")
+    for node in ("t0", "t1"):
+        job.wait_for(f"{node} ready", lambda n=node: job.coord.node_state(n) is NodeState.READY)
+    job.launch("r0", NodeTier.RELIABLE)
+    view = job.wait_started()
+    assert view.stage == 1 and "t1" not in view.roster.members(0)
+    assert len(view.owners) == job.spec.num_partitions
+    assert set(view.owners.values()) == {"r0"}
+    for node_id in ("r0", "t0"):
+        server = job.nodes[node_id]._server
+        assert server is not None
+        mine = sorted(p for p, owner in view.owners.items() if owner == node_id)
+        assert server.owned() == mine, node_id
+        assert server.backed() == [], node_id
+    torch.testing.assert_close(job.finish(), job.expected(), rtol=0, atol=0)
