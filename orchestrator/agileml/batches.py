@@ -4,16 +4,19 @@ A worker asks for the rows of its share of a clock's global batch (`RowSource.ta
 one collated (inputs, targets) batch. The examples keep their data as two tensors
 (`TensorRows`); a user's job gives a map-style `torch.utils.data.Dataset` whose items are
 (input, target) pairs, collated by its own collate function or PyTorch's default
-(`DatasetRows`). Inputs may be a tensor or any nesting of tuples, lists and dicts of tensors.
+(`DatasetRows`). Inputs may be a tensor or any nesting of tuples (named too), lists and
+mappings of tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from orchestrator.agileml.usercode import JobCodeError
 
 Batch = tuple[Any, Any]  # (inputs, targets), as the model and the loss take them
 Collate = Callable[[list[Any]], Any]
@@ -90,36 +93,67 @@ def micro_batches(rows: int, parts: int) -> list[tuple[int, int]]:
     return spans
 
 
-def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Rows [start, stop) of a collated batch (tensors sliced on their first dimension)."""
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`batch` with `fn` applied to each of its tensors, through tuples (named ones too),
+    lists and mappings (a dict, Hugging Face's `BatchEncoding`, ...); anything else as it is."""
     if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
-    if isinstance(batch, dict):
-        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return _rebuilt(batch, {k: map_tensors(v, fn) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(slice_batch(v, start, stop) for v in batch)
+        return type(batch)(map_tensors(v, fn) for v in batch)
     return batch
+
+
+def _rebuilt(like: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """`items` as a mapping of `like`'s type where that type builds from a dict, else a dict."""
+    if type(like) is dict:
+        return items
+    try:
+        return type(like)(items)  # type: ignore[call-arg]
+    except TypeError:  # e.g. a defaultdict (its first argument is the factory)
+        return items
+
+
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    """Rows [start, stop) of a collated batch (its tensors sliced on their first dimension)."""
+    return map_tensors(batch, lambda t: t[start:stop])
+
+
+def micro_batch(batch: Batch, start: int, stop: int) -> Batch:
+    """Rows [start, stop) of an (inputs, targets) batch, checked: both hold `stop - start` rows.
+
+    Raises:
+        JobCodeError: a batch whose rows are not on its tensors' first dimension (or that
+            holds no tensor), which cannot be split into micro-batches.
+    """
+    x, y = slice_batch(batch, start, stop)
+    rows = {"inputs": batch_rows(x), "targets": batch_rows(y)}
+    if any(n != stop - start for n in rows.values()):
+        raise JobCodeError(
+            f"rows {start}-{stop} of a batch came out as {rows['inputs']} inputs and "
+            f"{rows['targets']} targets: `accumulate` splits a worker's batch into micro-batches "
+            "by its tensors' first dimension, so the collated inputs and targets must be "
+            "tensors (or tuples, lists or mappings of tensors) with the rows first"
+        )
+    return x, y
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """A collated batch with its tensors on `device` (the same object on the CPU)."""
     if device.type == "cpu":
         return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
 def batch_rows(batch: Any) -> int:
     """How many rows a collated batch holds (its first tensor's first dimension)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() > 0 else 1
-    values = batch.values() if isinstance(batch, dict) else batch
-    if isinstance(values, (tuple, list)) or isinstance(batch, dict):
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, (tuple, list)) or isinstance(batch, Mapping):
         for v in values:
             return batch_rows(v)
     return len(batch)

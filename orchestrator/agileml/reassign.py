@@ -206,7 +206,7 @@ class Reassigner:
         rows = w.share_rows(self.worker_id, clock)
         now = self._now()
         own = self._begin_own(w, clock, rows, now)
-        self._tell_listening(clock, rows)
+        self._tell_listening(clock, rows, w.micro_batches)
         self._preload(w, clock)
         own_end_at: float | None = None
         try:
@@ -253,8 +253,7 @@ class Reassigner:
         """Compute chunks of the own rows, checking the inbox between them, until every row is
         done here or by a helper; returns (loss sum, when the own range was done)."""
         clock, rows = own.clock, own.rows
-        # gradient accumulation: no chunk larger than one of the share's micro-batches
-        chunk = min(self._chunk_rows(rows), math.ceil(rows / w.micro_batches))
+        chunk = self._chunk_rows(rows, w.micro_batches)
         loss = 0.0
         own_end_at: float | None = None
         while True:
@@ -431,7 +430,7 @@ class Reassigner:
         done_end, loss = offer.start, 0.0
         try:
             self._send(helpee, Begun(clock=offer.clock, assignment=offer.assignment))
-            chunk = self._chunk_rows(offer.rows)
+            chunk = self._chunk_rows(offer.rows, w.micro_batches)
             while done_end < offer.end:
                 if self._leaving():
                     self.stats.returned += 1
@@ -493,12 +492,14 @@ class Reassigner:
         self.stats.busy_s += time.perf_counter() - t0
         return loss
 
-    def _chunk_rows(self, rows: int) -> int:
+    def _chunk_rows(self, rows: int, micro_batches: int) -> int:
         """Rows per chunk for a share of `rows`: `checks_per_iteration` chunks, or fewer so that
         a chunk is not smaller than the calibrated minimum; a share under twice the minimum
-        stays whole (the last, rounded-down chunk may still be smaller than the others)."""
+        stays whole (the last, rounded-down chunk may still be smaller than the others). With
+        gradient accumulation no chunk is larger than one of the share's `micro_batches`: they
+        bound what one backward holds."""
         chunks = min(self.spec.checks_per_iteration, rows // (self._min_chunk_rows or 1))
-        return math.ceil(rows / max(chunks, 1))
+        return min(math.ceil(rows / max(chunks, 1)), math.ceil(rows / micro_batches))
 
     def calibrate(self, w: Worker) -> int:
         """The calibrated minimum chunk (`_calibrate`, once); a node calibrates while it
@@ -516,7 +517,8 @@ class Reassigner:
         which the other processes of a shared machine do not inflate as they do a wall-clock
         slope) and fits t(rows) = fixed + rows x per_row; injected work adds to per_row.
         """
-        big = min(w.dataset_rows, CALIBRATION_ROWS, w.batch_rows)  # never over a step's
+        # never over a step's batch, nor (accumulating) over one of its micro-batches
+        big = min(w.dataset_rows, CALIBRATION_ROWS, math.ceil(w.batch_rows / w.micro_batches))
         if big < 2:
             return 1
         now = time.thread_time if w.device.type == "cpu" else time.perf_counter
@@ -579,7 +581,7 @@ class Reassigner:
                 continue
             self._send(helpee, report)
 
-    def _tell_listening(self, clock: int, rows: int) -> None:
+    def _tell_listening(self, clock: int, rows: int, micro_batches: int) -> None:
         """Tell this clock's helpers whether we read their reports (see `Listening`), when
         that, the helpers or the members changed. A lost message fails safe: a helper takes
         a `listens: false` for the members of its clock only, and reports otherwise."""
@@ -588,7 +590,8 @@ class Reassigner:
         members = self._roster.members(clock)
         helpers, _ = self._groups_at(clock)
         mine = frozenset(helpers.get(self.worker_id, ()))
-        listens = self._chunk_rows(rows) < rows  # more than one chunk: checks in between
+        # more than one chunk: checks in between
+        listens = self._chunk_rows(rows, micro_batches) < rows
         if self._told == (members, mine, listens):
             return
         for helper in sorted(mine):

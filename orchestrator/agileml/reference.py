@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from orchestrator.agileml.batches import micro_batches, slice_batch
+from orchestrator.agileml.batches import micro_batch, micro_batches
 from orchestrator.agileml.jobcode import JobCode, dataset_rows, seeded_model
 from orchestrator.agileml.roster import global_batch_indices
 
@@ -29,7 +29,7 @@ def train_reference(
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for start, end in micro_batches(global_batch, accumulate):
-            x, y = slice_batch(batch, start, end)
+            x, y = micro_batch(batch, start, end)
             loss = code.loss(model(x), y) * ((end - start) / global_batch)
             loss.backward()
             total += float(loss.item())

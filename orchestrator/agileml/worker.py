@@ -43,6 +43,7 @@ from orchestrator.agileml.batches import (
     Batch,
     RowSource,
     TensorRows,
+    micro_batch,
     micro_batches,
     slice_batch,
     to_device,
@@ -336,7 +337,7 @@ class Worker(ServerRequests):
         spans = micro_batches(n, self.spec.accumulate)
         total, sent = 0.0, []
         for i, (start, end) in enumerate(spans):
-            x, y = batch if len(spans) == 1 else slice_batch(batch, start, end)
+            x, y = batch if len(spans) == 1 else micro_batch(batch, start, end)
             with self._loading(), job_code_call(FORWARD):
                 loss = self._loss_fn(self._model(x), y)
             # partitions leave early only from the last backward: then their gradients are final
@@ -478,10 +479,13 @@ class Worker(ServerRequests):
     def warm_up(self, rows: int = 8) -> None:
         """One forward and backward before the first clock, gradients discarded: the first
         pass allocates and faults in what every later one reuses, and a joining node should
-        pay that while it loads, not in a clock the running workers wait on."""
+        pay that while it loads, not in a clock the running workers wait on. (Accumulating:
+        not over a micro-batch of the global batch.)"""
         stash = self.stash_grads()
         try:
-            self.backward_first_rows(rows)
+            self.backward_first_rows(
+                min(rows, math.ceil(self.spec.batch_size / self.spec.accumulate))
+            )
         finally:
             self.restore_grads(stash)
 

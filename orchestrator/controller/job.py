@@ -74,7 +74,9 @@ class ControllerJob:
         """The job of a store record (its spec validated, once), with the times of its last
         decisions (`last_decisions`: a restarted controller knows how late they came)."""
         job = cls(
-            record.job_id, JobSubmission.model_validate(record.spec, context=STORED), RenewalSchedule(settings)
+            record.job_id,
+            JobSubmission.model_validate(record.spec, context=STORED),
+            RenewalSchedule(settings),
         )
         for at_s in sorted(decided_at):
             job.decided(at_s)  # the deque keeps the last LAG_WINDOW gaps

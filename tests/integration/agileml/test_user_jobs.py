@@ -72,9 +72,14 @@ def test_weights_through_evict_join_and_kill_equal_a_single_process_loop(
     assert result.final_loss is not None and result.final_loss < losses[0] / 2
 
 
-def test_accumulation_without_flexrr_equals_the_single_process_loop() -> None:
+def test_accumulation_without_flexrr_equals_the_single_process_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """FlexRR off (as for a BatchNorm job): a worker's share in 4 micro-batches, gradients
-    summed; the weights are the loop's."""
+    summed; the weights are the loop's, and the job's loss saw the micro-batches (a per-row
+    loss gives the same weights whole, so the rows it saw are what tell)."""
+    rows_log = tmp_path / "rows.txt"
+    monkeypatch.setenv("ORCHESTRATOR_TEST_ROWS_LOG", str(rows_log))
     path = JOBS / "digits_sgd.py"
     plan = TrainPlan(code=str(path), nodes=2, reliable=1, iterations=20, global_batch=48)
     spec = train_spec(plan).model_copy(
@@ -88,6 +93,11 @@ def test_accumulation_without_flexrr_equals_the_single_process_loop() -> None:
         ):
             job.add_node(node_id, tier)
         params, _ = job.finish(timeout_s=120)
+    seen = [line.split() for line in rows_log.read_text().splitlines()]
+    trained = [int(rows) for pid, rows in seen if int(pid) != os.getpid()]  # the nodes'
+    # 3 workers, 16 rows each per iteration: 4 micro-batches of 4 rows (a node's warm-up
+    # before its first clock takes up to a micro-batch of the global batch: 12 rows)
+    assert trained.count(4) >= 20 * 3 * 4 and max(trained) <= 12, sorted(set(trained))
     model = training_parts(spec).model_with(params)
     code = load_job_code(path)
     expected, _ = train_reference(code, iterations=20, global_batch=48, accumulate=4)

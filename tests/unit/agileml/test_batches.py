@@ -3,10 +3,15 @@ the rows one by one gives."""
 
 from __future__ import annotations
 
+from collections import UserDict
+from typing import NamedTuple
+
+import pytest
 import torch
 from torch.utils.data import TensorDataset, default_collate
 
-from orchestrator.agileml.batches import DatasetRows
+from orchestrator.agileml.batches import DatasetRows, batch_rows, micro_batch
+from orchestrator.agileml.usercode import JobCodeError
 
 
 def _per_row(dataset: TensorDataset, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,3 +46,30 @@ def test_a_dataset_with_its_own_collate_or_items_is_collated_row_by_row() -> Non
 
     DatasetRows(TensorDataset(torch.ones(4, 3), torch.zeros(4)), collate).take(torch.tensor([2]))
     assert seen == [1]
+
+
+class Pair(NamedTuple):
+    image: torch.Tensor
+    mask: torch.Tensor
+
+
+class Encoding(UserDict):  # type: ignore[type-arg]
+    """Like Hugging Face's BatchEncoding: a Mapping that is not a dict."""
+
+
+def test_a_micro_batch_slices_tensors_through_named_tuples_and_mappings() -> None:
+    rows = torch.arange(10)
+    inputs = {"pair": Pair(rows * 2, rows * 3), "enc": Encoding(ids=rows), "n": 7}
+    x, y = micro_batch((inputs, rows), 2, 5)
+    assert isinstance(x["pair"], Pair) and x["pair"].mask.tolist() == [6, 9, 12]
+    assert isinstance(x["enc"], Encoding) and x["enc"]["ids"].tolist() == [2, 3, 4]
+    assert x["n"] == 7 and y.tolist() == [2, 3, 4]
+    assert batch_rows(Encoding(ids=rows)) == 10
+
+
+def test_a_batch_whose_rows_are_not_first_cannot_be_split_and_says_why() -> None:
+    rows_last = torch.zeros(3, 10)  # rows on the second dimension
+    with pytest.raises(JobCodeError, match="rows 0-5 of a batch came out as 3 inputs"):
+        micro_batch((rows_last, torch.arange(10)), 0, 5)
+    with pytest.raises(JobCodeError, match="must be tensors"):
+        micro_batch((["a", "b", "c"], torch.arange(3)), 0, 2)

@@ -113,21 +113,37 @@ def test_a_worker_tells_its_helpers_whether_it_listens_only_when_that_changes() 
         names = {e.progress: w for w, e in PEERS.items()}  # it goes with the reports
         return {names[e]: m.listens for e, m in link.sent if isinstance(m, Listening)}
 
-    r._tell_listening(1, rows=8)  # one chunk of 8 rows: it reads no report mid-share
+    r._tell_listening(
+        1, rows=8, micro_batches=1
+    )  # one chunk of 8 rows: it reads no report mid-share
     assert told() == {"b": False, "c": False, "d": False}
     link.sent.clear()
-    r._tell_listening(2, rows=8)
+    r._tell_listening(2, rows=8, micro_batches=1)
     assert told() == {}  # nothing changed: nothing sent
-    r._tell_listening(3, rows=40)  # a bigger share: 4 chunks, reports can be acted on
+    r._tell_listening(
+        3, rows=40, micro_batches=1
+    )  # a bigger share: 4 chunks, reports can be acted on
     assert told() == {"b": True, "c": True, "d": True}
 
 
 def test_no_chunk_is_smaller_than_the_calibrated_minimum_not_even_the_last() -> None:
     r, _ = _reassigner()
     r._min_chunk_rows = 100
-    assert r._chunk_rows(128) == 128  # not 100 + a 28-row remainder paying the whole fixed cost
+    assert r._chunk_rows(128, 1) == 128  # not 100 + a 28-row remainder paying the whole fixed cost
     r._min_chunk_rows = 60
-    assert r._chunk_rows(128) == 64
+    assert r._chunk_rows(128, 1) == 64
     r._min_chunk_rows = 1
-    assert r._chunk_rows(1000) == 10  # checks_per_iteration = 100 equal chunks
-    assert r._chunk_rows(7) == 1
+    assert r._chunk_rows(1000, 1) == 10  # checks_per_iteration = 100 equal chunks
+    assert r._chunk_rows(7, 1) == 1
+
+
+def test_accumulating_no_chunk_is_larger_than_one_of_the_shares_micro_batches() -> None:
+    """Gradient accumulation bounds what one backward holds: FlexRR's chunks, own or helped,
+    never exceed a micro-batch of the share, and a share in several micro-batches is read
+    between them (it listens)."""
+    r, _ = _reassigner()
+    r._min_chunk_rows = 100
+    assert r._chunk_rows(128, 4) == 32
+    assert r._chunk_rows(130, 4) == 33  # the largest of the near-equal micro-batches
+    r._min_chunk_rows = 1
+    assert r._chunk_rows(1000, 4) == 10  # FlexRR's own chunks are smaller still
