@@ -283,7 +283,7 @@ class Controller:
                 self._finish(job, JobState.FAILED, now_s, why, report)
                 return
         submission = owner.submission
-        spec = self._rates.spec_for(job.job_id, submission.job_spec(), now_s)
+        spec = self._rates.spec_for(job.job_id, submission.job_spec(), now_s, owner.rates)
         remaining = max(spec.work_gpu_hours - job.work_done_gpu_hours, 0.0)
         alive = self.store.list_instances(job.job_id, alive_only=True)
         accrued = self._accrued(alive, history, now_s)
@@ -300,7 +300,7 @@ class Controller:
             return
         if training is not None and self._gate is not None:
             verdict = self._gate.judge(
-                job, training, alive, now_s, self.instance_logs, self._doomed
+                job, owner.watch, training, alive, now_s, self.instance_logs, self._doomed
             )
             if verdict.stall is not None:  # released for want of progress
                 for rec in alive:
@@ -473,11 +473,8 @@ class Controller:
     ) -> None:
         self._transition(job, state, now_s, message)
         report.finished[job.job_id] = state
-        self._jobs.pop(job.job_id, None)
-        self._rates.forget(job.job_id)
+        self._jobs.pop(job.job_id, None)  # and with it all the controller kept of the job
         self.store.record_accrued(job.job_id, {}, now_s)  # its instances are all billed now
-        if self._gate is not None:
-            self._gate.forget(job.job_id)
 
     # -- records ----------------------------------------------------------------------------
     def _record_launch(self, inst: CloudInstance, now_s: float) -> None:

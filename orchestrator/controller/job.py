@@ -5,9 +5,13 @@ validate it again every time), and it owns the job's BidBrain state: the renewal
 allocations, the prices its last decision recorded (the dashboard's series grows only when
 one changes), when each market last took one of its instances back, and how late its
 decisions came (the budget's reserve follows the longest recent gap: a controller whose ticks
-lag keeps enough back, and releases early). The controller builds it at the job's first tick
-after it starts (so a restarted controller rebuilds it from the store: its spec, its evictions,
-the times of its last decisions) and drops it when the job ends.
+lag keeps enough back, and releases early). It also holds what the training gate saw of the
+job (its progress and its nodes' liveness: `JobWatch`) and the bookkeeping of its learned
+rates (`JobRates`), so all the controller keeps of a job lives here, and goes with it. The
+controller builds it at the job's first tick after it starts (so a restarted controller
+rebuilds it from the store: its spec, its evictions, the times of its last decisions, its
+stalls) and drops it when the job ends. The job's runtime (its elasticity controller's
+threads and port) is the training host's to start and stop: `controller.training`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass, field
 
 from orchestrator.bidbrain.inputs import RenewalSchedule
 from orchestrator.bidbrain.policy import BidBrainSettings
+from orchestrator.controller.rates import JobRates
+from orchestrator.controller.training_gate import JobWatch
 from orchestrator.jobspec import STORED, JobSubmission
 from orchestrator.market.billing import EndReason
 from orchestrator.market.prices import Market
@@ -66,6 +72,8 @@ class ControllerJob:
     # market -> when it last evicted one of the job's instances; None: not read yet
     _evictions: dict[Market, float] | None = None
     lag: DecisionLag = field(default_factory=DecisionLag)  # of the job's decisions here
+    watch: JobWatch = field(default_factory=JobWatch)  # its progress and nodes, as seen
+    rates: JobRates = field(default_factory=JobRates)  # its learned rates' bookkeeping
 
     @classmethod
     def of(

@@ -19,7 +19,8 @@ alive at once, at least two) without training an iteration in between fails (`ho
 nodes die however often they are replaced.
 
     watch = LivenessWatch(join_grace_s=900.0, rejoin_grace_s=180.0)
-    for silent in watch.check(job_id, outcome, alive, doomed, now_s):
+    seen = JobLiveness()  # the job's own (its `ControllerJob` keeps it)
+    for silent in watch.check(seen, outcome, alive, doomed, now_s):
         release(silent.instance, why=silent.why)
 """
 
@@ -63,8 +64,10 @@ MIN_FLEET = 2
 
 
 @dataclass
-class _JobSeen:
-    first_seen_s: float
+class JobLiveness:
+    """What the watch saw of one job's instances and nodes (kept by the job's owner)."""
+
+    first_seen_s: float | None = None  # the watch's first check of the job
     members_seen: set[str] = field(default_factory=set)  # instances seen a member once
     absent_at: dict[str, float] = field(default_factory=dict)  # first seen gone after that
     iterations: int = -1
@@ -73,19 +76,18 @@ class _JobSeen:
 
 
 class LivenessWatch:
-    """Tracks which instances' nodes each training job's runtime counts (see the module
-    docstring)."""
+    """Finds the instances whose nodes a training job's runtime does not count (see the
+    module docstring); what it saw of a job is the job's `JobLiveness`."""
 
     def __init__(self, *, join_grace_s: float, rejoin_grace_s: float) -> None:
         if not (join_grace_s > 0 and rejoin_grace_s > 0):
             raise ValueError("join_grace_s and rejoin_grace_s must be positive")
         self.join_grace_s = join_grace_s
         self.rejoin_grace_s = rejoin_grace_s
-        self._jobs: dict[str, _JobSeen] = {}
 
     def check(
         self,
-        job_id: str,
+        seen: JobLiveness,
         outcome: TrainingOutcome,
         alive: Sequence[InstanceRecord],
         doomed: Collection[str],
@@ -94,7 +96,8 @@ class LivenessWatch:
         """The job's instances to release now (see the module docstring)."""
         if outcome.members is None or not outcome.live or outcome.trained:
             return []
-        seen = self._jobs.setdefault(job_id, _JobSeen(now_s))
+        if seen.first_seen_s is None:
+            seen.first_seen_s = now_s
         if outcome.iterations_done != seen.iterations:
             seen.iterations, seen.released_since_progress = outcome.iterations_done, 0
             seen.fleet = MIN_FLEET
@@ -122,15 +125,10 @@ class LivenessWatch:
         seen.fleet = max(seen.fleet, len(alive))
         return silent
 
-    def hopeless(self, job_id: str) -> int:
+    @staticmethod
+    def hopeless(seen: JobLiveness) -> int:
         """How many instances the job had released since its last iteration, once they are
         `MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS` fleets' worth or more (it should fail); 0
         otherwise."""
-        seen = self._jobs.get(job_id)
-        if seen is None:
-            return 0
         enough = MAX_RELEASE_ROUNDS_WITHOUT_PROGRESS * seen.fleet
         return seen.released_since_progress if seen.released_since_progress >= enough else 0
-
-    def forget(self, job_id: str) -> None:
-        self._jobs.pop(job_id, None)

@@ -13,6 +13,7 @@ When the rates a job is decided with change (by more than `ANNOUNCE_CHANGE`), a
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from orchestrator.bidbrain.model import JobSpec
 from orchestrator.bidbrain.rates import RateBelief, WorkMeasurement, learned_belief
@@ -35,41 +36,47 @@ def measurements(
             yield WorkMeasurement(kind, done.hours, done.work_gpu_hours, done.gpus)
 
 
+@dataclass
+class JobRates:
+    """What rate learning keeps of one job (kept by the job's owner): the rates last
+    announced, and its instances' types (read once each)."""
+
+    announced: dict[str, float] | None = None
+    types: dict[str, str | None] = field(default_factory=dict)  # None: no such instance
+
+
 class RateLearning:
     """Learned rates for the controller's decisions (see the module docstring)."""
 
     def __init__(self, store: Store, catalog: Catalog) -> None:
         self.store = store
         self.catalog = catalog
-        self._announced: dict[str, dict[str, float]] = {}
-        # job -> instance id -> its type (None: no such instance), read once per instance
-        self._types: dict[str, dict[str, str | None]] = {}
 
-    def belief(self, job_id: str, spec: JobSpec) -> RateBelief | None:
+    def belief(self, job_id: str, spec: JobSpec, kept: JobRates) -> RateBelief | None:
         """The job's belief now; None when nothing was measured yet."""
         work = self.store.instance_work(job_id)
         if not work:
             return None
-        found = measurements(self._types_of(job_id, work), work)
+        found = measurements(self._types_of(kept, work), work)
         belief = learned_belief(self.catalog, spec.gpu_work_rates, found)
         return belief if belief.learned() else None
 
-    def spec_for(self, job_id: str, spec: JobSpec, now_s: float) -> JobSpec:
+    def spec_for(self, job_id: str, spec: JobSpec, now_s: float, kept: JobRates) -> JobSpec:
         """`spec` with the rates learned so far (as is before any were); a change is
         announced with a `WorkRatesEvent`."""
-        belief = self.belief(job_id, spec)
+        belief = self.belief(job_id, spec, kept)
         if belief is None:
             return spec
         rates = belief.rates()
-        if self._moved(self._announced.get(job_id), rates):
+        if self._moved(kept.announced, rates):
             self.store.append_event(_event(job_id, now_s, belief))
-            self._announced[job_id] = rates
+            kept.announced = rates
         return spec.model_copy(update={"gpu_work_rates": rates})
 
-    def _types_of(self, job_id: str, instance_ids: Iterable[str]) -> dict[str, str | None]:
+    def _types_of(self, kept: JobRates, instance_ids: Iterable[str]) -> dict[str, str | None]:
         """The instances' types, read from the store the first time each is seen (an
         instance is recorded at its launch, before anything can report its work)."""
-        types = self._types.setdefault(job_id, {})
+        types = kept.types
         for instance_id in instance_ids:
             if instance_id not in types:
                 try:
@@ -77,11 +84,6 @@ class RateLearning:
                 except NotFoundError:
                     types[instance_id] = None
         return types
-
-    def forget(self, job_id: str) -> None:
-        """The job ended: nothing more to announce or remember."""
-        self._announced.pop(job_id, None)
-        self._types.pop(job_id, None)
 
     @staticmethod
     def _moved(before: Mapping[str, float] | None, now: Mapping[str, float]) -> bool:

@@ -6,7 +6,8 @@ is alive, however long it then loads): nodes that never join, a runtime that can
 agent that died all cost at most that long per attempt.
 
     watch = StallWatch(stall_after_s=600.0, attempts=3, stalls_so_far=count_stall_events)
-    stall = watch.check(job_id, outcome, alive, now_s)   # None, or a Stall to act on
+    seen = JobStall()  # the job's own (its `ControllerJob` keeps it)
+    stall = watch.check(job_id, seen, outcome, alive, now_s)   # None, or a Stall to act on
 
 The attempts already made are counted from the job's stall events the first time a job is
 seen, so a restarted controller goes on counting; when it last progressed is not kept, so a
@@ -37,14 +38,17 @@ class Stall:
 
 
 @dataclass
-class _Seen:
-    signs: tuple[int, int]  # (iterations done, nodes heard) when last seen changing
-    since_s: float  # when they last changed (or the job was first seen)
-    attempts: int  # stalls so far
+class JobStall:
+    """What the watch saw of one job's progress (kept by the job's owner; None: not yet)."""
+
+    signs: tuple[int, int] | None = None  # (iterations done, nodes heard) when last changing
+    since_s: float = 0.0  # when they last changed (or the job was first seen)
+    attempts: int = 0  # stalls so far (its stall events, read at the first check)
 
 
 class StallWatch:
-    """Tracks each training job's progress (see the module docstring)."""
+    """Judges a training job's progress (see the module docstring); what it saw of a job is
+    the job's `JobStall`."""
 
     def __init__(
         self, *, stall_after_s: float, attempts: int, stalls_so_far: Callable[[str], int]
@@ -52,11 +56,11 @@ class StallWatch:
         self.stall_after_s = stall_after_s
         self.attempts = attempts
         self._stalls_so_far = stalls_so_far  # the job's stall events (read once per job)
-        self._seen: dict[str, _Seen] = {}
 
     def check(
         self,
         job_id: str,
+        seen: JobStall,
         outcome: TrainingOutcome,
         alive: Sequence[InstanceRecord],
         now_s: float,
@@ -68,9 +72,9 @@ class StallWatch:
         if not outcome.live:
             return None
         signs = (outcome.iterations_done, outcome.nodes_heard)
-        seen = self._seen.get(job_id)
-        if seen is None:
-            seen = self._seen[job_id] = _Seen(signs, now_s, self._stalls_so_far(job_id))
+        if seen.signs is None:
+            seen.signs, seen.since_s = signs, now_s
+            seen.attempts = self._stalls_so_far(job_id)
         if signs != seen.signs:
             seen.signs, seen.since_s = signs, now_s
             return None
@@ -82,6 +86,3 @@ class StallWatch:
         seen.attempts += 1
         seen.since_s = now_s  # the next attempt's clock starts with its new instances
         return Stall(seen.attempts, self.attempts, now_s - started, outcome.iterations_done)
-
-    def forget(self, job_id: str) -> None:
-        self._seen.pop(job_id, None)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
-from orchestrator.controller.liveness import LivenessWatch, SilentInstance
+from orchestrator.controller.liveness import JobLiveness, LivenessWatch, SilentInstance
 from orchestrator.controller.outcomes import InstanceLogs, JobTraining, TrainingOutcome
-from orchestrator.controller.stall import StallWatch
+from orchestrator.controller.stall import JobStall, StallWatch
 from orchestrator.errors import clip_middle
 from orchestrator.store import Store
 from orchestrator.store.events import StallEvent
@@ -31,6 +31,14 @@ NOTHING_COUNTS_ITS_WORK = (
     "it trains, so nothing would count this one's and it would pay until its budget ran out; "
     "add a `training` section naming your job file (the job contract: docs/job-contract.md)"
 )
+
+
+@dataclass
+class JobWatch:
+    """What the gate saw of one training job (kept by the job's owner, `ControllerJob`)."""
+
+    stall: JobStall = field(default_factory=JobStall)
+    liveness: JobLiveness = field(default_factory=JobLiveness)
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class TrainingGate:
     def judge(
         self,
         job: JobRecord,
+        watch: JobWatch,
         outcome: TrainingOutcome,
         alive: Sequence[InstanceRecord],
         now_s: float,
@@ -96,13 +105,14 @@ class TrainingGate:
         doomed: Collection[str] = (),
     ) -> Verdict:
         """Failed (its training was aborted), stalled, or on (with the instances to release
-        that do not work for it; `doomed`: instances under an interruption notice)."""
+        that do not work for it; `doomed`: instances under an interruption notice). `watch`
+        is what the gate saw of the job before (updated here)."""
         if outcome.error is not None:
             return Verdict(fail=clip_middle(f"training failed: {outcome.error}", MAX_REASON_CHARS))
-        stall = self.stalls.check(job.job_id, outcome, alive, now_s)
+        stall = self.stalls.check(job.job_id, watch.stall, outcome, alive, now_s)
         if stall is None:
-            silent = self.liveness.check(job.job_id, outcome, alive, doomed, now_s)
-            released = self.liveness.hopeless(job.job_id)
+            silent = self.liveness.check(watch.liveness, outcome, alive, doomed, now_s)
+            released = self.liveness.hopeless(watch.liveness)
             if released:
                 why = clip_middle(self._stall_reason(job.job_id, alive, logs), MAX_REASON_CHARS)
                 return Verdict(fail=(
@@ -145,10 +155,6 @@ class TrainingGate:
         return JobState.SUCCEEDED, (
             f"trained {outcome.iterations} iterations; final weights at {weights}"
         )
-
-    def forget(self, job_id: str) -> None:
-        self.stalls.forget(job_id)
-        self.liveness.forget(job_id)
 
     @staticmethod
     def _call(what: str, call: Callable[[], T]) -> T | None:

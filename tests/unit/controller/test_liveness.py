@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from support.controller_training import T0, training_world
 
-from orchestrator.controller.liveness import LivenessWatch
+from orchestrator.controller.liveness import JobLiveness, LivenessWatch
 from orchestrator.controller.outcomes import TrainingOutcome
 from orchestrator.settings import ControllerSettings, Settings
 from orchestrator.store import InstanceRecord, JobState, ReleaseEvent
@@ -26,23 +26,25 @@ def _members(*ids: str) -> TrainingOutcome:
 
 def test_a_node_that_never_joins_is_released_after_the_join_grace() -> None:
     watch = LivenessWatch(join_grace_s=900.0, rejoin_grace_s=180.0)
+    seen = JobLiveness()
     alive = [_rec("i-a"), _rec("i-b")]
-    assert watch.check("job-1", _members("i-a"), alive, (), T0) == []
-    assert watch.check("job-1", _members("i-a"), alive, (), T0 + 900.0) == []  # slow boot
-    [silent] = watch.check("job-1", _members("i-a"), alive, (), T0 + 901.0)
+    assert watch.check(seen, _members("i-a"), alive, (), T0) == []
+    assert watch.check(seen, _members("i-a"), alive, (), T0 + 900.0) == []  # slow boot
+    [silent] = watch.check(seen, _members("i-a"), alive, (), T0 + 901.0)
     assert silent.instance.instance_id == "i-b" and not silent.joined_before
     assert "did not join the job's training in the 901 s since launch" in silent.why
 
 
 def test_a_node_that_left_is_released_after_the_rejoin_grace_unless_it_comes_back() -> None:
     watch = LivenessWatch(join_grace_s=900.0, rejoin_grace_s=180.0)
+    seen = JobLiveness()
     alive = [_rec("i-a"), _rec("i-b")]
-    assert watch.check("job-1", _members("i-a", "i-b"), alive, (), T0 + 100.0) == []
-    assert watch.check("job-1", _members("i-a"), alive, (), T0 + 200.0) == []
-    assert watch.check("job-1", _members("i-a", "i-b"), alive, (), T0 + 270.0) == []  # back
-    assert watch.check("job-1", _members("i-a"), alive, (), T0 + 300.0) == []  # gone again
-    assert watch.check("job-1", _members("i-a"), alive, (), T0 + 480.0) == []
-    [silent] = watch.check("job-1", _members("i-a"), alive, (), T0 + 481.0)
+    assert watch.check(seen, _members("i-a", "i-b"), alive, (), T0 + 100.0) == []
+    assert watch.check(seen, _members("i-a"), alive, (), T0 + 200.0) == []
+    assert watch.check(seen, _members("i-a", "i-b"), alive, (), T0 + 270.0) == []  # back
+    assert watch.check(seen, _members("i-a"), alive, (), T0 + 300.0) == []  # gone again
+    assert watch.check(seen, _members("i-a"), alive, (), T0 + 480.0) == []
+    [silent] = watch.check(seen, _members("i-a"), alive, (), T0 + 481.0)
     assert silent.instance.instance_id == "i-b" and silent.joined_before
     assert silent.unheard_s == 181.0 and "left the job's training 181 s ago" in silent.why
 
@@ -51,11 +53,12 @@ def test_a_node_that_joined_and_died_between_two_ticks_counts_as_left() -> None:
     """The runtime heard it (it joined), though no tick saw it a member: the rejoin grace,
     not the join grace, applies."""
     watch = LivenessWatch(join_grace_s=900.0, rejoin_grace_s=180.0)
+    seen = JobLiveness()
     alive = [_rec("i-a")]
-    assert watch.check("job-1", _members(), alive, (), T0) == []
+    assert watch.check(seen, _members(), alive, (), T0) == []
     gone = TrainingOutcome(10, 100, members=frozenset(), heard=frozenset({"i-a"}))
-    assert watch.check("job-1", gone, alive, (), T0 + 60.0) == []
-    [silent] = watch.check("job-1", gone, alive, (), T0 + 241.0)
+    assert watch.check(seen, gone, alive, (), T0 + 60.0) == []
+    [silent] = watch.check(seen, gone, alive, (), T0 + 241.0)
     assert silent.joined_before and silent.unheard_s == 181.0
 
 
@@ -64,43 +67,46 @@ def test_a_job_whose_replacements_keep_dying_without_training_is_hopeless() -> N
     the budget is gone: three fleets' worth released (its most instances alive at once, two
     here) with no iteration trained in between, whether they die together or one by one."""
     watch = LivenessWatch(join_grace_s=100.0, rejoin_grace_s=10.0)
+    seen = JobLiveness()
     now, released = T0, 0
     for k, size in enumerate((2, 1, 1, 2)):  # dying together, then one at a time
         recs = [_rec(f"i-{k}-{n}", launched_at=now) for n in range(size)]
-        watch.check("job-1", _members(*(r.instance_id for r in recs)), recs, (), now + 1.0)
-        released += len(watch.check("job-1", _members(), recs, (), now + 2.0))
-        assert watch.hopeless("job-1") == 0
-        released += len(watch.check("job-1", _members(), recs, (), now + 13.0))  # and died
+        watch.check(seen, _members(*(r.instance_id for r in recs)), recs, (), now + 1.0)
+        released += len(watch.check(seen, _members(), recs, (), now + 2.0))
+        assert watch.hopeless(seen) == 0
+        released += len(watch.check(seen, _members(), recs, (), now + 13.0))  # and died
         now += 20.0
-    assert released == 6 and watch.hopeless("job-1") == 6
+    assert released == 6 and watch.hopeless(seen) == 6
     progress = TrainingOutcome(11, 100, members=frozenset())  # an iteration trained: hope
-    watch.check("job-1", progress, [], (), now)
-    assert watch.hopeless("job-1") == 0
+    watch.check(seen, progress, [], (), now)
+    assert watch.hopeless(seen) == 0
 
 
 def test_instances_under_a_notice_and_runtimes_that_do_not_say_are_left_alone() -> None:
     watch = LivenessWatch(join_grace_s=60.0, rejoin_grace_s=60.0)
+    seen = JobLiveness()
     alive = [_rec("i-a")]
     late = T0 + 10_000.0
-    assert watch.check("job-1", _members(), alive, (), T0) == []  # the job seen at launch
-    assert watch.check("job-1", _members(), alive, {"i-a"}, late) == []  # doomed: it goes
-    assert watch.check("job-1", TrainingOutcome(10, 100), alive, (), late) == []  # None
+    assert watch.check(seen, _members(), alive, (), T0) == []  # the job seen at launch
+    assert watch.check(seen, _members(), alive, {"i-a"}, late) == []  # doomed: it goes
+    assert watch.check(seen, TrainingOutcome(10, 100), alive, (), late) == []  # None
     not_live = TrainingOutcome(10, 100, live=False, members=frozenset())
-    assert watch.check("job-1", not_live, alive, (), late) == []
+    assert watch.check(seen, not_live, alive, (), late) == []
     trained = TrainingOutcome(100, 100, done=True, members=frozenset())
-    assert watch.check("job-1", trained, alive, (), late) == []
-    assert len(watch.check("job-1", _members(), alive, (), late)) == 1
+    assert watch.check(seen, trained, alive, (), late) == []
+    assert len(watch.check(seen, _members(), alive, (), late)) == 1
 
 
 def test_a_restarted_controller_gives_every_instance_a_fresh_join_grace() -> None:
     """Instances launched hours ago whose nodes have not reconnected to the runtime hosted
     again are not released at the restarted controller's first look."""
     watch = LivenessWatch(join_grace_s=900.0, rejoin_grace_s=180.0)
+    seen = JobLiveness()
     alive = [_rec("i-a"), _rec("i-b")]
     first = T0 + 5 * 3600.0
-    assert watch.check("job-1", _members(), alive, (), first) == []
-    assert watch.check("job-1", _members("i-a"), alive, (), first + 900.0) == []
-    [silent] = watch.check("job-1", _members("i-a"), alive, (), first + 901.0)
+    assert watch.check(seen, _members(), alive, (), first) == []
+    assert watch.check(seen, _members("i-a"), alive, (), first + 900.0) == []
+    [silent] = watch.check(seen, _members("i-a"), alive, (), first + 901.0)
     assert silent.instance.instance_id == "i-b"
 
 
