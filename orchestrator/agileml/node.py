@@ -234,6 +234,7 @@ class AgileMLNode:
                 seed=spec.seed,
                 overlap=spec.overlap,
                 accumulate=spec.accumulate,
+                precision=spec.precision,
             ),
             token=self._token,
             layout=self._layout,

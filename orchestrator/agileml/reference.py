@@ -4,19 +4,27 @@ stepped once per iteration. Used by the exactness tests and as the single-proces
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from orchestrator.agileml.batches import micro_batch, micro_batches
 from orchestrator.agileml.jobcode import JobCode, dataset_rows, seeded_model
+from orchestrator.agileml.precision import autocast
 from orchestrator.agileml.roster import global_batch_indices
 
 
 def train_reference(
-    code: JobCode, *, iterations: int, global_batch: int, seed: int = 0, accumulate: int = 1
+    code: JobCode,
+    *,
+    iterations: int,
+    global_batch: int,
+    seed: int = 0,
+    accumulate: int = 1,
+    precision: str = "fp32",
 ) -> tuple[nn.Module, list[float]]:
     """Train the job for `iterations` iterations in this process, each global batch in
-    `accumulate` micro-batches (their mean losses weighted by their rows, gradients summed);
-    returns the model and the loss of each iteration."""
+    `accumulate` micro-batches (their mean losses weighted by their rows, gradients summed),
+    forward and loss in `precision`; returns the model and the loss of each iteration."""
     model = seeded_model(code, seed)
     model.train()
     rows = dataset_rows(code)
@@ -30,7 +38,8 @@ def train_reference(
         total = 0.0
         for start, end in micro_batches(global_batch, accumulate):
             x, y = micro_batch(batch, start, end)
-            loss = code.loss(model(x), y) * ((end - start) / global_batch)
+            with autocast(precision, torch.device("cpu")):
+                loss = code.loss(model(x), y) * ((end - start) / global_batch)
             loss.backward()
             total += float(loss.item())
         optimizer.step()

@@ -98,6 +98,10 @@ class TrainingSpec(BaseModel):
     # micro-batches (activations of one at a time), their gradients summed before the push;
     # the global batch and the update are unchanged
     accumulate: Annotated[int, Field(ge=1, le=MAX_ACCUMULATE, strict=True)] = 1
+    # mixed precision: `bf16` computes each worker's forward and loss under autocast to
+    # bfloat16 (the backward follows it); the parameter servers keep fp32 weights and
+    # optimizer state, and the gradients travel in fp32
+    precision: Literal["fp32", "bf16"] = "fp32"
     # FlexRR (RapidReassignment between workers); `{"flexrr": false}` turns it off
     straggler: StragglerSpec = StragglerSpec()
     # checkpoints (see `checkpoints`): written under `checkpoint_dir` (a directory the reliable
@@ -135,6 +139,11 @@ class TrainingSpec(BaseModel):
             raise ValueError(
                 "accumulate applies to data-parallel jobs: a pipeline already runs each "
                 "iteration as microbatches through its stages"
+            )
+        if self.parallelism == "pipeline" and self.precision != "fp32":
+            raise ValueError(
+                "precision bf16 applies to data-parallel jobs for now: a pipeline's stages "
+                "compute in fp32"
             )
         if self.parallelism == "data" and (self.stages is not None or self.schedule != "flush"):
             raise ValueError("schedule and stages apply to parallelism `pipeline` only")

@@ -109,6 +109,7 @@ class TrainPlan(BaseModel):
     overlap: bool = False  # communication overlapped with computation (`agileml.streams`)
     # micro-batches per worker per iteration (gradient accumulation; the global batch is kept)
     accumulate: Annotated[int, Field(ge=1, le=MAX_ACCUMULATE)] = 1
+    precision: Literal["fp32", "bf16"] = "fp32"  # the workers' forward (`agileml.precision`)
     # pipeline-parallel instead (`agileml.pipeline.trainrun`): its schedule and, if given, depth
     pipeline: bool = False
     schedule: Literal["1f1b", "flush", "gpipe", "2bw"] = "flush"
@@ -133,6 +134,7 @@ class TrainResult:
     # the mean of the steady iterations: unlike the median, it counts the stalls
     mean_seconds_per_iteration: float | None = None
     evaluation_error: str | None = None  # what the job's evaluate() raised, if it did
+    precision: str = "fp32"  # the workers' forward and loss (`TrainingSpec.precision`)
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,7 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         resume_from=resume,
         overlap=plan.overlap,
         accumulate=plan.accumulate,
+        precision=plan.precision,
     )
 
 
@@ -296,6 +299,7 @@ def train_locally(
         wall_seconds=time.monotonic() - started,
         resumed_from=spec.resume_from,
         phase_seconds=mean_phase_seconds(outcomes),
+        precision=spec.precision,
     )
     if parts.code is not None:
         result.evaluation, result.evaluation_error = evaluate_trained(parts.code, model)
@@ -466,6 +470,7 @@ def save_outputs(result: TrainResult, out: Path) -> None:
     checkpoints.save_weights(result.model, out, WEIGHTS)
     summary = {
         "iterations": result.iterations,
+        "precision": result.precision,
         "final_loss": result.final_loss,
         "seconds_per_iteration": result.seconds_per_iteration,
         "mean_seconds_per_iteration": result.mean_seconds_per_iteration,

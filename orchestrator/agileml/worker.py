@@ -50,6 +50,7 @@ from orchestrator.agileml.batches import (
 )
 from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
+from orchestrator.agileml.precision import autocast
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
 from orchestrator.agileml.streams import EarlyPushes, PullStream, streaming_safe
 from orchestrator.agileml.usercode import job_code_call
@@ -293,6 +294,10 @@ class Worker(ServerRequests):
         self._first_reply_at = pulls.first_reply_at
         return stream
 
+    def _autocast(self) -> AbstractContextManager[Any]:
+        """Around a forward and its loss: the job's precision (`precision.autocast`)."""
+        return autocast(self.spec.precision, self.device)
+
     def _loading(self) -> AbstractContextManager[Any]:
         """Around a forward pass: partitions still on their way load when first read."""
         return self._stream.guard() if self._stream is not None else nullcontext()
@@ -338,7 +343,7 @@ class Worker(ServerRequests):
         total, sent = 0.0, []
         for i, (start, end) in enumerate(spans):
             x, y = batch if len(spans) == 1 else micro_batch(batch, start, end)
-            with self._loading(), job_code_call(FORWARD):
+            with self._loading(), self._autocast(), job_code_call(FORWARD):
                 loss = self._loss_fn(self._model(x), y)
             # partitions leave early only from the last backward: then their gradients are final
             armed = i == len(spans) - 1 and self._arm_early(identity, clock, pushes)
@@ -491,7 +496,7 @@ class Worker(ServerRequests):
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = to_device(x, self.device), to_device(y, self.device)
-        with self._loading(), job_code_call(FORWARD):
+        with self._loading(), self._autocast(), job_code_call(FORWARD):
             loss = self._loss_fn(self._model(x), y)
         with job_code_call(BACKWARD):
             (loss / self.spec.batch_size).backward()

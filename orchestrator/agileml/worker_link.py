@@ -47,6 +47,8 @@ class WorkerSpec:
     overlap: bool = False
     # micro-batches per share of an iteration (gradient accumulation; `TrainingSpec.accumulate`)
     accumulate: int = 1
+    # the forward and loss under autocast to bfloat16 (`TrainingSpec.precision`)
+    precision: str = "fp32"
 
 
 @dataclass

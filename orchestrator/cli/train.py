@@ -77,6 +77,15 @@ AccumulateOption = Annotated[
         metavar="K",
     ),
 ]
+PrecisionOption = Annotated[
+    str,
+    typer.Option(
+        "--precision",
+        help="fp32, or bf16: each worker's forward and loss under autocast to bfloat16 (the "
+        "parameter servers keep fp32 weights and optimizer state).",
+        metavar="fp32|bf16",
+    ),
+]
 PipelineOption = Annotated[
     bool,
     typer.Option(
@@ -121,6 +130,7 @@ def train_command(
     resume: ResumeOption = None,
     overlap: OverlapOption = False,
     accumulate: AccumulateOption = 1,
+    precision: PrecisionOption = "fp32",
     pipeline: PipelineOption = False,
     schedule: ScheduleOption = "flush",
     stages: StagesOption = None,
@@ -146,6 +156,7 @@ def train_command(
             resume=str(resume) if resume is not None else None,
             overlap=overlap,
             accumulate=accumulate,
+            precision=precision,
             pipeline=pipeline,
             schedule=schedule,
             stages=stages,
@@ -154,9 +165,13 @@ def train_command(
         raise validation_to_user_error(exc) from None
     if not pipeline and (schedule != "flush" or stages is not None):
         raise UserError("--schedule and --stages need --pipeline", field="--pipeline")
-    if pipeline and (partitions is not None or overlap or reliable != 1 or accumulate != 1):
+    if pipeline and (
+        partitions is not None or overlap or reliable != 1 or accumulate != 1
+        or precision != "fp32"
+    ):  # fmt: skip
         raise UserError(
-            "--partitions, --overlap, --reliable and --accumulate are data-parallel options; "
+            "--partitions, --overlap, --reliable, --accumulate and --precision are "
+            "data-parallel options; "
             "a pipeline runs each iteration as microbatches and "
             "backs its stages up to the launcher",
             field="--pipeline",

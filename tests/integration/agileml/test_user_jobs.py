@@ -94,7 +94,7 @@ def test_accumulation_without_flexrr_equals_the_single_process_loop(
             job.add_node(node_id, tier)
         params, _ = job.finish(timeout_s=120)
     seen = [line.split() for line in rows_log.read_text().splitlines()]
-    trained = [int(rows) for pid, rows in seen if int(pid) != os.getpid()]  # the nodes'
+    trained = [int(rows) for pid, rows, _ in seen if int(pid) != os.getpid()]  # the nodes'
     # 3 workers, 16 rows each per iteration: 4 micro-batches of 4 rows (a node's warm-up
     # before its first clock takes up to a micro-batch of the global batch: 12 rows)
     assert trained.count(4) >= 20 * 3 * 4 and max(trained) <= 12, sorted(set(trained))
@@ -102,6 +102,36 @@ def test_accumulation_without_flexrr_equals_the_single_process_loop(
     code = load_job_code(path)
     expected, _ = train_reference(code, iterations=20, global_batch=48, accumulate=4)
     assert relative_error(model, expected) <= 1e-5
+
+
+@pytest.mark.slow
+def test_bf16_computes_in_bfloat16_and_classifies_as_well_as_fp32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`precision: bf16`: the job's forward and loss ran in bfloat16 on the nodes (its loss
+    saw bfloat16 outputs), the parameter servers' fp32 weights came back, and they classify
+    the held-out digits within 1.5 points of an fp32 run of the same job."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    held_x, held_y = torch.tensor(x[1500:] / 16.0, dtype=torch.float32), torch.tensor(y[1500:])
+    accuracy, dtypes = {}, {}
+    for precision in ("fp32", "bf16"):
+        rows_log = tmp_path / f"{precision}.txt"
+        monkeypatch.setenv("ORCHESTRATOR_TEST_ROWS_LOG", str(rows_log))
+        plan = TrainPlan(code=str(JOBS / "digits_sgd.py"), nodes=2, reliable=1, iterations=60,
+                         global_batch=GLOBAL_BATCH, precision=precision)  # fmt: skip
+        result = train_locally(plan)
+        assert result.precision == precision
+        assert all(p.dtype == torch.float32 for p in result.model.parameters())
+        with torch.no_grad():
+            guess = result.model(held_x).argmax(1)
+        accuracy[precision] = float((guess == held_y).float().mean())
+        seen = [line.split() for line in rows_log.read_text().splitlines()]
+        dtypes[precision] = {dtype for pid, _, dtype in seen if int(pid) != os.getpid()}
+    assert dtypes == {"fp32": {"torch.float32"}, "bf16": {"torch.bfloat16"}}
+    assert accuracy["fp32"] > 0.8
+    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.015, accuracy
 
 
 @pytest.mark.slow

@@ -24,9 +24,9 @@ def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     # ends (a node process takes seconds to start on a small machine)
     time.sleep(float(os.environ.get("ORCHESTRATOR_TEST_JOB_PAUSE_S", "0")))
     rows_log = os.environ.get("ORCHESTRATOR_TEST_ROWS_LOG")
-    if rows_log:  # the accumulation test: how many rows each loss call saw, in which process
+    if rows_log:  # how many rows each loss call saw, in which process and precision
         with open(rows_log, "a") as log:
-            log.write(f"{os.getpid()} {len(target)}\n")
+            log.write(f"{os.getpid()} {len(target)} {output.dtype}\n")
     return nn.functional.cross_entropy(output, target)
 
 
