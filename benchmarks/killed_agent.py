@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -86,6 +87,10 @@ def _kill_a_spot_agent(world: OfflineWorld, now_s: float) -> dict[str, Any]:
         if rec.lifecycle != "spot" or rec.instance_id not in members or node is None:
             continue
         if node.process is None or node.process.poll() is not None:
+            continue
+        # the scenario is an agent dead on an instance that stays up: the trace must not
+        # take the instance back first (an eviction "at infinity"; False once noticed)
+        if not world.replayer.force_evict(rec.instance_id, math.inf):
             continue
         node.process.kill()
         return {"instance_id": rec.instance_id, "at_s": now_s}

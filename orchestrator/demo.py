@@ -147,6 +147,7 @@ class _Watch:
     loss_at_start: float = math.nan
     last_loss: float = math.nan
     next_loss_s: float = 0.0
+    earlier_events: list[str] = field(default_factory=list)  # of runtimes restarted since
 
 
 def run_demo(
@@ -253,11 +254,15 @@ def _measure_loss(watch: _Watch, world: OfflineWorld) -> None:
     if time.monotonic() < watch.next_loss_s:
         return
     watch.next_loss_s = time.monotonic() + LOSS_EVERY_WALL_S
-    if watch.hosted is None:
-        watch.hosted = world.training.hosted(JOB_ID)  # hosted at the job's first launch
+    hosted = world.training.hosted(JOB_ID)  # hosted at the job's first launch
+    if hosted is not None and hosted is not watch.hosted:  # first, or restarted (a stall)
         if watch.hosted is None:
-            return
-        watch.loss_at_start = watch.hosted.initial_loss()
+            watch.loss_at_start = hosted.initial_loss()
+        else:
+            watch.earlier_events += watch.hosted.events()
+        watch.hosted = hosted
+    if watch.hosted is None:
+        return
     loss = watch.hosted.model_loss()
     if loss is not None:
         watch.last_loss = loss
@@ -315,11 +320,19 @@ def _summary(world: OfflineWorld, watch: _Watch, job: JobSubmission, wall0: floa
         injected_evictions=watch.injected,
         loss_at_start=round(watch.loss_at_start, 4),
         final_loss=round(watch.last_loss, 4),
-        training_iterations=0 if hosted is None else hosted.progress().iteration,
-        training_events=[] if hosted is None else hosted.events(),
+        training_iterations=_trained(world, hosted),
+        training_events=watch.earlier_events + ([] if hosted is None else hosted.events()),
         parallelism=str((job.training or {}).get("parallelism", "data")),
         learned_work_rates=_learned_rates(world.store),
     )
+
+
+def _trained(world: OfflineWorld, hosted: Hosted | None) -> int:
+    """Iterations the job trained: its runtime's progress, or the training host's last report
+    to the store (what the controller counted the job's work from) if that says more."""
+    report = world.store.latest_training(JOB_ID)
+    reported = 0 if report is None else report.iteration
+    return max(reported, 0 if hosted is None else hosted.progress().iteration)
 
 
 def _learned_rates(store: Store) -> dict[str, dict[str, float]]:
