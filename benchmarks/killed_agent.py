@@ -1,14 +1,15 @@
 """Pay only for work (issue #32): what a SIGKILLed instance agent costs a training job.
 
-Runs the offline demo's job (12 GPU-hours of a digits CNN, AgileML on up to 4 V100s; $100), at
-1,500 iterations instead of the demo's 500 (so that the job outlives the kill's detection: its
-reliable node alone trains the demo's few hundred iterations in seconds), in the offline world
-twice with the same seed: undisturbed, and with the agent of one of its spot instances
-SIGKILLed (its instance stays up in EC2) once a fifth of the work is trained. The
-controller should release that instance when its node leaves the job's training (after
-`controller.rejoin_grace_s`) and buy a working one. Prints, per run: the job's state, its
-spend, its simulated and real duration and what happened to the killed agent's instance; and
-the cost ratio (killed / undisturbed; issue #32's target: at most 1.25).
+Runs the offline demo's job (12 GPU-hours of a digits CNN, AgileML on one V100 spot instance
+at a time; $100), at 1,500 iterations instead of the demo's 500 (so that the job outlives
+the kill's detection: its reliable node alone trains the demo's few hundred iterations in
+seconds), in the offline world twice with the same seed: undisturbed, and with the agent of
+one of its spot instances SIGKILLed (its instance stays up in EC2) once a fifth of the work
+is trained. The controller should release that instance when its node leaves the job's
+training (after `controller.rejoin_grace_s`) and buy a working one. Prints, per run: the
+job's state, its spend, its simulated and real duration and what happened to the killed
+agent's instance; and the cost ratio (killed / undisturbed; issue #32's target: at most
+1.25).
 
     python -m benchmarks.killed_agent [--seed 1] [--speed 300] [--kill-at 0.2]
 """

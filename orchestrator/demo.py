@@ -112,15 +112,15 @@ class DemoSummary:
 def sample_job(
     budget_usd: float, *, pipeline: bool = False, iterations: int = DEMO_ITERATIONS
 ) -> JobSubmission:
-    """A 12 reference-GPU-hour job on up to 2 V100s (p3.2xlarge) that trains `TRAINING` (or
-    `PIPELINE_TRAINING`) for `iterations`."""
+    """A 12 reference-GPU-hour job on one V100 at a time (a p3.2xlarge: an AgileML node trains
+    on one GPU) that trains `TRAINING` (or `PIPELINE_TRAINING`) for `iterations`."""
     training = PIPELINE_TRAINING if pipeline else TRAINING
     return JobSubmission(
         name="demo-pipeline" if pipeline else "demo-training",
         budget_usd=budget_usd,
         work_gpu_hours=12.0,
-        max_gpus=2.0,
-        instance_types=("p3.2xlarge",),  # a node trains on one GPU: multi-GPU types idle
+        max_gpus=1.0,
+        instance_types=("p3.2xlarge",),
         training={**training, "iterations": iterations},
     )
 
@@ -218,8 +218,9 @@ def _announce(
     console: Console, world: OfflineWorld, job: JobSubmission, speed: float, settings: Settings
 ) -> None:
     console.print(
-        f"[bold]Offline demo[/bold]: job {JOB_ID} ({job.work_gpu_hours:g} GPU-hours on up "
-        f"to {job.max_gpus:g} V100s, budget ${job.budget_usd:g}) from "
+        f"[bold]Offline demo[/bold]: job {JOB_ID} ({job.work_gpu_hours:g} GPU-hours on "
+        f"{_gpus(job.max_gpus)} spot and an on-demand reliable node, budget "
+        f"${job.budget_usd:g}) from "
         f"{to_datetime(world.clock.now()):%Y-%m-%d %H:%M} UTC in replayed us-east-1 spot prices, "
         f"{speed:g}x real time. {world.where}.",
         highlight=False,
@@ -227,6 +228,10 @@ def _announce(
     if world.server is not None:
         link = _dashboard_link(world.server, settings)
         console.print(f"Dashboard: {link}", highlight=False, soft_wrap=True)  # one line: a link
+
+
+def _gpus(max_gpus: float) -> str:
+    return "one V100" if max_gpus == 1 else f"up to {max_gpus:g} V100s"
 
 
 def _run(
