@@ -254,6 +254,17 @@ class JobSubmission(BaseModel):
             return tuple(types)
         return tuple(t for t in types if _fits(catalog, t))
 
+    def types_refused(self, catalog: Catalog) -> str | None:
+        """Why the job may use none of its `instance_types` (a training job stored before they
+        were checked at submission), None if it may use some."""
+        if self.usable_types(catalog) or not self.instance_types:
+            return None
+        return (
+            f"none of the job's instance_types ({', '.join(self.instance_types)}) is one whose "
+            f"every GPU a training node uses (a node trains on {DEVICES_PER_NODE}); submit it "
+            "again with one-GPU types"
+        )
+
     @model_validator(mode="after")
     def _reliable_offered(self) -> JobSubmission:
         reliable = Catalog.load().get(self.reliable_type)

@@ -10,7 +10,8 @@ mappings of tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import copy
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, Protocol
 
 import torch
@@ -108,36 +109,48 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _rebuilt(like: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
-    """`items` as a mapping of `like`'s type where that type builds from a dict, else a dict."""
+    """`items` in a mapping like `like`: a copy of it (its type and attributes: a defaultdict's
+    factory, a BatchEncoding's encodings) with these values, else its type built from them,
+    else a dict."""
     if type(like) is dict:
         return items
+    if isinstance(like, MutableMapping):
+        out = copy.copy(like)
+        out.update(items)  # the same keys: every value replaced
+        return out
     try:
         return type(like)(items)  # type: ignore[call-arg]
-    except TypeError:  # e.g. a defaultdict (its first argument is the factory)
+    except (TypeError, ValueError):
         return items
 
 
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Rows [start, stop) of a collated batch (its tensors sliced on their first dimension)."""
-    return map_tensors(batch, lambda t: t[start:stop])
+    """Rows [start, stop) of a collated batch (its tensors sliced on their first dimension;
+    a 0-dim tensor, which has no rows, is kept whole)."""
+    return map_tensors(batch, lambda t: t[start:stop] if t.dim() > 0 else t)
 
 
 def micro_batch(batch: Batch, start: int, stop: int) -> Batch:
-    """Rows [start, stop) of an (inputs, targets) batch, checked: both hold `stop - start` rows.
+    """Rows [start, stop) of an (inputs, targets) batch, checked first: every tensor in it
+    with a dimension holds the batch's rows on its first one.
 
     Raises:
-        JobCodeError: a batch whose rows are not on its tensors' first dimension (or that
-            holds no tensor), which cannot be split into micro-batches.
+        JobCodeError: a batch with no tensor, or a tensor whose first dimension is not the
+            batch's rows; it cannot be split into micro-batches or FlexRR's chunks.
     """
-    x, y = slice_batch(batch, start, stop)
-    rows = {"inputs": batch_rows(x), "targets": batch_rows(y)}
-    if any(n != stop - start for n in rows.values()):
+    rows = batch_rows(batch[0])
+    shapes: list[tuple[int, ...]] = []
+    map_tensors(batch, lambda t: shapes.append(tuple(t.shape)) or t)  # type: ignore[func-returns-value]
+    wrong = sorted({s for s in shapes if s and s[0] != rows})
+    if not shapes or wrong or not 0 <= start <= stop <= rows:
+        found = f"tensors of shapes {', '.join(map(str, wrong))}" if wrong else "no tensor"
         raise JobCodeError(
-            f"rows {start}-{stop} of a batch came out as {rows['inputs']} inputs and "
-            f"{rows['targets']} targets: `accumulate` splits a worker's batch into micro-batches "
-            "by its tensors' first dimension, so the collated inputs and targets must be "
-            "tensors (or tuples, lists or mappings of tensors) with the rows first"
+            f"a batch of {rows} rows cannot be split into rows {start}-{stop}: it holds "
+            f"{found}. A worker's batch is split (into micro-batches, FlexRR's chunks) on its "
+            "tensors' first dimension, so the collated inputs and targets must be tensors, "
+            "or tuples, lists or mappings of tensors, with the rows first"
         )
+    x, y = slice_batch(batch, start, stop)
     return x, y
 
 

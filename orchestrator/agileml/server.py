@@ -186,7 +186,11 @@ class ParamServer(ServerLoop):
             for p in self._store.owned():
                 if p not in owned:
                     self._store.drop_partition(p, 0)
-                    self._held.pop(p, None)  # their workers pull from the new owner
+                    for held in self._held.pop(p, []):  # refused: they ask the owner
+                        frames = self._encode(
+                            MessageKind.ERROR, held.seq, partition=p, detail="not owned here"
+                        )
+                        self._outbox.append((held.identity, frames))
             for p in self._backup.owned():
                 if p not in backed:
                     self._backup.drop_partition(p, 0)

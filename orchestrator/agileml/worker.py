@@ -45,7 +45,6 @@ from orchestrator.agileml.batches import (
     TensorRows,
     micro_batch,
     micro_batches,
-    slice_batch,
     to_device,
 )
 from orchestrator.agileml.errors import AgileMLError, WorkerError
@@ -449,7 +448,7 @@ class Worker(ServerRequests):
         cached = self._preloaded.get((identity, clock, self._roster_version()))
         if cached is not None and start >= cached[0]:
             first, batch = cached
-            x, y = slice_batch(batch, start - first, end - first)
+            x, y = micro_batch(batch, start - first, end - first)
             hit = True
         else:
             with job_code_call(DATA):

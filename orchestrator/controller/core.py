@@ -330,9 +330,8 @@ class Controller:
         table = self._market.table(submission, spec, history)
         if len(table) == 0:
             self._stop_job(job, history, now_s, EndReason.RELEASED, report)
-            self._finish(
-                job, JobState.FAILED, now_s, "no market offers the job's GPU types", report
-            )
+            why = submission.types_refused(self.catalog) or "no market offers the job's GPU types"
+            self._finish(job, JobState.FAILED, now_s, why, report)
             return
         policy = BidBrainPolicy(
             table,

@@ -85,9 +85,12 @@ def test_a_start_retried_without_a_node_that_died_in_it_leaves_nothing_stale(
     partition): it replaces what each node holds, so t0 keeps no stale partitions and r0 no
     stale backups, and the job trains exactly."""
     on_control = AgileMLNode._on_control
+    first_attempt: dict[str, list[int]] = {}
 
     def dies_in_start(self: AgileMLNode, body: dict[str, Any]) -> dict[str, Any]:
         if self.node_id == "t1" and body.get("op") == "configure" and "init_own" in body:
+            t0 = job.nodes["t0"]._server
+            first_attempt.setdefault("t0", t0.owned() if t0 is not None else [])
             self.stop()  # no more heartbeats: it is given up on
             raise AgileMLError("t1 died in its configure")
         return on_control(self, body)
@@ -100,6 +103,7 @@ def test_a_start_retried_without_a_node_that_died_in_it_leaves_nothing_stale(
         job.wait_for(f"{node} ready", lambda n=node: job.coord.node_state(n) is NodeState.READY)
     job.launch("r0", NodeTier.RELIABLE)
     view = job.wait_started()
+    assert first_attempt["t0"] == [0, 1, 2, 3]  # the first attempt's plan: t0 owned them all
     assert view.stage == 1 and "t1" not in view.roster.members(0)
     assert len(view.owners) == job.spec.num_partitions
     assert set(view.owners.values()) == {"r0"}

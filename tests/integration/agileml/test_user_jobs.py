@@ -96,7 +96,7 @@ def test_accumulation_without_flexrr_equals_the_single_process_loop(
     seen = [line.split() for line in rows_log.read_text().splitlines()]
     trained = [int(rows) for pid, rows, _ in seen if int(pid) != os.getpid()]  # the nodes'
     # 3 workers, 16 rows each per iteration: 4 micro-batches of 4 rows (a node's warm-up
-    # before its first clock takes up to a micro-batch of the global batch: 12 rows)
+    # before its first clock takes 8 rows, within a micro-batch of the global batch: 12)
     assert trained.count(4) >= 20 * 3 * 4 and max(trained) <= 12, sorted(set(trained))
     model = training_parts(spec).model_with(params)
     code = load_job_code(path)

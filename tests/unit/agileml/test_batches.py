@@ -3,7 +3,7 @@ the rows one by one gives."""
 
 from __future__ import annotations
 
-from collections import UserDict
+from collections import UserDict, defaultdict
 from typing import NamedTuple
 
 import pytest
@@ -68,8 +68,23 @@ def test_a_micro_batch_slices_tensors_through_named_tuples_and_mappings() -> Non
 
 
 def test_a_batch_whose_rows_are_not_first_cannot_be_split_and_says_why() -> None:
-    rows_last = torch.zeros(3, 10)  # rows on the second dimension
-    with pytest.raises(JobCodeError, match="rows 0-5 of a batch came out as 3 inputs"):
-        micro_batch((rows_last, torch.arange(10)), 0, 5)
-    with pytest.raises(JobCodeError, match="must be tensors"):
-        micro_batch((["a", "b", "c"], torch.arange(3)), 0, 2)
+    rows = torch.arange(10)
+    for inputs in (
+        torch.zeros(3, 10),  # rows on the second dimension
+        (torch.zeros(10, 3), torch.zeros(3, 10)),  # one tensor of two
+        {"ids": torch.zeros(10, 4), "pos": torch.zeros(4)},
+    ):
+        with pytest.raises(JobCodeError, match="cannot be split into rows 0-5"):
+            micro_batch((inputs, rows), 0, 5)
+    with pytest.raises(JobCodeError, match="it holds no tensor"):
+        micro_batch((["a", "b", "c"], ["x", "y", "z"]), 0, 2)
+
+
+def test_a_micro_batch_keeps_what_has_no_rows_and_the_mappings_own_kind() -> None:
+    rows = torch.arange(6)
+    scale = torch.tensor(2.0)  # 0-dim: no rows, kept whole
+    table = defaultdict(list, {"x": rows})
+    (got_rows, got_scale, got_table), y = micro_batch(((rows, scale, table), rows), 1, 3)
+    assert got_rows.tolist() == [1, 2] and got_scale is scale and y.tolist() == [1, 2]
+    assert isinstance(got_table, defaultdict) and got_table.default_factory is list
+    assert got_table["x"].tolist() == [1, 2]

@@ -41,7 +41,7 @@ VALID: list[dict[str, Any]] = [
         "work_gpu_hours": 64,
         "max_gpus": 16,
         "regions": ["us-east-1"],
-        "instance_types": ["p3.2xlarge", "p3.8xlarge", "p3.16xlarge"],
+        "instance_types": ["p3.2xlarge", "g5.xlarge", "g4dn.xlarge"],
         "reliable_type": "m5.xlarge",
         "reliable_count": 1,
         "training": {

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from orchestrator.bidbrain.policy import BidBrainPolicy, DecisionInput
 from orchestrator.cloud.memory import InMemoryCloud, InMemoryEC2
@@ -284,3 +285,30 @@ def test_a_training_job_is_given_only_instances_whose_every_gpu_its_nodes_train_
 
     assert max(bought("job-sim", None)) > 1  # what this test would catch
     assert bought("job-train", {"code": "job.py", "iterations": 100}) == {1}
+
+
+def test_a_training_job_stored_before_the_check_runs_on_its_one_gpu_types_or_fails_saying_why(
+    store, ec2, prices
+) -> None:
+    """A spec stored by an older version with multi-GPU types keeps running on its one-GPU
+    types; with none, it fails naming them (not as if no market existed)."""
+    training = {"code": "job.py", "iterations": 100}
+
+    def stored(job_id: str, types: tuple[str, ...]) -> None:
+        spec = {"name": job_id, "budget_usd": 200.0, "work_gpu_hours": 40.0, "max_gpus": 8.0,
+                "instance_types": list(types), "training": training}  # fmt: skip
+        with pytest.raises(ValidationError, match="more than 1 GPU"):
+            JobSubmission.model_validate(spec)  # a new submission is refused them
+        store.create_job(JobRecord.submit(job_id, spec, 200.0, T0))
+
+    stored("job-mixed", ("p3.2xlarge", "p3.8xlarge"))
+    stored("job-multi", ("p3.8xlarge",))
+    controller(store, ec2, prices).tick(T0)
+    mixed = store.get_job("job-mixed")
+    assert mixed.state is JobState.RUNNING
+    spot = [r for r in store.list_instances("job-mixed") if r.lifecycle == "spot"]
+    assert spot and {r.instance_type for r in spot} == {"p3.2xlarge"}
+    multi = store.get_job("job-multi")
+    assert multi.state is JobState.FAILED
+    assert "none of the job's instance_types (p3.8xlarge)" in multi.message
+    assert store.list_instances("job-multi", alive_only=True) == []
