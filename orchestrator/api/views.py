@@ -173,8 +173,11 @@ class JobFacts(EventTally):
             else [r for r in instances if r.ended_at is None]
         )
         folded = {f.name: getattr(tally, f.name) for f in fields(EventTally)}
+        spent = store.live_spend_usd(job.job_id)
+        if job.state.is_terminal:  # its last decision's projection is moot: it cost this
+            folded |= {"projected_cost_usd": spent, "projected_finish_at": job.updated_at}
         return cls(job=job, alive=alive, training=store.latest_training(job.job_id),
-                   spent_usd=store.live_spend_usd(job.job_id), **folded)  # fmt: skip
+                   spent_usd=spent, **folded)  # fmt: skip
 
     @property
     def evictions(self) -> int:

@@ -101,3 +101,19 @@ def test_a_job_submitted_again_under_the_same_id_starts_over() -> None:
     again = submit(fresh, "job-a", at_s=T0 + 60)
     fresh.append_event(launch("job-a", "i-9", T0 + 61))
     assert tallies.read(fresh, again).launches == 1
+
+
+def test_an_ended_jobs_projected_cost_is_what_it_cost() -> None:
+    """The last decision's projection (made while it ran) is not shown for an ended job: its
+    projected cost is its spend, its projected finish when it ended."""
+    store = MemoryStore()
+    job = submit(store, "job-a")
+    store.append_event(decision("job-a", T0 + 3, projected=50.0))
+    [running] = summaries(store, None)
+    assert running["projected_cost_usd"] == 50.0
+    job = store.transition("job-a", "running", expected_version=job.version, now_s=T0 + 4)
+    store.transition("job-a", "succeeded", expected_version=job.version, now_s=T0 + 9)
+    for tallies in (None, EventTallies()):
+        [ended] = summaries(store, tallies)
+        assert ended["projected_cost_usd"] == ended["spent_usd"] == 0.0
+        assert ended["projected_finish_at"] == T0 + 9
