@@ -15,17 +15,18 @@ Checkpoints (`checkpoint_every`) let a later run `resume` where this one was.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
@@ -33,8 +34,8 @@ from orchestrator.agileml import checkpoints
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.elasticity import NodeState, NodeTier
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.evaluations import EvaluationWatch, evaluate_trained
 from orchestrator.agileml.jobcode import (
-    JobCode,
     check_job_code,
     load_job_code,
     seeded_model,
@@ -44,7 +45,6 @@ from orchestrator.agileml.local import LocalJob, NodeOutcome, mean_phase_seconds
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.spec import MAX_ACCUMULATE
-from orchestrator.agileml.usercode import JobCodeError, failure_report, job_code_call
 from orchestrator.artifacts import WEIGHTS, folder_at
 from orchestrator.errors import UserError
 from orchestrator.straggler.spec import StragglerSpec
@@ -110,6 +110,8 @@ class TrainPlan(BaseModel):
     # micro-batches per worker per iteration (gradient accumulation; the global batch is kept)
     accumulate: Annotated[int, Field(ge=1, le=MAX_ACCUMULATE)] = 1
     precision: Literal["fp32", "bf16"] = "fp32"  # the workers' forward (`agileml.precision`)
+    # the job's evaluate() every this many iterations, on a checkpoint (`agileml.evaluations`)
+    eval_every: Annotated[int, Field(ge=1, le=1_000_000_000)] | None = None
     # pipeline-parallel instead (`agileml.pipeline.trainrun`): its schedule and, if given, depth
     pipeline: bool = False
     schedule: Literal["1f1b", "flush", "gpipe", "2bw"] = "flush"
@@ -135,6 +137,8 @@ class TrainResult:
     mean_seconds_per_iteration: float | None = None
     evaluation_error: str | None = None  # what the job's evaluate() raised, if it did
     precision: str = "fp32"  # the workers' forward and loss (`TrainingSpec.precision`)
+    # evaluate() during the run (`--eval-every`): {"iteration": n, metric: value, ...}
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,11 @@ def check_plan(plan: TrainPlan) -> None:
     check_job_code(code, global_batch=plan.global_batch, seed=plan.seed)
     if plan.checkpoint_every and plan.checkpoint_dir is None:
         raise UserError("--checkpoint-every needs --out: checkpoints go to OUT/checkpoints")
+    if plan.eval_every is not None and code.evaluate is None:
+        raise UserError(
+            f"--eval-every: {plan.code} defines no evaluate(model). To fix: add one that "
+            "returns held-out metrics (see the job contract), or leave --eval-every out."
+        )
     if plan.resume is not None:
         clock = _resume_manifest(plan.resume).clock
         if clock + 1 >= plan.iterations:
@@ -249,7 +258,7 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         # BatchNorm's per-batch statistics
         straggler=StragglerSpec(flexrr=not uses_batch_statistics(model)),
         checkpoint_dir=plan.checkpoint_dir,
-        checkpoint_every=plan.checkpoint_every,
+        checkpoint_every=math.gcd(plan.checkpoint_every, plan.eval_every or 0),
         resume_from=resume,
         overlap=plan.overlap,
         accumulate=plan.accumulate,
@@ -270,7 +279,21 @@ def train_locally(
         AgileMLError: the run failed (a node crashed, the job was aborted, or no progress).
     """
     check_plan(plan)
+    with contextlib.ExitStack() as stack:
+        if plan.eval_every is not None and plan.checkpoint_dir is None:  # for the evaluations
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="agileml-eval-"))
+            plan = plan.model_copy(update={"checkpoint_dir": scratch})
+        return _run(plan, on_progress, log_dir)
+
+
+def _run(
+    plan: TrainPlan, on_progress: Callable[[TrainProgress], None] | None, log_dir: Path | None
+) -> TrainResult:
     spec = train_spec(plan)
+    parts = training_parts(spec)
+    watch = None
+    if plan.eval_every is not None and parts.code is not None and spec.checkpoint_dir:
+        watch = EvaluationWatch(Path(spec.checkpoint_dir), plan.eval_every, parts.code, parts)
     started = time.monotonic()
     # the nodes' logs: in `log_dir`, else a temporary folder of the job's (`LocalJob`)
     with LocalJob(spec, log_dir=log_dir) as job:
@@ -282,9 +305,8 @@ def train_locally(
         joins = sum(1 for i in plan.injections if i.kind == "join")
         for k in range(1, joins + 1):  # started now, joining when asked (see LocalJob)
             job.add_node(f"j{k}", NodeTier.TRANSIENT, held=True)
-        events = _drive(job, plan, transient, on_progress, started)
+        events = _drive(job, plan, transient, on_progress, started, watch)
         params, outcomes = job.finish(_finish_timeout(plan))
-    parts = training_parts(spec)
     model = parts.model_with(params)
     losses = _mean_losses(outcomes)
     gaps = _steady_gaps(outcomes, plan, events)
@@ -303,21 +325,13 @@ def train_locally(
     )
     if parts.code is not None:
         result.evaluation, result.evaluation_error = evaluate_trained(parts.code, model)
+    if watch is not None:
+        watch.poll()  # checkpoints written as the run ended
+        if result.evaluation_error is None:  # and at the end
+            watch.results.append({"iteration": plan.iterations, **result.evaluation})
+        result.evaluations = sorted(watch.results, key=lambda r: int(r["iteration"]))
+        result.evaluation_error = result.evaluation_error or watch.error
     return result
-
-
-def evaluate_trained(code: JobCode, model: nn.Module) -> tuple[dict[str, float], str | None]:
-    """The job's `evaluate(model)` of the trained model ({} without one), and what it raised
-    (None when it did not): a mistake there must not lose the weights trained before it."""
-    if code.evaluate is None:
-        return {}, None
-    model.eval()
-    try:
-        with torch.no_grad(), job_code_call("evaluate(model)"):
-            found = code.evaluate(model)
-            return {str(k): float(v) for k, v in found.items()}, None
-    except JobCodeError as exc:
-        return {}, failure_report(exc)
 
 
 def _drive(
@@ -326,9 +340,10 @@ def _drive(
     transient: list[str],
     on_progress: Callable[[TrainProgress], None] | None,
     started: float,
+    watch: EvaluationWatch | None = None,
 ) -> list[dict[str, Any]]:
     """Wait for the job to finish its iterations, injecting faults on the way (`started`:
-    the run's start, on `time.monotonic`)."""
+    the run's start, on `time.monotonic`), evaluating its checkpoints with `watch`."""
     pending = list(plan.injections)
     alive = list(transient)
     joined = 0
@@ -373,6 +388,8 @@ def _drive(
         if on_progress is not None:
             recent = (recent + [(clock, time.monotonic())])[-50:]
             on_progress(_progress(job, plan, recent))
+        if watch is not None:
+            watch.poll()
     if job.coordinator.error is not None:
         raise AgileMLError(f"the job was aborted: {job.coordinator.error}")
     for injection in pending:
@@ -479,6 +496,7 @@ def save_outputs(result: TrainResult, out: Path) -> None:
         "startup_seconds": startup_seconds(result),
         "resumed_from": result.resumed_from,
         "evaluation": result.evaluation,
+        "evaluations": result.evaluations,
         "evaluation_error": result.evaluation_error,
         "events": result.events,
         "losses": [[c, round(v, 6)] for c, v in result.losses],

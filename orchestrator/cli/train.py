@@ -86,6 +86,16 @@ PrecisionOption = Annotated[
         metavar="fp32|bf16",
     ),
 ]
+EvalEveryOption = Annotated[
+    int | None,
+    typer.Option(
+        "--eval-every",
+        help="Run the job's evaluate(model) about every N iterations, on a checkpoint of the "
+        "weights after an exact number of iterations (training goes on); in summary.json.",
+        min=1,
+        metavar="N",
+    ),
+]
 PipelineOption = Annotated[
     bool,
     typer.Option(
@@ -131,6 +141,7 @@ def train_command(
     overlap: OverlapOption = False,
     accumulate: AccumulateOption = 1,
     precision: PrecisionOption = "fp32",
+    eval_every: EvalEveryOption = None,
     pipeline: PipelineOption = False,
     schedule: ScheduleOption = "flush",
     stages: StagesOption = None,
@@ -157,6 +168,7 @@ def train_command(
             overlap=overlap,
             accumulate=accumulate,
             precision=precision,
+            eval_every=eval_every,
             pipeline=pipeline,
             schedule=schedule,
             stages=stages,
@@ -167,11 +179,11 @@ def train_command(
         raise UserError("--schedule and --stages need --pipeline", field="--pipeline")
     if pipeline and (
         partitions is not None or overlap or reliable != 1 or accumulate != 1
-        or precision != "fp32"
+        or precision != "fp32" or eval_every is not None
     ):  # fmt: skip
         raise UserError(
-            "--partitions, --overlap, --reliable, --accumulate and --precision are "
-            "data-parallel options; "
+            "--partitions, --overlap, --reliable, --accumulate, --precision and --eval-every "
+            "are data-parallel options; "
             "a pipeline runs each iteration as microbatches and "
             "backs its stages up to the launcher",
             field="--pipeline",
@@ -256,6 +268,9 @@ def _print_result(result: TrainResult) -> None:
         out.print(f"resumed from {result.resumed_from}")
     for name, value in result.evaluation.items():
         out.print(f"evaluate: {name} = {value:.4f}")
+    for found in result.evaluations:  # --eval-every: one line per evaluation
+        metrics = ", ".join(f"{k} {v:.4f}" for k, v in found.items() if k != "iteration")
+        out.print(f"  at iteration {found['iteration']}: {metrics}", highlight=False)
     for e in result.events:
         try:
             line = _event_line(e)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.evaluations import evaluate_trained
 from orchestrator.agileml.jobcode import (
     JobCodeError,
     check_job_code,
@@ -44,12 +45,7 @@ from orchestrator.agileml.pipeline.profiler import ModelProfile, profile_sequent
 from orchestrator.agileml.pipeline.schedule import Schedule
 from orchestrator.agileml.pipeline.sizing import PipelineSizing, size_pipeline_job
 from orchestrator.agileml.pipeline.source import job_layers, job_source, load_layers
-from orchestrator.agileml.trainrun import (
-    TrainPlan,
-    TrainProgress,
-    TrainResult,
-    evaluate_trained,
-)
+from orchestrator.agileml.trainrun import TrainPlan, TrainProgress, TrainResult
 from orchestrator.errors import UserError
 
 #: The link bandwidth the planner assumes between local processes (loopback, bytes/s).

@@ -104,6 +104,31 @@ def test_accumulation_without_flexrr_equals_the_single_process_loop(
     assert relative_error(model, expected) <= 1e-5
 
 
+def test_evaluations_during_training_are_of_the_weights_after_the_iterations_they_name() -> None:
+    """`--eval-every 15`: the job's evaluate() runs on checkpoints while training goes on; each
+    result names the iteration its weights are after, exactly: the single-process loop's
+    weights after that many iterations evaluate the same."""
+    path = Path(__file__).parents[3] / "orchestrator" / "jobs" / "digits_cnn.py"
+    plan = TrainPlan(code=str(path), nodes=2, reliable=1, iterations=60, global_batch=48,
+                     eval_every=15)  # fmt: skip
+    result = train_locally(plan)
+    found = result.evaluations
+    iterations = [e["iteration"] for e in found]
+    assert iterations == sorted(set(iterations)) and iterations[-1] == 60, found
+    assert len(found) >= 3 and all(set(e) == {"iteration", *result.evaluation} for e in found)
+    assert found[-1] == {"iteration": 60, **result.evaluation}
+    code = load_job_code(path)
+    first = found[0]
+    assert 15 <= first["iteration"] < 60
+    early, _ = train_reference(code, iterations=first["iteration"], global_batch=48)
+    early.eval()
+    with torch.no_grad():
+        assert code.evaluate is not None
+        metrics = code.evaluate(early)
+    assert metrics["held_out_accuracy"] == first["held_out_accuracy"]
+    assert metrics["held_out_loss"] == pytest.approx(first["held_out_loss"], rel=1e-4)
+
+
 @pytest.mark.slow
 def test_bf16_computes_in_bfloat16_and_classifies_as_well_as_fp32(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

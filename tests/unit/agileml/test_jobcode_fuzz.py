@@ -267,3 +267,12 @@ def test_the_exit_of_a_signal_in_job_code_goes_on_unwinding(tmp_path: Path) -> N
     with pytest.raises(SystemExit) as caught:
         _check(path, pipeline=False)
     assert caught.value.code == SIGTERM_EXIT_STATUS
+
+
+def test_eval_every_needs_the_job_to_define_evaluate(tmp_path: Path) -> None:
+    path = tmp_path / "no_evaluate.py"
+    path.write_text(GOOD)
+    plan = TrainPlan(code=str(path), nodes=2, iterations=10, global_batch=GLOBAL_BATCH,
+                     eval_every=5)  # fmt: skip
+    with pytest.raises(UserError, match=r"--eval-every: .* defines no evaluate\(model\)"):
+        check_plan(plan)

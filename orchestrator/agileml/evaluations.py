@@ -1,0 +1,85 @@
+"""The job's `evaluate(model)`: on the trained model at the end of a run, and during a local
+run about every N iterations (`train --eval-every N`).
+
+During a run the evaluation reads each checkpoint the parameter servers write: one is due
+once N iterations have passed since the last, and is taken at a clock every partition has
+reached, so each result is of the weights after an exact, recorded number of iterations
+(never a mix of partitions one iteration apart), and the workers go on training while the
+launcher evaluates. A checkpoint pruned before it was read (an evaluation slower than N
+iterations) is left out: the results say which iterations were evaluated.
+
+    watch = EvaluationWatch(checkpoints_root, every=50, code=code, parts=parts)
+    watch.poll()        # while the run goes on
+    watch.results       # [{"iteration": 53, "held_out_accuracy": 0.91}, ...]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from orchestrator.agileml import checkpoints
+from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.jobcode import JobCode
+from orchestrator.agileml.parts import TrainingParts
+from orchestrator.agileml.usercode import JobCodeError, failure_report, job_code_call
+from orchestrator.artifacts import CHECKPOINT_PREFIX, MANIFEST, folder_at
+
+
+def evaluate_trained(code: JobCode, model: nn.Module) -> tuple[dict[str, float], str | None]:
+    """The job's `evaluate(model)` of the trained model ({} without one), and what it raised
+    (None when it did not): a mistake there must not lose the weights trained before it."""
+    if code.evaluate is None:
+        return {}, None
+    model.eval()
+    try:
+        with torch.no_grad(), job_code_call("evaluate(model)"):
+            found = code.evaluate(model)
+            return {str(k): float(v) for k, v in found.items()}, None
+    except JobCodeError as exc:
+        return {}, failure_report(exc)
+
+
+@dataclass
+class EvaluationWatch:
+    """Evaluates the run's checkpoints, written about every `every` iterations (see the
+    module docstring); `results` in the order evaluated, `error` what evaluate() raised
+    (then it is not called again)."""
+
+    root: Path
+    every: int
+    code: JobCode
+    parts: TrainingParts
+    results: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    _seen: set[int] = field(default_factory=set)
+
+    def poll(self) -> None:
+        """Evaluate each complete checkpoint not evaluated yet."""
+        if self.error is not None or not self.root.is_dir():
+            return
+        base = folder_at(self.root)
+        for name in sorted(base.names()):
+            if not name.startswith(CHECKPOINT_PREFIX) or not base.sub(name).exists(MANIFEST):
+                continue
+            try:
+                iterations = checkpoints.read_manifest(base.sub(name)).clock + 1
+                if iterations in self._seen:
+                    continue
+                ckpt = checkpoints.read(base.sub(name), self.parts.layout.num_partitions)
+            except (AgileMLError, OSError):
+                continue  # pruned while read: the next one is evaluated
+            self._seen.add(iterations)
+            self.add(iterations, self.parts.model_with(ckpt.values))
+
+    def add(self, iterations: int, model: nn.Module) -> None:
+        """Evaluate `model`, the weights after `iterations` (once per iteration count)."""
+        if self.error is not None or any(r["iteration"] == iterations for r in self.results):
+            return
+        metrics, self.error = evaluate_trained(self.code, model)
+        if self.error is None:
+            self.results.append({"iteration": iterations, **metrics})
