@@ -156,17 +156,24 @@ class AgileMLNode:
         result = NodeResult(self.node_id)
         try:
             spec = self._join(client, server)
+            log.info("joined", extra={"node": self.node_id, "tier": str(self.tier),
+                                      "job": self.job_id})  # fmt: skip
             try:
                 spec_worker = self._load(spec)
             except JobCodeError as exc:  # deterministic: the job fails with it, not the node
                 self._report_failure(client, failure_report(exc))
                 raise
             self._ready(client)
+            log.info("loaded and ready", extra={"node": self.node_id})
             beat = threading.Thread(
                 target=self._heartbeats, args=(spec,), name=f"hb-{self.node_id}", daemon=True
             )
             beat.start()
             result.ended = self._train(spec, spec_worker, result)
+            computed = [c for c, _ in result.losses]  # the iterations it computed
+            log.info("ended", extra={"node": self.node_id, "how": result.ended,
+                                     "computed": len(computed),
+                                     "last": max(computed, default=None)})  # fmt: skip
             self._stop.set()
             beat.join(5)
             if result.ended == "left":
@@ -574,7 +581,8 @@ def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> i
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    log_to_stderr(f"agileml[{args.node_id}]", os.environ.get("ORCHESTRATOR_LOG_LEVEL", "WARNING"))
+    # its milestones (joined, ready, ended, checkpoints, hand-offs) and what went wrong
+    log_to_stderr(f"agileml[{args.node_id}]", os.environ.get("ORCHESTRATOR_LOG_LEVEL", "INFO"))
     node = AgileMLNode(
         args.node_id,
         NodeTier(args.tier),

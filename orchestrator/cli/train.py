@@ -210,6 +210,7 @@ def train_command(
     _print_result(result)
     if out_dir is not None:
         out.print(f"wrote {out_dir / 'model.safetensors'} and {out_dir / 'summary.json'}")
+        out.print(f"the nodes' logs: {out_dir / 'logs'}", highlight=False, soft_wrap=True)
     else:
         err.print("[yellow]note:[/yellow] no --out DIR: the trained weights were not saved")
     if result.evaluation_error is not None:

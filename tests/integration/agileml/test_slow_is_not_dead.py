@@ -97,9 +97,8 @@ def test_a_start_retried_without_a_node_that_died_in_it_leaves_nothing_stale(
 
     monkeypatch.setattr(AgileMLNode, "_on_control", dies_in_start)
     job = jobs(additive_spec("dies-in-start", min_nodes=2, iterations=20))
-    job.launch("t0")
-    job.launch("t1")
-    for node in ("t0", "t1"):
+    for node in ("t0", "t1"):  # t0 joins first: the older one, the ActivePS of a stage-2 plan
+        job.launch(node)
         job.wait_for(f"{node} ready", lambda n=node: job.coord.node_state(n) is NodeState.READY)
     job.launch("r0", NodeTier.RELIABLE)
     view = job.wait_started()

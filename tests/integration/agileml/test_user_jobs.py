@@ -217,6 +217,12 @@ def test_train_cli_writes_weights_that_load_into_the_users_model(tmp_path: Path)
     # start-up (nodes joined, loaded, configured) reported apart from the training
     assert 0 < summary["startup_seconds"] < summary["wall_seconds"]
     assert re.search(r"in [\d.]+ s \(start-up [\d.]+ s, training [\d.]+ s\)", run.stdout)
+    # the output says where the nodes' logs are; a node that ended well says so in its log
+    assert f"the nodes' logs: {out / 'logs'}" in run.stdout
+    reliable = (out / "logs" / "r0.log").read_text()
+    for milestone in ("joined node=r0 tier=reliable", "loaded and ready", "ended node=r0 how=done"):
+        assert milestone in reliable, reliable
+    assert "how=left" in (out / "logs" / "t0.log").read_text()  # the evicted one
     sys.path.insert(0, str(JOBS / "bn_rmsprop"))
     try:
         job = load_job_code(JOBS / "bn_rmsprop")
