@@ -41,9 +41,12 @@ def run_once(
     speed: float,
     timeout_s: float,
     iterations: int = ITERATIONS,
+    spare_killed: bool = False,
 ) -> dict[str, Any]:
     """One run of the demo's job at `iterations`; with `kill_at`, one spot instance's agent is
-    SIGKILLed once that fraction of the work is done (and its node trains)."""
+    SIGKILLed once that fraction of the work is done (and its node trains). `spare_killed`:
+    the trace never takes that instance back (a test of its release; the cost comparison
+    leaves the trace as it is for both runs)."""
     wall0 = time.monotonic()
     settings = demo_settings(speed=speed, start=DEFAULT_START)
     job = sample_job(BUDGET_USD)
@@ -60,7 +63,7 @@ def run_once(
                 break
             done = record.work_done_gpu_hours / job.work_gpu_hours
             if kill_at is not None and not killed and done >= kill_at:
-                killed = _kill_a_spot_agent(world, now)
+                killed = _kill_a_spot_agent(world, now, spare=spare_killed)
             time.sleep(STEP_WALL_S)
         world.fleet.step()
         record = world.store.get_job(JOB_ID)
@@ -78,7 +81,7 @@ def run_once(
         return result
 
 
-def _kill_a_spot_agent(world: OfflineWorld, now_s: float) -> dict[str, Any]:
+def _kill_a_spot_agent(world: OfflineWorld, now_s: float, *, spare: bool) -> dict[str, Any]:
     """SIGKILL the agent of a spot instance whose node is in the job's training ({} if none
     is yet); its instance stays up."""
     hosted = world.training.hosted(JOB_ID)
@@ -89,9 +92,9 @@ def _kill_a_spot_agent(world: OfflineWorld, now_s: float) -> dict[str, Any]:
             continue
         if node.process is None or node.process.poll() is not None:
             continue
-        # the scenario is an agent dead on an instance that stays up: the trace must not
-        # take the instance back first (an eviction "at infinity"; False once noticed)
-        if not world.replayer.force_evict(rec.instance_id, math.inf):
+        # spared: the trace must not take the instance back before the controller releases
+        # it (an eviction "at infinity"; False once noticed)
+        if spare and not world.replayer.force_evict(rec.instance_id, math.inf):
             continue
         node.process.kill()
         return {"instance_id": rec.instance_id, "at_s": now_s}

@@ -11,7 +11,8 @@ mappings of tensors.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, MutableMapping
+from collections import UserDict
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -114,7 +115,7 @@ def _rebuilt(like: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
     else a dict."""
     if type(like) is dict:
         return items
-    if isinstance(like, MutableMapping):
+    if isinstance(like, (dict, UserDict)):  # their copies hold their own items
         out = copy.copy(like)
         out.update(items)  # the same keys: every value replaced
         return out
@@ -138,9 +139,9 @@ def micro_batch(batch: Batch, start: int, stop: int) -> Batch:
         JobCodeError: a batch with no tensor, or a tensor whose first dimension is not the
             batch's rows; it cannot be split into micro-batches or FlexRR's chunks.
     """
-    rows = batch_rows(batch[0])
     shapes: list[tuple[int, ...]] = []
     map_tensors(batch, lambda t: shapes.append(tuple(t.shape)) or t)  # type: ignore[func-returns-value]
+    rows = next((s[0] for s in shapes if s), 0)  # the first tensor with rows (0-dim: none)
     wrong = sorted({s for s in shapes if s and s[0] != rows})
     if not shapes or wrong or not 0 <= start <= stop <= rows:
         found = f"tensors of shapes {', '.join(map(str, wrong))}" if wrong else "no tensor"

@@ -5,10 +5,13 @@ During a run the evaluation reads each checkpoint the parameter servers write: o
 once N iterations have passed since the last, and is taken at a clock every partition has
 reached, so each result is of the weights after an exact, recorded number of iterations
 (never a mix of partitions one iteration apart), and the workers go on training while the
-launcher evaluates. A checkpoint pruned before it was read (an evaluation slower than N
+launcher evaluates. With `--checkpoint-every` too, checkpoints come at the greatest common
+divisor of the two intervals, and one is evaluated once N iterations have passed since the
+last evaluated. A checkpoint pruned before it was read (an evaluation slower than N
 iterations) is left out: the results say which iterations were evaluated.
 
-    watch = EvaluationWatch(checkpoints_root, every=50, code=code, parts=parts)
+    watch = EvaluationWatch(root, every=50, code=code, parts=parts, since_unix=time.time(),
+                            iterations=300)
     watch.poll()        # while the run goes on
     watch.results       # [{"iteration": 53, "held_out_accuracy": 0.91}, ...]
 """
@@ -54,26 +57,32 @@ class EvaluationWatch:
     every: int
     code: JobCode
     parts: TrainingParts
+    # this run's checkpoints only: written since `since_unix`, at most `iterations` done (not
+    # an earlier run's in the same folder, nor the one it resumed from)
+    since_unix: float
+    iterations: int
     results: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
-    _seen: set[int] = field(default_factory=set)
 
     def poll(self) -> None:
-        """Evaluate each complete checkpoint not evaluated yet."""
+        """Evaluate the complete checkpoints of this run at least `every` iterations past the
+        last one evaluated (checkpoints may come more often: `--checkpoint-every`)."""
         if self.error is not None or not self.root.is_dir():
             return
         base = folder_at(self.root)
         for name in sorted(base.names()):
             if not name.startswith(CHECKPOINT_PREFIX) or not base.sub(name).exists(MANIFEST):
                 continue
+            last = max((int(r["iteration"]) for r in self.results), default=0)
             try:
-                iterations = checkpoints.read_manifest(base.sub(name)).clock + 1
-                if iterations in self._seen:
+                manifest = checkpoints.read_manifest(base.sub(name))
+                iterations = manifest.clock + 1
+                ours = manifest.created_unix >= self.since_unix
+                if not ours or iterations > self.iterations or iterations < last + self.every:
                     continue
                 ckpt = checkpoints.read(base.sub(name), self.parts.layout.num_partitions)
             except (AgileMLError, OSError):
                 continue  # pruned while read: the next one is evaluated
-            self._seen.add(iterations)
             self.add(iterations, self.parts.model_with(ckpt.values))
 
     def add(self, iterations: int, model: nn.Module) -> None:
@@ -83,3 +92,8 @@ class EvaluationWatch:
         metrics, self.error = evaluate_trained(self.code, model)
         if self.error is None:
             self.results.append({"iteration": iterations, **metrics})
+
+    def add_final(self, iterations: int, metrics: dict[str, float]) -> None:
+        """The evaluation of the model at the end (`evaluate_trained`'s), once."""
+        self.results = [r for r in self.results if r["iteration"] != iterations]
+        self.results.append({"iteration": iterations, **metrics})

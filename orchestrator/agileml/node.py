@@ -581,8 +581,10 @@ def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> i
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # its milestones (joined, ready, ended, checkpoints, hand-offs) and what went wrong
-    log_to_stderr(f"agileml[{args.node_id}]", os.environ.get("ORCHESTRATOR_LOG_LEVEL", "INFO"))
+    # the runtime's milestones (joined, ready, hand-offs, how it ended) and what went wrong;
+    # other libraries' at WARNING
+    log_to_stderr(f"agileml[{args.node_id}]", "WARNING")
+    logging.getLogger("orchestrator").setLevel(os.environ.get("ORCHESTRATOR_LOG_LEVEL", "INFO"))
     node = AgileMLNode(
         args.node_id,
         NodeTier(args.tier),

@@ -283,7 +283,7 @@ class Reassigner:
             members = set(self._roster.members(clock)) if self._roster is not None else set()
             for a in own.reclaim(self._now(), frozenset(members & set(self.peers))):
                 self.stats.reclaimed += 1
-                log.info("took back a begun assignment", extra={"helper": a.helper, "id": a.id})
+                log.debug("took back a begun assignment", extra={"helper": a.helper, "id": a.id})
             self.check(w, WAIT_POLL_MS)
 
     def _log_iteration(self, own: OwnWork, started: float, own_end_at: float | None) -> None:

@@ -186,7 +186,7 @@ class ParamServer(ServerLoop):
             for p in self._store.owned():
                 if p not in owned:
                     self._store.drop_partition(p, 0)
-                    for held in self._held.pop(p, []):  # refused: they ask the owner
+                    for held in self._held.pop(p, []):  # refused: their workers retry the step
                         frames = self._encode(
                             MessageKind.ERROR, held.seq, partition=p, detail="not owned here"
                         )

@@ -293,7 +293,8 @@ def _run(
     parts = training_parts(spec)
     watch = None
     if plan.eval_every is not None and parts.code is not None and spec.checkpoint_dir:
-        watch = EvaluationWatch(Path(spec.checkpoint_dir), plan.eval_every, parts.code, parts)
+        watch = EvaluationWatch(Path(spec.checkpoint_dir), plan.eval_every, parts.code, parts,
+                                since_unix=time.time(), iterations=plan.iterations)  # fmt: skip
     started = time.monotonic()
     # the nodes' logs: in `log_dir`, else a temporary folder of the job's (`LocalJob`)
     with LocalJob(spec, log_dir=log_dir) as job:
@@ -328,7 +329,7 @@ def _run(
     if watch is not None:
         watch.poll()  # checkpoints written as the run ended
         if result.evaluation_error is None:  # and at the end
-            watch.results.append({"iteration": plan.iterations, **result.evaluation})
+            watch.add_final(plan.iterations, result.evaluation)
         result.evaluations = sorted(watch.results, key=lambda r: int(r["iteration"]))
         result.evaluation_error = result.evaluation_error or watch.error
     return result

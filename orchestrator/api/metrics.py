@@ -42,7 +42,8 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         "budget": gauge("orchestrator_job_budget_usd", "The budget", labels=job),
         "projected": gauge(
             "orchestrator_job_projected_cost_usd",
-            "Expected total cost at completion (BidBrain's latest decision)",
+            "Expected total cost at completion (BidBrain's latest decision; an ended job's: "
+            "what it cost)",
             labels=job,
         ),
         "cost_per_work": gauge(

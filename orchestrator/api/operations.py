@@ -151,7 +151,8 @@ def job_cost(store: Store, job_id: str) -> dict[str, Any]:
     """The job's spend, budget, latest projected cost, eviction count and ledger size.
 
     `projected_usd` is the `projected_cost_usd` field of the latest `decision` event (None if
-    there is none, or it carries no number). Reads the job's whole event log.
+    there is none, or it carries no number); once the job has ended, what it cost. Reads the
+    job's whole event log.
 
     Raises:
         NotFoundError: no such job.

@@ -72,9 +72,9 @@ class StallWatch:
         if not outcome.live:
             return None
         signs = (outcome.iterations_done, outcome.nodes_heard)
-        if seen.signs is None:
-            seen.signs, seen.since_s = signs, now_s
-            seen.attempts = self._stalls_so_far(job_id)
+        if seen.signs is None:  # read first: a failed read leaves it to the next check
+            attempts = self._stalls_so_far(job_id)
+            seen.signs, seen.since_s, seen.attempts = signs, now_s, attempts
         if signs != seen.signs:
             seen.signs, seen.since_s = signs, now_s
             return None

@@ -214,10 +214,11 @@
     $("budget-sub").textContent = job.budget_usd >= job.spent_usd
       ? usd(job.budget_usd - job.spent_usd) + " left" : "over budget";
     $("cpw-sub").textContent = "expected " + usd(job.expected_cost_per_work_usd);
-    $("projected-sub").textContent = job.projected_finish_at === null ||
-      job.projected_finish_at === undefined ? "BidBrain's expected cost at completion"
-      : "done around " + new Date(job.projected_finish_at * 1000).toISOString().slice(0, 16)
-        .replace("T", " ") + " UTC";
+    var ended = ["succeeded", "failed", "budget_exhausted", "cancelled"].indexOf(job.state) >= 0;
+    var at = job.projected_finish_at === null || job.projected_finish_at === undefined ? null
+      : new Date(job.projected_finish_at * 1000).toISOString().slice(0, 16).replace("T", " ");
+    $("projected-sub").textContent = at === null ? "BidBrain's expected cost at completion"
+      : (ended ? "what it cost; ended " : "done around ") + at + " UTC";
     $("evictions-sub").textContent = job.launch_failures + " launch failure" +
       (job.launch_failures === 1 ? "" : "s");
     var done = job.work_gpu_hours > 0 ? 100 * job.work_done_gpu_hours / job.work_gpu_hours : 0;

@@ -4,6 +4,7 @@ the rows one by one gives."""
 from __future__ import annotations
 
 from collections import UserDict, defaultdict
+from collections.abc import MutableMapping
 from typing import NamedTuple
 
 import pytest
@@ -88,3 +89,36 @@ def test_a_micro_batch_keeps_what_has_no_rows_and_the_mappings_own_kind() -> Non
     assert got_rows.tolist() == [1, 2] and got_scale is scale and y.tolist() == [1, 2]
     assert isinstance(got_table, defaultdict) and got_table.default_factory is list
     assert got_table["x"].tolist() == [1, 2]
+
+
+class Shared(MutableMapping):  # type: ignore[type-arg]
+    """A mapping whose copy (no __copy__) would share its items."""
+
+    def __init__(self, items: dict) -> None:  # type: ignore[type-arg]
+        self.items_ = dict(items)
+
+    def __getitem__(self, k):  # type: ignore[no-untyped-def]
+        return self.items_[k]
+
+    def __setitem__(self, k, v) -> None:  # type: ignore[no-untyped-def]
+        self.items_[k] = v
+
+    def __delitem__(self, k) -> None:  # type: ignore[no-untyped-def]
+        del self.items_[k]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.items_)
+
+    def __len__(self) -> int:
+        return len(self.items_)
+
+
+def test_slicing_never_changes_the_users_batch_and_a_leading_scalar_has_no_rows() -> None:
+    rows = torch.arange(8)
+    batch = Shared({"x": rows})
+    first, _ = micro_batch((batch, rows), 0, 4)
+    assert batch["x"].tolist() == list(range(8))  # the user's batch as it was
+    assert isinstance(first, Shared) and first["x"].tolist() == [0, 1, 2, 3]
+    inputs = {"t": torch.tensor(0.5), "x": torch.zeros(8, 3)}  # a 0-dim tensor first
+    got, y = micro_batch((inputs, rows), 4, 8)
+    assert got["x"].shape == (4, 3) and got["t"] is inputs["t"] and y.tolist() == [4, 5, 6, 7]

@@ -4,9 +4,11 @@ from work counted some other way (the offline world's market-clock work)."""
 
 from __future__ import annotations
 
+import pytest
 from support.controller_training import T0, WORK, AgentLogs, training_world
 
 from orchestrator.controller.outcomes import TrainingOutcome
+from orchestrator.controller.stall import JobStall, StallWatch
 from orchestrator.settings import ControllerSettings, Settings
 from orchestrator.store import EventKind, JobState, MemoryStore, StallEvent
 
@@ -201,3 +203,22 @@ def test_a_job_without_a_training_section_fails_at_once_under_a_training_control
     job = store.get_job("job-x")
     assert job.message == NOTHING_COUNTS_ITS_WORK and "add a `training` section" in job.message
     assert cloud.describe() == [] and job.spent_usd == 0.0
+
+
+def test_the_stalls_so_far_are_read_again_when_the_first_read_failed() -> None:
+    """A restarted controller counts a job's earlier stalls from its events; a store that
+    fails that read (Redis restarting) is read again at the next check, not taken for 0."""
+    reads = iter([ConnectionError("redis is restarting"), 2])
+
+    def stalls_so_far(job_id: str) -> int:
+        found = next(reads)
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    watch = StallWatch(stall_after_s=600.0, attempts=3, stalls_so_far=stalls_so_far)
+    seen, outcome = JobStall(), TrainingOutcome(0, 100)
+    with pytest.raises(ConnectionError):
+        watch.check("job-1", seen, outcome, [], T0)
+    assert watch.check("job-1", seen, outcome, [], T0 + 1.0) is None
+    assert seen.attempts == 2
