@@ -1,9 +1,10 @@
 """The job's `evaluate(model)`: on the trained model at the end of a run, and during a local
-run about every N iterations (`train --eval-every N`).
+run at least every N iterations apart (`train --eval-every N`).
 
-During a run the evaluation reads each checkpoint the parameter servers write: one is due
-once N iterations have passed since the last, and is taken at a clock every partition has
-reached, so each result is of the weights after an exact, recorded number of iterations
+During a run the evaluation reads each checkpoint the parameter servers write: one is due N
+iterations after the last, and is taken at a clock every partition has reached (with backup
+servers, their next common clock, which may come some iterations later), so each result is
+of the weights after an exact, recorded number of iterations
 (never a mix of partitions one iteration apart), and the workers go on training while the
 launcher evaluates. With `--checkpoint-every` too, checkpoints come at the greatest common
 divisor of the two intervals, and one is evaluated once N iterations have passed since the
@@ -49,8 +50,8 @@ def evaluate_trained(code: JobCode, model: nn.Module) -> tuple[dict[str, float],
 
 @dataclass
 class EvaluationWatch:
-    """Evaluates the run's checkpoints, written about every `every` iterations (see the
-    module docstring); `results` in the order evaluated, `error` what evaluate() raised
+    """Evaluates the run's checkpoints, at least `every` iterations apart (see the module
+    docstring); `results` in the order evaluated, `error` what evaluate() raised
     (then it is not called again)."""
 
     root: Path

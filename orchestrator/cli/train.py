@@ -90,8 +90,9 @@ EvalEveryOption = Annotated[
     int | None,
     typer.Option(
         "--eval-every",
-        help="Run the job's evaluate(model) about every N iterations, on a checkpoint of the "
-        "weights after an exact number of iterations (training goes on); in summary.json.",
+        help="Run the job's evaluate(model) during the run, at least N iterations apart, on "
+        "checkpoints of the weights after an exact number of iterations (training goes on); "
+        "in summary.json.",
         min=1,
         metavar="N",
     ),

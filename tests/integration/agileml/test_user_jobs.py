@@ -105,21 +105,25 @@ def test_accumulation_without_flexrr_equals_the_single_process_loop(
 
 
 def test_evaluations_during_training_are_of_the_weights_after_the_iterations_they_name() -> None:
-    """`--eval-every 15`: the job's evaluate() runs on checkpoints while training goes on; each
-    result names the iteration its weights are after, exactly: the single-process loop's
-    weights after that many iterations evaluate the same."""
+    """`--eval-every 15`: the job's evaluate() runs on checkpoints while training goes on, at
+    least 15 iterations apart (a checkpoint is due 15 after the last; the backup servers take
+    it at their next common clock, which may come later); each result names the iteration its
+    weights are after, exactly: the single-process loop's weights after that many iterations
+    evaluate the same."""
     path = Path(__file__).parents[3] / "orchestrator" / "jobs" / "digits_cnn.py"
-    plan = TrainPlan(code=str(path), nodes=2, reliable=1, iterations=60, global_batch=48,
+    plan = TrainPlan(code=str(path), nodes=2, reliable=1, iterations=90, global_batch=48,
                      eval_every=15)  # fmt: skip
     result = train_locally(plan)
     found = result.evaluations
     iterations = [e["iteration"] for e in found]
-    assert iterations == sorted(set(iterations)) and iterations[-1] == 60, found
-    assert len(found) >= 3 and all(set(e) == {"iteration", *result.evaluation} for e in found)
-    assert found[-1] == {"iteration": 60, **result.evaluation}
+    assert len(found) >= 2 and iterations[-1] == 90, found  # one during the run, and the end
+    during = iterations[:-1]
+    assert all(b - a >= 15 for a, b in zip(during, during[1:], strict=False)), found
+    assert all(set(e) == {"iteration", *result.evaluation} for e in found)
+    assert found[-1] == {"iteration": 90, **result.evaluation}
     code = load_job_code(path)
     first = found[0]
-    assert 15 <= first["iteration"] < 60
+    assert 15 <= first["iteration"] < 90
     early, _ = train_reference(code, iterations=first["iteration"], global_batch=48)
     early.eval()
     with torch.no_grad():
