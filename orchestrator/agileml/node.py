@@ -584,7 +584,9 @@ def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> i
     # the runtime's milestones (joined, ready, hand-offs, how it ended) and what went wrong;
     # other libraries' at WARNING
     log_to_stderr(f"agileml[{args.node_id}]", "WARNING")
-    logging.getLogger("orchestrator").setLevel(os.environ.get("ORCHESTRATOR_LOG_LEVEL", "INFO"))
+    level = os.environ.get("ORCHESTRATOR_LOG_LEVEL", "INFO")
+    logging.getLogger("orchestrator").setLevel(level)
+    log.setLevel(level)  # this module's own: `__main__` under `python -m`
     node = AgileMLNode(
         args.node_id,
         NodeTier(args.tier),
