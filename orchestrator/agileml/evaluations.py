@@ -64,6 +64,7 @@ class EvaluationWatch:
     iterations: int
     results: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    _settled: set[str] = field(default_factory=set)  # checkpoints evaluated or passed over
 
     def poll(self) -> None:
         """Evaluate the complete checkpoints of this run at least `every` iterations past the
@@ -71,19 +72,23 @@ class EvaluationWatch:
         if self.error is not None or not self.root.is_dir():
             return
         base = folder_at(self.root)
-        for name in sorted(base.names()):
-            if not name.startswith(CHECKPOINT_PREFIX) or not base.sub(name).exists(MANIFEST):
+        for name in sorted(base.names()):  # ckpt-<zero-padded clock>: oldest first
+            if name in self._settled or not name.startswith(CHECKPOINT_PREFIX):
                 continue
+            if not base.sub(name).exists(MANIFEST):
+                continue  # still being written
             last = max((int(r["iteration"]) for r in self.results), default=0)
             try:
                 manifest = checkpoints.read_manifest(base.sub(name))
                 iterations = manifest.clock + 1
                 ours = manifest.created_unix >= self.since_unix
                 if not ours or iterations > self.iterations or iterations < last + self.every:
+                    self._settled.add(name)  # never evaluated: `last` only grows
                     continue
                 ckpt = checkpoints.read(base.sub(name), self.parts.layout.num_partitions)
             except (AgileMLError, OSError):
                 continue  # pruned while read: the next one is evaluated
+            self._settled.add(name)
             self.add(iterations, self.parts.model_with(ckpt.values))
 
     def add(self, iterations: int, model: nn.Module) -> None:
@@ -95,6 +100,6 @@ class EvaluationWatch:
             self.results.append({"iteration": iterations, **metrics})
 
     def add_final(self, iterations: int, metrics: dict[str, float]) -> None:
-        """The evaluation of the model at the end (`evaluate_trained`'s), once."""
+        """The evaluation of the model at the end (`evaluate_trained`'s), once, and last."""
         self.results = [r for r in self.results if r["iteration"] != iterations]
         self.results.append({"iteration": iterations, **metrics})

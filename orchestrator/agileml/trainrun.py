@@ -330,7 +330,7 @@ def _run(
         watch.poll()  # checkpoints written as the run ended
         if result.evaluation_error is None:  # and at the end
             watch.add_final(plan.iterations, result.evaluation)
-        result.evaluations = sorted(watch.results, key=lambda r: int(r["iteration"]))
+        result.evaluations = watch.results  # in iteration order: polled oldest first
         result.evaluation_error = result.evaluation_error or watch.error
     return result
 
