@@ -48,6 +48,7 @@ from pydantic import ValidationError
 from orchestrator.agileml import checkpoints, wire
 from orchestrator.agileml.checkpointing import Checkpointer
 from orchestrator.agileml.control import (
+    Adoption,
     ControlClient,
     ControlError,
     Heartbeat,
@@ -594,11 +595,8 @@ class Coordinator:
                 failed += more
                 if lost:  # partitions may be restored under epoch + 1 already
                     epoch += 1
-        endpoints = self._endpoints()
-        roster, adoptions = without_failed(view.roster, view.adoptions, ranges)
-        backups = self._backups(plan, endpoints)
-        if not self._configure_all(client, roster, backups, epoch):
-            log.error("a server refused the roster after the failure of %s", failed)
+        backups = self._backups(plan, self._endpoints())
+        roster, adoptions, ranges = self._drop_failed(client, view, ranges, backups, epoch)
         self._publish(
             epoch=epoch,
             restart_clock=restart,
@@ -624,6 +622,37 @@ class Coordinator:
                 return
             # the failed nodes are gone: nothing would retry this; a stalled job is worse
             raise RecoveryError(f"recovering from the loss of {failed} failed: {exc}") from exc
+
+    def _drop_failed(
+        self,
+        client: ControlClient,
+        view: View,
+        ranges: dict[str, tuple[int, int]],
+        backups: dict[int, str],
+        epoch: int,
+    ) -> tuple[Roster, dict[str, Adoption], dict[str, tuple[int, int]]]:
+        """Give every server the roster without the failed nodes of `ranges` (failed node ->
+        the clocks [first, end) survivors redo for it). A server refuses it when a push of a
+        clock at or past a node's end arrived after the servers were asked (the dead node's
+        own, sent before it died, or the survivors' it let through): the end moves past the
+        latest push anyone has and the roster is given again, so that every server trains by
+        one roster. Returns the roster, adoptions and ranges given.
+
+        Raises:
+            RecoveryError: servers refused every end tried.
+        """
+        assert view.roster is not None
+        call = functools.partial(self._call, client)
+        for _ in range(ROSTER_RETRIES):
+            roster, adoptions = without_failed(view.roster, view.adoptions, ranges)
+            if self._configure_all(client, roster, backups, epoch):
+                return roster, adoptions, ranges
+            log.warning("a server refused the roster without %s; asking again", sorted(ranges))
+            ranges = {
+                f: (first, max(end, unfinished_clocks(call, f, self._table)[1]))
+                for f, (first, end) in ranges.items()
+            }
+        raise RecoveryError(f"servers refused every roster without {sorted(ranges)}: {ranges}")
 
     def _restore(
         self,

@@ -134,6 +134,38 @@ def test_a_node_dying_while_the_controller_recovers_from_another_is_recovered_to
     assert job.event_nodes("rolled_back") == {crasher.target, active[0]}, job.coord.events()
 
 
+def test_a_push_that_arrives_after_the_controller_asked_moves_the_failed_nodes_end_later(
+    jobs: Callable[[TrainingSpec], Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1 reliable + 3 transient nodes. A worker-only node dies at clock 8; the survivors'
+    pushes of clock 8 reach a server after the controller asked which clocks were unfinished
+    (injected: its answer misses them). A server then refuses the roster that drops the node
+    from clock 8: the controller must ask again and drop it later, with its shares adopted up
+    to there. It logged the refusal and went on, and the servers disagreed on the roster: the
+    chaos soak's job ended with parameters off the exact ones (no update lost or doubled in
+    all: rows of one clock computed twice, others never)."""
+    job = jobs(additive_spec("late-push", min_nodes=4))
+    crasher = Crasher()
+    gate, active = _start(job, TRANSIENT, crasher)
+    original = coordinator_module.unfinished_clocks
+    asked: list[tuple[int, int]] = []
+
+    def unfinished_clocks(call: Any, failed: str, table: Any) -> tuple[int, int]:
+        first, end = original(call, failed, table)
+        asked.append((first, end))
+        return (first, first) if len(asked) == 1 else (first, end)  # the first misses clock 8
+
+    monkeypatch.setattr(coordinator_module, "unfinished_clocks", unfinished_clocks)
+    crasher.target, crasher.clock = (set(TRANSIENT) - set(active)).pop(), 8
+    gate.released.set()
+
+    job.wait_for("its failure", lambda: crasher.target in job.event_nodes("failed"))
+    _finish_exact(job)
+    assert len(asked) >= 2 and asked[0] == (8, 9), asked
+    adoption = job.coord.view().adoptions[crasher.target]
+    assert (adoption.from_clock, adoption.to_clock) == (8, 9), adoption
+
+
 def test_an_evicted_node_that_dies_after_leaving_the_roster_leaves_no_shares_to_adopt(
     jobs: Callable[[TrainingSpec], Job],
 ) -> None:
