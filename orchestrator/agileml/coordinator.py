@@ -426,6 +426,7 @@ class Coordinator:
                 self._record("left", [n])
         if self.view().done:
             return  # nodes leave as they finish; nothing is reconfigured any more
+        self._drop_silent_joiners()
         started = self.view().epoch > 0
         for n in batch.get("ready", []):
             self._move(n, NodeState.READY)
@@ -451,6 +452,17 @@ class Coordinator:
                 self._scale_up(client, waiting)
         finally:
             self._check_done()
+
+    def _drop_silent_joiners(self) -> None:
+        """A node silent for GONE_AFTER failure timeouts while it loads (it heartbeats from
+        its join on) died there: it holds and computes nothing yet, so it only stops being a
+        member (a dead joiner stayed one for good, and its instance was paid for)."""
+        with self._lock:
+            joining = self._membership.in_state(NodeState.JOINING)
+        for n in joining:
+            if self._silent(n, GONE_AFTER) and self._move(n, NodeState.FAILED):
+                self._move(n, NodeState.GONE)
+                self._record("failed", [n], "silent while loading")
 
     def _ready_and_heard(self) -> list[Node]:
         """The ready nodes the start may call: not silent for `GONE_AFTER` failure timeouts.

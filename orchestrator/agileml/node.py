@@ -158,6 +158,12 @@ class AgileMLNode:
             spec = self._join(client, server)
             log.info("joined", extra={"node": self.node_id, "tier": str(self.tier),
                                       "job": self.job_id})  # fmt: skip
+            # heartbeats from the join on: the controller tells a node that died while
+            # loading from a slow one by them
+            beat = threading.Thread(
+                target=self._heartbeats, args=(spec,), name=f"hb-{self.node_id}", daemon=True
+            )
+            beat.start()
             try:
                 spec_worker = self._load(spec)
             except JobCodeError as exc:  # deterministic: the job fails with it, not the node
@@ -165,10 +171,6 @@ class AgileMLNode:
                 raise
             self._ready(client)
             log.info("loaded and ready", extra={"node": self.node_id})
-            beat = threading.Thread(
-                target=self._heartbeats, args=(spec,), name=f"hb-{self.node_id}", daemon=True
-            )
-            beat.start()
             result.ended = self._train(spec, spec_worker, result)
             computed = [c for c, _ in result.losses]  # the iterations it computed
             log.info("ended", extra={"node": self.node_id, "how": result.ended,

@@ -4,15 +4,17 @@ busy machine, a large import) is waited for, and the job trains exactly (a node 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from support.agileml_jobs import Job, additive_spec
+from support.agileml_jobs import InjectedCrash, Job, additive_spec
 
 from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.coordinator import GONE_AFTER
 from orchestrator.agileml.elasticity import NodeState, NodeTier
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.node import AgileMLNode
@@ -42,6 +44,64 @@ def test_a_node_slow_to_configure_is_waited_for_while_it_heartbeats(
     assert slowed  # every configure of t1 was late
     kinds = [e.kind for e in job.coord.events()]
     assert "failed" not in kinds and "aborted" not in kinds, job.coord.events()
+
+
+def test_a_node_slow_to_load_is_waited_for_while_it_heartbeats(
+    jobs: Callable[[TrainingSpec], Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A joiner that takes long to load its job (a large import, a busy machine) heartbeats
+    meanwhile: it is not taken for one that died loading, and it trains."""
+    load = AgileMLNode._load
+
+    def slow_load(self: AgileMLNode, spec: TrainingSpec) -> Any:
+        if self.node_id == "t1":
+            time.sleep(SLOW_S)
+        return load(self, spec)
+
+    monkeypatch.setattr(AgileMLNode, "_load", slow_load)
+    job = jobs(additive_spec("slow-load", min_nodes=3, iterations=20))
+    assert job.spec.failure_timeout_s * GONE_AFTER < SLOW_S
+    job.launch("r0", NodeTier.RELIABLE)
+    job.launch("t0")
+    job.launch("t1")
+    torch.testing.assert_close(job.finish(), job.expected(), rtol=0, atol=0)
+    kinds = [e.kind for e in job.coord.events()]
+    assert "failed" not in kinds and "aborted" not in kinds, job.coord.events()
+    roster = job.coord.view().roster
+    assert roster is not None and "t1" in roster.members(0)
+
+
+def test_a_node_that_dies_while_loading_stops_being_a_member(
+    jobs: Callable[[TrainingSpec], Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A joiner dies while it loads (its heartbeats stop; it never says ready). Once silent for
+    GONE_AFTER failure timeouts it is failed and no longer a member, so the controller releases
+    its instance; the job trains on without it. It stayed a member for good (a joiner sent
+    nothing until it was ready), and in CI its instance was paid for to the job's end."""
+    load, died = AgileMLNode._load, threading.Event()
+
+    def dying_load(self: AgileMLNode, spec: TrainingSpec) -> Any:
+        if self.node_id == "t2":
+            self._stop.set()  # its heartbeats stop, as a SIGKILL would stop them
+            died.set()
+            time.sleep(8 * GONE_AFTER * spec.failure_timeout_s)  # a dead process never answers
+            raise InjectedCrash("t2 died while loading")
+        return load(self, spec)
+
+    monkeypatch.setattr(AgileMLNode, "_load", dying_load)
+    job = jobs(additive_spec("dead-joiner", min_nodes=2, iterations=40))
+    gate = job.gate(5)  # the job trains while t2 joins and dies
+    job.launch("r0", NodeTier.RELIABLE, hook=gate)
+    job.launch("t0")
+    job.wait_started()
+    job.launch("t2")
+    job.wait_for("t2 to join", lambda: "t2" in job.coord.members() and died.is_set())
+    job.wait_for("t2 to stop being a member", lambda: "t2" not in job.coord.members())
+    assert job.coord.node_state("t2") is NodeState.GONE
+    (failed,) = [e for e in job.coord.events() if e.kind == "failed"]
+    assert (failed.nodes, failed.detail) == (("t2",), "silent while loading"), failed
+    gate.released.set()
+    torch.testing.assert_close(job.finish(), job.expected(), rtol=0, atol=0)
 
 
 def test_a_ready_node_that_dies_before_the_start_is_left_out_and_the_others_start(
