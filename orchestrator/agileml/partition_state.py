@@ -32,6 +32,10 @@ from orchestrator.agileml.rejections import RejectedError, RejectReason
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.updates import RuleFactory, UpdateRule, sum_rules
 
+#: Applied clocks' sums a partition keeps to sum later clocks into (a clock or two are in
+#: flight at once under bounded staleness).
+SPARE_SUMS = 2
+
 
 class PushOutcome(StrEnum):
     APPLIED = "applied"
@@ -50,6 +54,8 @@ class _Partition:
     # updates applied here but not yet streamed to the BackupPS: clock -> (sum, workers)
     pending: dict[int, tuple[torch.Tensor, set[str]]] = field(default_factory=dict)
     generation: int = 0  # bumped by every change of `values`
+    # sums of applied clocks, reused for later ones (`_accumulate`)
+    spare: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -468,7 +474,9 @@ class PartitionStore:
     def _accumulate(part: _Partition, clock: int, delta: torch.Tensor) -> None:
         total = part.accum.get(clock)
         if total is None:
-            part.accum[clock] = delta.clone()
+            # into an applied clock's sum: a fresh tensor is paged in as it is first written
+            # (a 64 MB clone ran at ~2.6 GB/s here, a copy into a used one at ~20)
+            part.accum[clock] = part.spare.pop().copy_(delta) if part.spare else delta.clone()
         else:
             total += delta
 
@@ -487,8 +495,10 @@ class PartitionStore:
             part.applied.difference_update((w, part.consistent) for w in members)
             total = part.accum.pop(part.consistent, None)
             if total is not None:
-                part.rule.apply(total)
+                part.rule.apply(total)  # rules keep no reference to it
                 part.generation += 1
+                if len(part.spare) < SPARE_SUMS:
+                    part.spare.append(total)
 
     def _get(self, p: int) -> _Partition:
         part = self._parts.get(p)

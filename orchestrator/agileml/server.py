@@ -55,6 +55,7 @@ from orchestrator.agileml.rejections import (
     RejectReason,
     moved_detail,
 )
+from orchestrator.agileml.reply_copies import ReplyCopies
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.server_loop import (
     Reply,
@@ -132,8 +133,7 @@ class ParamServer(ServerLoop):
         self._backup = PartitionStore()  # copies of partitions this server backs up
         self._backups: dict[int, str] = {}  # partition -> endpoint of its BackupPS
         self._held: dict[int, list[_HeldPull]] = {}
-        # partition -> (generation, the live tensor, a frozen copy) for pull replies
-        self._reply_values: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self._reply_copies = ReplyCopies()  # what pull replies send: frozen, reused
         self._moving: set[int] = set()  # hand-off in flight: frozen
         # partition -> receiver of a hand-off whose ack never came (still frozen; see handoff_to)
         self._unsettled: dict[int, str] = {}
@@ -186,6 +186,7 @@ class ParamServer(ServerLoop):
             for p in self._store.owned():
                 if p not in owned:
                     self._store.drop_partition(p, 0)
+                    self._reply_copies.forget(p)
                     for held in self._held.pop(p, []):  # refused: their workers retry the step
                         frames = self._encode(
                             MessageKind.ERROR, held.seq, partition=p, detail="not owned here"
@@ -408,6 +409,7 @@ class ParamServer(ServerLoop):
             if self_backup:
                 self._backup.import_partition(snapshot, restore=True)
             self._store.drop_partition(p, version)
+            self._reply_copies.forget(p)
             self._moving.discard(p)
             self._moved[p] = (new_owner, version)
             detail = moved_detail(new_owner, version)
@@ -709,17 +711,12 @@ class ParamServer(ServerLoop):
         self._stats = replace(self._stats, pulls_answered=self._stats.pulls_answered + 1)
         consistent = self._store.consistent_clock(p)
         values, generation = self._store.live_values(p)
-        cached = self._reply_values.get(p)
-        if cached is None or cached[0] != generation or cached[1] is not values:
-            # one frozen copy per state, shared by every pull of it (workers pull together)
-            cached = (generation, values, values.clone())
-            self._reply_values[p] = cached
         frames = self._encode(
             MessageKind.PULL_REPLY,
             pull.seq,
             partition=p,
             clock=pull.min_clock if consistent is None else consistent,
-            tensors={"values": cached[2]},
+            tensors={"values": self._reply_copies.copy_of(p, values, generation)},
             zero_copy=True,
         )
-        return pull.identity, frames
+        return pull.identity, self._reply_copies.track(p, frames)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from orchestrator.agileml.errors import AgileMLError, PartitionError
-from orchestrator.agileml.partition_state import PartitionStore
+from orchestrator.agileml.partition_state import SPARE_SUMS, PartitionStore
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.updates import OptimizerPlan, OptimizerRule
 
@@ -228,3 +228,24 @@ def test_without_a_common_clock_a_backup_restores_at_its_own_complete_clock() ->
     owner.import_partition(snapshot, restore=True)
     assert snapshot.consistent == owner.consistent_clock(0) == 3
     assert not owner.is_applied(0, "w0", 4)  # pushed again after the roll-back
+
+
+def test_a_clocks_sum_goes_into_an_applied_clocks_buffer_and_never_aliases_a_push() -> None:
+    """A clock's pushes are summed into the buffer of a clock applied before (no fresh
+    tensor per clock), yet a push is copied in: a sender reusing its buffer changes nothing."""
+    store = PartitionStore()
+    store.add(0, torch.zeros(6))
+    store.register_workers(["w0", "w1"])
+    buffer, want = torch.empty(6), torch.zeros(6)
+    reused = []
+    for clock in range(5):
+        for worker in ("w0", "w1"):
+            buffer.fill_(clock + 1)  # the sender's one buffer, refilled for each push
+            store.apply_push(0, worker, clock, buffer)
+            want += clock + 1
+            buffer.fill_(-100.0)
+        sums = store._parts[0].spare  # noqa: SLF001 - what the store reuses
+        assert len(sums) <= SPARE_SUMS
+        reused.append({t.data_ptr() for t in sums})
+    assert torch.equal(store.values(0), want)
+    assert len(set.union(*reused)) <= SPARE_SUMS, "a fresh tensor for every clock"

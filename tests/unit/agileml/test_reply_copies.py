@@ -1,0 +1,79 @@
+"""The frozen copies that pull replies send in place: one per state, never changed while ZMQ
+holds a message framing it, reused (not reallocated) once it is released."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from orchestrator.agileml.reply_copies import ReplyCopies
+
+SIZE = 1 << 16  # 256 KB: over pyzmq's copy threshold (a smaller frame is copied when sent)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://copies")
+    b.connect("inproc://copies")
+    yield a, b
+    a.close(linger=0)
+    b.close(linger=0)
+    ctx.term()
+
+
+def _send(sock: zmq.Socket[Any], copies: ReplyCopies, p: int, copy: torch.Tensor) -> None:
+    frames = copies.track(p, [b"header", memoryview(copy.numpy()).cast("B")])
+    sock.send_multipart(frames, copy=False)
+
+
+def test_every_pull_of_one_state_sends_one_copy_of_it() -> None:
+    copies, live = ReplyCopies(), torch.arange(8, dtype=torch.float32)
+    first = copies.copy_of(0, live, generation=1)
+    assert copies.copy_of(0, live, generation=1) is first
+    assert torch.equal(first, live) and first.data_ptr() != live.data_ptr()
+    live += 1  # the next clock is applied in place
+    assert torch.equal(copies.copy_of(0, live, generation=2), live)
+
+
+def test_a_copy_in_flight_is_never_overwritten_and_is_reused_once_released(
+    pair: tuple[zmq.Socket[Any], zmq.Socket[Any]],
+) -> None:
+    sender, receiver = pair
+    assert SIZE * 4 > zmq.COPY_THRESHOLD
+    copies, live = ReplyCopies(), torch.zeros(SIZE)
+    first = copies.copy_of(0, live, generation=1)
+    _send(sender, copies, 0, first)  # not received yet: ZMQ holds it
+    for generation in range(2, 6):
+        live += 1
+        copy = copies.copy_of(0, live, generation)
+        assert copy.data_ptr() != first.data_ptr()
+        assert torch.equal(first, torch.zeros(SIZE)), "a copy in flight changed"
+    frames = receiver.recv_multipart(copy=False)
+    assert torch.equal(torch.frombuffer(frames[1].buffer, dtype=torch.float32), torch.zeros(SIZE))
+    del frames  # the receiver lets go: the message is released
+    live += 1
+    reused = None
+    for generation in range(6, 60):  # the release reaches the tracker shortly
+        live += 1
+        copy = copies.copy_of(0, live, generation)
+        if copy.data_ptr() == first.data_ptr():
+            reused = copy
+            break
+    assert reused is not None, "a released copy was not reused"
+    assert torch.equal(reused, live)
+
+
+def test_a_partition_whose_shape_changed_gets_a_copy_of_its_own_shape() -> None:
+    copies = ReplyCopies()
+    copies.copy_of(0, torch.zeros(4), generation=1)
+    copies.copy_of(0, torch.ones(4), generation=2)
+    bigger = torch.full((6,), 2.0)
+    assert torch.equal(copies.copy_of(0, bigger, generation=0), bigger)
+    copies.forget(0)
+    assert torch.equal(copies.copy_of(0, bigger, generation=0), bigger)
