@@ -14,8 +14,9 @@ For each partition size (float32; 4 MB to 256 MB by default):
   (DDP's collective; algorithm bandwidth: size / seconds).
 * `parts`: where one message's time goes, each in this process: the MAC alone (Poly1305 over the
   frames), `encode` (header, zero-copy framing and the MAC), `decode` (the MAC, parsing and
-  tensors over the frames), `apply` (adding a delta to a partition), `copy` (one clone: a pull
-  reply's frozen copy of the values).
+  tensors over the frames), `apply` (adding a delta to a partition), `copy` (into a tensor
+  already used: how the server sums a clock's first push and copies a state for pull replies)
+  and `fresh_copy` (a clone: a new tensor is paged in as it is written).
 
 GB/s is 1e9 bytes per second of the partition's bytes, from the median of `--repeats` timed
 rounds after one warm-up round. On a shared machine the figures move by a third between runs.
@@ -258,6 +259,7 @@ def _parts(sizes_mb: list[int], repeats: int) -> dict[int, dict[str, float]]:
 
 def _parts_one(size: int, repeats: int) -> dict[str, float]:
     values, delta = torch.zeros(_floats(size)), torch.ones(_floats(size))
+    used = torch.ones(_floats(size))  # paged in: as a reused sum or reply copy is
     fields = {"kind": MessageKind.PUSH, "job_id": JOB, "sender": WORKER, "seq": 1,
               "partition": 0, "clock": 0}  # fmt: skip
     limit = 2**31 - 1
@@ -276,7 +278,8 @@ def _parts_one(size: int, repeats: int) -> dict[str, float]:
         "encode": encode,
         "decode": lambda: wire.decode(received, TOKEN, max_message_bytes=limit),
         "apply": lambda: values.add_(delta),
-        "copy": values.clone,
+        "copy": lambda: used.copy_(values),
+        "fresh_copy": values.clone,
     }
     return {
         f"{name}_gbps": _gbps(size * MB, _median_seconds(run, repeats))

@@ -660,10 +660,13 @@ class Coordinator:
             if self._configure_all(client, roster, backups, epoch):
                 return roster, adoptions, ranges
             log.warning("a server refused the roster without %s; asking again", sorted(ranges))
-            ranges = {
-                f: (first, max(end, unfinished_clocks(call, f, self._table)[1]))
-                for f, (first, end) in ranges.items()
-            }
+            try:
+                ranges = {
+                    f: (first, max(end, unfinished_clocks(call, f, self._table)[1]))
+                    for f, (first, end) in ranges.items()
+                }
+            except AgileMLError as exc:  # servers now disagree on the roster: nothing is safe
+                raise RecoveryError(f"asking again what {sorted(ranges)} left: {exc}") from exc
         raise RecoveryError(f"servers refused every roster without {sorted(ranges)}: {ranges}")
 
     def _restore(

@@ -97,8 +97,9 @@ class PartitionStore:
     which all are complete. Not thread-safe.
     """
 
-    def __init__(self, rules: RuleFactory = sum_rules) -> None:
+    def __init__(self, rules: RuleFactory = sum_rules, *, spare_sums: int = SPARE_SUMS) -> None:
         self._rules = rules
+        self._spare_sums = spare_sums  # applied clocks' sums kept per partition to reuse
         self._parts: dict[int, _Partition] = {}
         self._given_away: dict[int, int] = {}  # partition -> the version its new owner holds
         self.roster: Roster | None = None
@@ -497,7 +498,7 @@ class PartitionStore:
             if total is not None:
                 part.rule.apply(total)  # rules keep no reference to it
                 part.generation += 1
-                if len(part.spare) < SPARE_SUMS:
+                if len(part.spare) < self._spare_sums:
                     part.spare.append(total)
 
     def _get(self, p: int) -> _Partition:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-#: Released copies a partition keeps to reuse (one in flight to slow workers, one to fill).
-SPARE_COPIES = 2
+#: Copies a partition keeps besides the current one, to reuse once released.
+SPARE_COPIES = 1
 
 
 @dataclass
@@ -67,6 +67,7 @@ class ReplyCopies:
         if current is None or not isinstance(last, memoryview):
             return frames  # an empty partition: its bytes are copied into the message
         frame = zmq.Frame(last, track=True)
+        current.trackers = [t for t in current.trackers if not t.done]
         current.trackers.append(frame.tracker)
         return [*frames[:-1], frame]  # type: ignore[list-item]
 

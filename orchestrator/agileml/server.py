@@ -130,7 +130,9 @@ class ParamServer(ServerLoop):
             control=control,
         )
         self._store = PartitionStore()
-        self._backup = PartitionStore()  # copies of partitions this server backs up
+        # copies of partitions this server backs up: off the workers' path, so it keeps no
+        # spare sums (a reliable node may back up the whole model)
+        self._backup = PartitionStore(spare_sums=0)
         self._backups: dict[int, str] = {}  # partition -> endpoint of its BackupPS
         self._held: dict[int, list[_HeldPull]] = {}
         self._reply_copies = ReplyCopies()  # what pull replies send: frozen, reused

@@ -27,9 +27,11 @@ def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
     ctx.term()
 
 
-def _send(sock: zmq.Socket[Any], copies: ReplyCopies, p: int, copy: torch.Tensor) -> None:
+def _send(sock: zmq.Socket[Any], copies: ReplyCopies, p: int, copy: torch.Tensor) -> Any:
+    """Send `copy` as a reply's last frame; returns that frame's tracker."""
     frames = copies.track(p, [b"header", memoryview(copy.numpy()).cast("B")])
     sock.send_multipart(frames, copy=False)
+    return frames[-1].tracker  # type: ignore[union-attr]
 
 
 def test_every_pull_of_one_state_sends_one_copy_of_it() -> None:
@@ -48,7 +50,7 @@ def test_a_copy_in_flight_is_never_overwritten_and_is_reused_once_released(
     assert SIZE * 4 > zmq.COPY_THRESHOLD
     copies, live = ReplyCopies(), torch.zeros(SIZE)
     first = copies.copy_of(0, live, generation=1)
-    _send(sender, copies, 0, first)  # not received yet: ZMQ holds it
+    tracker = _send(sender, copies, 0, first)  # not received yet: ZMQ holds it
     for generation in range(2, 6):
         live += 1
         copy = copies.copy_of(0, live, generation)
@@ -56,16 +58,11 @@ def test_a_copy_in_flight_is_never_overwritten_and_is_reused_once_released(
         assert torch.equal(first, torch.zeros(SIZE)), "a copy in flight changed"
     frames = receiver.recv_multipart(copy=False)
     assert torch.equal(torch.frombuffer(frames[1].buffer, dtype=torch.float32), torch.zeros(SIZE))
-    del frames  # the receiver lets go: the message is released
+    del frames  # the receiver lets go: the message is released (ZMQ says so in a while)
+    tracker.wait(10)
     live += 1
-    reused = None
-    for generation in range(6, 60):  # the release reaches the tracker shortly
-        live += 1
-        copy = copies.copy_of(0, live, generation)
-        if copy.data_ptr() == first.data_ptr():
-            reused = copy
-            break
-    assert reused is not None, "a released copy was not reused"
+    reused = copies.copy_of(0, live, generation=6)
+    assert reused.data_ptr() == first.data_ptr(), "a released copy was not reused"
     assert torch.equal(reused, live)
 
 
