@@ -284,6 +284,8 @@ class Coordinator:
         view = self.view()
         if self._ctx is None or view.epoch == 0:
             raise AgileMLError("the job has not started; no parameters yet")
+        if final:
+            self._open_horizon(view, timeout_s)
         return pull_partitions(
             self._ctx,
             spec=self.spec,
@@ -294,6 +296,28 @@ class Coordinator:
             timeout_s=timeout_s,
             final=final,
         )
+
+    def _open_horizon(self, view: View, timeout_s: float) -> None:
+        """Let the pull of the last clock through every owner's horizon. A pull of clock c
+        counts as computing clock c + slack + 1, so a horizon that the job ended on held the
+        final pull for good ("no answer" from its owner); no clock is computed any more.
+
+        Raises:
+            AgileMLError: an owner did not answer.
+        """
+        client = ControlClient(job_id=self.spec.job_id, sender=SENDER, token=self._token)
+        body = {"op": "configure", "horizon": self.spec.iterations + self.spec.slack,
+                "slack": self.spec.slack}  # fmt: skip
+        try:
+            for owner in sorted({self._table.owner(p) for p in range(self.spec.num_partitions)}):
+                try:
+                    out = client.call(view.endpoints[owner], body, timeout_s)
+                except ControlError as exc:
+                    raise AgileMLError(f"configure on {owner}: {exc.reason}") from exc
+                if not out.get("ok"):
+                    raise AgileMLError(f"configure on {owner}: {out.get('error')}")
+        finally:
+            client.close()
 
     def _abort(self, reason: str) -> None:
         """The job cannot go on: record why, tell every node to shut down, wake waiters."""

@@ -33,6 +33,7 @@ from orchestrator.agileml.control import (
     View,
     dump,
 )
+from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.elasticity import NodeState, NodeTier
 from orchestrator.agileml.node import NodeResult
 from orchestrator.agileml.roster import Roster
@@ -63,6 +64,21 @@ def _all_backed_up_on(view: View, node_id: str) -> bool:
 
 
 # -- a job that just runs ----------------------------------------------------------------------
+
+
+def test_the_final_pull_is_answered_when_the_job_ended_on_its_horizon(
+    jobs: Callable[[TrainingSpec], Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The horizon never moves and ends on the last clock (39 of 40): the workers compute every
+    clock, but a pull of clock 39 counts as computing clock 40, past it. The final pull of the
+    parameters must still be answered (it waited for good: "partition 0: no answer from t0",
+    seen in CI when the horizon happened to end there)."""
+    monkeypatch.setattr(Coordinator, "_extend_horizon", lambda self, client: None)
+    spec = additive_spec("horizon-end", iterations=40, min_nodes=2)
+    job = jobs(spec.model_copy(update={"horizon_clocks": 39}))
+    job.launch("r0", NodeTier.RELIABLE)
+    job.launch("t0")
+    assert torch.equal(job.finish(), job.expected())
 
 
 def test_stage2_job_with_one_reliable_and_two_transient_nodes_is_exact(
