@@ -27,12 +27,13 @@ rounds after one warm-up round. On a shared machine the figures move by a third 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,34 +140,44 @@ def _push_and_pull(worker: _Worker, p: int, size: int, repeats: int) -> dict[str
     }
 
 
-def _agileml(sizes_mb: list[int], repeats: int) -> dict[int, dict[str, float]]:
+@contextlib.contextmanager
+def _child(target: Callable[..., None], sizes_mb: list[int]) -> Iterator[str]:
+    """A spawned process running `target(sizes_mb, conn)`, which sends its endpoint over
+    `conn`; yields the endpoint. On exit the child is told "done" over the pipe (or its socket
+    was told to stop) and killed if it is still there 30 s later."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve_partitions, args=(sizes_mb, child), daemon=True)
+    proc = ctx.Process(target=target, args=(sizes_mb, child), daemon=True)
     proc.start()
-    zctx = zmq.Context()
     try:
         if not parent.poll(60):
-            raise RuntimeError("the ParamServer did not start")
-        endpoint = parent.recv()
-        out = {}
-        for p, size in enumerate(sizes_mb):
-            worker = _Worker(zctx, endpoint)
-            out[size] = _push_and_pull(worker, p, size, repeats)
-            worker.sock.close(linger=0)  # frees the last reply's frames
-        return out
+            raise RuntimeError(f"{target.__name__} did not start")
+        yield parent.recv()
     finally:
         parent.send("done")
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+def _agileml(sizes_mb: list[int], repeats: int) -> dict[int, dict[str, float]]:
+    zctx = zmq.Context()
+    try:
+        with _child(_serve_partitions, sizes_mb) as endpoint:
+            out = {}
+            for p, size in enumerate(sizes_mb):
+                worker = _Worker(zctx, endpoint)
+                out[size] = _push_and_pull(worker, p, size, repeats)
+                worker.sock.close(linger=0)  # frees the last reply's frames
+            return out
+    finally:
         zctx.term()
 
 
 # -- the ceilings -------------------------------------------------------------------------
 
 
-def _echo(conn: Any, sizes_mb: list[int]) -> None:
+def _echo(sizes_mb: list[int], conn: Any) -> None:
     """Child process: a ROUTER that acks a push and answers a pull with `size` bytes."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -187,40 +198,32 @@ def _echo(conn: Any, sizes_mb: list[int]) -> None:
 
 
 def _raw_zmq(sizes_mb: list[int], repeats: int) -> dict[int, dict[str, float]]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_echo, args=(child, sizes_mb), daemon=True)
-    proc.start()
     zctx = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        if not parent.poll(60):
-            raise RuntimeError("the echo server did not start")
-        sock.connect(parent.recv())
-        out = {}
-        for size in sizes_mb:
-            payload = bytearray(size * MB)
+        with _child(_echo, sizes_mb) as endpoint:
+            sock.connect(endpoint)
+            out = {}
+            for size in sizes_mb:
+                payload = bytearray(size * MB)
 
-            def push(payload: bytearray = payload) -> None:
-                sock.send_multipart([b"push", payload], copy=False)
-                sock.recv_multipart()
+                def push(payload: bytearray = payload) -> None:
+                    sock.send_multipart([b"push", payload], copy=False)
+                    sock.recv_multipart()
 
-            def pull(size: int = size) -> None:
-                sock.send_multipart([str(size).encode()])
-                sock.recv_multipart(copy=False)
+                def pull(size: int = size) -> None:
+                    sock.send_multipart([str(size).encode()])
+                    sock.recv_multipart(copy=False)
 
-            push_s, pull_s = _median_seconds(push, repeats), _median_seconds(pull, repeats)
-            nbytes = size * MB
-            out[size] = {"push_gbps": _gbps(nbytes, push_s), "pull_gbps": _gbps(nbytes, pull_s)}
-        sock.send_multipart([b"stop"])
-        return out
+                push_s, pull_s = _median_seconds(push, repeats), _median_seconds(pull, repeats)
+                nbytes = size * MB
+                out[size] = {"push_gbps": _gbps(nbytes, push_s), "pull_gbps": _gbps(nbytes, pull_s)}
+            sock.send_multipart([b"stop"])
+            return out
     finally:
         sock.close(linger=0)
         zctx.term()
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
 
 
 @dataclass(frozen=True)
