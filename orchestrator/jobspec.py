@@ -29,7 +29,7 @@ from orchestrator.bidbrain.errors import DeadlineError
 from orchestrator.bidbrain.model import AppParams, JobSpec
 from orchestrator.bidbrain.policy import BidBrainSettings
 from orchestrator.market.catalog import Catalog, InstanceType
-from orchestrator.units import MAX_WORK_RATE, SECONDS_PER_HOUR
+from orchestrator.units import MAX_DEVICES, MAX_WORK_RATE, SECONDS_PER_HOUR
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 #: One V100: a reference-GPU-hour is an hour of it (work rate 1).
@@ -76,9 +76,6 @@ class IterationTime(BaseModel):
         return iterations * self.seconds_per_iteration / SECONDS_PER_HOUR * rate
 
 
-#: The GPUs an AgileML node trains on: one worker on one device. A training job is given only
-#: instance types with no more GPUs than this: the others would be paid for and stand idle.
-DEVICES_PER_NODE = 1
 #: `model_validate(..., context=STORED)`: a spec the store kept (validated when it was
 #: submitted; checks added since then that only guard new submissions are skipped).
 STORED = {"stored": True}
@@ -231,28 +228,43 @@ class JobSubmission(BaseModel):
     def _every_gpu_used(self, info: ValidationInfo) -> JobSubmission:
         if self.training is None or not self.instance_types or (info.context or {}).get("stored"):
             return self
-        catalog = Catalog.load()
-        idle = [t for t in self.instance_types if not _fits(catalog, t)]
+        catalog, cap = Catalog.load(), self.devices_per_node()
+        idle = [t for t in self.instance_types if catalog.get(t).gpu_count > cap]
         if idle:
-            usable = [
-                t for t in catalog.gpu_types() if catalog.get(t).gpu_count <= DEVICES_PER_NODE
-            ]
+            usable = [t for t in catalog.gpu_types() if catalog.get(t).gpu_count <= cap]
             raise ValueError(
                 f"instance_types: {', '.join(idle)} "
-                f"{'has' if len(idle) == 1 else 'have'} more than {DEVICES_PER_NODE} GPU, and "
-                f"an AgileML node trains on {DEVICES_PER_NODE}: the others would be paid for "
-                f"and idle; list one-GPU types ({', '.join(usable)}) or leave instance_types out"
+                f"{'has' if len(idle) == 1 else 'have'} more than {cap} GPU"
+                f"{'' if cap == 1 else 's'}, and the job's nodes train on {cap} "
+                f"({self._cap_reason()}): the others would be paid for and idle; list types "
+                f"with at most {cap} ({', '.join(usable)}) or leave instance_types out"
             )
         return self
 
+    def devices_per_node(self) -> int:
+        """The most GPUs of an instance a training node of the job uses: its training
+        section's `devices_per_node`; 1 for a pipeline (a stage trains on one device); else
+        every GPU an instance has."""
+        training = self.training or {}
+        if training.get("parallelism") == "pipeline":
+            return 1
+        cap = training.get("devices_per_node")
+        return cap if isinstance(cap, int) and 1 <= cap <= MAX_DEVICES else MAX_DEVICES
+
+    def _cap_reason(self) -> str:
+        if (self.training or {}).get("parallelism") == "pipeline":
+            return "a pipeline stage trains on one device"
+        return "training.devices_per_node"
+
     def usable_types(self, catalog: Catalog) -> tuple[str, ...]:
         """The instance types BidBrain may buy for the job: its `instance_types` (else every
-        GPU type); for a training job, only those whose every GPU its node trains on
-        (`DEVICES_PER_NODE`)."""
+        GPU type); for a training job, only those whose every GPU its nodes train on
+        (`devices_per_node`)."""
         types = self.instance_types or tuple(catalog.gpu_types())
         if self.training is None:
             return tuple(types)
-        return tuple(t for t in types if _fits(catalog, t))
+        cap = self.devices_per_node()
+        return tuple(t for t in types if catalog.get(t).gpu_count <= cap)
 
     def types_refused(self, catalog: Catalog) -> str | None:
         """Why the job may use none of its `instance_types` (a training job stored before they
@@ -261,8 +273,8 @@ class JobSubmission(BaseModel):
             return None
         return (
             f"none of the job's instance_types ({', '.join(self.instance_types)}) is one whose "
-            f"every GPU a training node uses (a node trains on {DEVICES_PER_NODE}); submit it "
-            "again with one-GPU types"
+            f"every GPU a training node uses (a node trains on {self.devices_per_node()}, "
+            f"{self._cap_reason()}); submit it again with types of that many GPUs or fewer"
         )
 
     @model_validator(mode="after")
@@ -298,11 +310,6 @@ class JobSubmission(BaseModel):
             return self
         at = datetime.fromtimestamp(now_s + self.deadline_hours * SECONDS_PER_HOUR, UTC)
         return self.model_copy(update={"deadline": at, "deadline_hours": None})
-
-
-def _fits(catalog: Catalog, instance_type: str) -> bool:
-    """Whether a node trains on every GPU of `instance_type` (`DEVICES_PER_NODE`)."""
-    return catalog.get(instance_type).gpu_count <= DEVICES_PER_NODE
 
 
 #: `gpu_work_rates` as the field checks it (for the work from `iteration_time`, before it is)

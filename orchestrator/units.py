@@ -10,5 +10,7 @@ INT64_MAX = 2**63 - 1
 MAX_WORK_RATE = 1_000.0
 #: The largest random seed (numpy's generators take 32-bit ones).
 MAX_SEED = 2**32 - 1
+#: The most devices (GPUs) an AgileML node trains on: an instance has at most 16.
+MAX_DEVICES = 16
 #: A setting measured in seconds no job reaches (a leap year).
 MAX_SETTING_S = 366 * SECONDS_PER_DAY

@@ -21,8 +21,8 @@ from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.peers import PeerInboxes
 from orchestrator.agileml.roster import Roster
+from orchestrator.agileml.spec import MAX_DEVICES, NodeId, TrainingSpec
 from orchestrator.agileml.spec import ModelSpec as ModelSpec  # re-exported
-from orchestrator.agileml.spec import NodeId, TrainingSpec
 from orchestrator.agileml.usercode import MAX_REPORT_CHARS
 from orchestrator.agileml.wire import MessageKind
 
@@ -133,6 +133,7 @@ class Heartbeat(BaseModel):
     # rows this node computed so far, and the seconds it spent computing them (its speed)
     rows_computed: Annotated[int, Field(ge=0)] = 0
     compute_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    devices: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 1  # the devices it trains on now
 
 
 class Leaving(BaseModel):

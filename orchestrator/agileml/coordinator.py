@@ -128,6 +128,7 @@ class _NodeInfo:
     reassigned_rows: int = 0  # FlexRR: rows of its shares helpers computed, as last heard
     rows_computed: int = 0  # rows it computed, and the seconds it took, as last heard
     compute_s: float = 0.0
+    devices: int = 1  # the most devices it trained on, as heard
 
 
 @dataclass(frozen=True)
@@ -393,6 +394,7 @@ class Coordinator:
                 info.clock = m.clock
                 info.reassigned_rows = m.reassigned_rows
                 info.rows_computed, info.compute_s = m.rows_computed, m.compute_s
+                info.devices = max(info.devices, m.devices)
                 if m.loss is not None and (not info.losses or info.losses[-1][0] != m.clock):
                     info.losses.append((m.clock, m.loss))
             elif isinstance(m, Ready):
@@ -836,6 +838,11 @@ class Coordinator:
         """Each node's rows computed and seconds spent computing them, as last heard."""
         with self._lock:
             return {n: (i.rows_computed, i.compute_s) for n, i in self._nodes.items()}
+
+    def node_devices(self) -> dict[str, int]:
+        """The most devices each node trained on, as its heartbeats said."""
+        with self._lock:
+            return {n: i.devices for n, i in self._nodes.items()}
 
     def _publish(self, **changes: Any) -> None:
         with self._lock:

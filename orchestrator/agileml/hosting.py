@@ -101,6 +101,10 @@ class HostedTraining:
         instance's speed, for learning the job's work rates)."""
         return self._coordinator.node_work()
 
+    def node_devices(self) -> dict[str, int]:
+        """The devices each node trained on (its instance's GPUs it used), as heard."""
+        return self._coordinator.node_devices()
+
     def events(self) -> list[str]:
         """What the elasticity controller did so far, one line each (started, evicted, ...)."""
         return [

@@ -111,6 +111,9 @@ class LocalJob:
             "--node-id", node_id, "--job-id", self.spec.job_id, "--tier", tier.value,
             "--controller", self.coordinator.endpoint,
         ]  # fmt: skip
+        k = self.spec.devices_per_node
+        if k is not None:  # each node on its own GPUs, where the machine has them
+            cmd += ["--devices", str(k), "--first-device", str(len(self._procs) * k)]
         if held:
             self._held.add(node_id)
             preload = self.spec.code and not is_code_ref(self.spec.code)  # a path: warm it up
@@ -146,6 +149,23 @@ class LocalJob:
         self._procs[node_id].kill()
         self._killed.add(node_id)
         return time.time()
+
+    def kill_device(self, node_id: str) -> int:
+        """SIGKILL one device process of the node (`devices`); returns its process id.
+
+        Raises:
+            AgileMLError: the node has no device process (one device, or not loaded yet).
+        """
+        node = self._procs[node_id].pid
+        for pid in _children(node):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue  # gone meanwhile
+            if b"orchestrator.agileml.device_process" in cmdline:
+                os.kill(pid, signal.SIGKILL)
+                return pid
+        raise AgileMLError(f"node {node_id} has no device process to kill")
 
     def crashed(self, tail_lines: int = 20) -> dict[str, str]:
         """Nodes whose process ended with an error (not killed here): node -> its log's end."""
@@ -245,3 +265,15 @@ class LocalJob:
     @property
     def log_dir(self) -> Path:
         return self._log_dir
+
+
+def _children(pid: int) -> list[int]:
+    """The process ids of `pid`'s children (Linux's /proc: listed by the thread that started
+    each)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out

@@ -42,6 +42,7 @@ from orchestrator.agileml.control import (
     View,
     dump,
 )
+from orchestrator.agileml.devices import DeviceGroup, DeviceLostError, node_devices
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, HandoffError, PartitionError, WorkerError
 from orchestrator.agileml.jobcode import load_job_code
@@ -78,6 +79,8 @@ class NodeResult:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per iteration phase
     straggler: dict[str, float] = field(default_factory=dict)  # FlexRR counters (ReassignStats)
     ended: str = ""  # done | left | lost_controller
+    devices: int = 1  # the devices it trained on at the end (`devices`)
+    devices_lost: int = 0  # device processes that were gone (it went on with its first)
 
 
 class AgileMLNode:
@@ -95,8 +98,14 @@ class AgileMLNode:
         host: str = "127.0.0.1",
         phase_hook: Callable[[str, int], None] | None = None,
         low_priority_load: bool = False,
+        devices: int | None = None,
+        first_device: int = 0,
     ) -> None:
         self.node_id = node_id
+        # the devices this node has (`node_devices`: every GPU, or this many CPU processes)
+        self._devices_requested = devices
+        self._first_device = first_device
+        self._devices: DeviceGroup | None = None
         # load and warm up at nice 19 (`_load`): for a node beside running ones on one machine
         self._low_priority_load = low_priority_load
         self._phase_hook = phase_hook  # fault injection in tests (see Worker)
@@ -185,6 +194,8 @@ class AgileMLNode:
             return result
         finally:
             self._stop.set()
+            if self._devices is not None:
+                self._devices.close()
             client.close()
             server.stop()
             if self._reassigner is not None:
@@ -234,6 +245,12 @@ class AgileMLNode:
             self._server.set_update_rules(parts.rules)
         self._initial = parts.layout.gather(parts.initial_model)
         self._layout = parts.layout
+        slots = node_devices(
+            self._devices_requested, spec.devices_per_node, first=self._first_device
+        )
+        if len(slots) > 1:  # a job code error in a device process is a JobCodeError too
+            self._devices = DeviceGroup(self.node_id, spec.model_dump_json(), parts.layout, slots)
+            self._devices.start()
         self._worker = Worker(
             WorkerSpec(
                 self.node_id,
@@ -252,12 +269,13 @@ class AgileMLNode:
             model_factory=parts.model_factory,
             data=parts.rows,
             loss_fn=parts.loss_fn,
-            device=torch.device("cuda") if torch.cuda.is_available() else None,
+            device=slots[0],
             roster=Roster.starting([self.node_id]),
             epoch=0,
             abort=self._should_abort,
             phase_hook=self._phase_hook,
             local_endpoints=self._local_endpoints(),
+            devices=self._devices,
         )
         straggler = spec.straggler
         if straggler.flexrr or straggler.injected is not None:
@@ -342,6 +360,9 @@ class AgileMLNode:
                 except StaleViewError as exc:
                     self._await_view(worker, exc.roster_version, spec)
                     continue
+                except DeviceLostError as exc:
+                    self._device_lost(worker, exc, result)
+                    continue
                 except JobCodeError as exc:  # no retry can fix it: the job fails with it
                     log.error("the job's code failed", extra={"error": str(exc)})
                     self._job_error = failure_report(exc)
@@ -361,6 +382,22 @@ class AgileMLNode:
             if self._reassigner is not None:
                 result.straggler = self._reassigner.summary()
             worker.close()
+            result.devices = worker.devices.size if worker.devices is not None else 1
+
+    def _device_lost(self, worker: Worker, exc: DeviceLostError, result: NodeResult) -> None:
+        """A device process is gone: the node goes on with its first device alone (the
+        iteration is redone there), and a transient node leaves, as on an eviction notice, so
+        that its instance is released and replaced."""
+        group = worker.devices
+        result.devices_lost += group.size - 1 if group is not None else 0
+        worker.devices = None
+        log.warning(
+            "a device process is gone; going on with the first device"
+            + ("" if self.tier is NodeTier.RELIABLE else " and leaving"),
+            extra={"node": self.node_id, "error": str(exc)},
+        )
+        if self.tier is not NodeTier.RELIABLE:
+            self.leave()
 
     def _failure(self) -> str | None:
         """The report of the job's code failing here (in the worker, or in this node's
@@ -449,6 +486,9 @@ class AgileMLNode:
                     reassigned_rows=helped,
                     rows_computed=rows,
                     compute_s=busy,
+                    devices=self._worker.devices.size
+                    if self._worker is not None and self._worker.devices is not None
+                    else 1,
                 )
                 reply = self._send(client, beat)
                 misses = 0 if reply is not None else misses + 1
@@ -577,6 +617,12 @@ def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> i
     parser.add_argument("--host", default="127.0.0.1", help="address to serve partitions on")
     parser.add_argument("--hold", action="store_true", help="join once a line is on stdin")
     parser.add_argument("--preload", help="the job's code, imported while held")
+    parser.add_argument(
+        "--devices", type=int, help="devices to train on (default: every GPU, else 1 CPU)"
+    )
+    parser.add_argument(
+        "--first-device", type=int, default=0, help="the first GPU's index (nodes sharing GPUs)"
+    )
     args = parser.parse_args(argv)
     try:
         token = token_from_env()
@@ -597,6 +643,8 @@ def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> i
         token=token,
         host=args.host,
         low_priority_load=low_priority_load and not args.hold,
+        devices=args.devices,
+        first_device=args.first_device,
     )
     if args.hold:
         if args.preload:

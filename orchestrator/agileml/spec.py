@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.straggler.spec import StragglerSpec
-from orchestrator.units import MAX_SEED, MAX_SETTING_S
+from orchestrator.units import MAX_DEVICES, MAX_SEED, MAX_SETTING_S
 
 NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
 #: The most micro-batches a worker may split its share of an iteration into (`accumulate`).
@@ -102,6 +102,9 @@ class TrainingSpec(BaseModel):
     # bfloat16 (the backward follows it); the parameter servers keep fp32 weights and
     # optimizer state, and the gradients travel in fp32
     precision: Literal["fp32", "bf16"] = "fp32"
+    # the most devices each node trains on (one worker per device, their gradients reduced
+    # inside the node before its push, see `devices`); None: every device a node has
+    devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES, strict=True)] | None = None
     # FlexRR (RapidReassignment between workers); `{"flexrr": false}` turns it off
     straggler: StragglerSpec = StragglerSpec()
     # checkpoints (see `checkpoints`): written under `checkpoint_dir` (a directory the reliable

@@ -8,8 +8,10 @@ parameter servers, elasticity controller), with faults injected at given iterati
 An injection `evict@100` gives one transient node its spot interruption notice (it finishes its
 clocks, hands off and leaves), `join@150` has a new transient node join (its process is started
 with the others and held until then, so that the join is not a process start-up late),
-`kill@200` SIGKILLs one transient node without notice. The job's result does not depend on
-them: the global batches are fixed, and every clock's gradient is applied exactly once.
+`kill@200` SIGKILLs one transient node without notice, `kill-device@250` one device process of
+a transient node (`devices_per_node` > 1: it goes on with one device and leaves). The job's
+result does not depend on them: the global batches are fixed, and every clock's gradient is
+applied exactly once.
 Checkpoints (`checkpoint_every`) let a later run `resume` where this one was.
 """
 
@@ -44,7 +46,7 @@ from orchestrator.agileml.jobcode import (
 from orchestrator.agileml.local import LocalJob, NodeOutcome, mean_phase_seconds
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.parts import training_parts
-from orchestrator.agileml.spec import MAX_ACCUMULATE
+from orchestrator.agileml.spec import MAX_ACCUMULATE, MAX_DEVICES
 from orchestrator.artifacts import WEIGHTS, folder_at
 from orchestrator.errors import UserError
 from orchestrator.straggler.spec import StragglerSpec
@@ -56,7 +58,7 @@ MAX_PARTITIONS = 16
 #: Bytes of model per partition (BytePS's default partition size is ~4 MB): the digits CNN
 #: (9,930 values) is one partition, the 5,001,000-value MLR five.
 PARTITION_TARGET_BYTES = 4 * 1024 * 1024
-_INJECTION = re.compile(r"^(evict|join|kill)@(\d+)$")
+_INJECTION = re.compile(r"^(evict|join|kill|kill-device)@(\d+)$")
 
 
 class Injection(BaseModel):
@@ -64,7 +66,7 @@ class Injection(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["evict", "join", "kill"]
+    kind: Literal["evict", "join", "kill", "kill-device"]
     at: Annotated[int, Field(ge=0)]
 
 
@@ -81,8 +83,8 @@ def parse_injections(text: str) -> list[Injection]:
         m = _INJECTION.match(item)
         if m is None:
             raise UserError(
-                f"--inject: {item!r} is not KIND@ITERATION with KIND one of evict, join, kill "
-                f"(e.g. 'evict@100,join@150,kill@200')"
+                f"--inject: {item!r} is not KIND@ITERATION with KIND one of evict, join, kill, "
+                f"kill-device (e.g. 'evict@100,join@150,kill@200')"
             )
         out.append(Injection(kind=m.group(1), at=int(m.group(2))))
     return sorted(out, key=lambda i: i.at)
@@ -110,6 +112,8 @@ class TrainPlan(BaseModel):
     # micro-batches per worker per iteration (gradient accumulation; the global batch is kept)
     accumulate: Annotated[int, Field(ge=1, le=MAX_ACCUMULATE)] = 1
     precision: Literal["fp32", "bf16"] = "fp32"  # the workers' forward (`agileml.precision`)
+    # devices each node trains on, one worker each (`agileml.devices`; CPU processes here)
+    devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 1
     # the job's evaluate() every this many iterations, on a checkpoint (`agileml.evaluations`)
     eval_every: Annotated[int, Field(ge=1, le=1_000_000_000)] | None = None
     # pipeline-parallel instead (`agileml.pipeline.trainrun`): its schedule and, if given, depth
@@ -139,6 +143,8 @@ class TrainResult:
     precision: str = "fp32"  # the workers' forward and loss (`TrainingSpec.precision`)
     # evaluate() during the run (`--eval-every`): {"iteration": n, metric: value, ...}
     evaluations: list[dict[str, Any]] = field(default_factory=list)
+    # the devices each node trained on (`agileml.devices`), as its heartbeats said
+    devices: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,12 @@ def check_plan(plan: TrainPlan) -> None:
             f"--inject {late[0].kind}@{late[0].at}: the job has only {plan.iterations} "
             f"iterations. To fix: inject at an iteration below {plan.iterations}."
         )
-    leaving = sum(1 for i in plan.injections if i.kind in ("evict", "kill"))
+    if plan.devices_per_node < 2 and any(i.kind == "kill-device" for i in plan.injections):
+        raise UserError(
+            "--inject kill-device kills one device process inside a node, and each node has "
+            "one device. To fix: add --devices-per-node 2 (or more)."
+        )
+    leaving = sum(1 for i in plan.injections if i.kind in ("evict", "kill", "kill-device"))
     if leaving > plan.nodes + joins - 1:
         raise UserError(
             f"--inject takes away {leaving} transient nodes of {plan.nodes + joins}; at least "
@@ -263,6 +274,7 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         overlap=plan.overlap,
         accumulate=plan.accumulate,
         precision=plan.precision,
+        devices_per_node=plan.devices_per_node,
     )
 
 
@@ -323,6 +335,7 @@ def _run(
         resumed_from=spec.resume_from,
         phase_seconds=mean_phase_seconds(outcomes),
         precision=spec.precision,
+        devices=job.coordinator.node_devices(),
     )
     if parts.code is not None:
         result.evaluation, result.evaluation_error = evaluate_trained(parts.code, model)
@@ -376,6 +389,8 @@ def _drive(
                 alive.remove(node_id)
                 if injection.kind == "evict":
                     job.evict(node_id)
+                elif injection.kind == "kill-device":
+                    job.kill_device(node_id)  # the node goes on with one device and leaves
                 else:
                     job.kill(node_id)
             injected.append(
@@ -489,6 +504,8 @@ def save_outputs(result: TrainResult, out: Path) -> None:
     summary = {
         "iterations": result.iterations,
         "precision": result.precision,
+        "devices": sum(result.devices.values()),
+        "devices_per_node": result.devices,
         "final_loss": result.final_loss,
         "seconds_per_iteration": result.seconds_per_iteration,
         "mean_seconds_per_iteration": result.mean_seconds_per_iteration,

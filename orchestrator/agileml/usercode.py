@@ -30,6 +30,11 @@ class JobCodeError(UserError):
     """The job's code cannot be trained: the message names the function and the fix."""
 
 
+class ReportedJobCodeError(JobCodeError):
+    """The job's code failed in another process of the node (a device process): its message
+    is that process's `failure_report`, traceback included."""
+
+
 #: What goes on as it is from inside a call into the job's code: a nested call's error, and
 #: the runtime's own (its hooks in the user's backward: the wire, the sockets) and the device's
 #: (out of memory: another instance type may fit), which a retry elsewhere can fix.
@@ -87,4 +92,6 @@ def user_traceback(exc: BaseException, lines: int = TRACEBACK_LINES) -> str:
 def failure_report(exc: JobCodeError) -> str:
     """What a node reports of a job-code error: the message, then the traceback's end,
     at most `MAX_REPORT_CHARS` (the message's start and the traceback's end kept)."""
+    if isinstance(exc, ReportedJobCodeError):
+        return clip_middle(str(exc), MAX_REPORT_CHARS)
     return clip_middle(f"{exc}\n{user_traceback(exc)}", MAX_REPORT_CHARS)

@@ -61,6 +61,7 @@ BACKWARD = "backward() through the model and the loss"
 DATA = "dataset()[i] or collate(items)"
 
 if TYPE_CHECKING:
+    from orchestrator.agileml.devices import DeviceGroup
     from orchestrator.agileml.reassign import Reassigner
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -98,6 +99,7 @@ class Worker(ServerRequests):
         phase_hook: Callable[[str, int], None] | None = None,
         device: torch.device | None = None,
         local_endpoints: Mapping[str, str] | None = None,
+        devices: DeviceGroup | None = None,
     ) -> None:
         if spec.batch_size < 1 or spec.slack < 0 or spec.accumulate < 1:
             raise ValueError(f"invalid worker spec: {spec}")
@@ -115,6 +117,10 @@ class Worker(ServerRequests):
         self._model.to(self.device)
         self._model.train()
         self._rows: RowSource = TensorRows(*data) if isinstance(data, tuple) else data
+        # the node's other devices (`devices`): every batch of rows is split across them and
+        # their gradients summed into this model; None: this worker computes alone
+        self.devices = devices
+        self._state_version = 0  # of the loaded parameters: a pull changes them
         self._loss_fn = loss_fn
         self.roster = roster  # with a roster, `spec.batch_size` is the global batch
         self.epoch = epoch
@@ -151,6 +157,7 @@ class Worker(ServerRequests):
         self._params = layout.params(self._model)  # layout order; the model never changes
         overlap = (
             spec.overlap
+            and devices is None  # the node's devices need whole batches and a whole model
             and layout.num_partitions > 1
             and all(p.is_contiguous() for p in self._params)
         )
@@ -272,6 +279,7 @@ class Worker(ServerRequests):
         )
         parts = [self._pulled_values(p, replies[p]) for p in range(n)]
         self.layout.scatter(self._model, parts)  # raises PartitionError on a wrong size
+        self._state_version += 1
 
     def _pulled_values(self, p: int, reply: dict[str, torch.Tensor]) -> torch.Tensor:
         values = reply.get("values")
@@ -333,6 +341,8 @@ class Worker(ServerRequests):
         """The share's rows in `spec.accumulate` micro-batches, their gradients summed in the
         model (partitions may leave early only from the last one's backward, when they are
         final), then pushed. Returns the share's mean loss."""
+        if self.devices is not None:
+            return self._compute_share_on_devices(identity, clock, pushes)
         with job_code_call(DATA):
             batch, n = self._minibatch(identity, clock)
         self._plain_rows += n
@@ -363,6 +373,37 @@ class Worker(ServerRequests):
         delta = self._buffer_delta(before, clock)
         self._push_rest(identity, clock, pushes, sent, delta)
         return total / max(n, 1)
+
+    def _compute_share_on_devices(self, identity: str, clock: int, pushes: Round) -> float:
+        """`_compute_share` across the node's devices: each micro-batch's rows split between
+        them (`DeviceGroup.backward`). Returns the share's mean loss."""
+        rows = self._share_rows(identity, clock)
+        n = len(rows)
+        self._plain_rows += n
+        self._model.zero_grad(set_to_none=True)
+        before = self._buffers_before()
+        total = sum(
+            self._backward_rows(rows[start:end])
+            for start, end in micro_batches(n, self.spec.accumulate)
+        )
+        delta = self._buffer_delta(before, clock)
+        self._push_rest(identity, clock, pushes, [], delta)
+        return total / max(n, 1)
+
+    def _backward_rows(self, rows: torch.Tensor) -> float:
+        """Dataset rows through the loaded model (on every device of the node, if it has
+        several); their gradient, scaled by the global batch, accumulates in it. Returns the
+        loss sum."""
+        if self.devices is not None:
+            return self.devices.backward(
+                self._model, rows, self._take_backward, self._state_version
+            )
+        return self._take_backward(rows)
+
+    def _take_backward(self, rows: torch.Tensor) -> float:
+        with job_code_call(DATA):
+            x, y = self._rows.take(rows)
+        return self._backward(x, y)
 
     def _compute_reassigned(self, reassigner: Reassigner, clock: int, pushes: Round) -> float:
         """The own share of `clock` in chunks, some rows perhaps computed by helpers; pushed
@@ -445,6 +486,8 @@ class Worker(ServerRequests):
         """Rows [start, end) of `identity`'s share of `clock` through the loaded model; their
         gradient (scaled by the global batch) accumulates in it. Returns (loss sum, whether the
         input came from the preloaded cache)."""
+        if self.devices is not None:  # no early pushes: the devices need whole batches
+            return self._backward_rows(self._share_rows(identity, clock)[start:end]), False
         cached = self._preloaded.get((identity, clock, self._roster_version()))
         if cached is not None and start >= cached[0]:
             first, batch = cached
@@ -474,6 +517,8 @@ class Worker(ServerRequests):
         """The first `n` rows of the data set (at most all of them) through the loaded model,
         as `backward_rows` does: for timing and warming up before the first clock, when no
         share is known yet. Returns the loss sum."""
+        if self.devices is not None:
+            return self._backward_rows(torch.arange(min(n, len(self._rows))))
         x, y = self._rows.take(torch.arange(min(n, len(self._rows))))
         if self._early is None:
             return self._backward(x, y)
@@ -503,7 +548,9 @@ class Worker(ServerRequests):
 
     def preload(self, identity: str, clock: int, fraction: float) -> None:
         """Cache the last `fraction` of `identity`'s input rows of `clock` (offers are cut from
-        the end), keeping the two newest clocks."""
+        the end), keeping the two newest clocks (not with several devices: they take rows)."""
+        if self.devices is not None:
+            return
         key = (identity, clock, self._roster_version())
         if key in self._preloaded:
             return

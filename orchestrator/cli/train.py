@@ -37,7 +37,8 @@ InjectOption = Annotated[
     typer.Option(
         "--inject",
         help="Faults at iterations: evict@N (spot notice), join@N (a new node), kill@N "
-        "(SIGKILL), comma-separated, e.g. evict@100,join@150,kill@200.",
+        "(SIGKILL), kill-device@N (SIGKILL one device process of a node, with "
+        "--devices-per-node), comma-separated, e.g. evict@100,join@150,kill@200.",
     ),
 ]
 CheckpointEveryOption = Annotated[
@@ -84,6 +85,17 @@ PrecisionOption = Annotated[
         help="fp32, or bf16: each worker's forward and loss under autocast to bfloat16 (the "
         "parameter servers keep fp32 weights and optimizer state).",
         metavar="fp32|bf16",
+    ),
+]
+DevicesOption = Annotated[
+    int,
+    typer.Option(
+        "--devices-per-node",
+        help="Devices each node trains on, one worker per device, their gradients summed "
+        "inside the node before its push (CPU processes stand in for GPUs without CUDA).",
+        min=1,
+        max=16,
+        metavar="K",
     ),
 ]
 EvalEveryOption = Annotated[
@@ -142,6 +154,7 @@ def train_command(
     overlap: OverlapOption = False,
     accumulate: AccumulateOption = 1,
     precision: PrecisionOption = "fp32",
+    devices_per_node: DevicesOption = 1,
     eval_every: EvalEveryOption = None,
     pipeline: PipelineOption = False,
     schedule: ScheduleOption = "flush",
@@ -169,6 +182,7 @@ def train_command(
             overlap=overlap,
             accumulate=accumulate,
             precision=precision,
+            devices_per_node=devices_per_node,
             eval_every=eval_every,
             pipeline=pipeline,
             schedule=schedule,
@@ -180,10 +194,11 @@ def train_command(
         raise UserError("--schedule and --stages need --pipeline", field="--pipeline")
     if pipeline and (
         partitions is not None or overlap or reliable != 1 or accumulate != 1
-        or precision != "fp32" or eval_every is not None
+        or precision != "fp32" or eval_every is not None or devices_per_node != 1
     ):  # fmt: skip
         raise UserError(
-            "--partitions, --overlap, --reliable, --accumulate, --precision and --eval-every "
+            "--partitions, --overlap, --reliable, --accumulate, --precision, --eval-every and "
+            "--devices-per-node "
             "are data-parallel options; "
             "a pipeline runs each iteration as microbatches and "
             "backs its stages up to the launcher",
@@ -266,6 +281,9 @@ def _print_result(result: TrainResult) -> None:
         if result.final_loss is not None and per_it is not None
         else f"trained {result.iterations} iterations in {took}"
     )
+    if any(n > 1 for n in result.devices.values()):
+        total, nodes = sum(result.devices.values()), len(result.devices)
+        out.print(f"trained on {total} devices in {nodes} nodes", highlight=False)
     if result.resumed_from is not None:
         out.print(f"resumed from {result.resumed_from}")
     for name, value in result.evaluation.items():

@@ -93,10 +93,12 @@ class NodeWork:
         seen = self._seen.setdefault(job_id, {})
         recorded: dict[str, InstanceWork] | None = None
         out = {}
+        devices = training.node_devices()
         for node, (rows, seconds) in training.node_work().items():
             if rows <= 0 or seconds <= 0:
                 continue
-            now = _work(rows * per_row, seconds / SECONDS_PER_HOUR)
+            gpus = devices.get(node, 1)
+            now = _work(rows * per_row, seconds / SECONDS_PER_HOUR, gpus)
             if node not in seen:  # this host's first look: the store has what came before
                 recorded = self.store.instance_work(job_id) if recorded is None else recorded
                 before = recorded.get(node, _NOTHING)
@@ -105,18 +107,23 @@ class NodeWork:
                 seen[node] = (before if restarted else _NOTHING, now)
             base, last = seen[node]
             if now.work_gpu_hours < last.work_gpu_hours:  # the node's process restarted
-                base = _work(base.work_gpu_hours + last.work_gpu_hours, base.hours + last.hours)
+                base = _work(
+                    base.work_gpu_hours + last.work_gpu_hours, base.hours + last.hours, gpus
+                )
             seen[node] = (base, now)
-            out[node] = _work(base.work_gpu_hours + now.work_gpu_hours, base.hours + now.hours)
+            out[node] = _work(
+                base.work_gpu_hours + now.work_gpu_hours, base.hours + now.hours, gpus
+            )
         return out
 
     def forget(self, job_id: str) -> None:
         self._seen.pop(job_id, None)
 
 
-def _work(work_gpu_hours: float, hours: float) -> InstanceWork:
-    """An AgileML node's work: it trains on one device (one of its instance's GPUs)."""
-    return InstanceWork(work_gpu_hours=work_gpu_hours, hours=hours, gpus=1)
+def _work(work_gpu_hours: float, hours: float, gpus: int = 1) -> InstanceWork:
+    """An AgileML node's work, done on `gpus` devices (its instance's GPUs it trained on:
+    BidBrain learns the rate per GPU from them)."""
+    return InstanceWork(work_gpu_hours=work_gpu_hours, hours=hours, gpus=gpus)
 
 
 _NOTHING = _work(0.0, 0.0)

@@ -174,6 +174,10 @@ class HostedPipeline:
         """Nothing: a stage's speed says nothing of its instance's for the whole model."""
         return {}
 
+    def node_devices(self) -> dict[str, int]:
+        """Nothing: a stage trains on one device."""
+        return {}
+
     def stages(self) -> list[dict[str, Any]]:
         """The layout running now: per stage its layers and the nodes of its replicas."""
         with self._lock:

@@ -68,6 +68,11 @@ def check_pipeline_plan(plan: TrainPlan) -> None:
     """Refuse, before any process starts, what a pipeline run cannot do (UserError or
     JobCodeError naming the option or function and the fix)."""
     for injection in plan.injections:
+        if injection.kind == "kill-device":
+            raise UserError(
+                "--inject kill-device: a pipeline's stages train on one device each. To fix: "
+                "use kill (a stage's process) instead."
+            )
         if not 0 < injection.at < plan.iterations:
             raise UserError(
                 f"--inject {injection.kind}@{injection.at}: want an iteration in 1.."
@@ -168,7 +173,8 @@ def train_pipeline_locally(
     started = time.monotonic()
     layout = plan_layout(plan, plan.nodes, plan.stages)
     m = microbatches_for(plan.global_batch, len(layout))
-    faults = [Fault(i.kind, i.at * m) for i in plan.injections]  # kills: a middle stage
+    # kills: a middle stage (`check_pipeline_plan` refused kill-device)
+    faults = [Fault(i.kind, i.at * m) for i in plan.injections if i.kind != "kill-device"]
 
     def replan(nodes: int) -> Layout:
         return plan_layout(plan, nodes, plan.stages)

@@ -41,9 +41,12 @@ REFUSED = [
         {"iteration_time": {"seconds_per_iteration": 1e308}, "training": {"iterations": 10}},
         "seconds_per_iteration",
     ),
-    # four V100s billed, one trained on (an AgileML node trains on one GPU)
+    # four V100s billed, one trained on (the job's nodes train on one device each)
     (
-        {"instance_types": ["p3.2xlarge", "p3.8xlarge"], "training": {"iterations": 10}},
+        {
+            "instance_types": ["p3.2xlarge", "p3.8xlarge"],
+            "training": {"iterations": 10, "devices_per_node": 1},
+        },
         "p3.8xlarge",
     ),
 ]
@@ -78,19 +81,28 @@ def test_ordinary_numbers_pass_as_ints_or_floats() -> None:
     assert job.budget_usd == 40.0 and job.max_gpus == 4.0
 
 
-def test_multi_gpu_types_pass_for_work_without_training_and_for_a_stored_spec() -> None:
-    """Only new training jobs are refused them (a job stored before the check keeps running,
-    on the types whose every GPU it uses); BidBrain never buys them for a training job."""
+def test_a_training_job_is_given_the_types_whose_every_gpu_its_nodes_train_on() -> None:
+    """A node trains on every GPU of its instance unless the job caps `devices_per_node`:
+    then types with more GPUs are refused at submission (a job stored before the check keeps
+    running on those it uses), and BidBrain never buys them; a pipeline stage uses one."""
     catalog = Catalog.load()
     types = {"instance_types": ["p3.2xlarge", "p3.8xlarge"]}
-    assert JobSubmission.model_validate({**BASE, **types}).usable_types(catalog) == (
-        "p3.2xlarge",
-        "p3.8xlarge",
-    )
-    stored = {**BASE, **types, "training": {"iterations": 10}}
-    job = JobSubmission.model_validate(stored, context=STORED)
+    both = ("p3.2xlarge", "p3.8xlarge")
+    assert JobSubmission.model_validate({**BASE, **types}).usable_types(catalog) == both
+    every = JobSubmission.model_validate({**BASE, **types, "training": {"iterations": 10}})
+    assert every.devices_per_node() == 16 and every.usable_types(catalog) == both
+    capped = {**BASE, **types, "training": {"iterations": 10, "devices_per_node": 2}}
+    with pytest.raises(ValidationError, match=r"p3\.8xlarge has more than 2 GPUs"):
+        JobSubmission.model_validate(capped)
+    job = JobSubmission.model_validate(capped, context=STORED)
     assert job.usable_types(catalog) == ("p3.2xlarge",)
-    trains = JobSubmission.model_validate({**BASE, "training": {"iterations": 10}})
+    trains = JobSubmission.model_validate(
+        {**BASE, "training": {"iterations": 10, "devices_per_node": 4}}
+    )
     usable = trains.usable_types(catalog)
-    assert usable and all(catalog.get(t).gpu_count == 1 for t in usable)
+    assert usable and all(catalog.get(t).gpu_count <= 4 for t in usable)
+    assert any(catalog.get(t).gpu_count == 4 for t in usable)
     assert set(usable) < set(catalog.gpu_types())
+    pipeline = {"iterations": 10, "code": "job.py", "parallelism": "pipeline"}
+    with pytest.raises(ValidationError, match="a pipeline stage trains on one device"):
+        JobSubmission.model_validate({**BASE, **types, "training": pipeline})

@@ -270,8 +270,9 @@ def test_a_stored_spec_that_no_longer_validates_fails_its_job_not_the_tick(
 def test_a_training_job_is_given_only_instances_whose_every_gpu_its_nodes_train_on(
     store, ec2, prices
 ) -> None:
-    """An AgileML node trains on one GPU: a training job is never given a p3.8xlarge (four
-    V100s billed, one training), though the same work without training would be."""
+    """A job whose nodes train on one device each (`devices_per_node: 1`) is never given a
+    p3.8xlarge (four V100s billed, one training), though the same work without that cap
+    would be: a node trains on every GPU of its instance by default."""
     catalog = Catalog.load()
 
     def bought(job_id: str, training: dict[str, Any] | None) -> set[int]:
@@ -284,15 +285,17 @@ def test_a_training_job_is_given_only_instances_whose_every_gpu_its_nodes_train_
         return {catalog.get(r.instance_type).gpu_count for r in spot}
 
     assert max(bought("job-sim", None)) > 1  # what this test would catch
-    assert bought("job-train", {"code": "job.py", "iterations": 100}) == {1}
+    assert max(bought("job-every", {"code": "job.py", "iterations": 100})) > 1
+    one = {"code": "job.py", "iterations": 100, "devices_per_node": 1}
+    assert bought("job-train", one) == {1}
 
 
 def test_a_training_job_stored_before_the_check_runs_on_its_one_gpu_types_or_fails_saying_why(
     store, ec2, prices
 ) -> None:
-    """A spec stored by an older version with multi-GPU types keeps running on its one-GPU
-    types; with none, it fails naming them (not as if no market existed)."""
-    training = {"code": "job.py", "iterations": 100}
+    """A spec stored before the check with types of more GPUs than its nodes train on keeps
+    running on the others; with none, it fails naming them (not as if no market existed)."""
+    training = {"code": "job.py", "iterations": 100, "devices_per_node": 1}
 
     def stored(job_id: str, types: tuple[str, ...]) -> None:
         spec = {"name": job_id, "budget_usd": 200.0, "work_gpu_hours": 40.0, "max_gpus": 8.0,

@@ -20,8 +20,13 @@ class Training:
         self.spec = SimpleNamespace(global_batch=64, iterations=100)
         self.counts: dict[str, tuple[int, float]] = {}
 
+        self.devices: dict[str, int] = {}
+
     def node_work(self) -> dict[str, tuple[int, float]]:
         return dict(self.counts)
+
+    def node_devices(self) -> dict[str, int]:
+        return dict(self.devices)
 
 
 def test_rows_become_the_jobs_work_on_one_gpu():
@@ -30,6 +35,17 @@ def test_rows_become_the_jobs_work_on_one_gpu():
     assert work.totals("j1", training, WORK) == {
         "i-1": InstanceWork(work_gpu_hours=0.2, hours=0.01, gpus=1)
     }
+
+
+def test_a_node_on_four_devices_counts_four_gpus_of_work():
+    """A 4-GPU instance whose node trains on all four: BidBrain learns the rate per GPU from
+    its work over 4 GPUs, not 1 (which would credit one GPU with four GPUs' work)."""
+    training, work = Training(), NodeWork(MemoryStore())
+    training.counts = {"i-4": (2560, 36.0), "i-1": (640, 36.0)}
+    training.devices = {"i-4": 4}
+    totals = work.totals("j1", training, WORK)
+    assert totals["i-4"] == InstanceWork(work_gpu_hours=0.8, hours=0.01, gpus=4)
+    assert totals["i-1"].gpus == 1  # not heard: one device
 
 
 def test_a_restarted_node_keeps_what_its_earlier_process_counted():
