@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
 import torch
@@ -68,7 +69,7 @@ class DeviceLoop:
         group = self._group
         while True:
             broadcast(group, self._header)
-            op, n, sync = (int(v) for v in self._header.tolist())
+            op, n, sync, exponent = (int(v) for v in self._header.tolist())
             if op == OP_STOP:
                 return
             if sync:
@@ -79,12 +80,13 @@ class DeviceLoop:
                 self.layout.load_buffers(self._model, self._before)
             rows = torch.empty(n, dtype=torch.int64, device=self.device)
             broadcast(group, rows)
-            self._compute(slice_of(rows, self.rank, self.size).cpu())
+            self._compute(slice_of(rows, self.rank, self.size).cpu(), math.ldexp(1.0, exponent))
             reduce_to_first(group, self._out)
 
-    def _compute(self, rows: torch.Tensor) -> None:
-        """This slice's gradient, buffer change and loss sum into `_out`; a job code error
-        is reported through the store and flagged in the last element."""
+    def _compute(self, rows: torch.Tensor, scale: float) -> None:
+        """This slice's gradient (of the loss times `scale`: fp16's loss scale), buffer
+        change and loss sum into `_out`; a job code error is reported through the store and
+        flagged in the last element."""
         out, layout = self._out, self.layout
         out.zero_()
         if not len(rows):
@@ -97,7 +99,7 @@ class DeviceLoop:
             with autocast(self.spec.precision, self.device), job_code_call(FORWARD):
                 loss = self._loss_fn(self._model(x), y)
             with job_code_call(BACKWARD):
-                (loss / self.spec.global_batch).backward()
+                (loss * (scale / self.spec.global_batch)).backward()
         except JobCodeError as exc:
             log.error("the job's code failed", extra={"error": str(exc)})
             self._store.set(f"error/{self.rank}", failure_report(exc))

@@ -53,7 +53,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
 START_POLL_S = 0.05
 
 OP_BACKWARD, OP_STOP = 1, 2
-HEADER = 3  # op, rows, whether the parameters follow
+HEADER = 4  # op, rows, whether the parameters follow, fp16's loss scale exponent
 
 
 class DeviceLostError(AgileMLError):
@@ -253,10 +253,12 @@ class DeviceGroup:
         rows: torch.Tensor,
         local: Callable[[torch.Tensor], float],
         version: int,
+        scale_exponent: int = 0,
     ) -> float:
         """`rows` through every device: `local(rows)` computes this process's slice on
         `model` (its gradients accumulate there), the others' are added to it. `version`: the
-        worker's parameter version (the parameters are sent when it changed). Returns the
+        worker's parameter version (the parameters are sent when it changed);
+        `scale_exponent`: fp16's loss scale is 2 ** it (`precision.LossScale`). Returns the
         loss sum over all rows.
 
         Raises:
@@ -267,7 +269,7 @@ class DeviceGroup:
         if group is None or self.lost:
             raise DeviceLostError(f"node {self.node_id}: its device group is closed")
         try:
-            return self._backward(group, model, rows, local, version)
+            return self._backward(group, model, rows, local, version, scale_exponent)
         except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout
             self._lose(exc)
             raise DeviceLostError(
@@ -281,9 +283,12 @@ class DeviceGroup:
         rows: torch.Tensor,
         local: Callable[[torch.Tensor], float],
         version: int,
+        scale_exponent: int,
     ) -> float:
         layout, sync = self._layout, version != self._synced_version
-        header = torch.tensor([OP_BACKWARD, len(rows), int(sync)], device=self.device)
+        header = torch.tensor(
+            [OP_BACKWARD, len(rows), int(sync), scale_exponent], device=self.device
+        )
         broadcast(group, header)
         if sync:
             state_into(layout, model, self._state)
@@ -294,9 +299,13 @@ class DeviceGroup:
             broadcast(group, before)
         broadcast(group, rows.to(self.device, torch.int64).contiguous())
         own = slice_of(rows, 0, self.size)
-        loss = local(own) if len(own) else 0.0
         reduced = self._reduced
         reduced.zero_()
+        try:
+            loss = local(own) if len(own) else 0.0
+        except BaseException:  # the others wait in the reduce: end the batch with them
+            reduce_to_first(group, reduced)
+            raise
         reduce_to_first(group, reduced)
         if reduced[-1].item() > 0:
             raise ReportedJobCodeError(self._error_report())
@@ -330,7 +339,7 @@ class DeviceGroup:
         group, self._group = self._group, None
         if group is not None and not self.lost:
             try:
-                broadcast(group, torch.tensor([OP_STOP, 0, 0], device=self.device))
+                broadcast(group, torch.tensor([OP_STOP, 0, 0, 0], device=self.device))
             except RuntimeError:
                 self.lost = True
         for proc in self._procs:

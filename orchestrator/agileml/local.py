@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ class NodeOutcome:
     ends: list[tuple[int, float]]  # (clock, wall-clock time the iteration ended)
     timings: dict[str, float]  # seconds spent pulling, computing, pushing (all iterations)
     straggler: dict[str, float]  # FlexRR counters (`reassign.ReassignStats`)
+    skipped_clocks: list[int] = field(default_factory=list)  # fp16: its gradient overflowed
 
 
 def mean_phase_seconds(outcomes: dict[str, NodeOutcome]) -> dict[str, float]:
@@ -259,6 +260,7 @@ class LocalJob:
                 [(int(c), float(t)) for c, t in data["ends"]],
                 {k: float(v) for k, v in data.get("timings", {}).items()},
                 {k: float(v) for k, v in data.get("straggler", {}).items()},
+                [int(c) for c in data.get("skipped_clocks", [])],
             )
         return out
 

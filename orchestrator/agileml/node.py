@@ -81,6 +81,7 @@ class NodeResult:
     ended: str = ""  # done | left | lost_controller
     devices: int = 1  # the devices it trained on at the end (`devices`)
     devices_lost: int = 0  # device processes that were gone (it went on with its first)
+    skipped_clocks: list[int] = field(default_factory=list)  # fp16: its gradient overflowed
 
 
 class AgileMLNode:
@@ -278,16 +279,18 @@ class AgileMLNode:
             devices=self._devices,
         )
         straggler = spec.straggler
-        if straggler.flexrr or straggler.injected is not None:
+        # fp16: a helper's gradients would be scaled by its own loss scale (`precision`)
+        flexrr = straggler.flexrr and spec.precision != "fp16"
+        if flexrr or straggler.injected is not None:
             self._reassigner = Reassigner(
                 straggler,
                 worker_id=self.node_id,
-                link=self._link if straggler.flexrr else None,
+                link=self._link if flexrr else None,
                 leaving=self._leaving.is_set,
             )
             self._worker.reassigner = self._reassigner
         self._warm_up(self._worker, self._reassigner)
-        if not straggler.flexrr and self._link is not None:
+        if not flexrr and self._link is not None:
             self._link.close()
             self._link = None
         return self._worker
@@ -383,6 +386,7 @@ class AgileMLNode:
                 result.straggler = self._reassigner.summary()
             worker.close()
             result.devices = worker.devices.size if worker.devices is not None else 1
+            result.skipped_clocks = sorted(worker.skipped_clocks)
 
     def _device_lost(self, worker: Worker, exc: DeviceLostError, result: NodeResult) -> None:
         """A device process is gone: the node goes on with its first device alone (the

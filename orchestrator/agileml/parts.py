@@ -108,7 +108,7 @@ def training_parts(spec: TrainingSpec) -> TrainingParts:
     else:
         plan = optimizer_plan(m.code, m.initial_model, m.layout.buffer_sizes)
         rows, loss_fn = dataset_rows(m.code), _summed(m.code.loss)
-        rules = plan.rules(m.layout.bounds)
+        rules = plan.rules(m.layout.bounds, skip_nonfinite=spec.precision == "fp16")
     return TrainingParts(
         model_factory=m.model_factory,
         initial_model=m.initial_model,

@@ -9,7 +9,7 @@ from torch import nn
 
 from orchestrator.agileml.batches import micro_batch, micro_batches
 from orchestrator.agileml.jobcode import JobCode, dataset_rows, seeded_model
-from orchestrator.agileml.precision import autocast
+from orchestrator.agileml.precision import LossScale, autocast
 from orchestrator.agileml.roster import global_batch_indices
 
 
@@ -24,7 +24,9 @@ def train_reference(
 ) -> tuple[nn.Module, list[float]]:
     """Train the job for `iterations` iterations in this process, each global batch in
     `accumulate` micro-batches (their mean losses weighted by their rows, gradients summed),
-    forward and loss in `precision`; returns the model and the loss of each iteration."""
+    forward and loss in `precision` (fp16: with the workers' dynamic loss scale, a step whose
+    gradient is not finite skipped, the scheduler stepped all the same); returns the model and
+    the loss of each iteration."""
     model = seeded_model(code, seed)
     model.train()
     rows = dataset_rows(code)
@@ -32,6 +34,7 @@ def train_reference(
     make_scheduler = code.for_run(iterations).make_scheduler
     scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
     losses = []
+    scale = LossScale() if precision == "fp16" else None
     for clock in range(iterations):
         batch = rows.take(global_batch_indices(seed, clock, len(rows), global_batch))
         optimizer.zero_grad(set_to_none=True)
@@ -40,9 +43,10 @@ def train_reference(
             x, y = micro_batch(batch, start, end)
             with autocast(precision, torch.device("cpu")):
                 loss = code.loss(model(x), y) * ((end - start) / global_batch)
-            loss.backward()
+            (loss * (scale.scale if scale is not None else 1.0)).backward()
             total += float(loss.item())
-        optimizer.step()
+        if scale is None or scale.unscale(list(model.parameters())):
+            optimizer.step()
         if scheduler is not None:
             scheduler.step()
         losses.append(total)

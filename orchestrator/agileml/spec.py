@@ -98,10 +98,11 @@ class TrainingSpec(BaseModel):
     # micro-batches (activations of one at a time), their gradients summed before the push;
     # the global batch and the update are unchanged
     accumulate: Annotated[int, Field(ge=1, le=MAX_ACCUMULATE, strict=True)] = 1
-    # mixed precision: `bf16` computes each worker's forward and loss under autocast to
-    # bfloat16 (the backward follows it); the parameter servers keep fp32 weights and
-    # optimizer state, and the gradients travel in fp32
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # mixed precision: `bf16` (`fp16`) computes each worker's forward and loss under autocast
+    # to bfloat16 (float16, with a dynamic loss scale: a step whose gradient is not finite is
+    # skipped on every partition); the parameter servers keep fp32 weights and optimizer
+    # state, and the gradients travel in fp32 (see `precision`)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # the most devices each node trains on (one worker per device, their gradients reduced
     # inside the node before its push, see `devices`); None: every device a node has
     devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES, strict=True)] | None = None
@@ -145,8 +146,13 @@ class TrainingSpec(BaseModel):
             )
         if self.parallelism == "pipeline" and self.precision != "fp32":
             raise ValueError(
-                "precision bf16 applies to data-parallel jobs for now: a pipeline's stages "
-                "compute in fp32"
+                f"precision {self.precision} applies to data-parallel jobs for now: a "
+                "pipeline's stages compute in fp32"
+            )
+        if self.precision == "fp16" and self.code is None:
+            raise ValueError(
+                "precision fp16 needs the job's code (its optimizer skips a step whose "
+                "gradient overflowed); the built-in example models train in fp32 or bf16"
             )
         if self.parallelism == "data" and (self.stages is not None or self.schedule != "flush"):
             raise ValueError("schedule and stages apply to parallelism `pipeline` only")

@@ -111,7 +111,8 @@ class TrainPlan(BaseModel):
     overlap: bool = False  # communication overlapped with computation (`agileml.streams`)
     # micro-batches per worker per iteration (gradient accumulation; the global batch is kept)
     accumulate: Annotated[int, Field(ge=1, le=MAX_ACCUMULATE)] = 1
-    precision: Literal["fp32", "bf16"] = "fp32"  # the workers' forward (`agileml.precision`)
+    # the workers' forward and loss (`agileml.precision`; fp16 with a dynamic loss scale)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # devices each node trains on, one worker each (`agileml.devices`; CPU processes here)
     devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 1
     # the job's evaluate() every this many iterations, on a checkpoint (`agileml.evaluations`)
@@ -145,6 +146,8 @@ class TrainResult:
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     # the devices each node trained on (`agileml.devices`), as its heartbeats said
     devices: dict[str, int] = field(default_factory=dict)
+    # fp16: the iterations whose step every server skipped (a worker's gradient overflowed)
+    skipped_steps: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -266,8 +269,10 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         heartbeat_s=0.1,
         failure_timeout_s=2.0,
         # FlexRR computes a share in chunks: exact for a sum of per-row gradients, not with
-        # BatchNorm's per-batch statistics
-        straggler=StragglerSpec(flexrr=not uses_batch_statistics(model)),
+        # BatchNorm's per-batch statistics; with fp16 each worker's loss scale is its own
+        straggler=StragglerSpec(
+            flexrr=not uses_batch_statistics(model) and plan.precision != "fp16"
+        ),
         checkpoint_dir=plan.checkpoint_dir,
         checkpoint_every=math.gcd(plan.checkpoint_every, plan.eval_every or 0),
         resume_from=resume,
@@ -336,6 +341,7 @@ def _run(
         phase_seconds=mean_phase_seconds(outcomes),
         precision=spec.precision,
         devices=job.coordinator.node_devices(),
+        skipped_steps=sorted({c for o in outcomes.values() for c in o.skipped_clocks}),
     )
     if parts.code is not None:
         result.evaluation, result.evaluation_error = evaluate_trained(parts.code, model)
@@ -506,6 +512,7 @@ def save_outputs(result: TrainResult, out: Path) -> None:
         "precision": result.precision,
         "devices": sum(result.devices.values()),
         "devices_per_node": result.devices,
+        "skipped_steps": result.skipped_steps,
         "final_loss": result.final_loss,
         "seconds_per_iteration": result.seconds_per_iteration,
         "mean_seconds_per_iteration": result.mean_seconds_per_iteration,

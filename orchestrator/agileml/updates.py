@@ -184,15 +184,34 @@ class OptimizerPlan:
             scheduler,
         )
 
-    def rules(self, bounds: Callable[[int], tuple[int, int]]) -> RuleFactory:
-        """A factory of partition rules, partition p covering `bounds(p)` of the flat vector."""
-        return lambda p, values: OptimizerRule(self, bounds(p), values)
+    def rules(
+        self, bounds: Callable[[int], tuple[int, int]], *, skip_nonfinite: bool = False
+    ) -> RuleFactory:
+        """A factory of partition rules, partition p covering `bounds(p)` of the flat vector;
+        `skip_nonfinite` (fp16): see `OptimizerRule`."""
+        return lambda p, values: OptimizerRule(
+            self, bounds(p), values, skip_nonfinite=skip_nonfinite
+        )
 
 
 class OptimizerRule:
-    """The user's optimizer (and scheduler) over one partition (see `OptimizerPlan`)."""
+    """The user's optimizer (and scheduler) over one partition (see `OptimizerPlan`).
 
-    def __init__(self, plan: OptimizerPlan, bounds: tuple[int, int], values: torch.Tensor) -> None:
+    With `skip_nonfinite` (fp16, `precision`): a clock whose summed gradient has an inf or a
+    NaN in a parameter element skips the optimizer's step (GradScaler's rule); the buffers
+    still move and the scheduler still steps, as in a loop that calls `scaler.step(opt)` and
+    then `scheduler.step()`. Every partition sees the same clocks not finite (a worker whose
+    gradient overflowed pushes NaN in every parameter element), so all skip alike.
+    """
+
+    def __init__(
+        self,
+        plan: OptimizerPlan,
+        bounds: tuple[int, int],
+        values: torch.Tensor,
+        *,
+        skip_nonfinite: bool = False,
+    ) -> None:
         start, stop = bounds
         if values.shape != (stop - start,):
             raise AgileMLError(f"partition values {tuple(values.shape)} do not fit {bounds}")
@@ -213,6 +232,8 @@ class OptimizerRule:
                 self._params.append((param, local))
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any = None
+        self._skip_nonfinite = skip_nonfinite
+        self.skipped = 0  # steps skipped for a gradient that was not finite
         if self._params:
             with job_code_call("optimizer(params) on a parameter server"):
                 self._optimizer = plan.kind(groups, **plan.defaults)
@@ -225,10 +246,15 @@ class OptimizerRule:
             self._values[local] += grad[local]
         if self._optimizer is None:
             return
-        for param, local in self._params:
-            param.grad = grad[local]
-        with job_code_call("the optimizer's step on a parameter server"):
-            self._optimizer.step()
+        if self._skip_nonfinite and not all(
+            bool(torch.isfinite(grad[local]).all()) for _, local in self._params
+        ):
+            self.skipped += 1
+        else:
+            for param, local in self._params:
+                param.grad = grad[local]
+            with job_code_call("the optimizer's step on a parameter server"):
+                self._optimizer.step()
         if self._scheduler is not None:
             with job_code_call("the scheduler's step on a parameter server"):
                 self._scheduler.step()

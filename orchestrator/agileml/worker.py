@@ -49,7 +49,7 @@ from orchestrator.agileml.batches import (
 )
 from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
-from orchestrator.agileml.precision import autocast
+from orchestrator.agileml.precision import LossScale, autocast
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
 from orchestrator.agileml.streams import EarlyPushes, PullStream, streaming_safe
 from orchestrator.agileml.usercode import job_code_call
@@ -121,6 +121,9 @@ class Worker(ServerRequests):
         # their gradients summed into this model; None: this worker computes alone
         self.devices = devices
         self._state_version = 0  # of the loaded parameters: a pull changes them
+        # fp16: the loss is scaled before backward, the gradients unscaled before the push
+        self._loss_scale = LossScale() if spec.precision == "fp16" else None
+        self.skipped_clocks: set[int] = set()  # fp16: clocks whose gradient here overflowed
         self._loss_fn = loss_fn
         self.roster = roster  # with a roster, `spec.batch_size` is the global batch
         self.epoch = epoch
@@ -158,6 +161,7 @@ class Worker(ServerRequests):
         overlap = (
             spec.overlap
             and devices is None  # the node's devices need whole batches and a whole model
+            and spec.precision != "fp16"  # a gradient is checked whole before it leaves
             and layout.num_partitions > 1
             and all(p.is_contiguous() for p in self._params)
         )
@@ -362,10 +366,10 @@ class Worker(ServerRequests):
                         # the loss is a sum over the rows: scaled by the global batch, the
                         # workers' updates add up to the global batch's mean gradient whoever
                         # computes what
-                        (loss / self.spec.batch_size).backward()
+                        (loss * (self._scale() / self.spec.batch_size)).backward()
                         total += float(loss.item())
                     else:  # a mean over the micro-batch: weighted by its share of the rows
-                        (loss * ((end - start) / n)).backward()
+                        (loss * (self._scale() * (end - start) / n)).backward()
                         total += float(loss.item()) * (end - start)
             finally:
                 if armed:
@@ -395,8 +399,9 @@ class Worker(ServerRequests):
         several); their gradient, scaled by the global batch, accumulates in it. Returns the
         loss sum."""
         if self.devices is not None:
+            exponent = self._loss_scale.exponent if self._loss_scale is not None else 0
             return self.devices.backward(
-                self._model, rows, self._take_backward, self._state_version
+                self._model, rows, self._take_backward, self._state_version, exponent
             )
         return self._take_backward(rows)
 
@@ -445,7 +450,10 @@ class Worker(ServerRequests):
         helped: list[list[torch.Tensor]] | None = None,
     ) -> None:
         """Push the partitions not sent early, each with the helpers' gradients of its rows
-        added (in the order they came)."""
+        added (in the order they came). fp16: the gradient is unscaled first, and one that is
+        not finite goes as NaN (`precision.LossScale`): every server skips the clock's step."""
+        if self._loss_scale is not None and not self._loss_scale.unscale(self._params):
+            self.skipped_clocks.add(clock)
         done = set(sent)
         for p in range(self.layout.num_partitions):
             if p in done:
@@ -543,8 +551,12 @@ class Worker(ServerRequests):
         with self._loading(), self._autocast(), job_code_call(FORWARD):
             loss = self._loss_fn(self._model(x), y)
         with job_code_call(BACKWARD):
-            (loss / self.spec.batch_size).backward()
+            (loss * (self._scale() / self.spec.batch_size)).backward()
             return float(loss.item())
+
+    def _scale(self) -> float:
+        """fp16's loss scale (`LossScale`), 1 otherwise."""
+        return self._loss_scale.scale if self._loss_scale is not None else 1.0
 
     def preload(self, identity: str, clock: int, fraction: float) -> None:
         """Cache the last `fraction` of `identity`'s input rows of `clock` (offers are cut from

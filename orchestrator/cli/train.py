@@ -82,9 +82,10 @@ PrecisionOption = Annotated[
     str,
     typer.Option(
         "--precision",
-        help="fp32, or bf16: each worker's forward and loss under autocast to bfloat16 (the "
-        "parameter servers keep fp32 weights and optimizer state).",
-        metavar="fp32|bf16",
+        help="fp32; bf16: each worker's forward and loss under autocast to bfloat16; fp16: to "
+        "float16, with a dynamic loss scale (a step whose gradient overflowed is skipped). "
+        "The parameter servers keep fp32 weights and optimizer state.",
+        metavar="fp32|bf16|fp16",
     ),
 ]
 DevicesOption = Annotated[
@@ -284,6 +285,14 @@ def _print_result(result: TrainResult) -> None:
     if any(n > 1 for n in result.devices.values()):
         total, nodes = sum(result.devices.values()), len(result.devices)
         out.print(f"trained on {total} devices in {nodes} nodes", highlight=False)
+    if result.skipped_steps:
+        shown = ", ".join(str(c) for c in result.skipped_steps[:10])
+        more = "" if len(result.skipped_steps) <= 10 else ", ..."
+        err.print(
+            f"[yellow]fp16:[/yellow] {len(result.skipped_steps)} steps skipped for a gradient "
+            f"that overflowed (iterations {shown}{more}; the loss scale was halved each time)",
+            highlight=False,
+        )
     if result.resumed_from is not None:
         out.print(f"resumed from {result.resumed_from}")
     for name, value in result.evaluation.items():
