@@ -141,13 +141,17 @@ def _rank_payload(rank: int, plan: _Plan) -> Any:
 
 
 def _rank_entry(rank: int, plan: Any, results: Any, train: Callable[[int, Any], Any]) -> None:
-    """Process entry point: join the gloo group (`plan.init_method`, `plan.workers`,
-    `plan.timeout_s`), run `train(rank, plan)`, then put ("ok", rank, its result) or
-    ("error", rank, the traceback) on `results`."""
+    """Process entry point: join the group (`plan.init_method`, `plan.workers`,
+    `plan.timeout_s`; gloo, or `plan.backend` if it names one: nccl puts rank r on GPU r), run
+    `train(rank, plan)`, then put ("ok", rank, its result) or ("error", rank, the traceback)
+    on `results`."""
     torch.set_num_threads(1)  # as AgileML's nodes (OMP_NUM_THREADS=1)
+    backend = getattr(plan, "backend", "gloo")
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=plan.init_method,
             rank=rank,
             world_size=plan.workers,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from orchestrator.agileml.batches import micro_batch, micro_batches
+from orchestrator.agileml.batches import micro_batch, micro_batches, to_device
 from orchestrator.agileml.jobcode import JobCode, dataset_rows, seeded_model
 from orchestrator.agileml.precision import LossScale, autocast
 from orchestrator.agileml.roster import global_batch_indices
@@ -21,13 +21,16 @@ def train_reference(
     seed: int = 0,
     accumulate: int = 1,
     precision: str = "fp32",
+    device: torch.device | None = None,
 ) -> tuple[nn.Module, list[float]]:
     """Train the job for `iterations` iterations in this process, each global batch in
     `accumulate` micro-batches (their mean losses weighted by their rows, gradients summed),
     forward and loss in `precision` (fp16: with the workers' dynamic loss scale, a step whose
     gradient is not finite skipped, the scheduler stepped all the same); returns the model and
-    the loss of each iteration."""
-    model = seeded_model(code, seed)
+    the loss of each iteration. `device`: where it computes (the CPU if None); the model
+    returned is on the CPU."""
+    device = device or torch.device("cpu")
+    model = seeded_model(code, seed).to(device)
     model.train()
     rows = dataset_rows(code)
     optimizer = code.optimizer(model.parameters())
@@ -40,8 +43,8 @@ def train_reference(
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for start, end in micro_batches(global_batch, accumulate):
-            x, y = micro_batch(batch, start, end)
-            with autocast(precision, torch.device("cpu")):
+            x, y = to_device(micro_batch(batch, start, end), device)
+            with autocast(precision, device):
                 loss = code.loss(model(x), y) * ((end - start) / global_batch)
             (loss * (scale.scale if scale is not None else 1.0)).backward()
             total += float(loss.item())
@@ -50,7 +53,7 @@ def train_reference(
         if scheduler is not None:
             scheduler.step()
         losses.append(total)
-    return model, losses
+    return model.cpu(), losses
 
 
 def relative_error(a: nn.Module, b: nn.Module) -> float:

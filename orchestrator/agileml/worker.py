@@ -51,6 +51,7 @@ from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.precision import LossScale, autocast
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
+from orchestrator.agileml.staging import PushStaging
 from orchestrator.agileml.streams import EarlyPushes, PullStream, streaming_safe
 from orchestrator.agileml.usercode import job_code_call
 from orchestrator.agileml.wire import MessageKind
@@ -124,6 +125,9 @@ class Worker(ServerRequests):
         # fp16: the loss is scaled before backward, the gradients unscaled before the push
         self._loss_scale = LossScale() if spec.precision == "fp16" else None
         self.skipped_clocks: set[int] = set()  # fp16: clocks whose gradient here overflowed
+        # on a GPU, gradients leave through reused pinned host vectors (`staging`)
+        cuda = self.device.type == "cuda"
+        self.staging = PushStaging(layout, self.device, pin=True) if cuda else None
         self._loss_fn = loss_fn
         self.roster = roster  # with a roster, `spec.batch_size` is the global batch
         self.epoch = epoch
@@ -222,6 +226,8 @@ class Worker(ServerRequests):
         computing = [
             w for w in identities if self.roster is None or w in self.roster.members(self.clock)
         ]
+        if self.staging is not None:
+            self.staging.keep_only(set(self.adoptions) | {self.spec.worker_id})
         t0 = time.perf_counter()
         # with FlexRR the worker helps peers until every partition is in (it could not help
         # on a half-loaded model), so its pulls load whole; its pushes may still leave early
@@ -455,12 +461,19 @@ class Worker(ServerRequests):
         if self._loss_scale is not None and not self._loss_scale.unscale(self._params):
             self.skipped_clocks.add(clock)
         done = set(sent)
+        host = None
+        if self.staging is not None:  # on a GPU: every gradient to the host at once
+            host = self.staging.gradients(identity, self._params, buffer_delta)
         for p in range(self.layout.num_partitions):
             if p in done:
                 continue
-            grad = self.layout.partition_grad(self._params, p, buffer_delta)
+            if host is not None:
+                grad = host[self.layout.slice(p)]  # the staging vector: ours to add to
+            else:
+                grad = self.layout.partition_grad(self._params, p, buffer_delta)
+                if helped:
+                    grad = grad.clone()  # it may be a view of the model's gradient
             if helped:
-                grad = grad.clone()  # it may be a view of the model's gradient
                 for parts in helped:
                     grad.add_(parts[p])
             self._submit(pushes, (p, MessageKind.PUSH, clock, {"delta": grad}, identity))

@@ -242,3 +242,22 @@ def test_large_frames_by_reference_in_process_change_nothing() -> None:
     by_inproc = _two_workers_one_in_process(inproc=True)
     by_tcp = _two_workers_one_in_process(inproc=False)
     assert all(torch.equal(a, b) for a, b in zip(by_inproc, by_tcp, strict=True))
+
+
+def test_pushes_through_the_staging_vectors_of_a_gpu_worker_change_nothing() -> None:
+    """`PushStaging` (on a GPU: pinned, copied without blocking) run here unpinned: the
+    same pushes to the bit, the vector reused across iterations and identities kept apart."""
+    from orchestrator.agileml.staging import PushStaging
+
+    plain = _trained_state(inproc=False, clocks=3)
+    server, worker = _single_worker_setup(b"tok", b"tok")
+    worker.staging = PushStaging(worker.layout, torch.device("cpu"), pin=False)
+    with server:
+        worker.endpoints["ps-0"] = server.endpoint
+        worker.run(3)
+        staged = [server.state(p) for p in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(staged, plain, strict=True))
+    vectors = worker.staging._vectors  # one vector, its own identity's, allocated once
+    assert list(vectors) == ["w-0"] and vectors["w-0"].shape == (worker.layout.total,)
+    worker.staging.keep_only(set())
+    assert not worker.staging._vectors
