@@ -25,10 +25,12 @@ on the node's machine reach it, as with torchrun's workers.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,6 +53,10 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
 #: How often the node checks whether its device processes are ready while they start.
 START_POLL_S = 0.05
+#: How often a node on GPUs checks that its device processes live (`DeviceGroup._watch`).
+WATCH_POLL_S = 0.5
+#: How long closing a group waits for the stop to be taken, then for each process to exit.
+STOP_WAIT_S = 5.0
 
 OP_BACKWARD, OP_STOP = 1, 2
 HEADER = 4  # op, rows, whether the parameters follow, fp16's loss scale exponent
@@ -181,7 +187,7 @@ class DeviceGroup:
 
     Raises (from `start`):
         ReportedJobCodeError: the job's code failed in a device process while it loaded.
-        DeviceLostError: a device process exited while starting.
+        DeviceLostError: a device process exited while starting, or `stopping()` turned true.
     """
 
     def __init__(
@@ -208,9 +214,11 @@ class DeviceGroup:
         # reduced: gradients, buffer changes, loss sum, failed ranks
         self._reduced = torch.zeros(layout.param_total + self._buffers + 2, device=self.device)
         self.lost = False
+        self._closed = threading.Event()
 
-    def start(self) -> None:
-        """Start the device processes and wait until they have loaded the job and joined."""
+    def start(self, stopping: Callable[[], bool] = lambda: False) -> None:
+        """Start the device processes and wait until they have loaded the job and joined
+        (as long as they live and `stopping()` is false: slow is not dead)."""
         self._store = dist.TCPStore("127.0.0.1", 0, self.size, True, wait_for_workers=False)
         for rank in range(1, self.size):
             cmd = [
@@ -223,15 +231,20 @@ class DeviceGroup:
             proc.stdin.write(self._spec_json.encode())
             proc.stdin.close()
             self._procs.append(proc)
-        self._await_ready()
+        self._await_ready(stopping)
         self._group = open_group(self._store, 0, self.size, self.device)
+        if backend_for(self.device) == "nccl":  # NCCL may not notice a peer that died
+            threading.Thread(
+                target=self._watch, name=f"devices-{self.node_id}", daemon=True
+            ).start()
         log.info("devices ready", extra={"node": self.node_id, "devices": self.size})
 
-    def _await_ready(self) -> None:
-        """Wait for every device process to say ready (slow is not dead: as long as it lives)."""
+    def _await_ready(self, stopping: Callable[[], bool]) -> None:
         assert self._store is not None
         waiting = set(range(1, self.size))
         while waiting:
+            if stopping():
+                raise DeviceLostError(f"node {self.node_id}: stopped while its devices started")
             for rank in sorted(waiting):
                 if self._store.check([f"error/{rank}"]):
                     report = self._store.get(f"error/{rank}").decode(errors="replace")
@@ -247,6 +260,17 @@ class DeviceGroup:
                     )
             time.sleep(START_POLL_S)
 
+    def _watch(self) -> None:
+        """Abort the group when a device process exits (for NCCL, which may wait on a dead
+        peer until its timeout): the batch waiting on it fails, and the node goes on without
+        it. Never run: no GPU was at hand."""
+        while not self._closed.wait(WATCH_POLL_S):
+            if any(p.poll() is not None for p in self._procs):
+                group = self._group
+                if group is not None:
+                    group.abort()
+                return
+
     def backward(
         self,
         model: nn.Module,
@@ -259,7 +283,8 @@ class DeviceGroup:
         `model` (its gradients accumulate there), the others' are added to it. `version`: the
         worker's parameter version (the parameters are sent when it changed);
         `scale_exponent`: fp16's loss scale is 2 ** it (`precision.LossScale`). Returns the
-        loss sum over all rows.
+        loss sum over all rows. What `local` raises goes on as it is (after the others'
+        batch is ended with them, so the group stays in step).
 
         Raises:
             DeviceLostError: a device process is gone (the group is closed).
@@ -268,45 +293,30 @@ class DeviceGroup:
         group = self._group
         if group is None or self.lost:
             raise DeviceLostError(f"node {self.node_id}: its device group is closed")
-        try:
-            return self._backward(group, model, rows, local, version, scale_exponent)
-        except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout
-            self._lose(exc)
-            raise DeviceLostError(
-                f"node {self.node_id}: a device process is gone ({self._exit_codes()}): {exc}"
-            ) from exc
-
-    def _backward(
-        self,
-        group: dist.ProcessGroup,
-        model: nn.Module,
-        rows: torch.Tensor,
-        local: Callable[[torch.Tensor], float],
-        version: int,
-        scale_exponent: int,
-    ) -> float:
+        if not len(rows):
+            return 0.0
         layout, sync = self._layout, version != self._synced_version
         header = torch.tensor(
             [OP_BACKWARD, len(rows), int(sync), scale_exponent], device=self.device
         )
-        broadcast(group, header)
+        self._collective(broadcast, header)
         if sync:
             state_into(layout, model, self._state)
-            broadcast(group, self._state)
+            self._collective(broadcast, self._state)
             self._synced_version = version
         before = layout.gather_buffers(model).to(self.device) if self._buffers else None
         if before is not None:
-            broadcast(group, before)
-        broadcast(group, rows.to(self.device, torch.int64).contiguous())
+            self._collective(broadcast, before)
+        self._collective(broadcast, rows.to(self.device, torch.int64).contiguous())
         own = slice_of(rows, 0, self.size)
         reduced = self._reduced
         reduced.zero_()
         try:
             loss = local(own) if len(own) else 0.0
         except BaseException:  # the others wait in the reduce: end the batch with them
-            reduce_to_first(group, reduced)
+            self._collective(reduce_to_first, reduced)
             raise
-        reduce_to_first(group, reduced)
+        self._collective(reduce_to_first, reduced)
         if reduced[-1].item() > 0:
             raise ReportedJobCodeError(self._error_report())
         add_grads(layout, model, reduced)
@@ -317,6 +327,28 @@ class DeviceGroup:
             change = (own_change + reduced[start : start + self._buffers]) / computing
             layout.load_buffers(model, before + change)
         return loss + float(reduced[-2].item())
+
+    def _collective(
+        self, op: Callable[[dist.ProcessGroup, torch.Tensor], None], tensor: torch.Tensor
+    ) -> None:
+        """`op(group, tensor)`; a failure (gloo: "Connection closed by peer", an aborted
+        group) means a device process is gone: the group is closed.
+
+        Raises:
+            DeviceLostError: see above.
+        """
+        group = self._group
+        try:
+            if group is None:
+                raise RuntimeError("the group is closed")
+            op(group, tensor)
+        except RuntimeError as exc:
+            codes = self._exit_codes()
+            self._lose(exc)
+            raise DeviceLostError(
+                f"node {self.node_id}: a device process is gone ({codes}): "
+                f"{str(exc).splitlines()[0][:300]}"
+            ) from exc
 
     def _error_report(self) -> str:
         assert self._store is not None
@@ -335,16 +367,19 @@ class DeviceGroup:
         self.close()
 
     def close(self) -> None:
-        """Stop the device processes (politely if the group works, else by force)."""
+        """Stop the device processes: told to stop if the group works (waiting at most
+        STOP_WAIT_S: a group out of step would wait for good), then killed if still there."""
+        self._closed.set()
         group, self._group = self._group, None
         if group is not None and not self.lost:
-            try:
-                broadcast(group, torch.tensor([OP_STOP, 0, 0, 0], device=self.device))
-            except RuntimeError:
-                self.lost = True
+            stop = threading.Thread(
+                target=_stop_group, args=(group, self.device), name="devices-stop", daemon=True
+            )
+            stop.start()
+            stop.join(STOP_WAIT_S)
         for proc in self._procs:
             try:
-                proc.wait(timeout=5)
+                proc.wait(timeout=STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -356,3 +391,8 @@ class DeviceGroup:
     def pids(self) -> list[int]:
         """The device processes' ids (fault injection in tests)."""
         return [p.pid for p in self._procs]
+
+
+def _stop_group(group: dist.ProcessGroup, device: torch.device) -> None:
+    with contextlib.suppress(RuntimeError):  # a device process is gone: it is killed next
+        broadcast(group, torch.tensor([OP_STOP, 0, 0, 0], device=device))

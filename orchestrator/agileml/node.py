@@ -250,8 +250,15 @@ class AgileMLNode:
             self._devices_requested, spec.devices_per_node, first=self._first_device
         )
         if len(slots) > 1:  # a job code error in a device process is a JobCodeError too
-            self._devices = DeviceGroup(self.node_id, spec.model_dump_json(), parts.layout, slots)
-            self._devices.start()
+            group = DeviceGroup(self.node_id, spec.model_dump_json(), parts.layout, slots)
+            self._devices = group
+            try:
+                group.start(stopping=self._stop.is_set)
+            except DeviceLostError as exc:  # a device that cannot start: train on the first
+                log.warning("a device process did not start; training on the first device",
+                            extra={"node": self.node_id, "error": str(exc)})  # fmt: skip
+                group.close()
+                self._devices = None
         self._worker = Worker(
             WorkerSpec(
                 self.node_id,

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,13 +105,50 @@ def test_a_device_process_that_is_gone_fails_the_next_batch_with_device_lost() -
     try:
         (pid,) = group.pids()
         os.kill(pid, 9)
-        with pytest.raises(DeviceLostError, match="a device process is gone"):
+        with pytest.raises(DeviceLostError, match=r"a device process is gone \(exit codes 1: -9\)"):
             group.backward(model, torch.arange(8), lambda rows: 0.0, version=1)
         assert group.lost
         with pytest.raises(DeviceLostError, match="closed"):
             group.backward(model, torch.arange(8), lambda rows: 0.0, version=1)
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("error", [ValueError, RuntimeError], ids=["job-code", "runtime"])
+def test_an_error_in_this_process_slice_keeps_the_group_in_step(error: type) -> None:
+    """What the node's own slice raises (the job's code; a RuntimeError such as running out
+    of memory) goes on as it is, not as a lost device: the others' batch is ended with them,
+    so the next batch is right and the group closes at once."""
+    spec = _spec()
+    parts = training_parts(spec)
+    group = DeviceGroup("n0", spec.model_dump_json(), parts.layout, [CPU, CPU])
+    model, alone = parts.model_factory(), parts.model_factory()
+    alone.load_state_dict(model.state_dict())
+    group.start()
+    try:
+
+        def failing(rows: torch.Tensor) -> float:
+            raise error("out of memory, say")
+
+        with pytest.raises(error, match="out of memory"):
+            group.backward(model, torch.arange(20), failing, version=1)
+        assert not group.lost
+
+        def local(rows: torch.Tensor) -> float:
+            x, y = parts.rows.take(rows)
+            loss = parts.loss_fn(model(x), y)
+            (loss / spec.global_batch).backward()
+            return float(loss.item())
+
+        model.zero_grad(set_to_none=True)
+        group.backward(model, torch.arange(20), local, version=1)
+        x, y = parts.rows.take(torch.arange(20))
+        (parts.loss_fn(alone(x), y) / spec.global_batch).backward()
+        assert torch.allclose(_grads(model), _grads(alone), atol=1e-6)
+    finally:
+        started = time.monotonic()
+        group.close()
+        assert time.monotonic() - started < 5  # the stop was taken: nothing out of step
 
 
 def test_the_jobs_error_in_a_device_process_comes_back_with_its_report(tmp_path: Path) -> None:
