@@ -37,6 +37,7 @@ from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.elasticity import NodeState, NodeTier
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.evaluations import EvaluationWatch, evaluate_trained
+from orchestrator.agileml.event_files import write_scalars
 from orchestrator.agileml.jobcode import (
     check_job_code,
     load_job_code,
@@ -53,6 +54,7 @@ from orchestrator.straggler.spec import StragglerSpec
 from orchestrator.units import MAX_SEED
 
 WARMUP_ITERATIONS = 5  # not counted in the time per iteration
+TENSORBOARD = "tensorboard"  # the folder of a run's event files under --out
 NEAR_EVENT = 2  # iterations on either side of an injection not counted either
 MAX_PARTITIONS = 16
 #: Bytes of model per partition (BytePS's default partition size is ~4 MB): the digits CNN
@@ -497,6 +499,21 @@ def _steady_gaps(
     return gaps
 
 
+def tensorboard_scalars(result: TrainResult) -> list[tuple[str, int, float]]:
+    """(tag, step, value): `train/loss` at each iteration (its mean over the nodes, the step
+    the iterations done after it), `eval/<metric>` at each evaluation's iteration (the run's
+    final one at its last), in step order."""
+    scalars = [("train/loss", c + 1, v) for c, v in result.losses if math.isfinite(v)]
+    found = list(result.evaluations)
+    if not found and result.evaluation:
+        found = [{"iteration": result.iterations, **result.evaluation}]
+    for e in found:
+        for name, value in e.items():
+            if name != "iteration" and isinstance(value, int | float) and math.isfinite(value):
+                scalars.append((f"eval/{name}", int(e["iteration"]), float(value)))
+    return sorted(scalars, key=lambda s: s[1])
+
+
 def _event(e: Any, started: float) -> dict[str, Any]:
     """A runtime event, `at_s` seconds after the run started."""
     at_s = round(e.at_s - started, 3)
@@ -504,9 +521,12 @@ def _event(e: Any, started: float) -> dict[str, Any]:
 
 
 def save_outputs(result: TrainResult, out: Path) -> None:
-    """Write `out/model.safetensors` (the model's full state_dict) and `out/summary.json`."""
+    """Write `out/model.safetensors` (the model's full state_dict), `out/summary.json` and
+    TensorBoard event files under `out/tensorboard/` (`event_files`: the loss per iteration,
+    each evaluation's metrics at its iteration)."""
     out.mkdir(parents=True, exist_ok=True)
     checkpoints.save_weights(result.model, out, WEIGHTS)
+    write_scalars(out / TENSORBOARD, tensorboard_scalars(result))
     summary = {
         "iterations": result.iterations,
         "precision": result.precision,

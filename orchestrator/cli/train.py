@@ -227,6 +227,11 @@ def train_command(
     _print_result(result)
     if out_dir is not None:
         out.print(f"wrote {out_dir / 'model.safetensors'} and {out_dir / 'summary.json'}")
+        out.print(
+            f"loss and evaluations for TensorBoard: tensorboard --logdir {out_dir / 'tensorboard'}",
+            highlight=False,
+            soft_wrap=True,
+        )
         out.print(f"the nodes' logs: {out_dir / 'logs'}", highlight=False, soft_wrap=True)
     else:
         err.print("[yellow]note:[/yellow] no --out DIR: the trained weights were not saved")

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from orchestrator.agileml import checkpoints
 from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.event_files import read_scalars
 from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.local import LocalJob
 from orchestrator.agileml.parts import training_parts
@@ -227,6 +228,13 @@ def test_train_cli_writes_weights_that_load_into_the_users_model(tmp_path: Path)
     for milestone in ("joined node=r0 tier=reliable", "loaded and ready", "ended node=r0 how=done"):
         assert milestone in reliable, reliable
     assert "how=left" in (out / "logs" / "t0.log").read_text()  # the evicted one
+    # TensorBoard's files: the loss at every iteration, the evaluation at the last
+    [events] = (out / "tensorboard").glob("events.out.tfevents.*")
+    scalars = read_scalars(events)
+    assert [step for tag, step, _ in scalars if tag == "train/loss"] == list(range(1, 101))
+    accuracy = summary["evaluation"]["held_out_accuracy"]
+    assert ("eval/held_out_accuracy", 100, pytest.approx(accuracy)) in scalars
+    assert f"tensorboard --logdir {out / 'tensorboard'}" in run.stdout
     sys.path.insert(0, str(JOBS / "bn_rmsprop"))
     try:
         job = load_job_code(JOBS / "bn_rmsprop")

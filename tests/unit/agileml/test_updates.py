@@ -249,3 +249,36 @@ def test_a_clocks_sum_goes_into_an_applied_clocks_buffer_and_never_aliases_a_pus
         reused.append({t.data_ptr() for t in sums})
     assert torch.equal(store.values(0), want)
     assert len(set.union(*reused)) <= SPARE_SUMS, "a fresh tensor for every clock"
+
+
+def test_a_server_runs_adam_with_the_fused_cpu_step_equal_to_rounding() -> None:
+    """`fused_step`: torch's fused CPU kernel for Adam unless the job asked for its own
+    implementation (foreach, fused=False); the values agree with the job's own loop to
+    rounding (SGD to the bit)."""
+    from orchestrator.agileml.updates import OptimizerPlan
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(50, 40)
+    grads = [torch.randn(50 * 40 + 40) for _ in range(20)]
+
+    def run(optimizer: Any) -> tuple[torch.Tensor, torch.optim.Optimizer | None]:
+        plan = OptimizerPlan.from_model(model, optimizer, None)
+        values = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+        rule = plan.rules(lambda p: (0, values.numel()))(0, values)
+        for g in grads:
+            rule.apply(g.clone())
+        return values, rule._optimizer
+
+    fused, opt = run(lambda p: torch.optim.Adam(p, lr=1e-2))
+    assert opt is not None and opt.defaults["fused"] is True
+    own, opt = run(lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False, fused=False))
+    assert opt is not None and not opt.defaults["fused"]
+    assert torch.allclose(fused, own, rtol=1e-6, atol=1e-7) and not torch.equal(fused, own)
+    _, opt = run(lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True))  # the job's choice
+    assert opt is not None and not opt.defaults["fused"]
+    sgd, opt = run(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True))
+    assert opt is not None and opt.defaults["fused"] is True
+    plain, _ = run(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, fused=False))
+    assert torch.equal(sgd, plain)
+    _, opt = run(lambda p: torch.optim.RMSprop(p, lr=1e-3))  # no fused step: as written
+    assert opt is not None and not opt.defaults.get("fused")
