@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from orchestrator.agent.identity import InstanceIdentity
+from orchestrator.agent.logship import LogShipper
 from orchestrator.agent.work import WorkReporter
 from orchestrator.cloud.imds import NoticeWatcher
 from orchestrator.cloud.notices import InterruptionNotice
@@ -123,6 +124,8 @@ class InstanceAgent:
     def run(self, stop: threading.Event) -> AgentOutcome:
         """Train and watch until done (see the class docstring); the outcome says how it
         ended."""
+        shipper = LogShipper(self.identity.instance_id, self.identity.job_id, "agent")
+        logging.getLogger().addHandler(shipper)
         watcher = self._start_watcher()
         trainer = self._start_training()
         log.info(
@@ -134,6 +137,7 @@ class InstanceAgent:
             while True:
                 if self.work is not None:
                     self.work.report()
+                shipper.ship(self._artifact_store())
                 if stop.wait(self.loop_interval_s) or self._parent_gone():
                     break
                 training_over = trainer is None or not trainer.is_alive()
@@ -149,7 +153,13 @@ class InstanceAgent:
                 "instance agent stopped",
                 extra={"instance_id": self.identity.instance_id, "ended": self.outcome.ended},
             )
+            shipper.ship(self._artifact_store(), force=True)
+            logging.getLogger().removeHandler(shipper)
         return self.outcome
+
+    def _artifact_store(self) -> str | None:
+        """The job's artifact store, once the node has joined (its spec names it)."""
+        return self.node.artifact_store if self.node is not None else None
 
     def _start_watcher(self) -> NoticeWatcher | None:
         if self.metadata_url is None:

@@ -143,6 +143,13 @@ class AgileMLNode:
         self._stop.set()
 
     @property
+    def artifact_store(self) -> str | None:
+        """The job's artifact store, once joined (the spec's `code_store`, set by the
+        controller; None for a job run without one)."""
+        spec = self._spec
+        return spec.code_store if spec is not None else None
+
+    @property
     def view(self) -> View:
         return self._view
 
@@ -374,8 +381,8 @@ class AgileMLNode:
                     self._device_lost(worker, exc, result)
                     continue
                 except JobCodeError as exc:  # no retry can fix it: the job fails with it
-                    log.error("the job's code failed", extra={"error": str(exc)})
-                    self._job_error = failure_report(exc)
+                    self._job_error = failure_report(exc)  # with the job's traceback
+                    log.error("the job's code failed:\n%s", self._job_error)
                     return self._await_abort(spec)
                 except WorkerError as exc:
                     if self._failure() is not None:  # this node's server applied it and failed

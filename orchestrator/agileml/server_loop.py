@@ -251,8 +251,8 @@ class ServerLoop:
         """Keep the first error of the job's code (the server goes on serving: a job's
         controller aborts the job when its node reports it)."""
         if self.job_error is None:
-            self.job_error = failure_report(exc)
-            log.error("the job's code failed", extra={"node": self.node_id, "error": str(exc)})
+            self.job_error = failure_report(exc)  # the message and the job's traceback
+            log.error("the job's code failed:\n%s", self.job_error, extra={"node": self.node_id})
 
     def _dispatch(
         self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, Response
 from fastapi.params import Depends as DependsParam
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
@@ -58,9 +58,12 @@ from orchestrator.api.errors import (
     redact_access_log,
 )
 from orchestrator.api.files import (
+    DEFAULT_LOG_TAIL,
     check_code_uploaded,
     checkpoint_tar,
     file_response,
+    job_log,
+    job_log_names,
     read_limited,
     save_code,
     weights_folder,
@@ -71,6 +74,7 @@ from orchestrator.api.operations import cancel_job, job_cost, new_job_id, submit
 from orchestrator.api.views import EventTallies, fleet, job_dashboard
 from orchestrator.artifacts import WEIGHTS, Folder, folder_at
 from orchestrator.artifacts.code import MAX_CODE_BYTES
+from orchestrator.artifacts.jobs import MAX_LOG_BYTES
 from orchestrator.bidbrain.errors import DeadlineError
 from orchestrator.cloud.notices import InterruptionNotice
 from orchestrator.dashboard.page import STATIC_DIR, dashboard_html
@@ -116,6 +120,7 @@ def create_app(
     artifacts = folder_at(settings.training.store_location)
     app.include_router(_job_routes(store, clock, new_id, (writes, reads), artifacts))
     app.include_router(_code_routes(writes, artifacts))
+    app.include_router(_log_routes(store, reads, artifacts))
     app.include_router(_runtime_routes(store, clock, on_notice, writes))
     tallies = EventTallies()  # the dashboard's and /metrics' reads of the event logs
     app.include_router(_dashboard_routes(store, clock, auth, reads, tallies))
@@ -228,6 +233,33 @@ def _code_routes(authorized: list[DependsParam], artifacts_root: Folder) -> APIR
         body = await read_limited(request, MAX_CODE_BYTES)
         stored = await run_in_threadpool(save_code, artifacts_root, ref, body)  # S3: a PUT
         return {"code": stored, "bytes": len(body)}
+
+    return router
+
+
+def _log_routes(store: Store, reads: list[DependsParam], artifacts_root: Folder) -> APIRouter:
+    """The job's instances' logs, as their agents shipped them (`agent.logship`)."""
+    router = APIRouter()
+
+    @router.get("/v1/jobs/{job_id}/logs", dependencies=reads)
+    def log_names(job_id: str) -> dict[str, Any]:
+        """The instances (nodes) whose logs the job's artifact store holds."""
+        store.get_job(job_id)
+        return {"nodes": job_log_names(artifacts_root, job_id)}
+
+    @router.get("/v1/jobs/{job_id}/logs/{node}", dependencies=reads, response_model=None)
+    def node_log(
+        job_id: str,
+        node: Annotated[str, Path(pattern=r"^[A-Za-z0-9._-]{1,128}$")],
+        tail_bytes: Annotated[int, Query(ge=1, le=MAX_LOG_BYTES)] = DEFAULT_LOG_TAIL,
+    ) -> Response:
+        """The end of one instance's log (`tail_bytes` of it), as text; `X-Log-Bytes` says
+        how long the whole is."""
+        store.get_job(job_id)
+        text, size = job_log(artifacts_root, job_id, node, tail_bytes)
+        return Response(
+            text, media_type="text/plain; charset=utf-8", headers={"X-Log-Bytes": str(size)}
+        )
 
     return router
 

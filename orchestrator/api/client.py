@@ -137,6 +137,23 @@ class ApiClient:
             params["limit"] = limit
         return dict(self._call("GET", _job_path(job_id, "events"), params=params))
 
+    def log_names(self, job_id: str) -> list[str]:
+        """The instances (nodes) of the job whose logs the artifact store holds."""
+        return [str(n) for n in self._call("GET", _job_path(job_id, "logs"))["nodes"]]
+
+    def node_log(self, job_id: str, node: str, tail_bytes: int | None = None) -> tuple[str, int]:
+        """The end of one instance's log and the whole log's size in bytes.
+
+        Raises:
+            ApiResponseError: 404 when there is no such log (yet).
+        """
+        params = {"tail_bytes": tail_bytes} if tail_bytes is not None else None
+        path = _job_path(job_id, "logs") + f"/{quote(node, safe='')}"
+        response = self._send("GET", path, params=params)
+        if not response.is_success:
+            raise _response_error(response)
+        return response.text, int(response.headers.get("X-Log-Bytes", len(response.content)))
+
     def fleet_dashboard(self) -> dict[str, Any]:
         """Every job's dashboard summary (`GET /v1/dashboard`)."""
         return dict(self._call("GET", "/v1/dashboard"))

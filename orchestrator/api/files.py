@@ -18,6 +18,9 @@ from orchestrator.api.errors import ApiError
 from orchestrator.artifacts import MANIFEST, Folder, JobArtifacts, LocalFolder, folder_name
 from orchestrator.artifacts.code import CodeError, has_code, is_code_ref, store_code
 
+#: How much of a log's end `GET /v1/jobs/{id}/logs/{node}` returns unless asked.
+DEFAULT_LOG_TAIL = 65_536
+
 NO_WEIGHTS_FIX = (
     "wait for the job's first checkpoint (the training section's checkpoint_every / "
     "checkpoint_every_s, or the controller's training.checkpoint_every_s) or its end"
@@ -140,3 +143,30 @@ def check_code_uploaded(root: Folder, code: str | None) -> None:
             f"training.code: {code} was not uploaded to this controller",
             fix="submit with `orchestrator submit JOB.yaml`, which uploads the code it names",
         )
+
+
+def job_log_names(root: Folder, job_id: str) -> list[str]:
+    """The instances whose logs the job's artifacts hold, sorted."""
+    names = JobArtifacts(root, job_id).logs.names()
+    return sorted(n.removesuffix(".log") for n in names if n.endswith(".log"))
+
+
+def job_log(root: Folder, job_id: str, node: str, tail_bytes: int) -> tuple[str, int]:
+    """The last `tail_bytes` of an instance's log as text, and the whole log's size.
+
+    Raises:
+        ApiError: 404, no such log (yet: an agent ships its log every few seconds once its
+            node has joined).
+    """
+    logs = JobArtifacts(root, job_id).logs
+    name = f"{node}.log"
+    if not logs.exists(name):
+        known = ", ".join(job_log_names(root, job_id)) or "none yet"
+        raise ApiError(404, f"job {job_id} has no log of {node}", fix=f"ask for one of: {known}")
+    try:
+        data = logs.read_bytes(name)
+    except FileNotFoundError as exc:
+        raise ApiError(
+            409, f"the log of {node} went away while it was read", fix="ask again"
+        ) from exc
+    return data[-tail_bytes:].decode(errors="replace"), len(data)

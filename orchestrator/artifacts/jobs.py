@@ -51,6 +51,11 @@ def folder_name(folder: Folder) -> str:
     return folder.location.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
 
 
+#: The most bytes of an instance's log kept in the store (its end: `agent.logship`), and so
+#: the most one request for it returns.
+MAX_LOG_BYTES = 1_000_000
+
+
 @dataclass(frozen=True)
 class JobArtifacts:
     """Where one job's artifacts live under `root` (see the module docstring)."""
@@ -75,6 +80,11 @@ class JobArtifacts:
     @property
     def final(self) -> Folder:
         return self.folder.sub("final")
+
+    @property
+    def logs(self) -> Folder:
+        """The job's instances' logs, `<instance>.log` each (`agent.logship`)."""
+        return self.folder.sub("logs")
 
     def latest_checkpoint(self) -> Folder | None:
         return latest_checkpoint(self.checkpoints)

@@ -11,6 +11,7 @@ traceback.
     demo.py        demo                             plan.py     plan
     local.py       local up, local down, local status
     jobs.py        submit, jobs, job, report, cancel, api serve
+    logs.py        logs (the job's instances' logs, through the API)
     controller.py  controller start                 deploy.py   deploy, worker start
 """
 
@@ -29,7 +30,8 @@ __all__ = ["app", "main"]
 
 #: Importing a command module registers its commands, in the order `--help` lists them.
 COMMAND_MODULES = (
-    "train", "simulate", "demo", "local", "market", "controller", "deploy", "jobs", "plan",
+    "train", "simulate", "demo", "local", "market", "controller", "deploy", "jobs", "logs",
+    "plan",
 )  # fmt: skip
 for _module in COMMAND_MODULES:
     importlib.import_module(f"{__name__}.{_module}")

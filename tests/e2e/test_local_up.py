@@ -2,7 +2,8 @@
 runs them through the installed console script, with a job file the project never trained
 (an MLP on scikit-learn's wine data, SGD with momentum): its weights come back and classify
 held-out rows; a job whose scheduler raises on the parameter servers ends `failed` with the
-user's error (exit 1); nothing the world started is left running."""
+user's error (exit 1), and `orchestrator logs` shows the failing node's traceback; nothing the
+world started is left running."""
 
 from __future__ import annotations
 
@@ -122,6 +123,11 @@ def test_a_users_job_goes_through_local_up_submit_download_and_down(tmp_path: Pa
         assert failed_job["state"] == "failed"
         assert "Tried to step 21 times" in failed_job["message"]  # the user's scheduler
         assert "Tried to step 21 times" in failed.stderr  # on the console too
+        # the nodes' logs through the API: the traceback of the node whose server failed
+        logs = cli("logs", failed_job["job_id"])
+        assert logs.returncode == 0, logs.stderr
+        assert "the job's code failed" in logs.stdout and "Tried to step 21 times" in logs.stdout
+        assert 'failing.py", line' in logs.stdout  # the job's frame, from the traceback
     finally:
         down = cli("local", "down", timeout=120)
     assert down.returncode == 0, down.stderr

@@ -76,6 +76,8 @@ class PipelineNode:
         self._profiled: dict[str, Any] | None = None  # a profile to send (see `_profile`)
         self.holder: BackupHolder | None = None  # on a reliable node: the job's backups
         self._spawner: LocalSpawner | None = None
+        # the job's artifact store, as the controller's welcome names it (`artifact_store`)
+        self.artifact_store: str | None = None
 
     def leave(self) -> None:
         """The eviction notice: the workers leave after their next backed-up update."""
@@ -99,9 +101,9 @@ class PipelineNode:
             welcome = self._register(sock, "hello")
             if welcome is None:
                 return NodeResult(self.node_id, ended="lost_controller")
-            code = resolve_code(
-                str(welcome["code"]), welcome.get("code_store"), welcome.get("data")
-            )
+            store = welcome.get("code_store")
+            self.artifact_store = store if isinstance(store, str) else None
+            code = resolve_code(str(welcome["code"]), store, welcome.get("data"))
             self._spawner = LocalSpawner(self._token, workdir)
             self._spawner.prestart()  # a replacement's stage starts without waiting on imports
             welcome = self._register(sock, "register")
