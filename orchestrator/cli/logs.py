@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from orchestrator.artifacts.jobs import MAX_LOG_BYTES
 from orchestrator.cli.app import app, err, out
 from orchestrator.cli.jobs import ApiOption, TokenOption, _client
 
@@ -16,6 +17,8 @@ from orchestrator.cli.jobs import ApiOption, TokenOption, _client
 FOLLOW_POLL_S = 2.0
 #: How much of each log's end is printed unless `--tail` says otherwise.
 DEFAULT_TAIL_BYTES = 20_000
+#: How much of what `--follow` printed last it looks for in the log read next.
+FOLLOW_ANCHOR_CHARS = 400
 
 
 @app.command("logs")
@@ -30,7 +33,7 @@ def logs(
     ] = False,
     tail: Annotated[
         int,
-        typer.Option("--tail", help="Bytes of each log's end to print.", min=1, max=1_000_000),
+        typer.Option("--tail", help="Bytes of each log's end to print.", min=1, max=MAX_LOG_BYTES),
     ] = DEFAULT_TAIL_BYTES,
     api: ApiOption = None,
     token: TokenOption = None,
@@ -47,16 +50,25 @@ def logs(
                 highlight=False,
             )
             return
-        sizes = {}
+        text = ""
         for name in names:
-            text, sizes[name] = client.node_log(job_id, name, tail)
+            text, size = client.node_log(job_id, name, tail)
             if node is None:
-                out.rule(f"{name} ({sizes[name]} bytes)")
+                out.rule(f"{name} ({size} bytes)")
             out.print(text, end="", markup=False, highlight=False, soft_wrap=True)
         while follow:
             time.sleep(FOLLOW_POLL_S)
-            text, size = client.node_log(job_id, names[0], 1_000_000)
-            new = size - sizes[names[0]]
-            if new > 0:
-                out.print(text[-new:], end="", markup=False, highlight=False, soft_wrap=True)
-            sizes[names[0]] = size
+            latest, _ = client.node_log(job_id, names[0], MAX_LOG_BYTES)
+            new = _after(latest, text[-FOLLOW_ANCHOR_CHARS:])
+            if new:
+                out.print(new, end="", markup=False, highlight=False, soft_wrap=True)
+            text = latest
+
+
+def _after(latest: str, seen_end: str) -> str:
+    """What `latest` has after the end of what was printed (`seen_end`): a log kept to its
+    last MAX_LOG_BYTES loses its start as it grows, so its size cannot say what is new."""
+    if not seen_end:
+        return latest
+    at = latest.rfind(seen_end)
+    return latest if at < 0 else latest[at + len(seen_end) :]

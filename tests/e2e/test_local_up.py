@@ -127,7 +127,7 @@ def test_a_users_job_goes_through_local_up_submit_download_and_down(tmp_path: Pa
         logs = cli("logs", failed_job["job_id"])
         assert logs.returncode == 0, logs.stderr
         assert "the job's code failed" in logs.stdout and "Tried to step 21 times" in logs.stdout
-        assert 'failing.py", line' in logs.stdout  # the job's frame, from the traceback
+        assert "Traceback (the job's frames" in logs.stdout, logs.stdout[-3000:]
     finally:
         down = cli("local", "down", timeout=120)
     assert down.returncode == 0, down.stderr

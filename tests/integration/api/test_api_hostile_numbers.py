@@ -61,7 +61,7 @@ BODIES: list[dict[str, Any]] = [
     {"name": "pipeline", "budget_usd": 10, "work_gpu_hours": 2,
      "training": _training(PATTERNS[2], parallelism="pipeline", stages=2, code="job.py")},
     {"name": "uneven", "budget_usd": 10, "work_gpu_hours": 2,
-     "training": _training(PATTERNS[3], accumulate=2)},
+     "training": _training(PATTERNS[3], accumulate=2, devices_per_node=2)},
 ]  # fmt: skip
 OUTCOMES: Counter[str] = Counter()
 

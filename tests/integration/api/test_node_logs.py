@@ -111,3 +111,12 @@ def test_orchestrator_logs_prints_every_nodes_end_or_one(tmp_path: Path) -> None
         assert one.returncode == 0 and "how=done" in one.stdout and "Traceback" not in one.stdout
         missing = cli("--node", "i-9")
         assert missing.returncode != 0 and "has no log of i-9" in missing.stderr
+
+
+def test_follow_prints_only_what_came_after_what_it_printed() -> None:
+    from orchestrator.cli.logs import _after
+
+    assert _after("a\nb\nc\n", "b\n") == "c\n"
+    assert _after("a\nb\n", "b\n") == ""
+    assert _after("x\ny\n", "b\n") == "x\ny\n"  # its start dropped past what was printed
+    assert _after("a\n", "") == "a\n"
