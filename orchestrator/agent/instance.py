@@ -126,8 +126,16 @@ class InstanceAgent:
         ended."""
         shipper = LogShipper(self.identity.instance_id, self.identity.job_id, "agent")
         logging.getLogger().addHandler(shipper)
-        watcher = self._start_watcher()
-        trainer = self._start_training()
+        shipper.start(self._artifact_store)
+        watcher: NoticeWatcher | None = None
+        trainer: threading.Thread | None = None
+        try:
+            watcher = self._start_watcher()
+            trainer = self._start_training()
+        except BaseException:
+            shipper.stop()
+            logging.getLogger().removeHandler(shipper)
+            raise
         log.info(
             "instance agent started",
             extra={"instance_id": self.identity.instance_id, "job_id": self.identity.job_id,
@@ -137,7 +145,6 @@ class InstanceAgent:
             while True:
                 if self.work is not None:
                     self.work.report()
-                shipper.ship(self._artifact_store())
                 if stop.wait(self.loop_interval_s) or self._parent_gone():
                     break
                 training_over = trainer is None or not trainer.is_alive()
@@ -153,7 +160,7 @@ class InstanceAgent:
                 "instance agent stopped",
                 extra={"instance_id": self.identity.instance_id, "ended": self.outcome.ended},
             )
-            shipper.ship(self._artifact_store(), force=True)
+            shipper.stop()  # its last write
             logging.getLogger().removeHandler(shipper)
         return self.outcome
 

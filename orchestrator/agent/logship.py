@@ -3,10 +3,13 @@
 
 `LogShipper` is a logging handler on the agent process's root logger: the agent's records and
 its AgileML node's (joined, ready, hand-offs, errors with their tracebacks, how it ended), as
-the agent writes them to stderr. It keeps the last `MAX_LOG_BYTES` and writes them to
-`<store>/<job>/logs/<instance>.log` at most every `SHIP_INTERVAL_S` while they change, and once
-when the agent stops. The store is the one the job's training spec names (`code_store`, set by
-the controller); before the node has joined, the log waits in memory.
+the agent writes them to stderr, not the storage libraries' own (botocore logs every client it
+makes: shipping them would change the log it ships). It keeps the last `MAX_LOG_BYTES` and a
+thread of its own writes them to `<store>/<job>/logs/<instance>.log` every `SHIP_INTERVAL_S`
+while they change, and once more when the agent stops (waiting at most `FINAL_SHIP_WAIT_S`):
+a slow or unreachable store never holds the agent's loop. The store is the one the job's
+training spec names (`code_store`, set by the controller); before the node has joined, the log
+waits in memory.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
+from orchestrator.artifacts.folders import Folder
 from orchestrator.artifacts.jobs import MAX_LOG_BYTES, JobArtifacts
 from orchestrator.logfmt import FieldsFormatter
 
@@ -23,6 +28,10 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two writes of a changing log to the store.
 SHIP_INTERVAL_S = 5.0
+#: The most seconds a stopping agent waits for its log's last write.
+FINAL_SHIP_WAIT_S = 10.0
+#: Loggers whose records are not shipped (the store's own client libraries).
+NOT_SHIPPED = ("botocore", "boto3", "s3transfer", "urllib3")
 
 
 class LogShipper(logging.Handler):
@@ -40,8 +49,31 @@ class LogShipper(logging.Handler):
         self._changed = False
         self._shipped_at = 0.0
         self.failures = 0  # writes to the store that failed (logged once each, not raised)
+        self._folder: tuple[str, Folder] | None = None  # the store's logs folder, made once
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, store: Callable[[], str | None]) -> None:
+        """Ship from a thread of its own every SHIP_INTERVAL_S, to `store()` (None: not
+        known yet)."""
+
+        def run() -> None:
+            while not self._stop.wait(SHIP_INTERVAL_S):
+                self.ship(store(), force=True)
+            self.ship(store(), force=True)
+
+        self._thread = threading.Thread(target=run, name="log-ship", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ship once more and stop (waiting at most FINAL_SHIP_WAIT_S)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(FINAL_SHIP_WAIT_S)
 
     def emit(self, record: logging.LogRecord) -> None:
+        if (record.name or "").split(".", 1)[0] in NOT_SHIPPED:
+            return
         try:
             line = self.format(record) + "\n"
         except Exception:  # noqa: BLE001 - logging must not fail the caller
@@ -72,8 +104,9 @@ class LogShipper(logging.Handler):
             text, self._changed = "".join(self._lines), False
         self._shipped_at = now
         try:
-            logs = JobArtifacts(store, self.job_id).logs
-            logs.write_bytes(f"{self.instance_id}.log", text.encode())
+            if self._folder is None or self._folder[0] != store:
+                self._folder = (store, JobArtifacts(store, self.job_id).logs)
+            self._folder[1].write_bytes(f"{self.instance_id}.log", text.encode())
         except Exception as exc:  # noqa: BLE001 - S3 or disk: the log waits for the next try
             self.failures += 1
             self._changed = True

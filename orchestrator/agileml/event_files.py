@@ -10,6 +10,8 @@ a tag and a `simple_value`) at a step.
 
 from __future__ import annotations
 
+import math
+import os
 import socket
 import struct
 import time
@@ -17,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 _FILE_VERSION = b"brain.Event:2"
+_FLOAT32_MAX = 3.4028234663852886e38
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, reflected
 
 
@@ -68,7 +71,9 @@ def _event(wall_time: float, step: int, what: bytes) -> bytes:
 
 
 def scalar_event(tag: str, value: float, step: int, wall_time: float) -> bytes:
-    """The serialized Event of one scalar."""
+    """The serialized Event of one scalar (a float32: past its range, an infinity)."""
+    if math.isfinite(value) and abs(value) > _FLOAT32_MAX:
+        value = math.copysign(math.inf, value)
     summary_value = _field(1, tag.encode()) + b"\x15" + struct.pack("<f", value)
     return _event(wall_time, step, _field(5, _field(1, summary_value)))
 
@@ -91,7 +96,10 @@ def write_scalars(
     returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
     now = time.time() if wall_time is None else wall_time
-    path = folder / f"events.out.tfevents.{int(now)}.{socket.gethostname()}"
+    name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}"
+    path = folder / name
+    while path.exists():  # another file of the same second: a run into the same folder
+        path = path.with_name(path.name + ".1")
     with path.open("wb") as out:
         out.write(record(_event(now, 0, _field(3, _FILE_VERSION))))
         for tag, step, value in scalars:

@@ -53,21 +53,29 @@ class LossScale:
         return math.ldexp(1.0, self.exponent)
 
     def unscale(self, params: Sequence[torch.Tensor]) -> bool:
-        """Divide the parameters' gradients by the scale, in place, and update the scale.
-        Returns whether every gradient was finite; if not, every parameter's gradient is set
-        to NaN (its step is then skipped everywhere; see the module docstring)."""
+        """Divide the parameters' gradients by the scale, in place (the scale itself changes
+        only in `update`). Returns whether every gradient was finite; if not, every
+        parameter's gradient is set to NaN (its step is then skipped everywhere; see the
+        module docstring)."""
         grads = [p.grad for p in params if p.grad is not None]
         found = torch.zeros(1, device=grads[0].device if grads else "cpu")
         if grads:
             inverse = torch.full((1,), 1.0 / self.scale, device=found.device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
         finite = found.item() == 0
+        if not finite:
+            for p in params:
+                p.grad = torch.full_like(p, math.nan)
+        return finite
+
+    def update(self, finite: bool) -> None:
+        """After an iteration whose pushes all went through: halve the scale if a gradient
+        was not finite, double it after `growth_interval` finite iterations in a row. Never
+        in between: an iteration redone after a failed push computes at the same scale, so
+        it pushes what it pushed before (the servers keep the first of each push)."""
         if finite:
             self._good += 1
             if self._good >= self.growth_interval:
                 self.exponent, self._good = min(self.exponent + 1, 64), 0
         else:
             self.exponent, self._good = max(self.exponent - 1, -64), 0
-            for p in params:
-                p.grad = torch.full_like(p, math.nan)
-        return finite

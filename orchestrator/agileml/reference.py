@@ -48,7 +48,10 @@ def train_reference(
                 loss = code.loss(model(x), y) * ((end - start) / global_batch)
             (loss * (scale.scale if scale is not None else 1.0)).backward()
             total += float(loss.item())
-        if scale is None or scale.unscale(list(model.parameters())):
+        finite = scale is None or scale.unscale(list(model.parameters()))
+        if scale is not None:
+            scale.update(finite)
+        if finite:
             optimizer.step()
         if scheduler is not None:
             scheduler.step()

@@ -526,7 +526,6 @@ def save_outputs(result: TrainResult, out: Path) -> None:
     each evaluation's metrics at its iteration)."""
     out.mkdir(parents=True, exist_ok=True)
     checkpoints.save_weights(result.model, out, WEIGHTS)
-    write_scalars(out / TENSORBOARD, tensorboard_scalars(result))
     summary = {
         "iterations": result.iterations,
         "precision": result.precision,
@@ -547,3 +546,4 @@ def save_outputs(result: TrainResult, out: Path) -> None:
         "losses": [[c, round(v, 6)] for c, v in result.losses],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_scalars(out / TENSORBOARD, tensorboard_scalars(result))  # after what matters more

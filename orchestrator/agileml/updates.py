@@ -285,7 +285,11 @@ class OptimizerRule:
             return
         try:
             state = torch.load(io.BytesIO(blob), weights_only=True)
+            fused = bool(self._optimizer.defaults.get("fused"))
             self._optimizer.load_state_dict(state["optimizer"])
+            for group in self._optimizer.param_groups:  # a state saved unfused says None
+                if fused and group.get("fused") is None:
+                    group["fused"] = True
             if self._scheduler is not None and state["scheduler"] is not None:
                 self._scheduler.load_state_dict(state["scheduler"])
         except Exception as exc:  # a malformed archive raises many kinds (pickle's too)
@@ -299,10 +303,11 @@ def fused_step(
     device (`FUSED_ON_CPU` on the CPU) and the job left `fused` and `foreach` unset; else (or
     if torch refuses the fused step for these options) as the job wrote it."""
     defaults = plan.defaults
-    asked = defaults.get("fused") is not None or defaults.get("foreach")
+    options = [defaults, *groups]  # a group may set its own
+    asked = any(o.get("fused") is not None or o.get("foreach") for o in options)
     if device.type != "cpu" or plan.kind not in FUSED_ON_CPU or asked:
         return plan.kind(groups, **defaults)
-    if defaults.get("differentiable") or "fused" not in defaults:
+    if any(o.get("differentiable") for o in options) or "fused" not in defaults:
         return plan.kind(groups, **defaults)
     fused = [{**g, "fused": True} if g.get("fused") is None else g for g in groups]
     try:

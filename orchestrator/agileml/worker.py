@@ -125,6 +125,7 @@ class Worker(ServerRequests):
         # fp16: the loss is scaled before backward, the gradients unscaled before the push
         self._loss_scale = LossScale() if spec.precision == "fp16" else None
         self.skipped_clocks: set[int] = set()  # fp16: clocks whose gradient here overflowed
+        self._overflowed = False  # fp16: a gradient of this iteration was not finite
         # on a GPU, gradients leave through reused pinned host vectors (`staging`)
         cuda = self.device.type == "cuda"
         self.staging = PushStaging(layout, self.device, pin=True) if cuda else None
@@ -208,6 +209,7 @@ class Worker(ServerRequests):
         if self._ctx is None:
             self._ctx = zmq.Context()
         self._outstanding.clear()  # replies to an abandoned iteration are late now
+        self._overflowed = False
         for identity, (first, end) in sorted(self.adoptions.items()):
             for clock in range(first, min(end, self.clock)):
                 if self.roster is not None and identity not in self.roster.members(clock):
@@ -254,6 +256,8 @@ class Worker(ServerRequests):
         self._phase("computed")
         self._wait_for(pushes)
         self._pushes = None
+        if self._loss_scale is not None:  # every push went through: the scale may change
+            self._loss_scale.update(not self._overflowed)
         if self.reassigner is not None:
             self.reassigner.check(self)  # FlexRR: the offers saved for after our own push
         t3 = time.perf_counter()
@@ -460,6 +464,7 @@ class Worker(ServerRequests):
         not finite goes as NaN (`precision.LossScale`): every server skips the clock's step."""
         if self._loss_scale is not None and not self._loss_scale.unscale(self._params):
             self.skipped_clocks.add(clock)
+            self._overflowed = True
         done = set(sent)
         host = None
         if self.staging is not None:  # on a GPU: every gradient to the host at once

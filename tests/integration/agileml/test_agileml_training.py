@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from orchestrator.agileml.batches import TensorRows
 from orchestrator.agileml.errors import WorkerError
 from orchestrator.agileml.examples import (
     gaussian_mixture,
@@ -17,6 +18,7 @@ from orchestrator.agileml.examples import (
     train_local,
 )
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
+from orchestrator.agileml.precision import LossScale
 from orchestrator.agileml.server import ParamServer
 from orchestrator.agileml.updates import sgd_rules
 from orchestrator.agileml.worker import Worker, WorkerSpec
@@ -261,3 +263,29 @@ def test_pushes_through_the_staging_vectors_of_a_gpu_worker_change_nothing() -> 
     assert list(vectors) == ["w-0"] and vectors["w-0"].shape == (worker.layout.total,)
     worker.staging.keep_only(set())
     assert not worker.staging._vectors
+
+
+def test_an_fp16_iteration_redone_after_a_failed_push_computes_at_the_same_scale() -> None:
+    """The loss scale changes only once an iteration's pushes all went through: a redo
+    after a push failed half-way pushes what the first try pushed (the servers keep the first
+    of each push), so no partition applies a clock that another skips."""
+    server, worker = _single_worker_setup(b"tok", b"tok")
+    worker.spec = WorkerSpec("w-0", "j", batch_size=16, request_timeout_s=2.0, precision="fp16")
+    worker._loss_scale = LossScale()
+    worker._rows = TensorRows(torch.full_like(DATA[0], 1e5), DATA[1])  # overflows in fp16
+    failed = []
+
+    def fail_once(phase: str, clock: int) -> None:
+        if phase == "pushing" and not failed:
+            failed.append(clock)
+            raise WorkerError("w-0", "the push failed half-way (injected)")
+
+    worker.phase_hook = fail_once
+    with server:
+        worker.endpoints["ps-0"] = server.endpoint
+        with pytest.raises(WorkerError, match="injected"):
+            worker.step()
+        assert worker._loss_scale.exponent == 16 and worker.clock == 0  # not changed yet
+        worker.step()  # the redo: the same scale, the same NaN pushes
+        assert worker._loss_scale.exponent == 15 and worker.skipped_clocks == {0}
+        worker.close()

@@ -68,6 +68,31 @@ def test_the_shipper_writes_when_the_log_changed_and_keeps_its_end(tmp_path: Pat
     assert shipper.ship(str(tmp_path), now=1e9 + SHIP_INTERVAL_S)
 
 
+def test_the_shipper_ships_from_its_own_thread_and_not_the_storage_librarys_records(
+    tmp_path: Path,
+) -> None:
+    """botocore logs every client it makes: shipped, those records would change the log at
+    every write, which would then be written again for ever."""
+    shipper = LogShipper("i-2", "job-1", "agent")
+    root = logging.getLogger()
+    root.addHandler(shipper)
+    try:
+        logging.getLogger("botocore.credentials").warning("Found credentials in ...")
+        logging.getLogger("orchestrator.agileml.node").warning("ended how=done")
+        store = None
+
+        def where() -> str | None:
+            return store
+
+        shipper.start(where)
+        store = str(tmp_path)  # the node joined: the spec names the store
+        shipper.stop()  # the last write, from its thread
+    finally:
+        root.removeHandler(shipper)
+    log = JobArtifacts(tmp_path, "job-1").logs.read_bytes("i-2.log").decode()
+    assert "ended how=done" in log and "Found credentials" not in log
+
+
 def test_the_api_lists_and_serves_the_logs_with_the_read_token(tmp_path: Path) -> None:
     root = tmp_path / "store"
     _ship(root, "job-1", "i-0a1", "ready", "the job's code failed:\nTraceback (x)")

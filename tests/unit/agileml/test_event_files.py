@@ -38,3 +38,13 @@ def test_tensorboard_reads_them(tmp_path: Path) -> None:
     acc = accumulator.EventAccumulator(str(tmp_path))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.5), (2, 1.25)]
+
+
+def test_a_value_past_float32s_range_is_an_infinity_and_files_do_not_overwrite(
+    tmp_path: Path,
+) -> None:
+    first = write_scalars(tmp_path, [("eval/perplexity", 1, 1e39)], wall_time=5.0)
+    second = write_scalars(tmp_path, [("eval/perplexity", 1, -1e39)], wall_time=5.0)
+    assert first != second  # the same second, the same process: both kept
+    assert read_scalars(first) == [("eval/perplexity", 1, float("inf"))]
+    assert read_scalars(second) == [("eval/perplexity", 1, float("-inf"))]

@@ -31,12 +31,16 @@ def test_the_loss_scale_unscales_halves_on_overflow_and_grows_after_a_run_of_fin
     assert scale.unscale([p, q]) and scale.exponent == 4
     assert p.grad.tolist() == [1.0, 2.0, -0.5] and q.grad.tolist() == [1 / 16, 2 / 16]
     p.grad, q.grad = torch.tensor([1.0, float("inf"), 0.0]), torch.tensor([1.0, 2.0])
-    assert not scale.unscale([p, q]) and scale.exponent == 3  # halved
+    assert not scale.unscale([p, q])
     # every parameter's gradient is NaN, the finite one too: every partition skips alike
     assert torch.isnan(p.grad).all() and torch.isnan(q.grad).all()
+    assert scale.exponent == 4  # unchanged until the iteration's pushes went through
+    scale.update(False)
+    assert scale.exponent == 3  # halved
     for _ in range(2):
         p.grad, q.grad = torch.ones(3), torch.ones(2)
         assert scale.unscale([p, q])
+        scale.update(True)
     assert scale.exponent == 4 and scale.scale == 16.0  # doubled after 2 finite in a row
     lone = torch.nn.Parameter(torch.zeros(2))  # never given a gradient: NaN too on overflow
     p.grad = torch.tensor([float("nan"), 0.0, 0.0])

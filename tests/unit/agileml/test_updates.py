@@ -3,6 +3,7 @@ same optimizer run on the whole model, and its state must survive a trip through
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -282,3 +283,29 @@ def test_a_server_runs_adam_with_the_fused_cpu_step_equal_to_rounding() -> None:
     assert torch.equal(sgd, plain)
     _, opt = run(lambda p: torch.optim.RMSprop(p, lr=1e-3))  # no fused step: as written
     assert opt is not None and not opt.defaults.get("fused")
+
+
+def test_a_state_saved_by_an_unfused_optimizer_keeps_the_fused_step() -> None:
+    """A hand-off or checkpoint from a server whose optimizer was not fused (an older
+    version) loads into a fused one and it stays fused (load_state_dict replaces the groups)."""
+    from orchestrator.agileml.updates import OptimizerPlan
+
+    model = torch.nn.Linear(4, 3)
+    values = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+    def rule(optimizer: Any) -> Any:
+        plan = OptimizerPlan.from_model(model, optimizer, None)
+        return plan.rules(lambda p: (0, values.numel()))(0, values.clone())
+
+    params = [torch.nn.Parameter(torch.zeros(12)), torch.nn.Parameter(torch.zeros(3))]
+    older = torch.optim.Adam(params, lr=1e-2)  # as a server before the fused step saved it
+    for p in params:
+        p.grad = torch.ones_like(p)
+    older.step()
+    assert older.param_groups[0]["fused"] is None
+    blob = io.BytesIO()
+    torch.save({"optimizer": older.state_dict(), "scheduler": None}, blob)
+    fused = rule(lambda p: torch.optim.Adam(p, lr=1e-2))
+    fused.load_state(blob.getvalue())
+    assert all(g["fused"] for g in fused._optimizer.param_groups)
+    fused.apply(torch.ones_like(values))  # steps from the loaded state
