@@ -27,7 +27,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.ddp_baseline import run_ranks
+from benchmarks.train_vs_ddp import DdpPlan
 from orchestrator.agileml.batches import to_device
 from orchestrator.agileml.jobcode import dataset_rows, load_job_code, seeded_model
 from orchestrator.agileml.reference import relative_error, train_reference
@@ -51,19 +51,6 @@ WARMUP = 5  # iterations not timed, as in trainrun's seconds_per_iteration
 PAUSE_ENV = "ORCHESTRATOR_TEST_JOB_PAUSE_S"
 
 
-@dataclass(frozen=True)
-class _DdpPlan:
-    """What every DDP rank needs; picklable for the spawn start method."""
-
-    job: str
-    workers: int
-    global_batch: int
-    iterations: int
-    init_method: str
-    timeout_s: float
-    backend: str  # nccl on GPUs (rank r on GPU r), gloo for --cpu-smoke
-
-
 def progress(message: str) -> None:
     print(f"[gpu-check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -72,14 +59,14 @@ def _steady_median(ends: list[float]) -> float:
     return statistics.median(ends[c] - ends[c - 1] for c in range(WARMUP, len(ends)))
 
 
-def _ddp_rank(rank: int, plan: _DdpPlan) -> tuple[list[float], bytes] | None:
+def _ddp_rank(rank: int, plan: DdpPlan) -> tuple[list[float], bytes] | None:
     """Train rank `rank`'s slices; rank 0 returns its iteration end times and the weights (as
     safetensors bytes: a tensor through the result queue would be shared memory, gone with
     the rank's process)."""
     cuda = plan.backend == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     code = load_job_code(plan.job, iterations=plan.iterations)
-    model = seeded_model(code, 0).to(device)
+    model = seeded_model(code, plan.seed).to(device)
     ddp = DistributedDataParallel(model, device_ids=[rank] if cuda else None)
     rows = dataset_rows(code)
     optimizer = code.optimizer(ddp.parameters())
@@ -87,7 +74,7 @@ def _ddp_rank(rank: int, plan: _DdpPlan) -> tuple[list[float], bytes] | None:
     ends: list[float] = []
     dist.barrier()
     for clock in range(plan.iterations):
-        batch = global_batch_indices(0, clock, len(rows), plan.global_batch)
+        batch = global_batch_indices(plan.seed, clock, len(rows), plan.global_batch)
         x, y = to_device(rows.take(batch.tensor_split(plan.workers)[rank]), device)
         optimizer.zero_grad(set_to_none=True)
         code.loss(ddp(x), y).backward()
@@ -111,9 +98,9 @@ def check_one(job: Path, gpus: int, args: argparse.Namespace, loop: torch.nn.Mod
                      devices_per_node=1)  # fmt: skip
     result = train_locally(plan)
     progress(f"{job.name} on {gpus}: DDP")
-    ddp_plan = _DdpPlan(
+    ddp_plan = DdpPlan(
         job=str(job), workers=gpus, global_batch=args.global_batch, iterations=args.iterations,
-        init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=args.timeout,
+        seed=0, init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=args.timeout,
         backend="gloo" if args.cpu_smoke else "nccl",
     )  # fmt: skip
     ends, weights = run_ranks(_ddp_rank, ddp_plan, workers=gpus, timeout_s=args.timeout)[0]

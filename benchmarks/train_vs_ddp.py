@@ -54,7 +54,7 @@ RELIABLE = 1
 
 
 @dataclass(frozen=True)
-class _DdpPlan:
+class DdpPlan:
     """What every DDP rank needs; picklable for the spawn start method."""
 
     job: str
@@ -64,6 +64,7 @@ class _DdpPlan:
     seed: int
     init_method: str
     timeout_s: float
+    backend: str = "gloo"  # nccl: rank r on GPU r (`benchmarks.gpu_check`)
 
 
 def progress(message: str) -> None:
@@ -104,7 +105,7 @@ def agileml_seconds_per_iteration(
     return (median, mean), result.phase_seconds
 
 
-def _ddp_train(rank: int, plan: _DdpPlan) -> list[float]:
+def _ddp_train(rank: int, plan: DdpPlan) -> list[float]:
     """Train this rank's slices of the global batches; returns each iteration's end time."""
     code = load_job_code(plan.job, iterations=plan.iterations)
     model = DistributedDataParallel(seeded_model(code, plan.seed))
@@ -126,7 +127,7 @@ def _ddp_train(rank: int, plan: _DdpPlan) -> list[float]:
     return ends
 
 
-def _ddp_rank(rank: int, plan: _DdpPlan) -> list[float] | None:
+def _ddp_rank(rank: int, plan: DdpPlan) -> list[float] | None:
     """One rank's run: rank 0 reports its iteration end times."""
     ends = _ddp_train(rank, plan)
     return ends if rank == 0 else None
@@ -141,7 +142,7 @@ def ddp_seconds_per_iteration(
     Raises:
         RuntimeError: a rank failed (its traceback in the message) or the run timed out.
     """
-    plan = _DdpPlan(
+    plan = DdpPlan(
         job=str(job),
         workers=workers,
         global_batch=global_batch,

@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,23 +58,35 @@ def _grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
+def _group_and_models(spec: TrainingSpec) -> tuple[Any, DeviceGroup, nn.Module, nn.Module]:
+    """The job's parts, a started group of two CPU devices, and two models alike."""
+    parts = training_parts(spec)
+    group = DeviceGroup("n0", spec.model_dump_json(), parts.layout, [CPU, CPU])
+    model, alone = parts.model_factory(), parts.model_factory()
+    alone.load_state_dict(model.state_dict())
+    group.start()
+    return parts, group, model, alone
+
+
+def _local(parts: Any, model: nn.Module, batch: int) -> Callable[[torch.Tensor], float]:
+    """This process's slice through `model`, as the worker computes it."""
+
+    def local(rows: torch.Tensor) -> float:
+        x, y = parts.rows.take(rows)
+        loss = parts.loss_fn(model(x), y)
+        (loss / batch).backward()
+        return float(loss.item())
+
+    return local
+
+
 def test_a_batch_across_two_devices_has_the_whole_batchs_gradient_and_loss() -> None:
     """The built-in MLR on generated data: 48 rows split over this process and a device
     process sum to the gradient and loss of the 48 rows on one process."""
     spec = _spec()
-    parts = training_parts(spec)
-    group = DeviceGroup("n0", spec.model_dump_json(), parts.layout, [CPU, CPU])
-    alone, model = parts.model_factory(), parts.model_factory()
-    alone.load_state_dict(model.state_dict())
-    group.start()
+    parts, group, model, alone = _group_and_models(spec)
+    local = _local(parts, model, spec.global_batch)
     try:
-
-        def local(rows: torch.Tensor) -> float:
-            x, y = parts.rows.take(rows)
-            loss = parts.loss_fn(model(x), y)
-            (loss / spec.global_batch).backward()
-            return float(loss.item())
-
         rows = torch.randperm(len(parts.rows), generator=torch.Generator().manual_seed(1))[:48]
         loss = group.backward(model, rows, local, version=1)
         x, y = parts.rows.take(rows)
@@ -120,11 +134,7 @@ def test_an_error_in_this_process_slice_keeps_the_group_in_step(error: type) -> 
     of memory) goes on as it is, not as a lost device: the others' batch is ended with them,
     so the next batch is right and the group closes at once."""
     spec = _spec()
-    parts = training_parts(spec)
-    group = DeviceGroup("n0", spec.model_dump_json(), parts.layout, [CPU, CPU])
-    model, alone = parts.model_factory(), parts.model_factory()
-    alone.load_state_dict(model.state_dict())
-    group.start()
+    parts, group, model, alone = _group_and_models(spec)
     try:
 
         def failing(rows: torch.Tensor) -> float:
@@ -134,14 +144,8 @@ def test_an_error_in_this_process_slice_keeps_the_group_in_step(error: type) -> 
             group.backward(model, torch.arange(20), failing, version=1)
         assert not group.lost
 
-        def local(rows: torch.Tensor) -> float:
-            x, y = parts.rows.take(rows)
-            loss = parts.loss_fn(model(x), y)
-            (loss / spec.global_batch).backward()
-            return float(loss.item())
-
         model.zero_grad(set_to_none=True)
-        group.backward(model, torch.arange(20), local, version=1)
+        group.backward(model, torch.arange(20), _local(parts, model, spec.global_batch), version=1)
         x, y = parts.rows.take(torch.arange(20))
         (parts.loss_fn(alone(x), y) / spec.global_batch).backward()
         assert torch.allclose(_grads(model), _grads(alone), atol=1e-6)
