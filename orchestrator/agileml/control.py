@@ -134,6 +134,8 @@ class Heartbeat(BaseModel):
     rows_computed: Annotated[int, Field(ge=0)] = 0
     compute_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     devices: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 1  # the devices it trains on now
+    # fp16: its worker's loss scale is 2 ** this (`precision.LossScale`); None: not fp16
+    loss_scale_exponent: Annotated[int, Field(ge=-64, le=64)] | None = None
 
 
 class Leaving(BaseModel):
@@ -180,6 +182,9 @@ class Reply(BaseModel):
     error: str | None = None
     spec: TrainingSpec | None = None
     view: View | None = None
+    # fp16: the lowest loss scale exponent the live nodes reported; a joiner starts there
+    # instead of at 2 ** 16 (each of its overflows would skip a step for every worker)
+    loss_scale_exponent: int | None = None
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

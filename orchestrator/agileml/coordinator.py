@@ -129,6 +129,7 @@ class _NodeInfo:
     rows_computed: int = 0  # rows it computed, and the seconds it took, as last heard
     compute_s: float = 0.0
     devices: int = 1  # the most devices it trained on, as heard
+    loss_scale_exponent: int | None = None  # fp16: its worker's, as last heard
 
 
 @dataclass(frozen=True)
@@ -386,7 +387,9 @@ class Coordinator:
                     m.tier, m.endpoint, now, now, peer_inboxes=m.peer_inboxes
                 )
                 self._membership.join(node, now)
-                return Reply(spec=self.spec, view=self._view)
+                return Reply(
+                    spec=self.spec, view=self._view, loss_scale_exponent=self._scale_hint()
+                )
             if info is None:
                 return Reply(ok=False, error=f"unknown node {node}: send `join` first")
             info.last_seen_s = now
@@ -395,6 +398,7 @@ class Coordinator:
                 info.reassigned_rows = m.reassigned_rows
                 info.rows_computed, info.compute_s = m.rows_computed, m.compute_s
                 info.devices = max(info.devices, m.devices)
+                info.loss_scale_exponent = m.loss_scale_exponent
                 if m.loss is not None and (not info.losses or info.losses[-1][0] != m.clock):
                     info.losses.append((m.clock, m.loss))
             elif isinstance(m, Ready):
@@ -403,7 +407,17 @@ class Coordinator:
                 self._queue.put(("leaving", node))
             elif isinstance(m, Left):
                 self._queue.put(("left", node))
-            return Reply(view=self._view)
+            return Reply(view=self._view, loss_scale_exponent=self._scale_hint())
+
+    def _scale_hint(self) -> int | None:
+        """fp16: the lowest loss scale exponent the live nodes reported (call with the lock)."""
+        live = self._membership.in_state(*LIVE_STATES)
+        heard = [
+            i.loss_scale_exponent
+            for n, i in self._nodes.items()
+            if n in live and i.loss_scale_exponent is not None
+        ]
+        return min(heard) if heard else None
 
     def _job_failed(self, node: str, error: str) -> Reply:
         """A node's report that the job's code raised: abort the job with the user's error

@@ -107,6 +107,7 @@ class AgileMLNode:
         self._devices_requested = devices
         self._first_device = first_device
         self._devices: DeviceGroup | None = None
+        self._scale_hint: int | None = None  # fp16: where the running workers' scale is
         # load and warm up at nice 19 (`_load`): for a node beside running ones on one machine
         self._low_priority_load = low_priority_load
         self._phase_hook = phase_hook  # fault injection in tests (see Worker)
@@ -292,6 +293,8 @@ class AgileMLNode:
             local_endpoints=self._local_endpoints(),
             devices=self._devices,
         )
+        if self._scale_hint is not None:  # fp16: a joiner starts at the others' scale
+            self._worker.start_loss_scale_at(self._scale_hint)
         straggler = spec.straggler
         # fp16: a helper's gradients would be scaled by its own loss scale (`precision`)
         flexrr = straggler.flexrr and spec.precision != "fp16"
@@ -507,6 +510,9 @@ class AgileMLNode:
                     devices=self._worker.devices.size
                     if self._worker is not None and self._worker.devices is not None
                     else 1,
+                    loss_scale_exponent=None
+                    if self._worker is None
+                    else self._worker.loss_scale_exponent,
                 )
                 reply = self._send(client, beat)
                 misses = 0 if reply is not None else misses + 1
@@ -528,6 +534,8 @@ class AgileMLNode:
         reply = Reply.model_validate(out)
         if reply.view is not None:
             self._view = reply.view
+        if reply.loss_scale_exponent is not None:
+            self._scale_hint = reply.loss_scale_exponent
         return reply
 
     # -- control ops from the controller (run on the server's control threads) -------------

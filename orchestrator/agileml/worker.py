@@ -572,6 +572,16 @@ class Worker(ServerRequests):
             (loss * (self._scale() / self.spec.batch_size)).backward()
             return float(loss.item())
 
+    @property
+    def loss_scale_exponent(self) -> int | None:
+        """fp16: the loss scale is 2 ** this (`precision.LossScale`); None otherwise."""
+        return self._loss_scale.exponent if self._loss_scale is not None else None
+
+    def start_loss_scale_at(self, exponent: int) -> None:
+        """fp16: start from the scale the running workers reached (a joiner), not 2 ** 16."""
+        if self._loss_scale is not None:
+            self._loss_scale.exponent = exponent
+
     def _scale(self) -> float:
         """fp16's loss scale (`LossScale`), 1 otherwise."""
         return self._loss_scale.scale if self._loss_scale is not None else 1.0

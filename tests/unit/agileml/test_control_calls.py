@@ -100,3 +100,32 @@ def test_hostile_frames_never_silence_the_elasticity_controller() -> None:
         raw.close()
         ctx.term()
         coordinator.stop()
+
+
+def test_a_joiner_is_told_the_lowest_fp16_loss_scale_the_live_nodes_reported() -> None:
+    """fp16: a node joining late starts at the running workers' loss scale, not at 2 ** 16
+    (each overflow of a joiner's would skip a step for every worker)."""
+    spec = TrainingSpec(job_id="scale", model=ModelSpec(kind="additive", features=8),
+                        global_batch=8, iterations=10, num_partitions=1, min_nodes=3)  # fmt: skip
+    coordinator = Coordinator(spec, token=TOKEN).start()
+    clients = {n: ControlClient(job_id="scale", sender=n, token=TOKEN) for n in ("a", "b", "c")}
+    try:
+
+        def call(node: str, body: dict[str, object]) -> dict[str, object]:
+            return clients[node].call(coordinator.endpoint, body, 10.0)
+
+        join = {"op": "join", "tier": "transient", "endpoint": "tcp://127.0.0.1:9"}
+        assert call("a", join)["loss_scale_exponent"] is None  # nobody reported one yet
+        call("b", join)
+        for node, exponent in (("a", 12), ("b", 9)):
+            call(node, {"op": "ready"})
+            call(node, {"op": "heartbeat", "clock": 0, "loss_scale_exponent": exponent})
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and coordinator.members() != {"a", "b"}:
+            time.sleep(0.05)
+        reply = call("c", join)
+        assert reply["ok"] and reply["loss_scale_exponent"] == 9
+    finally:
+        for client in clients.values():
+            client.close()
+        coordinator.stop()
