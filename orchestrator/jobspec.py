@@ -229,9 +229,9 @@ class JobSubmission(BaseModel):
         if self.training is None or not self.instance_types or (info.context or {}).get("stored"):
             return self
         catalog, cap = Catalog.load(), self.devices_per_node()
-        idle = [t for t in self.instance_types if catalog.get(t).gpu_count > cap]
+        idle = [t for t in self.instance_types if not _fits(catalog, t, cap)]
         if idle:
-            usable = [t for t in catalog.gpu_types() if catalog.get(t).gpu_count <= cap]
+            usable = [t for t in catalog.gpu_types() if _fits(catalog, t, cap)]
             raise ValueError(
                 f"instance_types: {', '.join(idle)} "
                 f"{'has' if len(idle) == 1 else 'have'} more than {cap} GPU"
@@ -264,7 +264,7 @@ class JobSubmission(BaseModel):
         if self.training is None:
             return tuple(types)
         cap = self.devices_per_node()
-        return tuple(t for t in types if catalog.get(t).gpu_count <= cap)
+        return tuple(t for t in types if _fits(catalog, t, cap))
 
     def types_refused(self, catalog: Catalog) -> str | None:
         """Why the job may use none of its `instance_types` (a training job stored before they
@@ -310,6 +310,12 @@ class JobSubmission(BaseModel):
             return self
         at = datetime.fromtimestamp(now_s + self.deadline_hours * SECONDS_PER_HOUR, UTC)
         return self.model_copy(update={"deadline": at, "deadline_hours": None})
+
+
+def _fits(catalog: Catalog, instance_type: str, devices_per_node: int) -> bool:
+    """Whether a node that trains on up to `devices_per_node` devices uses every GPU of
+    `instance_type`."""
+    return catalog.get(instance_type).gpu_count <= devices_per_node
 
 
 #: `gpu_work_rates` as the field checks it (for the work from `iteration_time`, before it is)

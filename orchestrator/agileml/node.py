@@ -402,7 +402,7 @@ class AgileMLNode:
             if self._reassigner is not None:
                 result.straggler = self._reassigner.summary()
             worker.close()
-            result.devices = worker.devices.size if worker.devices is not None else 1
+            result.devices = worker.device_count
             result.skipped_clocks = sorted(worker.skipped_clocks)
 
     def _device_lost(self, worker: Worker, exc: DeviceLostError, result: NodeResult) -> None:
@@ -507,9 +507,7 @@ class AgileMLNode:
                     reassigned_rows=helped,
                     rows_computed=rows,
                     compute_s=busy,
-                    devices=self._worker.devices.size
-                    if self._worker is not None and self._worker.devices is not None
-                    else 1,
+                    devices=1 if self._worker is None else self._worker.device_count,
                     loss_scale_exponent=None
                     if self._worker is None
                     else self._worker.loss_scale_exponent,

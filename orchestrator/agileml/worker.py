@@ -409,7 +409,7 @@ class Worker(ServerRequests):
         several); their gradient, scaled by the global batch, accumulates in it. Returns the
         loss sum."""
         if self.devices is not None:
-            exponent = self._loss_scale.exponent if self._loss_scale is not None else 0
+            exponent = self.loss_scale_exponent or 0
             return self.devices.backward(
                 self._model, rows, self._take_backward, self._state_version, exponent
             )
@@ -571,6 +571,11 @@ class Worker(ServerRequests):
         with job_code_call(BACKWARD):
             (loss * (self._scale() / self.spec.batch_size)).backward()
             return float(loss.item())
+
+    @property
+    def device_count(self) -> int:
+        """The devices it trains on now: its node's group's, else its own one."""
+        return self.devices.size if self.devices is not None else 1
 
     @property
     def loss_scale_exponent(self) -> int | None:
