@@ -252,6 +252,7 @@ class AgileMLNode:
             parts = training_parts(spec)
         if self._server is not None:
             self._server.set_update_rules(parts.rules)
+            self._server.set_clipping(spec.clip_grad_norm is not None)
         self._initial = parts.layout.gather(parts.initial_model)
         self._layout = parts.layout
         slots = node_devices(
@@ -277,6 +278,7 @@ class AgileMLNode:
                 overlap=spec.overlap,
                 accumulate=spec.accumulate,
                 precision=spec.precision,
+                clip_grad_norm=spec.clip_grad_norm,
             ),
             token=self._token,
             layout=self._layout,
@@ -351,6 +353,8 @@ class AgileMLNode:
 
     def _train(self, spec: TrainingSpec, worker: Worker, result: NodeResult) -> str:
         was_member = False
+        clip = spec.clip_grad_norm is not None
+        settled: tuple[int | None, int] = (None, -1)  # (epoch, clock) settled at
         try:
             while not self._stop.is_set():
                 view = self._view
@@ -366,6 +370,10 @@ class AgileMLNode:
                 self._sync(worker, view)
                 clock = worker.clock
                 first = view.roster.first_clock_of(self.node_id, clock)
+                if clip and clock >= spec.iterations and settled != (worker.epoch, clock):
+                    if self._settle(worker, spec):  # clipping: the last clock's coefficient
+                        settled = (worker.epoch, clock)  # again after a roll-back
+                    continue
                 if clock >= spec.iterations or first is None:
                     evicted = was_member and first is None and self._leaving.is_set()
                     if evicted and not self._owns_partitions():
@@ -404,6 +412,19 @@ class AgileMLNode:
             worker.close()
             result.devices = worker.device_count
             result.skipped_clocks = sorted(worker.skipped_clocks)
+
+    def _settle(self, worker: Worker, spec: TrainingSpec) -> bool:
+        """`worker.settle()`; False if it is to be tried again (see `_train`'s retries)."""
+        try:
+            worker.settle()
+        except StaleViewError as exc:
+            self._await_view(worker, exc.roster_version, spec)
+            return False
+        except WorkerError as exc:
+            log.warning("settling the last clock failed; retrying", extra={"error": str(exc)})
+            time.sleep(spec.heartbeat_s)
+            return False
+        return True
 
     def _device_lost(self, worker: Worker, exc: DeviceLostError, result: NodeResult) -> None:
         """A device process is gone: the node goes on with its first device alone (the

@@ -9,6 +9,9 @@ are. A partition travels whole between servers as a `PartitionSnapshot` (values,
 incomplete clocks, applied set, the rule's state, ownership version, updates not yet streamed
 to its BackupPS).
 
+With clipping on (`set_clipping`), a complete clock is applied only once its coefficient is
+known (`set_coefficient`; see `clipping`), which then travels with the partition.
+
 A BackupPS's store may hold clocks back (`set_ceiling`): it sums them but applies none past
 the ceiling, so that a roll-back can restore every partition at one common clock
 (`rewind_to`): the state of a single-process run at that clock, whatever each partition's lag.
@@ -22,6 +25,7 @@ from enum import StrEnum
 
 import torch
 
+from orchestrator.agileml.clipping import KEEP_APPLIED, NormAnswer, scale, squared_norm
 from orchestrator.agileml.errors import (
     AgileMLError,
     OwnershipConflictError,
@@ -56,6 +60,8 @@ class _Partition:
     generation: int = 0  # bumped by every change of `values`
     # sums of applied clocks, reused for later ones (`_accumulate`)
     spare: list[torch.Tensor] = field(default_factory=list)
+    # clipping: clock -> its coefficient (unapplied clocks, recent applied ones, `_prune`)
+    coefs: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class PendingChunk:
     clock: int
     delta: torch.Tensor
     workers: frozenset[str]
+    coef: float | None = None  # clipping: the clock's coefficient
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,7 @@ class PartitionSnapshot:
     pending: tuple[PendingChunk, ...] = ()
     accum: tuple[tuple[int, torch.Tensor], ...] = ()  # (clock, sum of its pushes so far)
     rule_state: bytes = b""  # the update rule's state (`UpdateRule.state`)
+    coefs: tuple[tuple[int, float], ...] = ()  # clipping: (clock, coefficient)
 
 
 class PartitionStore:
@@ -104,6 +112,7 @@ class PartitionStore:
         self._given_away: dict[int, int] = {}  # partition -> the version its new owner holds
         self.roster: Roster | None = None
         self.ceiling: int | None = None  # no clock past it is applied (None: no limit)
+        self.clipping = False  # a clock waits for its coefficient (`set_coefficient`)
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -113,6 +122,34 @@ class PartitionStore:
     def set_rules(self, rules: RuleFactory) -> None:
         """Use `rules` for the partitions added or imported from now on."""
         self._rules = rules
+
+    def set_clipping(self, on: bool) -> None:
+        """Apply a complete clock only with its clipping coefficient (`set_coefficient`)."""
+        self.clipping = on
+        for part in self._parts.values():
+            self._advance(part)
+
+    def norm_answer(self, p: int, clock: int) -> NormAnswer | None:
+        """What a `norm` request for `clock` is answered with (see `clipping`); None while some
+        roster member has not pushed it yet. Raises PartitionError."""
+        part = self._get(p)
+        if clock in part.coefs:
+            return NormAnswer(coef=part.coefs[clock])
+        if clock <= part.consistent:
+            return NormAnswer()
+        if self.complete_through(p) < clock:
+            return None
+        total = part.accum.get(clock)
+        sq = squared_norm(total, part.rule.gradient_slices()) if total is not None else 0.0
+        return NormAnswer(sq_norm=sq)
+
+    def set_coefficient(self, p: int, clock: int, coef: float) -> None:
+        """Apply `clock` with this clipping coefficient once complete; a coefficient already
+        known, or a clock already applied, stays as it is. Raises PartitionError."""
+        part = self._get(p)
+        if clock > part.consistent and clock not in part.coefs:
+            part.coefs[clock] = coef
+            self._advance(part)
 
     def add(
         self,
@@ -253,6 +290,7 @@ class PartitionStore:
             pending,
             tuple((c, a.clone()) for c, a in sorted(part.accum.items())),
             part.rule.state(),
+            tuple(sorted(part.coefs.items())),
         )
 
     def import_partition(self, snapshot: PartitionSnapshot, *, restore: bool = False) -> int:
@@ -302,7 +340,11 @@ class PartitionStore:
             version=version,
             consistent=snapshot.consistent,
             pending={c.clock: (c.delta.clone(), set(c.workers)) for c in snapshot.pending},
+            coefs=dict(snapshot.coefs),
         )
+        for chunk in snapshot.pending:
+            if chunk.coef is not None:
+                part.coefs.setdefault(chunk.clock, chunk.coef)
         if self.roster is None:
             self.roster = Roster.starting(snapshot.workers)
         self._parts[p] = part
@@ -361,9 +403,15 @@ class PartitionStore:
         return PushOutcome.APPLIED
 
     def apply_chunk(
-        self, p: int, clock: int, workers: Iterable[str], delta: torch.Tensor
+        self,
+        p: int,
+        clock: int,
+        workers: Iterable[str],
+        delta: torch.Tensor,
+        coef: float | None = None,
     ) -> PushOutcome:
-        """Apply a streamed update (the sum of `workers`' pushes for `clock`) once.
+        """Apply a streamed update (the sum of `workers`' pushes for `clock`) once; `coef`:
+        the clock's clipping coefficient.
 
         Raises:
             RejectedError: not held here, bad delta, or a chunk only partly applied before;
@@ -386,6 +434,8 @@ class PartitionStore:
             )
         self._accumulate(part, clock, delta)
         part.applied.update((w, clock) for w in who)
+        if coef is not None and clock > part.consistent:
+            part.coefs.setdefault(clock, coef)
         self._advance(part)
         return PushOutcome.APPLIED
 
@@ -396,7 +446,7 @@ class PartitionStore:
         out = []
         for c in ready:
             delta, who = part.pending.pop(c)
-            out.append(PendingChunk(c, delta, frozenset(who)))
+            out.append(PendingChunk(c, delta, frozenset(who), part.coefs.get(c)))
         return out
 
     def clear_pending(self, p: int) -> None:
@@ -447,6 +497,7 @@ class PartitionStore:
         self._advance(part, limit=clock)
         part.applied = {(w, c) for w, c in part.applied if c <= clock}
         part.accum = {c: a for c, a in part.accum.items() if c <= clock}
+        part.coefs = {c: k for c, k in part.coefs.items() if c <= clock}
         part.pending.clear()
 
     def consistent_clock(self, p: int) -> int | None:
@@ -492,14 +543,22 @@ class PartitionStore:
             members = roster.members(part.consistent + 1)
             if not members or any((w, part.consistent + 1) not in part.applied for w in members):
                 break
+            coef = part.coefs.get(part.consistent + 1)
+            if self.clipping and coef is None and part.consistent + 1 in part.accum:
+                break  # complete; its coefficient is not known yet
             part.consistent += 1
             part.applied.difference_update((w, part.consistent) for w in members)
             total = part.accum.pop(part.consistent, None)
             if total is not None:
+                if coef is not None:
+                    scale(total, part.rule.gradient_slices(), coef)
                 part.rule.apply(total)  # rules keep no reference to it
                 part.generation += 1
                 if len(part.spare) < self._spare_sums:
                     part.spare.append(total)
+        if part.coefs:
+            oldest = part.consistent - KEEP_APPLIED
+            part.coefs = {c: k for c, k in part.coefs.items() if c > oldest or c in part.pending}
 
     def _get(self, p: int) -> _Partition:
         part = self._parts.get(p)

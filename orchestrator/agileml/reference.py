@@ -21,12 +21,14 @@ def train_reference(
     seed: int = 0,
     accumulate: int = 1,
     precision: str = "fp32",
+    clip_grad_norm: float | None = None,
     device: torch.device | None = None,
 ) -> tuple[nn.Module, list[float]]:
     """Train the job for `iterations` iterations in this process, each global batch in
     `accumulate` micro-batches (their mean losses weighted by their rows, gradients summed),
     forward and loss in `precision` (fp16: with the workers' dynamic loss scale, a step whose
-    gradient is not finite skipped, the scheduler stepped all the same); returns the model and
+    gradient is not finite skipped, the scheduler stepped all the same), the gradient clipped
+    to `clip_grad_norm` by `clip_grad_norm_` before the step; returns the model and
     the loss of each iteration. `device`: where it computes (the CPU if None); the model
     returned is on the CPU."""
     device = device or torch.device("cpu")
@@ -51,6 +53,8 @@ def train_reference(
         finite = scale is None or scale.unscale(list(model.parameters()))
         if scale is not None:
             scale.update(finite)
+        if finite and clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         if finite:
             optimizer.step()
         if scheduler is not None:

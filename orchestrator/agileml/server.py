@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from orchestrator.agileml import wire
+from orchestrator.agileml.clipping import check_coefficient
 from orchestrator.agileml.errors import (
     HandoffError,
     OwnershipConflictError,
@@ -84,8 +85,9 @@ class HandoffResult:
 class _HeldPull:
     identity: bytes
     seq: int
-    min_clock: int
+    min_clock: int  # a `norm` request's: the clock it asks about
     epoch: int | None = None  # the request's epoch (None: unchecked)
+    norm: bool = False  # a `norm` request (clipping), held until its clock is complete
 
 
 class ParamServer(ServerLoop):
@@ -157,6 +159,13 @@ class ParamServer(ServerLoop):
         with self._lock:
             self._store.set_rules(rules)
             self._backup.set_rules(rules)
+
+    def set_clipping(self, on: bool) -> None:
+        """Clip gradients by their global norm: a complete clock waits for its coefficient
+        (see `clipping`)."""
+        with self._lock:
+            self._store.set_clipping(on)
+            self._backup.set_clipping(on)
 
     def add_partition(
         self,
@@ -526,10 +535,14 @@ class ParamServer(ServerLoop):
     def _dispatch(
         self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
     ) -> list[Reply]:
-        if header.kind in (MessageKind.PULL, MessageKind.PUSH):
+        if header.kind in (MessageKind.PULL, MessageKind.PUSH, MessageKind.NORM, MessageKind.CLIP):
             self._check_epoch(header)
         if header.kind is MessageKind.PULL:
             return self._on_pull(identity, header)
+        if header.kind is MessageKind.NORM:
+            return self._on_norm(identity, header)
+        if header.kind is MessageKind.CLIP:
+            return self._on_clip(identity, header, tensors)
         if header.kind is MessageKind.PUSH:
             return self._on_push(identity, header, tensors)
         if header.kind is MessageKind.HANDOFF:
@@ -615,7 +628,10 @@ class ParamServer(ServerLoop):
             raise RejectedError(RejectReason.BAD_DELTA, "want partition, clock, workers, delta")
         if header.epoch is not None and header.epoch < self.epoch:
             raise RejectedError(RejectReason.STALE_EPOCH, f"update of epoch {header.epoch}")
-        outcome = self._backup.apply_chunk(p, header.clock, header.workers, delta)
+        coef = _one_float(tensors, "coef") if set(tensors) == {"delta", "coef"} else None
+        if set(tensors) - {"delta", "coef"} or (coef is None and "coef" in tensors):
+            raise RejectedError(RejectReason.BAD_DELTA, "want `delta` and maybe `coef`")
+        outcome = self._backup.apply_chunk(p, header.clock, header.workers, delta, coef)
         if outcome is PushOutcome.APPLIED:
             self._stats = replace(self._stats, chunks_backed=self._stats.chunks_backed + 1)
         ack = self._encode(
@@ -638,8 +654,37 @@ class ParamServer(ServerLoop):
         self._held.setdefault(p, []).append(pull)
         return []
 
+    def _on_norm(self, identity: bytes, header: Header) -> list[Reply]:
+        p = header.partition
+        self._check_serving(p)
+        assert p is not None
+        if header.clock is None or header.clock < 0:
+            raise RejectedError(RejectReason.BAD_CLOCK, "norm without a clock")
+        request = _HeldPull(identity, header.seq, header.clock, header.epoch, norm=True)
+        if self._answerable(p, request):
+            return [self._pull_reply(p, request)]
+        self._held.setdefault(p, []).append(request)
+        return []
+
+    def _on_clip(
+        self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
+    ) -> list[Reply]:
+        p = header.partition
+        self._check_serving(p)
+        assert p is not None
+        coef = _one_float(tensors, "coef") if set(tensors) == {"coef"} else None
+        if header.clock is None or header.clock < 0 or coef is None:
+            raise RejectedError(RejectReason.BAD_DELTA, "want a clock and a `coef` in (0, 1]")
+        self._store.set_coefficient(p, header.clock, coef)
+        ack = self._encode(MessageKind.CLIP_ACK, header.seq, partition=p, clock=header.clock)
+        replies: list[Reply] = [(identity, ack), *self._release_held(p)]
+        self._queue_stream(p)
+        return replies
+
     def _answerable(self, p: int, pull: _HeldPull) -> bool:
-        """Consistent enough, and for a clock within the horizon."""
+        """Consistent enough, and for a clock within the horizon (a `norm`: complete)."""
+        if pull.norm:
+            return self._store.norm_answer(p, pull.min_clock) is not None
         computing = pull.min_clock + self.slack + 1
         within = self.horizon is None or computing <= self.horizon
         return within and self._store.ready(p, pull.min_clock)
@@ -694,7 +739,8 @@ class ParamServer(ServerLoop):
                 clock=chunk.clock,
                 workers=sorted(chunk.workers),
                 epoch=self.epoch,
-                tensors={"delta": chunk.delta},
+                tensors={"delta": chunk.delta}
+                | ({} if chunk.coef is None else {"coef": _float_tensor(chunk.coef)}),
             )
             self._unacked[self._stream_seq] = p
             self._stream_out.append((backup, frames))
@@ -710,6 +756,17 @@ class ParamServer(ServerLoop):
         return [self._pull_reply(p, h) for h in ready]
 
     def _pull_reply(self, p: int, pull: _HeldPull) -> Reply:
+        if pull.norm:
+            answer = self._store.norm_answer(p, pull.min_clock)
+            assert answer is not None  # answerable
+            frames = self._encode(
+                MessageKind.NORM_REPLY,
+                pull.seq,
+                partition=p,
+                clock=pull.min_clock,
+                tensors=answer.tensors(),
+            )
+            return pull.identity, frames
         self._stats = replace(self._stats, pulls_answered=self._stats.pulls_answered + 1)
         consistent = self._store.consistent_clock(p)
         values, generation = self._store.live_values(p)
@@ -722,3 +779,18 @@ class ParamServer(ServerLoop):
             zero_copy=True,
         )
         return pull.identity, self._reply_copies.track(p, frames)
+
+
+def _float_tensor(value: float) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.float64)
+
+
+def _one_float(tensors: dict[str, torch.Tensor], name: str) -> float | None:
+    """`tensors[name]` as a clipping coefficient (float64 (1,), in (0, 1]); None if not."""
+    t = tensors.get(name)
+    if t is None or t.dtype != torch.float64 or t.shape != (1,):
+        return None
+    try:
+        return check_coefficient(float(t.item()))
+    except ValueError:
+        return None

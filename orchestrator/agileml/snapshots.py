@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.agileml.clipping import check_coefficient
 from orchestrator.agileml.partition_state import PartitionSnapshot, PendingChunk
 from orchestrator.agileml.rejections import RejectedError, RejectReason
 from orchestrator.agileml.wire import Header
@@ -55,6 +56,8 @@ def snapshot_to_wire(snapshot: PartitionSnapshot) -> tuple[list[str], dict[str, 
         "rule_state": torch.frombuffer(bytearray(snapshot.rule_state), dtype=torch.uint8)
         if snapshot.rule_state
         else torch.empty(0, dtype=torch.uint8),
+        "coef_clocks": torch.tensor([c for c, _ in snapshot.coefs], dtype=torch.int64),
+        "coefs": torch.tensor([k for _, k in snapshot.coefs], dtype=torch.float64),
     }
 
 
@@ -69,6 +72,8 @@ _SNAPSHOT_TENSORS = (
     "accum",
     "accum_clocks",
     "rule_state",
+    "coef_clocks",
+    "coefs",
 )
 
 
@@ -78,8 +83,9 @@ def snapshot_from_wire(header: Header, tensors: dict[str, torch.Tensor]) -> Part
     if header.partition is None or set(tensors) != set(_SNAPSHOT_TENSORS):
         raise bad
     values, applied, version, consistent, pending, p_clocks, p_pairs, accum, a_clocks, rule = (
-        tensors[k] for k in _SNAPSHOT_TENSORS
+        tensors[k] for k in _SNAPSHOT_TENSORS[:10]
     )
+    coefs = _coefficients(tensors["coef_clocks"], tensors["coefs"])
     workers = header.workers or ()
     if (
         values.dtype != torch.float32
@@ -127,4 +133,24 @@ def snapshot_from_wire(header: Header, tensors: dict[str, torch.Tensor]) -> Part
         ),
         tuple((int(c), accum[i].clone()) for i, c in enumerate(a_clocks.tolist())),
         rule.numpy().tobytes(),
+        coefs,
     )
+
+
+def _coefficients(clocks: torch.Tensor, coefs: torch.Tensor) -> tuple[tuple[int, float], ...]:
+    """The snapshot's clipping coefficients, checked. Raises RejectedError(BAD_SNAPSHOT)."""
+    if (
+        clocks.dtype != torch.int64
+        or coefs.dtype != torch.float64
+        or clocks.dim() != 1
+        or clocks.shape != coefs.shape
+    ):
+        raise RejectedError(RejectReason.BAD_SNAPSHOT, "want coef_clocks and coefs alike")
+    pairs = list(zip(clocks.tolist(), coefs.tolist(), strict=True))
+    try:
+        checked = tuple((int(c), check_coefficient(float(k))) for c, k in pairs)
+    except ValueError as exc:
+        raise RejectedError(RejectReason.BAD_SNAPSHOT, str(exc)) from exc
+    if any(c < 0 for c, _ in checked) or len({c for c, _ in checked}) != len(checked):
+        raise RejectedError(RejectReason.BAD_SNAPSHOT, "coefficient clocks out of range")
+    return checked

@@ -103,6 +103,10 @@ class TrainingSpec(BaseModel):
     # skipped on every partition); the parameter servers keep fp32 weights and optimizer
     # state, and the gradients travel in fp32 (see `precision`)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # gradient clipping: each iteration's gradient scaled to at most this global 2-norm over
+    # every partition, as `torch.nn.utils.clip_grad_norm_` on one process (see `clipping`:
+    # one more round between workers and servers per iteration; bulk-synchronous jobs only)
+    clip_grad_norm: Annotated[float, Field(gt=0, le=1e9)] | None = None
     # the most devices each node trains on (one worker per device, their gradients reduced
     # inside the node before its push, see `devices`); None: every device a node has
     devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES, strict=True)] | None = None
@@ -148,6 +152,11 @@ class TrainingSpec(BaseModel):
             raise ValueError(
                 f"precision {self.precision} applies to data-parallel jobs for now: a "
                 "pipeline's stages compute in fp32"
+            )
+        if self.clip_grad_norm is not None and (self.slack or self.parallelism == "pipeline"):
+            raise ValueError(
+                "clip_grad_norm needs a data-parallel job with slack 0: the global norm of an "
+                "iteration's gradient needs every worker's share of it before any update"
             )
         if self.precision == "fp16" and self.code is None:
             raise ValueError(

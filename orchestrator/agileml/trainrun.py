@@ -115,6 +115,8 @@ class TrainPlan(BaseModel):
     accumulate: Annotated[int, Field(ge=1, le=MAX_ACCUMULATE)] = 1
     # the workers' forward and loss (`agileml.precision`; fp16 with a dynamic loss scale)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # each iteration's gradient clipped to this global norm (`agileml.clipping`); None: not
+    clip_grad_norm: Annotated[float, Field(gt=0, le=1e9)] | None = None
     # devices each node trains on, one worker each (`agileml.devices`; CPU processes here)
     devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 1
     # the job's evaluate() every this many iterations, on a checkpoint (`agileml.evaluations`)
@@ -144,6 +146,7 @@ class TrainResult:
     mean_seconds_per_iteration: float | None = None
     evaluation_error: str | None = None  # what the job's evaluate() raised, if it did
     precision: str = "fp32"  # the workers' forward and loss (`TrainingSpec.precision`)
+    clip_grad_norm: float | None = None  # the global norm gradients were clipped to
     # evaluate() during the run (`--eval-every`): {"iteration": n, metric: value, ...}
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     # the devices each node trained on (`agileml.devices`), as its heartbeats said
@@ -193,6 +196,11 @@ def check_plan(plan: TrainPlan) -> None:
     check_job_code(code, global_batch=plan.global_batch, seed=plan.seed)
     if plan.checkpoint_every and plan.checkpoint_dir is None:
         raise UserError("--checkpoint-every needs --out: checkpoints go to OUT/checkpoints")
+    if plan.clip_grad_norm is not None and plan.slack:
+        raise UserError(
+            "--clip-grad-norm needs --slack 0: the global norm of an iteration's gradient "
+            "needs every worker's share of it before any partition is updated"
+        )
     if plan.eval_every is not None and code.evaluate is None:
         raise UserError(
             f"--eval-every: {plan.code} defines no evaluate(model). To fix: add one that "
@@ -281,6 +289,7 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         overlap=plan.overlap,
         accumulate=plan.accumulate,
         precision=plan.precision,
+        clip_grad_norm=plan.clip_grad_norm,
         devices_per_node=plan.devices_per_node,
     )
 
@@ -342,6 +351,7 @@ def _run(
         resumed_from=spec.resume_from,
         phase_seconds=mean_phase_seconds(outcomes),
         precision=spec.precision,
+        clip_grad_norm=spec.clip_grad_norm,
         devices=job.coordinator.node_devices(),
         skipped_steps=sorted({c for o in outcomes.values() for c in o.skipped_clocks}),
     )
@@ -529,6 +539,7 @@ def save_outputs(result: TrainResult, out: Path) -> None:
     summary = {
         "iterations": result.iterations,
         "precision": result.precision,
+        "clip_grad_norm": result.clip_grad_norm,
         "devices": sum(result.devices.values()),
         "devices_per_node": result.devices,
         "skipped_steps": result.skipped_steps,

@@ -60,6 +60,10 @@ class UpdateRule(Protocol):
     def apply(self, grad: torch.Tensor) -> None:
         """Update the partition's values (bound at construction) with a clock's summed push."""
 
+    def gradient_slices(self) -> list[slice]:
+        """The elements of a push that are gradients of parameters (not buffer changes): what
+        gradient clipping measures and scales (`clipping`)."""
+
     def state(self) -> bytes:
         """The rule's state (empty: stateless), to rebuild it elsewhere with `load_state`."""
 
@@ -80,6 +84,9 @@ class SumRule:
     def apply(self, grad: torch.Tensor) -> None:
         self._values += grad
 
+    def gradient_slices(self) -> list[slice]:
+        return [slice(None)]
+
     def state(self) -> bytes:
         return b""
 
@@ -95,6 +102,9 @@ class SGDRule:
 
     def apply(self, grad: torch.Tensor) -> None:
         self._values.add_(grad, alpha=-self._lr)
+
+    def gradient_slices(self) -> list[slice]:
+        return [slice(None)]
 
     def state(self) -> bytes:
         return b""
@@ -229,6 +239,7 @@ class OptimizerRule:
         self._values = values
         self._params: list[tuple[nn.Parameter, slice]] = []
         self._buffers: list[slice] = []
+        self._gradients: list[slice] = []  # every parameter's, optimized or not
         groups: list[dict[str, Any]] = [{**g, "params": []} for g in plan.groups]
         for seg in plan.segments:
             lo, hi = max(seg.start, start), min(seg.stop, stop)
@@ -237,7 +248,9 @@ class OptimizerRule:
             local = slice(lo - start, hi - start)
             if seg.buffer:
                 self._buffers.append(local)
-            elif seg.group is not None:
+                continue
+            self._gradients.append(local)
+            if seg.group is not None:
                 param = nn.Parameter(values[local])  # a view: the optimizer updates `values`
                 groups[seg.group]["params"].append(param)
                 self._params.append((param, local))
@@ -271,6 +284,9 @@ class OptimizerRule:
                 self._scheduler.step()
         for param, _ in self._params:
             param.grad = None
+
+    def gradient_slices(self) -> list[slice]:
+        return list(self._gradients)
 
     def state(self) -> bytes:
         if self._optimizer is None:

@@ -74,11 +74,17 @@ class MessageKind(StrEnum):
     float32, `applied` int64 (k, 2) of (worker_index, clock) pairs indexing the header's
     `workers`, `version` int64 (1,), `consistent` int64 (1,), and the updates not yet streamed
     to the BackupPS: `pending` float32 (m, size), `pending_clocks` int64 (m,), `pending_pairs`
-    int64 (q, 2)); the ack carries the receiver's new `version`.
+    int64 (q, 2), and the clipping coefficients `coef_clocks` int64 (n,), `coefs` float64 (n,));
+    the ack carries the receiver's new `version`.
     restore -> restore_ack: a handoff-shaped snapshot from a BackupPS that replaces the owner's
     copy outright (roll-back after a failure); its header's `epoch` is the new epoch.
     replicate -> replicate_ack, ActivePS to BackupPS: the coalesced update of one partition for
-    one clock (tensor `delta`; `workers` names whose pushes it sums).
+    one clock (tensor `delta`; `workers` names whose pushes it sums; with clipping, `coef`
+    float64 (1,), the clock's coefficient).
+    norm -> norm_reply | error, worker to server (gradient clipping, see `clipping`): for a
+    clock, once complete, its coefficient (`coef` float64 (1,)) or the squared norm of its
+    summed gradient (`sq_norm` float64 (1,)); neither: applied without one.
+    clip -> clip_ack | error: the clock's coefficient (`coef` float64 (1,)).
     control -> control_reply, elasticity controller to nodes and back: a JSON body (`json_body`).
     peer: one-way, worker to worker (FlexRR's RapidReassignment): a JSON `body` (a
     `straggler.protocol` message) and, for `completed`, the helped rows' gradient partitions
@@ -104,6 +110,10 @@ class MessageKind(StrEnum):
     CONTROL = "control"
     CONTROL_REPLY = "control_reply"
     PEER = "peer"
+    NORM = "norm"
+    NORM_REPLY = "norm_reply"
+    CLIP = "clip"
+    CLIP_ACK = "clip_ack"
     PIPE = "pipe"
 
 

@@ -104,6 +104,8 @@ class Worker(ServerRequests):
     ) -> None:
         if spec.batch_size < 1 or spec.slack < 0 or spec.accumulate < 1:
             raise ValueError(f"invalid worker spec: {spec}")
+        if spec.clip_grad_norm is not None and spec.slack:
+            raise ValueError("clipping by the global norm needs slack 0")
         self.spec = spec
         torch.set_num_threads(1)  # as `step`: the warm-up and FlexRR's calibration time it so
         self._token = token
@@ -220,6 +222,7 @@ class Worker(ServerRequests):
                     self._compute(identity, clock, pushes)
                     self._wait_for(pushes)
                     self._adopted_done.add((identity, clock))
+        self._clip_round(self.clock - 1, self.layout.num_partitions)
         if self.reassigner is not None:
             self.reassigner.at_clock(self.clock)
         identities = [self.spec.worker_id] + [
@@ -272,6 +275,15 @@ class Worker(ServerRequests):
         self._adopted_done.update((w, self.clock) for w in identities[1:])
         self.clock += 1
         return losses[0] if losses else float("nan")
+
+    def settle(self) -> None:
+        """With clipping, send the coefficient of the last clock computed: a clock is applied
+        only once it has one, which a worker sends as it starts the next clock, and the last
+        clock has no next. Raises: as `step`."""
+        if self._ctx is None:
+            self._ctx = zmq.Context()
+        self._outstanding.clear()
+        self._clip_round(self.clock - 1, self.layout.num_partitions)
 
     def _phase(self, name: str) -> None:
         if self.phase_hook is not None:

@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from orchestrator.agileml import wire
+from orchestrator.agileml.clipping import answer_from_tensors, coefficient
 from orchestrator.agileml.errors import AgileMLError, WireError, WorkerError
 from orchestrator.agileml.partitions import PartitionTable
 from orchestrator.agileml.rejections import RejectReason, parse_moved
@@ -49,6 +50,8 @@ class WorkerSpec:
     accumulate: int = 1
     # the forward and loss under autocast to bfloat16 (`TrainingSpec.precision`)
     precision: str = "fp32"
+    # clip each clock's gradient to this global norm (`clipping`; needs slack 0); None: no
+    clip_grad_norm: float | None = None
 
 
 @dataclass
@@ -118,6 +121,43 @@ class ServerRequests:
         self._wait_for(batch)
         self._first_reply_at = batch.first_reply_at
         return batch.results
+
+    def _clip_round(self, clock: int, partitions: int) -> None:
+        """Gradient clipping (see `clipping`): ask every partition for clock `clock`'s squared
+        norm (or its coefficient), and send the coefficient to those that lack it.
+
+        Raises: as `run`; AgileMLError if some partitions applied the clock without a
+        coefficient while others wait for one (they can never agree).
+        """
+        max_norm = self.spec.clip_grad_norm
+        if max_norm is None or clock < 0:
+            return
+        me = self.spec.worker_id
+        replies = self._round_trip(
+            [(p, MessageKind.NORM, clock, {}, me) for p in range(partitions)],
+            MessageKind.NORM_REPLY,
+        )
+        try:
+            answers = [answer_from_tensors(replies[p]) for p in range(partitions)]
+        except ValueError as exc:
+            raise WorkerError(me, f"bad norm reply: {exc}") from exc
+        waiting = [p for p, a in enumerate(answers) if a.sq_norm is not None]
+        if not waiting:
+            return
+        known = [a.coef for a in answers if a.coef is not None]
+        if known:
+            coef = known[0]
+        elif len(waiting) < partitions:
+            raise AgileMLError(
+                f"clipping clock {clock}: some partitions applied it without a coefficient"
+            )
+        else:
+            coef = coefficient([a.sq_norm or 0.0 for a in answers], max_norm)
+        value = torch.tensor([coef], dtype=torch.float64)
+        self._round_trip(
+            [(p, MessageKind.CLIP, clock, {"coef": value}, me) for p in waiting],
+            MessageKind.CLIP_ACK,
+        )
 
     def _submit(self, batch: Round, request: Request) -> None:
         """Send `request` as part of `batch`."""

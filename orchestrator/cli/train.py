@@ -88,6 +88,17 @@ PrecisionOption = Annotated[
         metavar="fp32|bf16|fp16",
     ),
 ]
+ClipOption = Annotated[
+    float | None,
+    typer.Option(
+        "--clip-grad-norm",
+        help="Scale each iteration's gradient to at most this global 2-norm over the whole "
+        "model, as torch.nn.utils.clip_grad_norm_ on one process (one more round between "
+        "workers and servers per iteration).",
+        min=0.0,
+        metavar="X",
+    ),
+]
 DevicesOption = Annotated[
     int,
     typer.Option(
@@ -155,6 +166,7 @@ def train_command(
     overlap: OverlapOption = False,
     accumulate: AccumulateOption = 1,
     precision: PrecisionOption = "fp32",
+    clip_grad_norm: ClipOption = None,
     devices_per_node: DevicesOption = 1,
     eval_every: EvalEveryOption = None,
     pipeline: PipelineOption = False,
@@ -183,6 +195,7 @@ def train_command(
             overlap=overlap,
             accumulate=accumulate,
             precision=precision,
+            clip_grad_norm=clip_grad_norm,
             devices_per_node=devices_per_node,
             eval_every=eval_every,
             pipeline=pipeline,
@@ -196,10 +209,11 @@ def train_command(
     if pipeline and (
         partitions is not None or overlap or reliable != 1 or accumulate != 1
         or precision != "fp32" or eval_every is not None or devices_per_node != 1
+        or clip_grad_norm is not None
     ):  # fmt: skip
         raise UserError(
-            "--partitions, --overlap, --reliable, --accumulate, --precision, --eval-every and "
-            "--devices-per-node "
+            "--partitions, --overlap, --reliable, --accumulate, --precision, --eval-every, "
+            "--clip-grad-norm and --devices-per-node "
             "are data-parallel options; "
             "a pipeline runs each iteration as microbatches and "
             "backs its stages up to the launcher",

@@ -94,11 +94,16 @@ def check_pipeline_plan(plan: TrainPlan) -> None:
             "--checkpoint-every and --resume are not supported with --pipeline yet. To fix: "
             "leave them out (every stage's weights are backed up after each update)."
         )
-    if plan.accumulate != 1 or plan.precision != "fp32" or plan.eval_every is not None:
+    if (
+        plan.accumulate != 1
+        or plan.precision != "fp32"
+        or plan.eval_every is not None
+        or plan.clip_grad_norm is not None
+    ):
         raise UserError(
-            "--accumulate, --precision and --eval-every are data-parallel options: a pipeline "
-            "runs each iteration as microbatches, in fp32, and is evaluated at the end. To "
-            "fix: leave them out with --pipeline."
+            "--accumulate, --precision, --clip-grad-norm and --eval-every are data-parallel "
+            "options: a pipeline runs each iteration as microbatches, in fp32, unclipped, and "
+            "is evaluated at the end. To fix: leave them out with --pipeline."
         )
     code = load_job_code(plan.code, iterations=plan.iterations)
     check_job_code(code, global_batch=plan.global_batch, seed=plan.seed)

@@ -182,3 +182,71 @@ def test_stop_is_bounded_and_idempotent() -> None:
         ParamServer("ps-y", job_id=JOB, token=TOKEN, port=port).start()  # port in use
     ps.stop(timeout_s=2.0)
     ps.stop()
+
+
+def _coef(value: float) -> dict[str, torch.Tensor]:
+    return {"coef": torch.tensor([value], dtype=torch.float64)}
+
+
+def test_clipping_a_norm_waits_for_every_push_and_a_clock_for_its_coefficient(
+    server: ParamServer, ctx: WireClients
+) -> None:
+    """The clipping round over the wire: `norm` is held until the clock is complete, then
+    answered with the sum's squared norm; the clock is applied only with its coefficient,
+    scaled by it; a later `norm` is answered with the coefficient."""
+    server.set_clipping(True)
+    w0, w1 = ctx(server.endpoint, "w0"), ctx(server.endpoint, "w1")
+    w0.push(0, torch.ones(4))
+    w0.send(MessageKind.NORM, partition=0, clock=0)
+    assert w0.silent(), "norm answered before w1 pushed clock 0"
+    w1.push(0, torch.ones(4))
+    header, tensors = w0.recv()
+    assert header.kind is MessageKind.NORM_REPLY
+    assert float(tensors["sq_norm"].item()) == pytest.approx(16.0)  # the sum: 2 x 4 elements
+    assert torch.equal(server.state(0), INITIAL)  # complete, not applied
+    w0.send(MessageKind.PULL, partition=0, clock=0)
+    assert w0.silent(), "pull answered before the clock had its coefficient"
+    ack, _ = w1.request(MessageKind.CLIP, partition=0, clock=0, tensors=_coef(0.25))
+    assert ack.kind is MessageKind.CLIP_ACK
+    header, tensors = w0.recv()  # the held pull, now the clock is applied
+    assert header.kind is MessageKind.PULL_REPLY
+    assert torch.equal(tensors["values"], INITIAL + 0.5)
+    header, tensors = w1.request(MessageKind.NORM, partition=0, clock=0)
+    assert float(tensors["coef"].item()) == 0.25
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "detail"),
+    [
+        (MessageKind.CLIP, {"clock": 0, "tensors": _coef(1.5)}, "bad_delta"),
+        (MessageKind.CLIP, {"clock": 0, "tensors": _coef(float("nan"))}, "bad_delta"),
+        (MessageKind.CLIP, {"clock": 0, "tensors": {"coef": torch.ones(1)}}, "bad_delta"),
+        (MessageKind.CLIP, {"tensors": _coef(0.5)}, "bad_delta"),
+        (MessageKind.NORM, {"clock": -1}, "bad_clock"),
+        (MessageKind.NORM, {}, "bad_clock"),
+        (MessageKind.NORM, {"clock": 0, "partition": 9}, "not_owner"),
+    ],
+    ids=[
+        "coef-above-1",
+        "coef-nan",
+        "coef-float32",
+        "clip-no-clock",
+        "norm-negative-clock",
+        "norm-no-clock",
+        "norm-not-owner",
+    ],  # fmt: skip
+)
+def test_a_hostile_clipping_request_is_refused_and_changes_nothing(
+    server: ParamServer, ctx: WireClients, kind: MessageKind, fields: dict[str, Any], detail: str
+) -> None:
+    server.set_clipping(True)
+    w0, w1 = ctx(server.endpoint, "w0"), ctx(server.endpoint, "w1")
+    w0.push(0, torch.ones(4))
+    w1.push(0, torch.ones(4))
+    fields.setdefault("partition", 0)
+    header, _ = w0.request(kind, **fields)
+    assert (header.kind, header.detail) == (MessageKind.ERROR, detail)
+    assert torch.equal(server.state(0), INITIAL)  # still waiting for a coefficient
+    ack, _ = w0.request(MessageKind.CLIP, partition=0, clock=0, tensors=_coef(1.0))
+    assert ack.kind is MessageKind.CLIP_ACK
+    assert torch.equal(server.state(0), INITIAL + 2)

@@ -34,15 +34,17 @@ PAUSE_S = "0.05"  # per loss call: gives the joining node time to load and enter
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("job", "accumulate"),
-    [("digits_sgd.py", 1), ("digits_adamw.py", 3)],
-    ids=["digits_sgd.py", "digits_adamw.py-accumulate3"],
+    ("job", "accumulate", "clip"),
+    [("digits_sgd.py", 1, None), ("digits_adamw.py", 3, None), ("digits_adamw.py", 2, 0.5)],
+    ids=["digits_sgd.py", "digits_adamw.py-accumulate3", "digits_adamw.py-accumulate2-clip"],
 )
 def test_weights_through_evict_join_and_kill_equal_a_single_process_loop(
-    job: str, accumulate: int, monkeypatch: pytest.MonkeyPatch
+    job: str, accumulate: int, clip: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With `accumulate`, each worker computes its rows of an iteration in micro-batches
-    (FlexRR's chunks no larger than one) and the loop does the same with the global batch."""
+    (FlexRR's chunks no larger than one) and the loop does the same with the global batch;
+    with `clip`, every iteration's gradient is clipped to that global norm, as the loop's
+    `clip_grad_norm_` does (the roll-back after the kill restores the coefficients too)."""
     path = JOBS / job
     monkeypatch.setenv("ORCHESTRATOR_TEST_JOB_PAUSE_S", PAUSE_S)
     plan = TrainPlan(
@@ -54,6 +56,7 @@ def test_weights_through_evict_join_and_kill_equal_a_single_process_loop(
         partitions=8,  # spread over the ActivePSs: the kill of one is a roll-back
         injections=tuple(parse_injections(FAULTS)),
         accumulate=accumulate,
+        clip_grad_norm=clip,
     )
     result = train_locally(plan)
     monkeypatch.delenv("ORCHESTRATOR_TEST_JOB_PAUSE_S")
@@ -67,10 +70,25 @@ def test_weights_through_evict_join_and_kill_equal_a_single_process_loop(
     assert {"evicted", "joined", "rolled_back"} <= set(kinds), result.events
     expected, losses = train_reference(
         load_job_code(path), iterations=ITERATIONS, global_batch=GLOBAL_BATCH,
-        accumulate=accumulate,
+        accumulate=accumulate, clip_grad_norm=clip,
     )  # fmt: skip
     assert relative_error(result.model, expected) <= 1e-5
     assert result.final_loss is not None and result.final_loss < losses[0] / 2
+
+
+def test_clipping_by_the_global_norm_equals_the_single_process_loop() -> None:
+    """`clip_grad_norm`: the partitions' servers apply each iteration scaled by the coefficient
+    of the whole gradient's norm; the weights are the loop's that calls `clip_grad_norm_`, and
+    far from the unclipped loop's (the clipping did act)."""
+    path = JOBS / "digits_adamw.py"
+    plan = TrainPlan(code=str(path), nodes=2, reliable=1, iterations=25, global_batch=48,
+                     partitions=5, clip_grad_norm=0.5)  # fmt: skip
+    result = train_locally(plan)
+    code = load_job_code(path)
+    clipped, _ = train_reference(code, iterations=25, global_batch=48, clip_grad_norm=0.5)
+    unclipped, _ = train_reference(code, iterations=25, global_batch=48)
+    assert relative_error(result.model, clipped) <= 1e-5
+    assert relative_error(result.model, unclipped) > 1e-3
 
 
 def test_accumulation_without_flexrr_equals_the_single_process_loop(
@@ -280,3 +298,36 @@ def test_a_schedule_told_the_runs_length_runs_to_its_end_exactly(tmp_path: Path)
     assert relative_error(result.model, expected) <= 1e-5
     code = load_job_code(path)
     assert code.evaluate is not None and code.evaluate(result.model)["held_out_accuracy"] > 0.9
+
+
+@pytest.mark.slow
+def test_the_options_users_train_with_together_through_the_cli(tmp_path: Path) -> None:
+    """Issue #36's check: a job with `scheduler(opt, total_iterations)` returning OneCycleLR,
+    trained with `--accumulate 2 --clip-grad-norm 1.0 --eval-every 50`, runs to its end with
+    an evaluation every 50 iterations and TensorBoard's files, and classifies held-out data as
+    well as the single-process loop without those options; its weights are the loop's with
+    them."""
+    out, path = tmp_path / "out", JOBS / "cancer_onecycle.py"
+    run = _cli(
+        str(path), "--nodes", "2", "--iterations", "150", "--global-batch", "32",
+        "--accumulate", "2", "--clip-grad-norm", "1.0", "--eval-every", "50",
+        "--out", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["clip_grad_norm"] == 1.0 and summary["iterations"] == 150
+    found = [e["iteration"] for e in summary["evaluations"]]
+    during = found[:-1]  # and the end's, at 150
+    assert found[-1] == 150 and len(during) >= 1, found
+    assert all(b - a >= 50 for a, b in zip(during, during[1:], strict=False)), found
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    code = load_job_code(path)
+    plain, _ = train_reference(code, iterations=150, global_batch=32)
+    assert code.evaluate is not None
+    baseline = code.evaluate(plain)["held_out_accuracy"]
+    assert summary["evaluation"]["held_out_accuracy"] >= baseline - 0.02
+    model = code.model()
+    model.load_state_dict(load_file(str(out / "model.safetensors")))
+    same, _ = train_reference(code, iterations=150, global_batch=32, accumulate=2,
+                              clip_grad_norm=1.0)  # fmt: skip
+    assert relative_error(model, same) <= 1e-5
