@@ -69,12 +69,13 @@ TRAINING: dict[str, Any] = {
     "num_partitions": 4,
     "min_nodes": 2,
     "failure_timeout_s": 3.0,  # many processes on few cores: be patient before "failed"
+    "eval_every": 100,  # the held-out accuracy during training, on the dashboard
 }
 #: The demo job trained as a pipeline (`--pipeline`): the same job file, its layers in two
 #: stages (replicated over the instances held; the planner would pick one replicated stage for
 #: so small a model).
 PIPELINE_TRAINING: dict[str, Any] = {
-    **{k: v for k, v in TRAINING.items() if k != "num_partitions"},
+    **{k: v for k, v in TRAINING.items() if k not in ("num_partitions", "eval_every")},
     "parallelism": "pipeline",
     "stages": 2,
 }

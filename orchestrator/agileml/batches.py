@@ -71,6 +71,12 @@ class DatasetRows:
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def indexed_at_once(self) -> bool:
+        """Whether its rows are taken by indexing two tensors (a plain TensorDataset), not
+        item by item through the dataset and its collate function."""
+        return self._tensors is not None
+
     def take(self, rows: torch.Tensor) -> Batch:
         if self._tensors is not None:
             return self._tensors[0][rows], self._tensors[1][rows]

@@ -30,8 +30,10 @@ import torch
 
 #: torch's `clip_grad_norm_` adds this to the norm before dividing.
 EPSILON = 1e-6
-#: Coefficients of applied clocks a partition keeps to answer late `norm` requests with.
-KEEP_APPLIED = 16
+#: Coefficients of applied clocks a partition keeps to answer late `norm` requests with (a
+#: roll-back redoes clocks its BackupPSs held back; a partition no BackupPS holds keeps its
+#: values, and answers with these).
+KEEP_APPLIED = 1024
 
 
 @dataclass(frozen=True)
@@ -53,18 +55,20 @@ class NormAnswer:
 
 
 def squared_norm(grad: torch.Tensor, slices: Iterable[slice]) -> float:
-    """The squared 2-norm of `grad`'s elements in `slices`, summed in float64."""
+    """The squared 2-norm of `grad`'s elements in `slices`: each slice's norm in float32, as
+    `clip_grad_norm_` takes each tensor's, their squares summed."""
     total = 0.0
     for s in slices:
         part = grad[s]
         if part.numel():
-            total += float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2
+            total += float(torch.linalg.vector_norm(part)) ** 2
     return total
 
 
 def coefficient(sq_norms: Sequence[float], max_norm: float) -> float:
     """What `clip_grad_norm_` multiplies the gradients by, from the partitions' squared norms
-    (in partition order); 1.0 when the norm is not finite (fp16 then skips the step)."""
+    (in partition order); 1.0 when the norm is not finite (fp16 then skips the step), 0.0
+    when it is past float32's range (torch's norm is then inf)."""
     total = math.sqrt(math.fsum(sq_norms))
     if not math.isfinite(total):
         return 1.0
@@ -83,9 +87,9 @@ def scale(grad: torch.Tensor, slices: Iterable[slice], coef: float) -> None:
 
 
 def check_coefficient(value: float) -> float:
-    """`value` if it is a coefficient a worker may send (in (0, 1]); raises ValueError."""
-    if not (math.isfinite(value) and 0.0 < value <= 1.0):
-        raise ValueError(f"clipping coefficient {value} is not in (0, 1]")
+    """`value` if it is a coefficient a worker may send (in [0, 1]); raises ValueError."""
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise ValueError(f"clipping coefficient {value} is not in [0, 1]")
     return value
 
 

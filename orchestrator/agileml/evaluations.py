@@ -29,9 +29,9 @@ from torch import nn
 from orchestrator.agileml import checkpoints
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.jobcode import JobCode
-from orchestrator.agileml.parts import TrainingParts
+from orchestrator.agileml.parts import ModelParts
 from orchestrator.agileml.usercode import JobCodeError, failure_report, job_code_call
-from orchestrator.artifacts import CHECKPOINT_PREFIX, MANIFEST, folder_at
+from orchestrator.artifacts import CHECKPOINT_PREFIX, MANIFEST, Folder, folder_at
 
 
 def evaluate_trained(code: JobCode, model: nn.Module) -> tuple[dict[str, float], str | None]:
@@ -54,10 +54,10 @@ class EvaluationWatch:
     docstring); `results` in the order evaluated, `error` what evaluate() raised
     (then it is not called again)."""
 
-    root: Path
+    root: Path | Folder  # the run's checkpoints (a local folder, or the artifact store's)
     every: int
     code: JobCode
-    parts: TrainingParts
+    parts: ModelParts
     # this run's checkpoints only: written since `since_unix`, at most `iterations` done (not
     # an earlier run's in the same folder, nor the one it resumed from)
     since_unix: float
@@ -69,7 +69,7 @@ class EvaluationWatch:
     def poll(self) -> None:
         """Evaluate the complete checkpoints of this run at least `every` iterations past the
         last one evaluated (checkpoints may come more often: `--checkpoint-every`)."""
-        if self.error is not None or not self.root.is_dir():
+        if self.error is not None:
             return
         base = folder_at(self.root)
         for name in sorted(base.names()):  # ckpt-<zero-padded clock>: oldest first

@@ -96,15 +96,25 @@ def write_scalars(
     returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
     now = time.time() if wall_time is None else wall_time
-    name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}"
-    path = folder / name
+    path = folder / event_file_name(now)
     while path.exists():  # another file of the same second: a run into the same folder
         path = path.with_name(path.name + ".1")
-    with path.open("wb") as out:
-        out.write(record(_event(now, 0, _field(3, _FILE_VERSION))))
-        for tag, step, value in scalars:
-            out.write(record(scalar_event(tag, float(value), step, now)))
+    path.write_bytes(event_file_bytes(scalars, wall_time=now))
     return path
+
+
+def event_file_name(wall_time: float) -> str:
+    """TensorBoard's name for an event file started at `wall_time` by this process."""
+    return f"events.out.tfevents.{int(wall_time)}.{socket.gethostname()}.{os.getpid()}"
+
+
+def event_file_bytes(scalars: Iterable[tuple[str, int, float]], *, wall_time: float) -> bytes:
+    """An event file's bytes: its version record, then (tag, step, value) scalars."""
+    out = [record(_event(wall_time, 0, _field(3, _FILE_VERSION)))]
+    out.extend(
+        record(scalar_event(tag, float(value), step, wall_time)) for tag, step, value in scalars
+    )
+    return b"".join(out)
 
 
 def read_scalars(path: Path) -> list[tuple[str, int, float]]:

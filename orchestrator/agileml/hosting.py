@@ -7,12 +7,17 @@ where it listens (`endpoint`), reads its progress for the dashboard and for the 
 
     hosted = HostedTraining.start(spec, token=token, host="0.0.0.0", port=29500)
     hosted.progress()  # TrainingStatus(iteration=..., loss=..., ...)
+    hosted.watch_evaluations(checkpoints)  # `eval_every`: evaluate() on them, in the background
+    hosted.evaluations()  # [{"iteration": 50, "held_out_accuracy": 0.93}, ...]
     hosted.stop()      # the nodes are told to shut down
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -23,9 +28,12 @@ from orchestrator.agileml import checkpoints
 from orchestrator.agileml.control import TrainingSpec, TrainingStatus
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.evaluations import EvaluationWatch
+from orchestrator.agileml.event_files import event_file_bytes, event_file_name
 from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.parts import ModelParts, TrainingParts, model_parts, training_parts
 from orchestrator.agileml.spec import validate_training_section
+from orchestrator.artifacts import Folder
 
 if TYPE_CHECKING:
     from orchestrator.agileml.pipeline.hosted import HostedPipeline
@@ -39,9 +47,17 @@ __all__ = [
     "TrainingSpec",
     "TrainingStatus",
     "evaluate_weights",
+    "event_file_bytes",
+    "event_file_name",
     "host_training",
     "validate_training_section",
 ]
+
+
+log = logging.getLogger(__name__)
+
+#: How often the background evaluation looks for a new checkpoint.
+EVALUATION_POLL_S = 1.0
 
 
 class HostedTraining:
@@ -51,6 +67,9 @@ class HostedTraining:
         self._coordinator = coordinator
         self._built: TrainingParts | None = None
         self._model_built: ModelParts | None = None
+        self._watch: EvaluationWatch | None = None
+        self._watch_lock = threading.Lock()
+        self._watching = threading.Event()  # set: the evaluation thread is to stop
 
     @classmethod
     def start(cls, spec: TrainingSpec, *, token: bytes, host: str, port: int) -> HostedTraining:
@@ -167,6 +186,45 @@ class HostedTraining:
         with torch.no_grad():
             return {k: float(v) for k, v in parts.code.evaluate(model).items()}
 
+    def watch_evaluations(self, checkpoints: Folder) -> None:
+        """With `spec.eval_every`: run the job's `evaluate(model)` on its checkpoints in
+        `checkpoints` at least that many iterations apart, on a thread of its own (a slow
+        evaluate() never holds the host up), until `stop`. Once; later calls do nothing."""
+        every = self.spec.eval_every
+        with self._watch_lock:
+            if every is None or self._watch is not None:
+                return
+            parts = self._model()
+            if parts.code is None or parts.code.evaluate is None:
+                return
+            self._watch = EvaluationWatch(
+                checkpoints,
+                every,
+                parts.code,
+                parts,
+                since_unix=time.time(),
+                iterations=self.spec.iterations,
+            )
+        threading.Thread(target=self._evaluate_loop, name="evaluations", daemon=True).start()
+
+    def evaluations(self) -> list[dict[str, Any]]:
+        """The evaluations during the run so far, oldest first (`watch_evaluations`)."""
+        with self._watch_lock:
+            return [] if self._watch is None else list(self._watch.results)
+
+    def _evaluate_loop(self) -> None:
+        watch = self._watch
+        assert watch is not None
+        while not self._watching.wait(EVALUATION_POLL_S):
+            try:
+                watch.poll()  # appends to `results`; a list append is atomic
+            except Exception as exc:  # noqa: BLE001 - a store hiccup: look again later
+                log.warning("evaluation poll failed", extra={"error": str(exc)})
+            if watch.error is not None:
+                log.warning("the job's evaluate() failed; no more evaluations",
+                            extra={"job_id": self.spec.job_id, "error": watch.error})  # fmt: skip
+                return
+
     def initial_loss(self) -> float:
         """The model's loss on the training set before any update."""
         parts = self._parts()
@@ -188,6 +246,7 @@ class HostedTraining:
 
     def stop(self) -> None:
         """Stop the elasticity controller; its nodes are told to shut down."""
+        self._watching.set()
         self._coordinator.stop()
 
 

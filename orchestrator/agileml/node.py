@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from orchestrator.agileml import checkpoints
+from orchestrator.agileml.batches import DatasetRows, RowSource
 from orchestrator.agileml.control import (
     ControlClient,
     ControlError,
@@ -46,6 +47,7 @@ from orchestrator.agileml.devices import DeviceGroup, DeviceLostError, node_devi
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, HandoffError, PartitionError, WorkerError
 from orchestrator.agileml.jobcode import load_job_code
+from orchestrator.agileml.loading import LoaderRows
 from orchestrator.agileml.lowprio import at_low_priority
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.parts import training_parts
@@ -107,6 +109,7 @@ class AgileMLNode:
         self._devices_requested = devices
         self._first_device = first_device
         self._devices: DeviceGroup | None = None
+        self._loader: LoaderRows | None = None  # the rows read ahead (`loading`)
         self._scale_hint: int | None = None  # fp16: where the running workers' scale is
         # load and warm up at nice 19 (`_load`): for a node beside running ones on one machine
         self._low_priority_load = low_priority_load
@@ -205,6 +208,12 @@ class AgileMLNode:
             self._stop.set()
             if self._devices is not None:
                 self._devices.close()
+            if self._loader is not None:
+                log.info("rows loader", extra={"node": self.node_id,
+                                               "shares_read_ahead": self._loader.prefetched,
+                                               "shares_read_here": self._loader.missed,
+                                               "failed": self._loader.failed})  # fmt: skip
+                self._loader.close()
             client.close()
             server.stop()
             if self._reassigner is not None:
@@ -279,13 +288,14 @@ class AgileMLNode:
                 accumulate=spec.accumulate,
                 precision=spec.precision,
                 clip_grad_norm=spec.clip_grad_norm,
+                iterations=spec.iterations,
             ),
             token=self._token,
             layout=self._layout,
             table=PartitionTable(spec.num_partitions),
             endpoints={},
             model_factory=parts.model_factory,
-            data=parts.rows,
+            data=self._rows_source(spec, parts.rows),
             loss_fn=parts.loss_fn,
             device=slots[0],
             roster=Roster.starting([self.node_id]),
@@ -313,6 +323,21 @@ class AgileMLNode:
             self._link.close()
             self._link = None
         return self._worker
+
+    def _rows_source(self, spec: TrainingSpec, rows: RowSource) -> RowSource:
+        """The job's rows, read ahead by a DataLoader (`loading`) when they are read item by
+        item and this worker takes them all (not its device processes, which take their own)."""
+        if (
+            spec.loader_workers > 0
+            and isinstance(rows, DatasetRows)
+            and not rows.indexed_at_once
+            and self._devices is None
+        ):
+            self._loader = LoaderRows(rows, spec.model_dump_json(), spec.loader_workers)
+            log.info("rows read ahead", extra={"node": self.node_id,
+                                               "loader_workers": spec.loader_workers})  # fmt: skip
+            return self._loader
+        return rows
 
     def _low_priority(self, work: Callable[[], T]) -> T:
         """`work()` at nice 19 if this node loads at low priority, on a CPU-only machine (CUDA
@@ -362,9 +387,21 @@ class AgileMLNode:
                     return "lost_controller"
                 if self._server is not None and self._server.crashed:
                     raise AgileMLError(self._server.crashed)  # its partitions are unreachable
-                if view.shutdown or (view.done and not self._owns_partitions()):
+                # clipping: the last clock waits for its coefficient, which the workers send
+                # once past it; `done` (every worker past it) may come before they have
+                unsettled = (
+                    clip
+                    and worker.clock >= spec.iterations
+                    and settled
+                    != (
+                        worker.epoch,
+                        worker.clock,
+                    )
+                )
+                done = view.done and not unsettled
+                if view.shutdown or (done and not self._owns_partitions()):
                     return "done"
-                if view.epoch == 0 or view.roster is None or view.done:
+                if view.epoch == 0 or view.roster is None or done:
                     time.sleep(spec.heartbeat_s / 4)
                     continue
                 self._sync(worker, view)

@@ -60,8 +60,10 @@ class _Partition:
     generation: int = 0  # bumped by every change of `values`
     # sums of applied clocks, reused for later ones (`_accumulate`)
     spare: list[torch.Tensor] = field(default_factory=list)
-    # clipping: clock -> its coefficient (unapplied clocks, recent applied ones, `_prune`)
+    # clipping: clock -> its coefficient (unapplied clocks, recent applied ones); complete
+    # clock -> its sum's squared norm (computed once)
     coefs: dict[int, float] = field(default_factory=dict)
+    norms: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -137,19 +139,41 @@ class PartitionStore:
             return NormAnswer(coef=part.coefs[clock])
         if clock <= part.consistent:
             return NormAnswer()
-        if self.complete_through(p) < clock:
+        if self._pushed_through(part) < clock:
             return None
-        total = part.accum.get(clock)
-        sq = squared_norm(total, part.rule.gradient_slices()) if total is not None else 0.0
+        sq = part.norms.get(clock)
+        if sq is None:
+            total = part.accum.get(clock)
+            sq = squared_norm(total, part.rule.gradient_slices()) if total is not None else 0.0
+            part.norms[clock] = sq
         return NormAnswer(sq_norm=sq)
 
-    def set_coefficient(self, p: int, clock: int, coef: float) -> None:
-        """Apply `clock` with this clipping coefficient once complete; a coefficient already
-        known, or a clock already applied, stays as it is. Raises PartitionError."""
+    def set_coefficient(self, p: int, clock: int, coef: float) -> bool:
+        """Apply `clock` with this clipping coefficient (the clock is then applied); a
+        coefficient already known, or a clock already applied, stays as it is. False (nothing
+        changed) if some roster member has not pushed `clock` yet. Raises PartitionError."""
         part = self._get(p)
-        if clock > part.consistent and clock not in part.coefs:
-            part.coefs[clock] = coef
-            self._advance(part)
+        if clock <= part.consistent or clock in part.coefs:
+            return True
+        if self._pushed_through(part) < clock:
+            return False
+        part.coefs[clock] = coef
+        self._advance(part)
+        return True
+
+    def complete_unapplied(self, p: int) -> tuple[PendingChunk, ...]:
+        """Partition p's clocks every roster member pushed that wait for their clipping
+        coefficient, as pending updates: a copy that holds them whole (a ParamServ's own backup
+        copy after its hand-off) learns their coefficients from the new owner's stream."""
+        part = self._get(p)
+        roster, through = self.roster, self._pushed_through(part)
+        if roster is None:
+            return ()
+        return tuple(
+            PendingChunk(c, total.clone(), frozenset(roster.members(c)))
+            for c, total in sorted(part.accum.items())
+            if part.consistent < c <= through
+        )
 
     def add(
         self,
@@ -427,6 +451,9 @@ class PartitionStore:
         who = set(workers)
         done = {w for w in who if self._applied(part, w, clock)}
         if done == who:
+            if coef is not None and clock > part.consistent and clock not in part.coefs:
+                part.coefs[clock] = coef  # held whole since a hand-off (`complete_unapplied`)
+                self._advance(part)
             return PushOutcome.DUPLICATE
         if done:
             raise RejectedError(
@@ -462,8 +489,14 @@ class PartitionStore:
 
     def complete_through(self, p: int) -> int:
         """The highest clock c such that every clock up to c is complete at partition p,
-        applied or held back. Raises PartitionError."""
+        applied or held back (with clipping: with its coefficient known). Raises
+        PartitionError."""
         part = self._get(p)
+        return self._pushed_through(part, applicable=True)
+
+    def _pushed_through(self, part: _Partition, *, applicable: bool = False) -> int:
+        """The highest clock up to which every roster member pushed every clock; with
+        `applicable` (and clipping), no further than the first without its coefficient."""
         clock = part.consistent
         roster = self.roster
         if roster is None:
@@ -471,6 +504,8 @@ class PartitionStore:
         while True:
             members = roster.members(clock + 1)
             if not members or any((w, clock + 1) not in part.applied for w in members):
+                return clock
+            if applicable and self.clipping and clock + 1 not in part.coefs:
                 return clock
             clock += 1
 
@@ -498,6 +533,7 @@ class PartitionStore:
         part.applied = {(w, c) for w, c in part.applied if c <= clock}
         part.accum = {c: a for c, a in part.accum.items() if c <= clock}
         part.coefs = {c: k for c, k in part.coefs.items() if c <= clock}
+        part.norms.clear()
         part.pending.clear()
 
     def consistent_clock(self, p: int) -> int | None:
@@ -543,7 +579,7 @@ class PartitionStore:
             members = roster.members(part.consistent + 1)
             if not members or any((w, part.consistent + 1) not in part.applied for w in members):
                 break
-            coef = part.coefs.get(part.consistent + 1)
+            coef = part.coefs.get(part.consistent + 1) if self.clipping else None
             if self.clipping and coef is None and part.consistent + 1 in part.accum:
                 break  # complete; its coefficient is not known yet
             part.consistent += 1
@@ -556,7 +592,9 @@ class PartitionStore:
                 part.generation += 1
                 if len(part.spare) < self._spare_sums:
                     part.spare.append(total)
-        if part.coefs:
+        if part.norms:
+            part.norms = {c: n for c, n in part.norms.items() if c > part.consistent}
+        if len(part.coefs) > 2 * KEEP_APPLIED:
             oldest = part.consistent - KEEP_APPLIED
             part.coefs = {c: k for c, k in part.coefs.items() if c > oldest or c in part.pending}
 

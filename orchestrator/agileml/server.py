@@ -389,8 +389,8 @@ class ParamServer(ServerLoop):
             self._unsettled.pop(p, None)
             snapshot = self._store.export_partition(p)
             self_backup = self._backups.get(p) == self.endpoint
-            if self_backup:
-                snapshot = replace(snapshot, pending=())
+            if self_backup:  # its copy here learns waiting clocks' coefficients (clipping)
+                snapshot = replace(snapshot, pending=self._store.complete_unapplied(p))
             self._moving.add(p)
             self._handoff_seq += 1
             seq = self._handoff_seq
@@ -656,6 +656,7 @@ class ParamServer(ServerLoop):
 
     def _on_norm(self, identity: bytes, header: Header) -> list[Reply]:
         p = header.partition
+        self._check_clipping()
         self._check_serving(p)
         assert p is not None
         if header.clock is None or header.clock < 0:
@@ -670,16 +671,27 @@ class ParamServer(ServerLoop):
         self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
     ) -> list[Reply]:
         p = header.partition
+        self._check_clipping()
         self._check_serving(p)
         assert p is not None
         coef = _one_float(tensors, "coef") if set(tensors) == {"coef"} else None
         if header.clock is None or header.clock < 0 or coef is None:
-            raise RejectedError(RejectReason.BAD_DELTA, "want a clock and a `coef` in (0, 1]")
-        self._store.set_coefficient(p, header.clock, coef)
+            raise RejectedError(RejectReason.BAD_DELTA, "want a clock and a `coef` in [0, 1]")
+        roster = self._store.roster
+        clock = header.clock
+        members = () if roster is None else (*roster.members(clock), *roster.members(clock + 1))
+        if header.sender not in members:
+            raise RejectedError(RejectReason.UNKNOWN_WORKER, f"{header.sender} at clock {clock}")
+        if not self._store.set_coefficient(p, clock, coef):
+            raise RejectedError(RejectReason.BAD_CLOCK, f"clock {clock} is not complete")
         ack = self._encode(MessageKind.CLIP_ACK, header.seq, partition=p, clock=header.clock)
         replies: list[Reply] = [(identity, ack), *self._release_held(p)]
         self._queue_stream(p)
         return replies
+
+    def _check_clipping(self) -> None:
+        if not self._store.clipping:
+            raise RejectedError(RejectReason.UNEXPECTED_KIND, "this job does not clip")
 
     def _answerable(self, p: int, pull: _HeldPull) -> bool:
         """Consistent enough, and for a clock within the horizon (a `norm`: complete)."""
@@ -786,7 +798,7 @@ def _float_tensor(value: float) -> torch.Tensor:
 
 
 def _one_float(tensors: dict[str, torch.Tensor], name: str) -> float | None:
-    """`tensors[name]` as a clipping coefficient (float64 (1,), in (0, 1]); None if not."""
+    """`tensors[name]` as a clipping coefficient (float64 (1,), in [0, 1]); None if not."""
     t = tensors.get(name)
     if t is None or t.dtype != torch.float64 or t.shape != (1,):
         return None

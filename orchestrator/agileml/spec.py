@@ -13,6 +13,8 @@ from orchestrator.straggler.spec import StragglerSpec
 from orchestrator.units import MAX_DEVICES, MAX_SEED, MAX_SETTING_S
 
 NodeId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+#: The most DataLoader processes a node may run for its rows (`loader_workers`).
+MAX_LOADER_WORKERS = 16
 #: The most micro-batches a worker may split its share of an iteration into (`accumulate`).
 MAX_ACCUMULATE = 4096
 
@@ -106,10 +108,17 @@ class TrainingSpec(BaseModel):
     # gradient clipping: each iteration's gradient scaled to at most this global 2-norm over
     # every partition, as `torch.nn.utils.clip_grad_norm_` on one process (see `clipping`:
     # one more round between workers and servers per iteration; bulk-synchronous jobs only)
-    clip_grad_norm: Annotated[float, Field(gt=0, le=1e9)] | None = None
+    clip_grad_norm: Annotated[float, Field(gt=0, le=1e9, strict=True)] | None = None
+    # the job's evaluate(model) during the run, on checkpoints at least this many iterations
+    # apart (`evaluations`): through the controller, checkpoints are then taken at least as
+    # often, and the results go to the training reports (API, dashboard, /metrics, TensorBoard)
+    eval_every: Annotated[int, Field(ge=1, le=1_000_000_000, strict=True)] | None = None
     # the most devices each node trains on (one worker per device, their gradients reduced
     # inside the node before its push, see `devices`); None: every device a node has
     devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES, strict=True)] | None = None
+    # processes of a torch DataLoader that read a worker's next share while it computes (for a
+    # job's own dataset read item by item; `loading`); 0: the worker takes its rows itself
+    loader_workers: Annotated[int, Field(ge=0, le=MAX_LOADER_WORKERS, strict=True)] = 2
     # FlexRR (RapidReassignment between workers); `{"flexrr": false}` turns it off
     straggler: StragglerSpec = StragglerSpec()
     # checkpoints (see `checkpoints`): written under `checkpoint_dir` (a directory the reliable
@@ -157,6 +166,11 @@ class TrainingSpec(BaseModel):
             raise ValueError(
                 "clip_grad_norm needs a data-parallel job with slack 0: the global norm of an "
                 "iteration's gradient needs every worker's share of it before any update"
+            )
+        if self.eval_every is not None and (self.code is None or self.parallelism == "pipeline"):
+            raise ValueError(
+                "eval_every needs a data-parallel job with code that defines evaluate(model); "
+                "a pipeline is evaluated at its end"
             )
         if self.precision == "fp16" and self.code is None:
             raise ValueError(

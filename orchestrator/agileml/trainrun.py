@@ -47,7 +47,7 @@ from orchestrator.agileml.jobcode import (
 from orchestrator.agileml.local import LocalJob, NodeOutcome, mean_phase_seconds
 from orchestrator.agileml.partitions import PartitionLayout
 from orchestrator.agileml.parts import training_parts
-from orchestrator.agileml.spec import MAX_ACCUMULATE, MAX_DEVICES
+from orchestrator.agileml.spec import MAX_ACCUMULATE, MAX_DEVICES, MAX_LOADER_WORKERS
 from orchestrator.artifacts import WEIGHTS, folder_at
 from orchestrator.errors import UserError
 from orchestrator.straggler.spec import StragglerSpec
@@ -116,7 +116,9 @@ class TrainPlan(BaseModel):
     # the workers' forward and loss (`agileml.precision`; fp16 with a dynamic loss scale)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # each iteration's gradient clipped to this global norm (`agileml.clipping`); None: not
-    clip_grad_norm: Annotated[float, Field(gt=0, le=1e9)] | None = None
+    clip_grad_norm: Annotated[float, Field(gt=0, le=1e9, strict=True)] | None = None
+    # DataLoader processes per node reading its next share ahead (`agileml.loading`)
+    loader_workers: Annotated[int, Field(ge=0, le=MAX_LOADER_WORKERS)] = 2
     # devices each node trains on, one worker each (`agileml.devices`; CPU processes here)
     devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 1
     # the job's evaluate() every this many iterations, on a checkpoint (`agileml.evaluations`)
@@ -291,6 +293,7 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         precision=plan.precision,
         clip_grad_norm=plan.clip_grad_norm,
         devices_per_node=plan.devices_per_node,
+        loader_workers=plan.loader_workers,
     )
 
 

@@ -48,6 +48,7 @@ from orchestrator.agileml.batches import (
     to_device,
 )
 from orchestrator.agileml.errors import AgileMLError, WorkerError
+from orchestrator.agileml.loading import LoaderRows
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.precision import LossScale, autocast
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
@@ -127,6 +128,8 @@ class Worker(ServerRequests):
         # fp16: the loss is scaled before backward, the gradients unscaled before the push
         self._loss_scale = LossScale() if spec.precision == "fp16" else None
         self.skipped_clocks: set[int] = set()  # fp16: clocks whose gradient here overflowed
+        # the own share the rows loader fetched (`loading`), while it is computed: (key, rows)
+        self._loaded: tuple[tuple[int, int], Batch | None] | None = None
         self._overflowed = False  # fp16: a gradient of this iteration was not finite
         # on a GPU, gradients leave through reused pinned host vectors (`staging`)
         cuda = self.device.type == "cuda"
@@ -527,10 +530,14 @@ class Worker(ServerRequests):
         if self.devices is not None:  # no early pushes: the devices need whole batches
             return self._backward_rows(self._share_rows(identity, clock)[start:end]), False
         cached = self._preloaded.get((identity, clock, self._roster_version()))
+        share = self._loaded_share(identity, clock) if cached is None else None
         if cached is not None and start >= cached[0]:
             first, batch = cached
             x, y = micro_batch(batch, start - first, end - first)
             hit = True
+        elif share is not None:  # fetched ahead by the rows loader
+            x, y = micro_batch(share, start, end)
+            hit = False
         else:
             with job_code_call(DATA):
                 x, y = self._rows.take(self._share_rows(identity, clock)[start:end])
@@ -690,5 +697,20 @@ class Worker(ServerRequests):
             key = f"{self.spec.seed}/{identity}/{clock}".encode()
             gen = torch.Generator().manual_seed(zlib.crc32(key))
             rows = torch.randint(0, len(self._rows), (self.spec.batch_size,), generator=gen)
-        x, y = self._rows.take(rows)
+        loaded = self._loaded_share(identity, clock)
+        x, y = loaded if loaded is not None else self._rows.take(rows)
         return (to_device(x, self.device), to_device(y, self.device)), len(rows)
+
+    def _loaded_share(self, identity: str, clock: int) -> Batch | None:
+        """This worker's own share of `clock` as the rows loader fetched it (`loading`; None
+        without one, or when it has none ready); the loader is asked for the next share."""
+        loader = self._rows if isinstance(self._rows, LoaderRows) else None
+        if loader is None or self.roster is None or identity != self.spec.worker_id:
+            return None
+        key = (clock, self._roster_version())
+        if self._loaded is None or self._loaded[0] != key:
+            self._loaded = (key, loader.take_prefetched(key))
+            following = clock + 1
+            if following < self.spec.iterations and identity in self.roster.members(following):
+                loader.prefetch((following, key[1]), self._share_rows(identity, following))
+        return self._loaded[1]

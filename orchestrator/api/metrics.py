@@ -95,6 +95,17 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         "loss": gauge(
             "orchestrator_job_training_loss", "The model's loss, as last reported", labels=job
         ),
+        "evaluation": gauge(
+            "orchestrator_job_evaluation",
+            "The job's evaluate() on held-out data during training (eval_every): each metric "
+            "of the newest evaluation",
+            labels=[*job, "metric"],
+        ),
+        "evaluation_iteration": gauge(
+            "orchestrator_job_evaluation_iteration",
+            "The iterations the newest evaluation's weights had trained",
+            labels=job,
+        ),
         "reassigned": counter(
             "orchestrator_job_reassigned_work",
             "Work units FlexRR moved from stragglers to faster workers",
@@ -201,3 +212,8 @@ def _add_job_samples(m: dict[str, Any], f: JobFacts) -> None:
         m["transitions"].add_metric(job, float(f.training.stage_transitions))
         if f.training.loss is not None:
             m["loss"].add_metric(job, f.training.loss)
+        evaluation = f.training.evaluation
+        if evaluation is not None:
+            m["evaluation_iteration"].add_metric(job, float(evaluation.iteration))
+            for metric, value in sorted(evaluation.metrics.items()):
+                m["evaluation"].add_metric([*job, metric], value)

@@ -214,6 +214,7 @@ class JobFacts(EventTally):
             "launch_failures": sum(self.launch_failures.values()),
             "iterations": None if self.training is None else self.training.iteration,
             "loss": None if self.training is None else self.training.loss,
+            "evaluation": _evaluation(self.training),
             "updated_at": job.updated_at,
         }
 
@@ -269,6 +270,7 @@ def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
                     "loss": r.loss,
                     "reassigned": r.reassigned,
                     "stage_transitions": r.stage_transitions,
+                    "evaluation": _evaluation(r),
                 }
                 for r in store.training(job_id)
             ]
@@ -283,6 +285,13 @@ def job_dashboard(store: Store, job_id: str, now_s: float) -> dict[str, Any]:
             for eid, e in reversed(events[-EVENTS_SHOWN:])
         ],
     }
+
+
+def _evaluation(report: TrainingReport | None) -> dict[str, Any] | None:
+    """The newest evaluation of held-out data a report carries (`eval_every`), as JSON."""
+    if report is None or report.evaluation is None:
+        return None
+    return report.evaluation.model_dump(mode="json")
 
 
 def _stages(latest: TrainingReport | None) -> tuple[PipelineStageReport, ...]:

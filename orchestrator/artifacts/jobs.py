@@ -6,6 +6,7 @@
                                               once the training host has assembled its weights
     ROOT/<job id>/final/model.safetensors     the weights when the job ended
     ROOT/<job id>/final/weights.json          where they came from and how far training was
+    ROOT/<job id>/tensorboard/events.out.*    the loss per iteration and the evaluations
     ROOT/_code/<sha256>.tar.gz                uploaded job code (see `code`), by content
 
 The job's reliable nodes write the checkpoints, the training host the weights, the API serves
@@ -80,6 +81,11 @@ class JobArtifacts:
     @property
     def final(self) -> Folder:
         return self.folder.sub("final")
+
+    @property
+    def tensorboard(self) -> Folder:
+        """TensorBoard's event files of the job's training (the loss, the evaluations)."""
+        return self.folder.sub("tensorboard")
 
     @property
     def logs(self) -> Folder:

@@ -168,6 +168,12 @@ def _upload_code(client: Any, training: dict[str, Any], job_file: Path, check: b
         spec = validate_training_section(training)  # its defaults, as the nodes will see them
         job_code = load_job_code(path, iterations=spec.iterations)
         found = check_job_code(job_code, global_batch=spec.global_batch, seed=spec.seed)
+        if spec.eval_every is not None and job_code.evaluate is None:
+            raise UserError(
+                f"training.eval_every: {path} defines no evaluate(model)",
+                field="training.eval_every",
+                fix="add an evaluate(model) that returns held-out metrics, or leave it out",
+            )
         err.print(f"checked: {found.rows} rows, {found.parameters:,} parameters", highlight=False)
     if path.is_file() and [p for p in path.parent.glob("*.py") if p != path]:
         err.print(

@@ -99,6 +99,17 @@ ClipOption = Annotated[
         metavar="X",
     ),
 ]
+LoaderWorkersOption = Annotated[
+    int,
+    typer.Option(
+        "--loader-workers",
+        help="DataLoader processes per node that read a worker's next rows while it computes "
+        "(for a dataset read item by item; 0: the worker reads its rows itself).",
+        min=0,
+        max=16,
+        metavar="N",
+    ),
+]
 DevicesOption = Annotated[
     int,
     typer.Option(
@@ -167,6 +178,7 @@ def train_command(
     accumulate: AccumulateOption = 1,
     precision: PrecisionOption = "fp32",
     clip_grad_norm: ClipOption = None,
+    loader_workers: LoaderWorkersOption = 2,
     devices_per_node: DevicesOption = 1,
     eval_every: EvalEveryOption = None,
     pipeline: PipelineOption = False,
@@ -196,6 +208,7 @@ def train_command(
             accumulate=accumulate,
             precision=precision,
             clip_grad_norm=clip_grad_norm,
+            loader_workers=loader_workers,
             devices_per_node=devices_per_node,
             eval_every=eval_every,
             pipeline=pipeline,

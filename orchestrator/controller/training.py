@@ -35,14 +35,22 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from orchestrator.agileml.hosting import AgileMLError, TrainingSpec, host_training
+from orchestrator.agileml.hosting import (
+    AgileMLError,
+    TrainingSpec,
+    event_file_bytes,
+    event_file_name,
+    host_training,
+)
 from orchestrator.artifacts import (
     FINAL_INFO,
     WEIGHTS,
@@ -56,6 +64,7 @@ from orchestrator.controller.outcomes import TrainingOutcome
 from orchestrator.errors import UserError
 from orchestrator.settings import MAX_HOSTED_TRAINING_JOBS
 from orchestrator.store import (
+    Evaluation,
     InstanceWork,
     JobRecord,
     NotFoundError,
@@ -182,6 +191,8 @@ class TrainingHost:
         self._lock = threading.Lock()
         self._hosted: dict[str, tuple[Hosted, int]] = {}
         self._node_work = NodeWork(store)
+        # job -> (its TensorBoard file's name, what it last held: evaluations, done, minute)
+        self._tensorboard: dict[str, tuple[str, tuple[int, bool, int]]] = {}
 
     def endpoint(self, job_id: str) -> str | None:
         """Where the job's workers join, None when it is not hosted."""
@@ -209,6 +220,9 @@ class TrainingHost:
             if job_id not in self._hosted:
                 self._hosted[job_id] = self._start(spec, self.store.training_ports().get(job_id))
                 self.store.set_training_port(job_id, self._hosted[job_id][1])
+                artifacts = self.artifacts(job_id)
+                if artifacts is not None and self.checkpoints:  # `eval_every`'s checkpoints
+                    self._hosted[job_id][0].watch_evaluations(artifacts.checkpoints)
         endpoint = self.endpoint(job_id)
         if not endpoint:
             return {}
@@ -329,6 +343,8 @@ class TrainingHost:
         update["checkpoint_dir"] = artifacts.checkpoints.location
         if not spec.checkpoint_every and not spec.checkpoint_every_s:
             update["checkpoint_every_s"] = self.checkpoint_every_s
+        if spec.eval_every is not None:  # evaluated on checkpoints (`watch_evaluations`)
+            update["checkpoint_every"] = math.gcd(spec.checkpoint_every, spec.eval_every)
         latest = artifacts.latest_checkpoint()
         if latest is not None:
             update["resume_from"] = latest.location
@@ -367,6 +383,7 @@ class TrainingHost:
                 training.save_checkpoint_weights(latest, latest)
             if (training.done and training.error is None) or job.state.is_terminal:
                 self.save_final(job.job_id)
+            self._write_tensorboard(artifacts, training)
         except Exception as exc:  # noqa: BLE001 - a full disk, a torn file: log, try again
             log.warning("artifacts of %s not written: %r", job.job_id, exc)
 
@@ -401,9 +418,31 @@ class TrainingHost:
             log.info("agileml controller stopped", extra={"job_id": job_id})
         if forget:
             self._node_work.forget(job_id)
+            self._tensorboard.pop(job_id, None)
+
+    def _write_tensorboard(self, artifacts: JobArtifacts, training: Hosted) -> None:
+        """TensorBoard's event file of the job in its artifacts (`tensorboard/`): the loss at
+        each iteration reported and every evaluation, rewritten whole when an evaluation came,
+        the training ended, or a minute passed (`tensorboard --logdir` on a copy of it)."""
+        job_id = artifacts.job_id
+        evaluations = [Evaluation.of(e) for e in training.evaluations()]
+        name, written = self._tensorboard.get(job_id, (event_file_name(time.time()), (0, False, 0)))
+        now = (len(evaluations), training.done, int(time.monotonic() // 60))
+        if now == written:
+            return
+        losses = {r.iteration: r.loss for r in self.store.training(job_id) if r.loss is not None}
+        scalars = [("train/loss", it, loss) for it, loss in sorted(losses.items()) if it > 0]
+        scalars += [
+            (f"eval/{metric}", e.iteration, value)
+            for e in evaluations
+            for metric, value in e.metrics.items()
+        ]
+        artifacts.tensorboard.write_bytes(name, event_file_bytes(scalars, wall_time=time.time()))
+        self._tensorboard[job_id] = (name, now)
 
     def _report(self, job: JobRecord, training: Hosted, now_s: float) -> None:
         status = training.progress()
+        evaluations = training.evaluations()
         self.store.append_training(
             job.job_id,
             TrainingReport(
@@ -413,6 +452,7 @@ class TrainingHost:
                 reassigned=status.reassigned_rows,
                 stage_transitions=status.stage_transitions,
                 stages=tuple(PipelineStageReport(**st) for st in training.stages()),
+                evaluation=Evaluation.of(evaluations[-1]) if evaluations else None,
             ),
         )
         if job.state.is_terminal:

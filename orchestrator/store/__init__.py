@@ -44,6 +44,7 @@ from orchestrator.store.memory import MemoryStore
 from orchestrator.store.models import (
     ALLOWED_TRANSITIONS,
     TERMINAL_STATES,
+    Evaluation,
     InstanceRecord,
     InstanceWork,
     JobRecord,
@@ -88,4 +89,5 @@ __all__ = [
     "StoreUnavailableError",
     "PipelineStageReport",
     "TrainingReport",
+    "Evaluation",
 ]

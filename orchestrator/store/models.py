@@ -268,6 +268,34 @@ class PipelineStageReport(BaseModel):
     nodes: tuple[Annotated[str, Field(max_length=128)], ...] = ()
 
 
+#: The most metrics an evaluation keeps (the job's evaluate() returns a few).
+MAX_METRICS = 32
+MetricName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
+
+class Evaluation(BaseModel):
+    """What the job's `evaluate(model)` returned for the weights after `iteration`
+    iterations (held-out metrics, `eval_every`)."""
+
+    model_config = _RECORD_CONFIG
+
+    iteration: Count
+    metrics: Annotated[dict[MetricName, float], Field(max_length=MAX_METRICS)]
+
+    @classmethod
+    def of(cls, result: dict[str, Any]) -> Evaluation:
+        """From an evaluation result (`{"iteration": n, metric: value, ...}`): the metrics
+        that are finite numbers with a name that fits, at most MAX_METRICS of them."""
+        metrics = {
+            str(k): float(v)
+            for k, v in result.items()
+            if k != "iteration" and isinstance(v, int | float) and math.isfinite(v)
+            and 0 < len(str(k)) <= 64
+        }  # fmt: skip
+        kept = dict(sorted(metrics.items())[:MAX_METRICS])
+        return cls(iteration=int(result["iteration"]), metrics=kept)
+
+
 class TrainingReport(BaseModel):
     """What a job's training runtime reports (pushed through the controller): its iteration,
     the model's loss, the cumulative FlexRR reassignments and AgileML stage transitions, and,
@@ -281,3 +309,4 @@ class TrainingReport(BaseModel):
     reassigned: Count = 0
     stage_transitions: Count = 0
     stages: Annotated[tuple[PipelineStageReport, ...], Field(max_length=1024)] = ()
+    evaluation: Evaluation | None = None  # the newest evaluation of held-out data, if any

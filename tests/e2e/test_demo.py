@@ -227,6 +227,10 @@ def _assert_page_matches(driver: Any, data: dict[str, Any], fleet: dict[str, Any
         return len(driver.find_elements("css selector", selector))
 
     assert driver.find_element("css selector", '[data-testid="job-id"]').text == "job-demo"
+    # the held-out accuracy during training (`eval_every`), one point per evaluation
+    evaluated = {r["evaluation"]["iteration"] for r in data["training"] if r["evaluation"]}
+    assert evaluated and job["evaluation"] is not None, data["training"][-3:]
+    assert count("circle.evaluation") == len(evaluated)
     for testid, value in [
         ("spent", job["spent_usd"]),
         ("budget", job["budget_usd"]),

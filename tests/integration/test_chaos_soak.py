@@ -3,6 +3,9 @@ and the AgileML runtime through random faults, every invariant held."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 
 from benchmarks.chaos_soak import soak
@@ -20,6 +23,10 @@ def test_a_short_chaos_soak_keeps_every_invariant() -> None:
             "controller_rewound", "long_lag"} <= kinds, kinds  # fmt: skip
     assert any(k.startswith("ec2_") for k in kinds) and any(k.startswith("notice") for k in kinds)
     assert world["tick_errors_unexpected"] == 0, world["tick_errors"]
+    if result["hung"] or result["unexpected_aborts"]:  # whole, where pytest's message is cut
+        found = {"runtime": {k: runtime.get(k) for k in ("hung_details", "abort_reasons")},
+                 "control_plane": world.get("hung")}  # fmt: skip
+        print(json.dumps(found, default=str, indent=1), file=sys.stderr)
     for invariant in ("lost_updates", "double_applied", "orphans", "unbilled_or_double_billed",
                       "hung", "ended_without_reason", "unexpected_aborts", "paid_without_agent",
                       "acted_without_lease", "other_id_admitted", "slow_takeovers", "no_leader",

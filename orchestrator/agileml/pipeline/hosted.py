@@ -178,6 +178,14 @@ class HostedPipeline:
         """Nothing: a stage trains on one device."""
         return {}
 
+    def watch_evaluations(self, checkpoints: object) -> None:
+        """Nothing: a pipeline is evaluated at its end (`eval_every` is data-parallel)."""
+        del checkpoints
+
+    def evaluations(self) -> list[dict[str, Any]]:
+        """None during the run (see `watch_evaluations`)."""
+        return []
+
     def stages(self) -> list[dict[str, Any]]:
         """The layout running now: per stage its layers and the nodes of its replicas."""
         with self._lock:

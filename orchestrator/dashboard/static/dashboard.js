@@ -401,6 +401,17 @@
     function itY(it) { return lossMin + it * scale; }
     series(p, "iterations", reports.map(function (r) { return [r.t, itY(r.iteration)]; }));
     series(p, "loss", reports.map(function (r) { return [r.t, r.loss]; }));
+    var held = evaluationPoints(reports);
+    if (held.points.length) {  // the held-out metric, scaled onto the loss axis
+      var top = maxOf(held.points.map(function (e) { return e.value; }), 0) * 1.05 || 1;
+      function heldY(v) { return lossMin + (lossMax - lossMin) * v / top; }
+      series(p, "evaluation", held.points.map(function (e) { return [e.t, heldY(e.value)]; }));
+      held.points.forEach(function (e) {
+        var dot = svgEl("circle", { cx: p.x(e.t), cy: p.y(heldY(e.value)), r: 3, "class": "evaluation" });
+        titled(dot, held.metric + " " + num(e.value) + " after iteration " + num(e.iteration));
+        svg.appendChild(dot);
+      });
+    }
     reports.forEach(function (r, i) {
       if (i > 0 && r.stage_transitions > reports[i - 1].stage_transitions) {
         var line = svgEl("line", { x1: p.x(r.t), x2: p.x(r.t), y1: p.top, y2: p.bottom, "class": "transition" });
@@ -418,7 +429,25 @@
       { label: "loss (left)", color: "#db2777" }, { label: "iterations (right)", color: "#64748b", dashed: true },
       { label: "stage transition" + (last ? " (" + last.stage_transitions + ")" : ""), color: "#a3a3a3" },
       { label: "FlexRR reassigned rows: " + (last ? num(last.reassigned) : "—"), color: "transparent" },
-    ]);
+    ].concat(held.points.length ? [{
+      label: "held-out " + held.metric + " (scaled): " + num(held.points[held.points.length - 1].value) +
+        " after iteration " + num(held.points[held.points.length - 1].iteration),
+      color: "#2563eb",
+    }] : []));
+  }
+
+  // each evaluation once (the reports repeat the newest), of its first metric by name
+  function evaluationPoints(reports) {
+    var metric = null, seen = {}, points = [];
+    reports.forEach(function (r) {
+      var e = r.evaluation;
+      if (!e || seen[e.iteration]) return;
+      if (metric === null) metric = Object.keys(e.metrics).sort()[0] || null;
+      if (metric === null || e.metrics[metric] === undefined) return;
+      seen[e.iteration] = true;
+      points.push({ t: r.t, iteration: e.iteration, value: e.metrics[metric] });
+    });
+    return { metric: metric, points: points };
   }
 
   function renderFleet(fleet, current) {

@@ -225,6 +225,7 @@ def test_clipping_a_norm_waits_for_every_push_and_a_clock_for_its_coefficient(
         (MessageKind.NORM, {"clock": -1}, "bad_clock"),
         (MessageKind.NORM, {}, "bad_clock"),
         (MessageKind.NORM, {"clock": 0, "partition": 9}, "not_owner"),
+        (MessageKind.CLIP, {"clock": 1, "tensors": _coef(0.5)}, "bad_clock"),  # incomplete
     ],
     ids=[
         "coef-above-1",
@@ -234,6 +235,7 @@ def test_clipping_a_norm_waits_for_every_push_and_a_clock_for_its_coefficient(
         "norm-negative-clock",
         "norm-no-clock",
         "norm-not-owner",
+        "clip-incomplete-clock",
     ],  # fmt: skip
 )
 def test_a_hostile_clipping_request_is_refused_and_changes_nothing(
@@ -250,3 +252,23 @@ def test_a_hostile_clipping_request_is_refused_and_changes_nothing(
     ack, _ = w0.request(MessageKind.CLIP, partition=0, clock=0, tensors=_coef(1.0))
     assert ack.kind is MessageKind.CLIP_ACK
     assert torch.equal(server.state(0), INITIAL + 2)
+
+
+def test_clipping_requests_are_refused_by_a_job_that_does_not_clip_and_from_strangers(
+    server: ParamServer, ctx: WireClients
+) -> None:
+    """Without clipping a `clip` could scale an update: refused, as is one from a worker the
+    roster does not know."""
+    w0, w1 = ctx(server.endpoint, "w0"), ctx(server.endpoint, "w1")
+    w0.push(0, torch.ones(4))
+    w1.push(0, torch.ones(4))
+    header, _ = w0.request(MessageKind.CLIP, partition=0, clock=0, tensors=_coef(1e-6))
+    assert (header.kind, header.detail) == (MessageKind.ERROR, "unexpected_kind")
+    assert torch.equal(server.state(0), INITIAL + 2)  # applied as pushed
+    server.set_clipping(True)
+    w0.push(1, torch.ones(4))
+    w1.push(1, torch.ones(4))
+    stranger = ctx(server.endpoint, "intruder")
+    header, _ = stranger.request(MessageKind.CLIP, partition=0, clock=1, tensors=_coef(0.5))
+    assert (header.kind, header.detail) == (MessageKind.ERROR, "unknown_worker")
+    assert torch.equal(server.state(0), INITIAL + 2)  # clock 1 still waits

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -331,3 +332,33 @@ def test_the_options_users_train_with_together_through_the_cli(tmp_path: Path) -
     same, _ = train_reference(code, iterations=150, global_batch=32, accumulate=2,
                               clip_grad_norm=1.0)  # fmt: skip
     assert relative_error(model, same) <= 1e-5
+
+
+@pytest.mark.slow
+def test_rows_read_ahead_by_a_dataloader_are_the_rows_of_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset read item by item: each node's DataLoader processes (`loader_workers`, from a
+    fork server: their parent is not the node) read most items, ahead of the computation,
+    through an eviction (a roster change: a guess dropped); the weights are the single-process
+    loop's, and no loader process outlives the run."""
+    items = tmp_path / "items.txt"
+    monkeypatch.setenv("ORCHESTRATOR_TEST_ITEMS_LOG", str(items))
+    monkeypatch.setenv("ORCHESTRATOR_TEST_ITEM_S", "0.002")  # 24 ms a share: a decode
+    path = JOBS / "digits_items.py"
+    plan = TrainPlan(code=str(path), nodes=3, reliable=1, iterations=150, global_batch=48,
+                     injections=tuple(parse_injections("evict@100")), loader_workers=2)  # fmt: skip
+    result = train_locally(plan)
+    me = str(os.getpid())
+    reads = [line.split() for line in items.read_text().splitlines()]
+    loaders = {pid for pid, parent in reads if pid != me and parent != me}
+    by_loaders = sum(1 for pid, _ in reads if pid in loaders)
+    # 2 per node, of the 4 nodes; each starts (a few seconds here) while training goes on
+    assert len(loaders) >= 2 * 3, loaders
+    assert by_loaders > 150 * 48 / 4, by_loaders
+    expected, _ = train_reference(load_job_code(path), iterations=150, global_batch=48)
+    assert relative_error(result.model, expected) <= 1e-5
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in loaders):
+        assert time.monotonic() < deadline, "a loader process outlived its node"
+        time.sleep(0.2)

@@ -35,6 +35,7 @@ from orchestrator.settings import ApiSettings, Settings
 from orchestrator.store import (
     ConflictError,
     DecisionEvent,
+    Evaluation,
     EvictionEvent,
     InstanceRecord,
     JobRecord,
@@ -593,8 +594,10 @@ def _feed_a_running_job(client: TestClient, store: Store) -> str:
             at_s=5.0, prices={"p3.2xlarge@us-east-1a": 0.9, "p3.8xlarge@us-east-1b": 4.0}
         ),
     )
+    held_out = Evaluation(iteration=40, metrics={"held_out_accuracy": 0.9, "held_out_loss": 0.3})
     store.append_training(job_id, TrainingReport(at_s=9.0, iteration=42, loss=0.5,
-                                                 reassigned=3, stage_transitions=2))  # fmt: skip
+                                                 reassigned=3, stage_transitions=2,
+                                                 evaluation=held_out))  # fmt: skip
     return job_id
 
 
@@ -635,6 +638,9 @@ def test_metrics_expose_spend_projection_evictions_nodes_prices_and_training(
         ("orchestrator_job_training_loss", job, 0.5),
         ("orchestrator_job_reassigned_work_total", job, 3.0),
         ("orchestrator_job_stage_transitions_total", job, 2.0),
+        ("orchestrator_job_evaluation", job | {"metric": "held_out_accuracy"}, 0.9),
+        ("orchestrator_job_evaluation", job | {"metric": "held_out_loss"}, 0.3),
+        ("orchestrator_job_evaluation_iteration", job, 40.0),
     ]:  # fmt: skip
         key = (name, frozenset(labels.items()))
         assert samples.get(key) == pytest.approx(value), f"{key} in\n{response.text}"
@@ -700,6 +706,8 @@ def test_dashboard_data_follows_the_contract(client: TestClient, store: Store) -
                      ("eviction", "i-8")]  # fmt: skip
     assert "warned" in page["marks"][2]["detail"] and "no warning" in page["marks"][3]["detail"]
     assert page["training"][0]["iteration"] == 42
+    held_out = {"iteration": 40, "metrics": {"held_out_accuracy": 0.9, "held_out_loss": 0.3}}
+    assert page["training"][0]["evaluation"] == summary["evaluation"] == held_out
     assert page["events"][0]["kind"] == "eviction" and len(page["events"]) == 7
     assert client.get("/v1/jobs/job-nope/dashboard", headers=READ).status_code == 404
 

@@ -62,6 +62,8 @@ BODIES: list[dict[str, Any]] = [
      "training": _training(PATTERNS[2], parallelism="pipeline", stages=2, code="job.py")},
     {"name": "uneven", "budget_usd": 10, "work_gpu_hours": 2,
      "training": _training(PATTERNS[3], accumulate=2, devices_per_node=2)},
+    {"name": "evaluated", "budget_usd": 10, "work_gpu_hours": 2,
+     "training": _training(PATTERNS[3], code="job.py", eval_every=10, clip_grad_norm=1.0)},
 ]  # fmt: skip
 OUTCOMES: Counter[str] = Counter()
 

@@ -273,3 +273,52 @@ def test_job_download_writes_the_weights_and_unpacks_the_checkpoint(tmp_path: Pa
         run = download()
         assert run.returncode == 2 and "no weights yet" in run.stderr
         assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+def test_evaluations_during_training_reach_the_reports_and_tensorboard(tmp_path: Path) -> None:
+    """`eval_every` through the controller: the training host evaluates the checkpoints its
+    nodes write (at least every 20 iterations: checkpoints come that often) on a thread of its
+    own; each report carries the newest evaluation, of the weights after an exact iteration
+    count, and the job's TensorBoard file in its artifacts holds the loss and every evaluation."""
+    from orchestrator.agileml.event_files import read_scalars
+    from orchestrator.artifacts import LocalFolder
+
+    store = MemoryStore()
+    root = LocalFolder(tmp_path / "artifacts")
+    job_file = Path(__file__).parents[3] / "orchestrator" / "jobs" / "digits_cnn.py"
+    training = {**TRAINING, "code": store_code(root, pack_code(job_file)), "iterations": 60,
+                "global_batch": 32, "checkpoint_every": 0, "eval_every": 20}  # fmt: skip
+    job = JobSubmission(name="evals", budget_usd=10.0, work_gpu_hours=2.0, training=training)
+    store.create_job(JobRecord.submit(JOB_ID, job.model_dump(mode="json"), 10.0, 0.0))
+    host = _host(store, root, free_port())
+    host.tags_for(JOB_ID)
+    procs = _nodes(str(host.endpoint(JOB_ID)), tmp_path)
+    hosted = host.hosted(JOB_ID)
+    assert hosted is not None
+    try:
+        _step_until(host, lambda: hosted.done and len(hosted.evaluations()) >= 2)
+        time.sleep(1.5)  # the evaluation thread's next look: the last checkpoints
+        host.step(time.time())
+    finally:
+        host.close()
+        _stop(procs)
+    found = hosted.evaluations()
+    iterations = [e["iteration"] for e in found]
+    assert len(found) >= 2 and all(
+        b - a >= 20 for a, b in zip(iterations, iterations[1:], strict=False)
+    )
+    assert all(0 <= e["held_out_accuracy"] <= 1 for e in found)
+    reported = [r.evaluation for r in store.training(JOB_ID) if r.evaluation is not None]
+    assert reported and reported[-1].iteration == iterations[-1]
+    # the weights after that many iterations evaluate the same on one process
+    code = load_job_code(job_file)
+    first = found[0]
+    early, _ = train_reference(code, iterations=first["iteration"], global_batch=32)
+    assert code.evaluate is not None
+    assert code.evaluate(early)["held_out_accuracy"] == first["held_out_accuracy"]
+    [events] = (tmp_path / "artifacts" / JOB_ID / "tensorboard").glob("events.out.tfevents.*")
+    scalars = read_scalars(events)
+    evals = [(step, v) for tag, step, v in scalars if tag == "eval/held_out_accuracy"]
+    assert [step for step, _ in evals] == iterations
+    assert any(tag == "train/loss" for tag, _, _ in scalars)

@@ -4,6 +4,8 @@ clock waits for its coefficient, and the coefficient travels with the partition.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -140,7 +142,7 @@ def test_squared_norms_and_hostile_replies() -> None:
     assert answer_from_tensors({}) == NormAnswer()
     for bad in (
         {"coef": torch.tensor([2.0], dtype=torch.float64)},
-        {"coef": torch.tensor([0.0], dtype=torch.float64)},
+        {"coef": torch.tensor([-0.5], dtype=torch.float64)},
         {"sq_norm": torch.tensor([-1.0], dtype=torch.float64)},
         {"sq_norm": torch.tensor([1.0], dtype=torch.float32)},
         {"other": torch.tensor([1.0], dtype=torch.float64)},
@@ -167,3 +169,41 @@ def test_the_option_is_bounded_bulk_synchronous_and_data_parallel_only() -> None
         TrainingSpec(job_id="j", clip_grad_norm=1.0, slack=1, horizon_clocks=8)
     with pytest.raises(ValidationError, match="data-parallel"):
         TrainingSpec(job_id="j", code="job.py", parallelism="pipeline", clip_grad_norm=1.0)
+
+
+def test_a_paramservs_own_backup_copy_learns_a_waiting_clocks_coefficient_after_its_handoff() -> (
+    None
+):
+    """A ParamServ hands a partition to a new ActivePS while a complete clock waits for its
+    coefficient, and keeps the state as its backup copy: the new owner streams that clock
+    (with its coefficient) once applied, and the copy applies it too (else it would hold
+    every later clock back for good)."""
+    layout, (old, *_) = _stores(_model())
+    g = torch.ones(layout.total)[layout.slice(0)]
+    old.apply_push(0, "w0", 0, g.clone())
+    old.apply_push(0, "w1", 0, g.clone())  # complete; no coefficient yet
+    snapshot = old.export_partition(0)
+    handed = replace(snapshot, pending=old.complete_unapplied(0))
+    new, copy = PartitionStore(old._rules), PartitionStore(old._rules, spare_sums=0)  # noqa: SLF001
+    for store in (new, copy):
+        store.set_clipping(True)
+    new.import_partition(handed)
+    copy.import_partition(snapshot, restore=True)
+    assert new.set_coefficient(0, 0, 0.5)
+    (chunk,) = new.take_streamable(0)
+    assert (chunk.clock, chunk.coef) == (0, 0.5)
+    assert copy.apply_chunk(0, 0, chunk.workers, chunk.delta, chunk.coef).value == "duplicate"
+    assert copy.consistent_clock(0) == new.consistent_clock(0) == 0
+    assert torch.equal(copy.values(0), new.values(0))
+
+
+def test_a_coefficient_waits_for_a_complete_clock_and_may_be_zero() -> None:
+    layout, (store, *_) = _stores(_model())
+    g = torch.ones(layout.total)[layout.slice(0)]
+    store.apply_push(0, "w0", 0, g.clone())
+    assert not store.set_coefficient(0, 0, 0.5)  # w1 has not pushed: refused
+    store.apply_push(0, "w1", 0, g.clone())
+    assert store.complete_through(0) == -1  # complete, but not applicable yet
+    assert store.set_coefficient(0, 0, 0.0)  # torch zeroes a gradient past float32's range
+    assert coefficient([1e78], 1.0) == 0.0
+    assert store.consistent_clock(0) == 0

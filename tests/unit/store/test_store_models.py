@@ -53,3 +53,21 @@ def test_a_training_report_holds_only_numbers_a_reader_can_take(fields: dict) ->
     with pytest.raises(ValueError):
         TrainingReport(at_s=0.0, **fields)
     TrainingReport(at_s=0.0, iteration=2**63 - 1)  # the largest int64 is fine
+
+
+def test_an_evaluation_keeps_the_metrics_a_report_can_carry() -> None:
+    """What a job's evaluate() returned, as a training report can store it: finite numbers
+    with names that fit, at most MAX_METRICS of them; anything else left out, never raised."""
+    from pydantic import ValidationError
+
+    from orchestrator.store.models import MAX_METRICS, Evaluation
+
+    result = {"iteration": 40, "acc": 0.9, "loss": float("nan"), "x" * 65: 1.0, "note": "text",
+              "inf": float("inf"), **{f"m{i:02d}": float(i) for i in range(40)}}  # fmt: skip
+    e = Evaluation.of(result)
+    assert e.iteration == 40 and e.metrics["acc"] == 0.9
+    assert len(e.metrics) == MAX_METRICS
+    assert not {"loss", "x" * 65, "note", "inf"} & set(e.metrics)
+    assert TrainingReport(at_s=1.0, iteration=41, evaluation=e).evaluation == e
+    with pytest.raises(ValidationError):
+        Evaluation(iteration=1, metrics={"bad": float("nan")})

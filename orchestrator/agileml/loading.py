@@ -1,0 +1,213 @@
+"""Rows fetched ahead (`TrainingSpec.loader_workers`): while a node's worker computes its share
+of one clock, a `torch.utils.data.DataLoader` with `loader_workers` processes reads the items of
+its share of the next clock (a dataset that decodes images or reads files then costs the
+computation nothing), and the node collates them on a thread of its own.
+
+The rows are the runtime's: the worker names the share it will want next by (identity, clock,
+roster version) and its row numbers (`prefetch`); `take_prefetched` returns that share's batch
+when it is ready, and None otherwise (not asked for, a roster change made the guess wrong, or
+still on its way): the worker then takes the rows itself, as without a loader. Either way the
+same rows, so exactly-once is unchanged, and a loader never makes a clock wait. An error of
+the job's dataset or collate function in the loader turns the loader off: the worker then
+meets it taking the rows itself, and it stops the run as any error of the job's code does.
+
+The loader's processes start from a fork server (never a fork of the node's process, whose
+threads could hold a lock the child then waits on for good) and build the job's dataset from
+its spec themselves (the dataset object of the job's module cannot be pickled into them).
+Each request is one pass of the DataLoader over the share's rows in `workers` parts, one per
+process; the processes persist between passes. A loader that fails (a process gone, no answer
+within `TIMEOUT_S`) is turned off too, and the worker goes on taking its rows itself.
+
+Only for a job's own map-style dataset whose rows are read item by item (`DatasetRows` that
+is not a plain TensorDataset, which is indexed at once, faster than any prefetch).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from orchestrator.agileml.batches import Batch, DatasetRows, micro_batches
+
+log = logging.getLogger(__name__)
+
+#: Seconds a loader process may take over its part of a share before the loader is given up.
+TIMEOUT_S = 120.0
+#: What the fork server imports once, so that each loader process starts without it.
+_PRELOAD = ["torch", "orchestrator.agileml.loading"]
+
+
+class JobDataset(Dataset[Any]):
+    """The job's dataset as a loader process reads it: built there, from the job's spec, on
+    the first item it is asked for (only the spec is pickled into the process)."""
+
+    def __init__(self, spec_json: str, length: int) -> None:
+        self.spec_json = spec_json
+        self.length = length
+        self._dataset: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"spec_json": self.spec_json, "length": self.length, "_dataset": None}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> Any:
+        if self._dataset is None:
+            from orchestrator.agileml.control import TrainingSpec
+            from orchestrator.agileml.jobcode import code_path, dataset_rows, load_job_code
+
+            spec = TrainingSpec.model_validate_json(self.spec_json)
+            code = load_job_code(code_path(spec), iterations=spec.iterations)
+            self._dataset = dataset_rows(code).dataset
+        return self._dataset[i]
+
+
+def _items(items: list[Any]) -> list[Any]:
+    """The loader's collate function: the items as they are (the node collates them with
+    the job's own function, which cannot be pickled into a loader process)."""
+    return items
+
+
+class _Plan:
+    """The DataLoader's batch sampler: the parts of the share being fetched."""
+
+    def __init__(self) -> None:
+        self.parts: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+
+class LoaderRows:
+    """A `RowSource` whose shares can be fetched ahead (see the module docstring)."""
+
+    def __init__(self, rows: DatasetRows, spec_json: str, workers: int) -> None:
+        if workers < 1:
+            raise ValueError("a loader needs at least one process")
+        self.rows = rows
+        self.workers = workers
+        self._plan = _Plan()
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
+        self._loader: DataLoader[Any] = DataLoader(
+            JobDataset(spec_json, len(rows)),
+            batch_sampler=self._plan,
+            num_workers=workers,
+            collate_fn=_items,
+            persistent_workers=True,
+            multiprocessing_context=context,
+            timeout=TIMEOUT_S,
+        )
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._pending: tuple[Hashable, concurrent.futures.Future[Batch]] | None = None
+        self._lock = threading.Lock()
+        # a daemon: a fetch stuck in a loader process never holds the node's exit up
+        threading.Thread(target=self._serve, name="rows-loader", daemon=True).start()
+        self.failed: str | None = None  # why the loader was turned off
+        self._closed = False
+        self.prefetched = 0  # shares the computation took from the loader
+        self.missed = 0  # shares it took itself (none ready for them)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, rows: torch.Tensor) -> Batch:
+        """The rows, taken here and now (as `DatasetRows.take`)."""
+        return self.rows.take(rows)
+
+    def prefetch(self, key: Hashable, rows: torch.Tensor) -> None:
+        """Fetch `rows` in the background, for `take_prefetched(key)` (a share asked for
+        before and not taken is forgotten)."""
+        with self._lock:
+            if self._closed or self.failed is not None:
+                return
+            if self._pending and self._pending[0] == key:
+                return
+            future: concurrent.futures.Future[Batch] = concurrent.futures.Future()
+            self._pending = (key, future)
+            self._requests.put(([int(i) for i in rows.tolist()], future))
+
+    def take_prefetched(self, key: Hashable) -> Batch | None:
+        """The batch fetched for `key` if it is ready (None: not asked for, not ready, or the
+        loader failed: the caller takes the rows itself)."""
+        with self._lock:
+            pending = self._pending
+            if pending is None or pending[0] != key or not pending[1].done():
+                self.missed += 1
+                return None
+            self._pending = None
+        try:
+            batch = pending[1].result()
+        except Exception as exc:  # noqa: BLE001 - the caller meets a job's error itself
+            self._turn_off(f"{type(exc).__name__}: {exc}")
+            self.missed += 1
+            return None
+        self.prefetched += 1
+        return batch
+
+    def _serve(self) -> None:
+        """The loader's thread: its processes started at once (while the node loads and
+        joins), then each request in turn, its result into its future."""
+        started = time.monotonic()
+        try:
+            self._fetch([0] * self.workers)
+            took = round(time.monotonic() - started, 2)
+            log.info("rows loader started", extra={"processes": self.workers, "seconds": took})
+        except Exception as exc:  # noqa: BLE001 - no loader then; the worker reads itself
+            self._turn_off(f"{type(exc).__name__}: {exc}")
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            rows, future = request
+            with self._lock:  # a share asked for since: this one is not wanted any more
+                wanted = self._pending is not None and self._pending[1] is future
+            if not wanted:
+                future.cancel()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._fetch(rows))
+            except BaseException as exc:  # noqa: BLE001 - handed to `take_prefetched`
+                future.set_exception(exc)
+
+    def _fetch(self, rows: list[int]) -> Batch:
+        """The share's items through the loader's processes, collated here."""
+        self._plan.parts = [rows[a:b] for a, b in micro_batches(len(rows), self.workers)]
+        items: list[Any] = []
+        for part in self._loader:
+            items.extend(part)
+        batch = self.rows.collate(items)
+        if not isinstance(batch, tuple | list) or len(batch) != 2:
+            raise ValueError("a collated batch must be an (inputs, targets) pair")
+        return batch[0], batch[1]
+
+    def _turn_off(self, why: str) -> None:
+        with self._lock:
+            if self.failed is None:
+                self.failed = why
+                log.warning("the rows loader failed; the worker takes its rows itself",
+                            extra={"error": why})  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the loader's thread and processes."""
+        with self._lock:
+            self._closed = True
+            self._pending = None
+        self._requests.put(None)
+        iterator = getattr(self._loader, "_iterator", None)
+        if iterator is not None:
+            iterator._shutdown_workers()  # the DataLoader's own way (its processes join)
