@@ -96,10 +96,10 @@ class EvaluationWatch:
         if self.error is not None or any(r["iteration"] == iterations for r in self.results):
             return
         metrics, self.error = evaluate_trained(self.code, model)
-        if self.error is None:
-            self.results.append({"iteration": iterations, **metrics})
+        if self.error is None:  # a metric the job named `iteration` does not replace it
+            self.results.append({**metrics, "iteration": iterations})
 
     def add_final(self, iterations: int, metrics: dict[str, float]) -> None:
         """The evaluation of the model at the end (`evaluate_trained`'s), once, and last."""
         self.results = [r for r in self.results if r["iteration"] != iterations]
-        self.results.append({"iteration": iterations, **metrics})
+        self.results.append({**metrics, "iteration": iterations})

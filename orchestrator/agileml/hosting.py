@@ -29,7 +29,7 @@ from orchestrator.agileml.control import TrainingSpec, TrainingStatus
 from orchestrator.agileml.coordinator import Coordinator
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.evaluations import EvaluationWatch
-from orchestrator.agileml.event_files import event_file_bytes, event_file_name
+from orchestrator.agileml.event_files import event_file_bytes
 from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.parts import ModelParts, TrainingParts, model_parts, training_parts
 from orchestrator.agileml.spec import validate_training_section
@@ -48,7 +48,6 @@ __all__ = [
     "TrainingStatus",
     "evaluate_weights",
     "event_file_bytes",
-    "event_file_name",
     "host_training",
     "validate_training_section",
 ]

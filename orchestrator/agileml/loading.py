@@ -25,8 +25,11 @@ is not a plain TensorDataset, which is indexed at once, faster than any prefetch
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -36,12 +39,16 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from orchestrator.agileml.batches import Batch, DatasetRows, micro_batches
+from orchestrator.agileml.batches import Batch, DatasetRows, map_tensors, micro_batches
 
 log = logging.getLogger(__name__)
 
 #: Seconds a loader process may take over its part of a share before the loader is given up.
 TIMEOUT_S = 120.0
+#: The longest `close` waits for the loader's processes to stop.
+CLOSE_S = 10.0
+#: How often a loader process checks that its node is still there.
+WATCH_S = 1.0
 #: What the fork server imports once, so that each loader process starts without it.
 _PRELOAD = ["torch", "orchestrator.agileml.loading"]
 
@@ -73,9 +80,35 @@ class JobDataset(Dataset[Any]):
 
 
 def _items(items: list[Any]) -> list[Any]:
-    """The loader's collate function: the items as they are (the node collates them with
-    the job's own function, which cannot be pickled into a loader process)."""
-    return items
+    """The loader's collate function: the items, their tensors copied (a view of a large
+    tensor would carry all of it to the node), for the node to collate with the job's own
+    function (which cannot be pickled into a loader process)."""
+    return [map_tensors(item, torch.Tensor.clone) for item in items]
+
+
+def _watch_node(node_pid: int, worker_id: int) -> None:
+    """A loader process's start (`worker_init_fn`): it exits once the node is gone (torch's
+    own check watches the fork server, which waits for its children: a SIGKILLed node would
+    leave both behind), and lets go of the fork server's liveness pipe."""
+    del worker_id
+    from multiprocessing import forkserver
+
+    alive = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+
+    def watch() -> None:
+        while True:
+            time.sleep(WATCH_S)
+            try:
+                os.kill(node_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:  # alive, another user's
+                continue
+
+    threading.Thread(target=watch, name="node-watch", daemon=True).start()
 
 
 class _Plan:
@@ -110,12 +143,15 @@ class LoaderRows:
             persistent_workers=True,
             multiprocessing_context=context,
             timeout=TIMEOUT_S,
+            worker_init_fn=functools.partial(_watch_node, os.getpid()),
+            generator=torch.Generator(),  # not torch's global one, which other threads seed
         )
         self._requests: queue.Queue[Any] = queue.Queue()
         self._pending: tuple[Hashable, concurrent.futures.Future[Batch]] | None = None
         self._lock = threading.Lock()
         # a daemon: a fetch stuck in a loader process never holds the node's exit up
-        threading.Thread(target=self._serve, name="rows-loader", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="rows-loader", daemon=True)
+        self._thread.start()
         self.failed: str | None = None  # why the loader was turned off
         self._closed = False
         self.prefetched = 0  # shares the computation took from the loader
@@ -168,6 +204,14 @@ class LoaderRows:
             log.info("rows loader started", extra={"processes": self.workers, "seconds": took})
         except Exception as exc:  # noqa: BLE001 - no loader then; the worker reads itself
             self._turn_off(f"{type(exc).__name__}: {exc}")
+        try:
+            self._serve_requests()
+        finally:  # here, not in `close`: the loader's iterator is this thread's
+            iterator = getattr(self._loader, "_iterator", None)
+            if iterator is not None:
+                iterator._shutdown_workers()  # the DataLoader's own way (its processes join)
+
+    def _serve_requests(self) -> None:
         while True:
             request = self._requests.get()
             if request is None:
@@ -202,12 +246,12 @@ class LoaderRows:
                 log.warning("the rows loader failed; the worker takes its rows itself",
                             extra={"error": why})  # fmt: skip
 
-    def close(self) -> None:
-        """Stop the loader's thread and processes."""
+    def close(self, timeout_s: float = CLOSE_S) -> None:
+        """Stop the loader: its thread shuts its processes down once the fetch in flight (if
+        any, or their start) is over; waits for that at most `timeout_s` (the processes also
+        exit once the node is gone, but one still starting would then log an error)."""
         with self._lock:
             self._closed = True
             self._pending = None
         self._requests.put(None)
-        iterator = getattr(self._loader, "_iterator", None)
-        if iterator is not None:
-            iterator._shutdown_workers()  # the DataLoader's own way (its processes join)
+        self._thread.join(timeout_s)

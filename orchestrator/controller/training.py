@@ -48,7 +48,6 @@ from orchestrator.agileml.hosting import (
     AgileMLError,
     TrainingSpec,
     event_file_bytes,
-    event_file_name,
     host_training,
 )
 from orchestrator.artifacts import (
@@ -138,6 +137,23 @@ def _work(work_gpu_hours: float, hours: float, gpus: int = 1) -> InstanceWork:
 _NOTHING = _work(0.0, 0.0)
 
 
+def _evaluations(training: Hosted) -> list[Evaluation]:
+    """The hosted job's evaluations so far as reports carry them (a result that cannot be
+    one is left out: the job's metrics are its own)."""
+    out = []
+    for result in training.evaluations():
+        try:
+            out.append(Evaluation.of(result))
+        except (ValueError, TypeError, KeyError):
+            log.warning("an evaluation left out", extra={"result": repr(result)[:200]})
+    return out
+
+
+def _reported(reports: list[TrainingReport]) -> list[Evaluation]:
+    """The evaluations the stored reports carry, each once."""
+    return list({r.evaluation.iteration: r.evaluation for r in reports if r.evaluation}.values())
+
+
 def training_spec_of(job: JobRecord) -> TrainingSpec | None:
     """The job's `TrainingSpec`, None when its spec has no `training` section.
 
@@ -191,8 +207,8 @@ class TrainingHost:
         self._lock = threading.Lock()
         self._hosted: dict[str, tuple[Hosted, int]] = {}
         self._node_work = NodeWork(store)
-        # job -> (its TensorBoard file's name, what it last held: evaluations, done, minute)
-        self._tensorboard: dict[str, tuple[str, tuple[int, bool, int]]] = {}
+        # job -> what its TensorBoard file last held: (evaluations, done, minute)
+        self._tensorboard: dict[str, tuple[int, bool, int]] = {}
 
     def endpoint(self, job_id: str) -> str | None:
         """Where the job's workers join, None when it is not hosted."""
@@ -223,6 +239,9 @@ class TrainingHost:
                 artifacts = self.artifacts(job_id)
                 if artifacts is not None and self.checkpoints:  # `eval_every`'s checkpoints
                     self._hosted[job_id][0].watch_evaluations(artifacts.checkpoints)
+                elif spec.eval_every is not None:
+                    log.warning("eval_every needs checkpoints in an artifact store; none here",
+                                extra={"job_id": job_id})  # fmt: skip
         endpoint = self.endpoint(job_id)
         if not endpoint:
             return {}
@@ -425,24 +444,28 @@ class TrainingHost:
         each iteration reported and every evaluation, rewritten whole when an evaluation came,
         the training ended, or a minute passed (`tensorboard --logdir` on a copy of it)."""
         job_id = artifacts.job_id
-        evaluations = [Evaluation.of(e) for e in training.evaluations()]
-        name, written = self._tensorboard.get(job_id, (event_file_name(time.time()), (0, False, 0)))
-        now = (len(evaluations), training.done, int(time.monotonic() // 60))
-        if now == written:
+        new = _evaluations(training)
+        written = self._tensorboard.get(job_id)
+        now = (len(new), training.done, int(time.monotonic() // 60))
+        if written == now:
             return
-        losses = {r.iteration: r.loss for r in self.store.training(job_id) if r.loss is not None}
+        reports = self.store.training(job_id)
+        losses = {r.iteration: r.loss for r in reports if r.loss is not None}
+        evaluations = {e.iteration: e for e in [*_reported(reports), *new]}  # a restart's too
         scalars = [("train/loss", it, loss) for it, loss in sorted(losses.items()) if it > 0]
         scalars += [
-            (f"eval/{metric}", e.iteration, value)
-            for e in evaluations
+            (f"eval/{metric}", it, value)
+            for it, e in sorted(evaluations.items())
             for metric, value in e.metrics.items()
         ]
+        job = self.store.get_job(job_id)  # one file per job, whichever process writes it
+        name = f"events.out.tfevents.{int(job.submitted_at)}.orchestrator-controller"
         artifacts.tensorboard.write_bytes(name, event_file_bytes(scalars, wall_time=time.time()))
-        self._tensorboard[job_id] = (name, now)
+        self._tensorboard[job_id] = now
 
     def _report(self, job: JobRecord, training: Hosted, now_s: float) -> None:
         status = training.progress()
-        evaluations = training.evaluations()
+        evaluations = _evaluations(training)
         self.store.append_training(
             job.job_id,
             TrainingReport(
@@ -452,7 +475,7 @@ class TrainingHost:
                 reassigned=status.reassigned_rows,
                 stage_transitions=status.stage_transitions,
                 stages=tuple(PipelineStageReport(**st) for st in training.stages()),
-                evaluation=Evaluation.of(evaluations[-1]) if evaluations else None,
+                evaluation=evaluations[-1] if evaluations else None,
             ),
         )
         if job.state.is_terminal:

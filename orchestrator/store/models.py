@@ -273,6 +273,15 @@ MAX_METRICS = 32
 MetricName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 
 
+def _encodes(text: str) -> bool:
+    """Whether `text` is valid UTF-8 once encoded (a lone surrogate is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Evaluation(BaseModel):
     """What the job's `evaluate(model)` returned for the weights after `iteration`
     iterations (held-out metrics, `eval_every`)."""
@@ -290,7 +299,7 @@ class Evaluation(BaseModel):
             str(k): float(v)
             for k, v in result.items()
             if k != "iteration" and isinstance(v, int | float) and math.isfinite(v)
-            and 0 < len(str(k)) <= 64
+            and 0 < len(str(k)) <= 64 and str(k).isprintable() and _encodes(str(k))
         }  # fmt: skip
         kept = dict(sorted(metrics.items())[:MAX_METRICS])
         return cls(iteration=int(result["iteration"]), metrics=kept)

@@ -402,9 +402,13 @@
     series(p, "iterations", reports.map(function (r) { return [r.t, itY(r.iteration)]; }));
     series(p, "loss", reports.map(function (r) { return [r.t, r.loss]; }));
     var held = evaluationPoints(reports);
-    if (held.points.length) {  // the held-out metric, scaled onto the loss axis
-      var top = maxOf(held.points.map(function (e) { return e.value; }), 0) * 1.05 || 1;
-      function heldY(v) { return lossMin + (lossMax - lossMin) * v / top; }
+    if (held.points.length) {  // the held-out metric, its range scaled onto the loss axis
+      var values = held.points.map(function (e) { return e.value; });
+      var low = Math.min.apply(null, values), high = Math.max.apply(null, values);
+      var span = high - low || Math.abs(high) || 1;
+      low -= span * 0.05;
+      span *= 1.1;
+      var heldY = function (v) { return lossMin + (lossMax - lossMin) * (v - low) / span; };
       series(p, "evaluation", held.points.map(function (e) { return [e.t, heldY(e.value)]; }));
       held.points.forEach(function (e) {
         var dot = svgEl("circle", { cx: p.x(e.t), cy: p.y(heldY(e.value)), r: 3, "class": "evaluation" });
@@ -441,9 +445,10 @@
     var metric = null, seen = {}, points = [];
     reports.forEach(function (r) {
       var e = r.evaluation;
-      if (!e || seen[e.iteration]) return;
+      if (!e || !e.metrics || seen[e.iteration]) return;
       if (metric === null) metric = Object.keys(e.metrics).sort()[0] || null;
-      if (metric === null || e.metrics[metric] === undefined) return;
+      var has = metric !== null && Object.prototype.hasOwnProperty.call(e.metrics, metric);
+      if (!has || typeof e.metrics[metric] !== "number") return;
       seen[e.iteration] = true;
       points.push({ t: r.t, iteration: e.iteration, value: e.metrics[metric] });
     });

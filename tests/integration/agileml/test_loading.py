@@ -6,6 +6,8 @@ fail is turned off, and the caller reads its rows itself."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -79,3 +81,41 @@ def test_a_loader_whose_dataset_fails_is_turned_off(tmp_path: Path) -> None:
         assert torch.equal(rows.take(torch.arange(4))[1], torch.tensor([0, 1, 2, 3]))
     finally:
         loader.close()
+
+
+def test_the_loader_processes_of_a_sigkilled_node_exit(tmp_path: Path) -> None:
+    """A node SIGKILLed (an eviction without notice) leaves no loader process behind, nor
+    their fork server: each watches the node and exits once it is gone."""
+    items = tmp_path / "items.txt"
+    script = (
+        "import sys, time, torch\n"
+        "from orchestrator.agileml.control import TrainingSpec\n"
+        "from orchestrator.agileml.loading import LoaderRows\n"
+        "from orchestrator.agileml.parts import training_parts\n"
+        "if __name__ == '__main__':\n"
+        f"    spec = TrainingSpec(job_id='k', code={str(JOB)!r}, global_batch=48)\n"
+        "    loader = LoaderRows(training_parts(spec).rows, spec.model_dump_json(), 2)\n"
+        "    loader.prefetch('a', torch.arange(8))\n"
+        "    while loader.take_prefetched('a') is None:\n"
+        "        loader.prefetch('a', torch.arange(8))\n"
+        "        time.sleep(0.05)\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    env = {**os.environ, "ORCHESTRATOR_TEST_ITEMS_LOG": str(items)}
+    node = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert node.stdout is not None and node.stdout.readline().strip() == "ready"
+        loaders = {line.split()[0] for line in items.read_text().splitlines()} - {str(node.pid)}
+        assert len(loaders) == 2, loaders
+        server = {line.split()[1] for line in items.read_text().splitlines()} - {str(node.pid)}
+        node.kill()
+        node.wait(10)
+        deadline = time.monotonic() + 15
+        while any(Path(f"/proc/{pid}").exists() for pid in loaders | server):
+            assert time.monotonic() < deadline, "a loader process outlived its node"
+            time.sleep(0.2)
+    finally:
+        if node.poll() is None:
+            node.kill()

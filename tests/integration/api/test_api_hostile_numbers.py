@@ -63,7 +63,8 @@ BODIES: list[dict[str, Any]] = [
     {"name": "uneven", "budget_usd": 10, "work_gpu_hours": 2,
      "training": _training(PATTERNS[3], accumulate=2, devices_per_node=2)},
     {"name": "evaluated", "budget_usd": 10, "work_gpu_hours": 2,
-     "training": _training(PATTERNS[3], code="job.py", eval_every=10, clip_grad_norm=1.0)},
+     "training": _training(PATTERNS[3], code="job.py", eval_every=10, clip_grad_norm=1.0,
+                           loader_workers=3)},
 ]  # fmt: skip
 OUTCOMES: Counter[str] = Counter()
 

@@ -63,11 +63,12 @@ def test_an_evaluation_keeps_the_metrics_a_report_can_carry() -> None:
     from orchestrator.store.models import MAX_METRICS, Evaluation
 
     result = {"iteration": 40, "acc": 0.9, "loss": float("nan"), "x" * 65: 1.0, "note": "text",
-              "inf": float("inf"), **{f"m{i:02d}": float(i) for i in range(40)}}  # fmt: skip
+              "inf": float("inf"), "\ud800": 1.0, "tab\t": 1.0,
+              **{f"m{i:02d}": float(i) for i in range(40)}}  # fmt: skip
     e = Evaluation.of(result)
     assert e.iteration == 40 and e.metrics["acc"] == 0.9
     assert len(e.metrics) == MAX_METRICS
-    assert not {"loss", "x" * 65, "note", "inf"} & set(e.metrics)
+    assert not {"loss", "x" * 65, "note", "inf", "\ud800", "tab\t"} & set(e.metrics)
     assert TrainingReport(at_s=1.0, iteration=41, evaluation=e).evaluation == e
     with pytest.raises(ValidationError):
         Evaluation(iteration=1, metrics={"bad": float("nan")})
