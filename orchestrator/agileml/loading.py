@@ -3,13 +3,14 @@ of one clock, a `torch.utils.data.DataLoader` with `loader_workers` processes re
 its share of the next clock (a dataset that decodes images or reads files then costs the
 computation nothing), and the node collates them on a thread of its own.
 
-The rows are the runtime's: the worker names the share it will want next by (identity, clock,
-roster version) and its row numbers (`prefetch`); `take_prefetched` returns that share's batch
-when it is ready, and None otherwise (not asked for, a roster change made the guess wrong, or
-still on its way): the worker then takes the rows itself, as without a loader. Either way the
-same rows, so exactly-once is unchanged, and a loader never makes a clock wait. An error of
-the job's dataset or collate function in the loader turns the loader off: the worker then
-meets it taking the rows itself, and it stops the run as any error of the job's code does.
+The rows are the runtime's: the worker names the shares it will want next (`AHEAD` of them)
+by (clock, roster version) and their row numbers (`prefetch`); `take_prefetched` returns a
+share's batch, waiting for it if it is on its way (the loader's processes read in parallel,
+faster than the worker alone), and None when it was not asked for (a roster change made the
+guess wrong) or the loader is still starting: the worker then takes the rows itself, as
+without a loader. Either way the same rows, so exactly-once is unchanged. An error of the
+job's dataset or collate function in the loader turns the loader off: the worker then meets
+it taking the rows itself, and it stops the run as any error of the job's code does.
 
 The loader's processes start from a fork server (never a fork of the node's process, whose
 threads could hold a lock the child then waits on for good) and build the job's dataset from
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds a loader process may take over its part of a share before the loader is given up.
 TIMEOUT_S = 120.0
+#: Shares a worker asks for ahead of the one it computes.
+AHEAD = 2
 #: The longest `close` waits for the loader's processes to stop.
 CLOSE_S = 10.0
 #: How often a loader process checks that its node is still there.
@@ -147,8 +150,10 @@ class LoaderRows:
             generator=torch.Generator(),  # not torch's global one, which other threads seed
         )
         self._requests: queue.Queue[Any] = queue.Queue()
-        self._pending: tuple[Hashable, concurrent.futures.Future[Batch]] | None = None
+        # shares asked for and not taken, oldest first
+        self._pending: dict[Hashable, concurrent.futures.Future[Batch]] = {}
         self._lock = threading.Lock()
+        self._started = threading.Event()  # the processes are up: an ask is worth a wait
         # a daemon: a fetch stuck in a loader process never holds the node's exit up
         self._thread = threading.Thread(target=self._serve, name="rows-loader", daemon=True)
         self._thread.start()
@@ -165,28 +170,31 @@ class LoaderRows:
         return self.rows.take(rows)
 
     def prefetch(self, key: Hashable, rows: torch.Tensor) -> None:
-        """Fetch `rows` in the background, for `take_prefetched(key)` (a share asked for
-        before and not taken is forgotten)."""
+        """Fetch `rows` in the background, for `take_prefetched(key)` (asks in the order the
+        shares will be taken)."""
         with self._lock:
-            if self._closed or self.failed is not None:
-                return
-            if self._pending and self._pending[0] == key:
+            if self._closed or self.failed is not None or key in self._pending:
                 return
             future: concurrent.futures.Future[Batch] = concurrent.futures.Future()
-            self._pending = (key, future)
+            self._pending[key] = future
             self._requests.put(([int(i) for i in rows.tolist()], future))
 
     def take_prefetched(self, key: Hashable) -> Batch | None:
-        """The batch fetched for `key` if it is ready (None: not asked for, not ready, or the
-        loader failed: the caller takes the rows itself)."""
+        """The batch fetched for `key`, waited for if it is on its way; None if it was not
+        asked for, the loader is still starting, or it failed (the caller takes the rows
+        itself). The shares asked for before `key` are dropped."""
         with self._lock:
-            pending = self._pending
-            if pending is None or pending[0] != key or not pending[1].done():
+            keys = list(self._pending)
+            for older in keys[: keys.index(key)] if key in self._pending else []:
+                self._pending.pop(older).cancel()  # a roster change made them wrong guesses
+            future = self._pending.pop(key, None)
+            if future is None or not (future.done() or self._started.is_set()):
+                if future is not None:
+                    future.cancel()  # asked while the loader starts: read here instead
                 self.missed += 1
                 return None
-            self._pending = None
         try:
-            batch = pending[1].result()
+            batch = future.result(timeout=TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the caller meets a job's error itself
             self._turn_off(f"{type(exc).__name__}: {exc}")
             self.missed += 1
@@ -202,6 +210,7 @@ class LoaderRows:
             self._fetch([0] * self.workers)
             took = round(time.monotonic() - started, 2)
             log.info("rows loader started", extra={"processes": self.workers, "seconds": took})
+            self._started.set()
         except Exception as exc:  # noqa: BLE001 - no loader then; the worker reads itself
             self._turn_off(f"{type(exc).__name__}: {exc}")
         try:
@@ -217,12 +226,8 @@ class LoaderRows:
             if request is None:
                 return
             rows, future = request
-            with self._lock:  # a share asked for since: this one is not wanted any more
-                wanted = self._pending is not None and self._pending[1] is future
-            if not wanted:
-                future.cancel()
             if not future.set_running_or_notify_cancel():
-                continue
+                continue  # dropped: not wanted any more
             try:
                 future.set_result(self._fetch(rows))
             except BaseException as exc:  # noqa: BLE001 - handed to `take_prefetched`
@@ -252,6 +257,8 @@ class LoaderRows:
         exit once the node is gone, but one still starting would then log an error)."""
         with self._lock:
             self._closed = True
-            self._pending = None
+            for future in self._pending.values():
+                future.cancel()
+            self._pending.clear()
         self._requests.put(None)
         self._thread.join(timeout_s)

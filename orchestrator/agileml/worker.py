@@ -48,7 +48,7 @@ from orchestrator.agileml.batches import (
     to_device,
 )
 from orchestrator.agileml.errors import AgileMLError, WorkerError
-from orchestrator.agileml.loading import LoaderRows
+from orchestrator.agileml.loading import AHEAD, LoaderRows
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.precision import LossScale, autocast
 from orchestrator.agileml.roster import Roster, global_batch_indices, worker_share
@@ -710,7 +710,7 @@ class Worker(ServerRequests):
         key = (clock, self._roster_version())
         if self._loaded is None or self._loaded[0] != key:
             self._loaded = (key, loader.take_prefetched(key))
-            following = clock + 1
-            if following < self.spec.iterations and identity in self.roster.members(following):
-                loader.prefetch((following, key[1]), self._share_rows(identity, following))
+            for following in range(clock + 1, min(clock + 1 + AHEAD, self.spec.iterations)):
+                if identity in self.roster.members(following):
+                    loader.prefetch((following, key[1]), self._share_rows(identity, following))
         return self._loaded[1]
