@@ -17,9 +17,10 @@ partition's BackupPS, which holds clocks back under the ceiling the elasticity c
 raises, so a roll-back (`restore_owners`) or a checkpoint (`partition_states`) sees every
 partition at one common clock.
 
-The module is a little over 600 lines on purpose: `ParamServer`'s public methods are short,
-thread-safe wrappers that take its one lock and call the two `PartitionStore`s (owned and
-backed up); splitting them across classes would spread that lock discipline with them.
+The module is about 800 lines: `ParamServer`'s public methods are short, thread-safe wrappers
+that take its one lock and call the two `PartitionStore`s (owned and backed up); splitting
+them across classes would spread that lock discipline with them. (The request handlers of
+gradient clipping, `_on_norm` and `_on_clip`, could move to a mixin of their own.)
 
 Hand-off (`ParamServer.handoff_to`): a partition's values, its applied (worker, clock) set and
 its ownership version travel to another server in one authenticated `handoff` message. While
