@@ -49,8 +49,7 @@ def run_once(
     leaves the trace as it is for both runs)."""
     wall0 = time.monotonic()
     settings = demo_settings(speed=speed, start=DEFAULT_START)
-    job = sample_job(BUDGET_USD)
-    job = job.model_copy(update={"training": {**(job.training or {}), "iterations": iterations}})
+    job = sample_job(BUDGET_USD, iterations=iterations)
     killed: dict[str, Any] = {}
     with offline_world(settings, seed=seed, port=None) as world:
         job = with_uploaded_code(job, world.artifacts)

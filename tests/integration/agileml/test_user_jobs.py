@@ -285,36 +285,21 @@ def test_train_cli_refuses_bad_input_with_one_line_and_exit_2(
 
 
 @pytest.mark.slow
-def test_a_schedule_told_the_runs_length_runs_to_its_end_exactly(tmp_path: Path) -> None:
-    """Issue #36, item 1: `scheduler(optimizer, total_iterations)` is told the run's
-    iterations (a OneCycleLR raises one step past its total_steps), through an eviction; the
-    weights equal a single-process loop's that is told the same."""
-    path = JOBS / "cancer_onecycle.py"
-    iterations = 60
-    plan = TrainPlan(code=str(path), nodes=2, reliable=1, iterations=iterations,
-                     global_batch=32, injections=tuple(parse_injections("evict@20")))  # fmt: skip
-    result = train_locally(plan)
-    assert "evicted" in [e["kind"] for e in result.events], result.events
-    expected, _ = train_reference(load_job_code(path), iterations=iterations, global_batch=32)
-    assert relative_error(result.model, expected) <= 1e-5
-    code = load_job_code(path)
-    assert code.evaluate is not None and code.evaluate(result.model)["held_out_accuracy"] > 0.9
-
-
-@pytest.mark.slow
 def test_the_options_users_train_with_together_through_the_cli(tmp_path: Path) -> None:
-    """Issue #36's check: a job with `scheduler(opt, total_iterations)` returning OneCycleLR,
-    trained with `--accumulate 2 --clip-grad-norm 1.0 --eval-every 50`, runs to its end with
-    an evaluation every 50 iterations and TensorBoard's files, and classifies held-out data as
-    well as the single-process loop without those options; its weights are the loop's with
-    them."""
+    """Issue #36's check: a job with `scheduler(opt, total_iterations)` returning OneCycleLR
+    (which raises one step past its total_steps: told the run's length, it runs to the end),
+    trained with `--accumulate 2 --clip-grad-norm 1.0 --eval-every 50` through an eviction,
+    has an evaluation every 50 iterations and TensorBoard's files, and classifies held-out
+    data as well as the single-process loop without those options; its weights are the
+    loop's with them."""
     out, path = tmp_path / "out", JOBS / "cancer_onecycle.py"
     run = _cli(
         str(path), "--nodes", "2", "--iterations", "150", "--global-batch", "32",
         "--accumulate", "2", "--clip-grad-norm", "1.0", "--eval-every", "50",
-        "--out", str(out), cwd=tmp_path,
+        "--inject", "evict@20", "--out", str(out), cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
+    assert "runtime: evicted t0" in run.stdout, run.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["clip_grad_norm"] == 1.0 and summary["iterations"] == 150
     found = [e["iteration"] for e in summary["evaluations"]]
@@ -346,18 +331,18 @@ def test_rows_read_ahead_by_a_dataloader_are_the_rows_of_the_loop(
     monkeypatch.setenv("ORCHESTRATOR_TEST_ITEMS_LOG", str(items))
     monkeypatch.setenv("ORCHESTRATOR_TEST_ITEM_S", "0.002")  # 24 ms a share: a decode
     path = JOBS / "digits_items.py"
-    plan = TrainPlan(code=str(path), nodes=3, reliable=1, iterations=200, global_batch=48,
-                     injections=tuple(parse_injections("evict@150")), loader_workers=2)  # fmt: skip
+    plan = TrainPlan(code=str(path), nodes=2, reliable=1, iterations=160, global_batch=36,
+                     injections=tuple(parse_injections("evict@120")), loader_workers=2)  # fmt: skip
     result = train_locally(plan)
     me = str(os.getpid())
     reads = [line.split() for line in items.read_text().splitlines()]
     loaders = {pid for pid, parent in reads if pid != me and parent != me}
     by_loaders = sum(1 for pid, _ in reads if pid in loaders)
-    # 2 per node, of the 4 nodes; each starts (seconds here: torch and the job imported, read
+    # 2 per node, of the 3 nodes; each starts (seconds here: torch and the job imported, read
     # once as it starts) while training goes on: how many shares it then reads depends on it
-    assert len(loaders) >= 2 * 3, loaders
+    assert len(loaders) >= 2 * 2, loaders
     assert by_loaders - len(loaders) >= 5 * 12, by_loaders  # 5 shares or more read ahead
-    expected, _ = train_reference(load_job_code(path), iterations=200, global_batch=48)
+    expected, _ = train_reference(load_job_code(path), iterations=160, global_batch=36)
     assert relative_error(result.model, expected) <= 1e-5
     deadline = time.monotonic() + 10
     while any(Path(f"/proc/{pid}").exists() for pid in loaders):
