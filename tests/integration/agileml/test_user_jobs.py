@@ -237,9 +237,9 @@ def test_train_cli_writes_weights_that_load_into_the_users_model(tmp_path: Path)
     assert summary["iterations"] == 100 and summary["seconds_per_iteration"] > 0
     assert summary["mean_seconds_per_iteration"] > 0
     assert set(summary["phase_seconds"]) == {"wait", "pull", "compute", "push"}
-    # the last iterations, not the last alone: with an eviction scheduled past the job's end,
-    # one node's loss of the last clock has come out high (5.17 on a share whose loss is ~0
-    # just before; weights fine): a known finding, not what this test is about
+    # the last iterations, not the last alone: BatchNorm normalises over each worker's share,
+    # and some shares of a batch give a high loss in train mode (the last batch here, in 4
+    # shares of 16: 6.2 and 11.6 on two of them, 0.0 whole on one process), as under DDP
     assert statistics.median(loss for _, loss in summary["losses"][-10:]) < 0.5
     assert summary["evaluation"]["held_out_accuracy"] >= 0.9
     # start-up (nodes joined, loaded, configured) reported apart from the training
