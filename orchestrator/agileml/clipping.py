@@ -48,7 +48,7 @@ class NormAnswer:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The reply's tensors."""
         if self.coef is not None:
-            return {"coef": torch.tensor([self.coef], dtype=torch.float64)}
+            return coefficient_tensors(self.coef)
         if self.sq_norm is not None:
             return {"sq_norm": torch.tensor([self.sq_norm], dtype=torch.float64)}
         return {}
@@ -91,6 +91,23 @@ def check_coefficient(value: float) -> float:
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise ValueError(f"clipping coefficient {value} is not in [0, 1]")
     return value
+
+
+def coefficient_tensors(coef: float) -> dict[str, torch.Tensor]:
+    """A coefficient as the `coef` tensor of a message (float64 (1,))."""
+    return {"coef": torch.tensor([coef], dtype=torch.float64)}
+
+
+def coefficient_of(tensors: dict[str, torch.Tensor]) -> float | None:
+    """A message's `coef` tensor as a coefficient (float64 (1,), in [0, 1]); None if it has
+    none or it is not one."""
+    t = tensors.get("coef")
+    if t is None or t.dtype != torch.float64 or t.shape != (1,):
+        return None
+    try:
+        return check_coefficient(float(t.item()))
+    except ValueError:
+        return None
 
 
 def check_squared_norm(value: float) -> float:

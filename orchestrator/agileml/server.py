@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.clipping import check_coefficient
+from orchestrator.agileml.clipping import coefficient_of, coefficient_tensors
 from orchestrator.agileml.errors import (
     HandoffError,
     OwnershipConflictError,
@@ -629,7 +629,7 @@ class ParamServer(ServerLoop):
             raise RejectedError(RejectReason.BAD_DELTA, "want partition, clock, workers, delta")
         if header.epoch is not None and header.epoch < self.epoch:
             raise RejectedError(RejectReason.STALE_EPOCH, f"update of epoch {header.epoch}")
-        coef = _one_float(tensors, "coef") if set(tensors) == {"delta", "coef"} else None
+        coef = coefficient_of(tensors) if set(tensors) == {"delta", "coef"} else None
         if set(tensors) - {"delta", "coef"} or (coef is None and "coef" in tensors):
             raise RejectedError(RejectReason.BAD_DELTA, "want `delta` and maybe `coef`")
         outcome = self._backup.apply_chunk(p, header.clock, header.workers, delta, coef)
@@ -675,7 +675,7 @@ class ParamServer(ServerLoop):
         self._check_clipping()
         self._check_serving(p)
         assert p is not None
-        coef = _one_float(tensors, "coef") if set(tensors) == {"coef"} else None
+        coef = coefficient_of(tensors) if set(tensors) == {"coef"} else None
         if header.clock is None or header.clock < 0 or coef is None:
             raise RejectedError(RejectReason.BAD_DELTA, "want a clock and a `coef` in [0, 1]")
         roster = self._store.roster
@@ -753,7 +753,7 @@ class ParamServer(ServerLoop):
                 workers=sorted(chunk.workers),
                 epoch=self.epoch,
                 tensors={"delta": chunk.delta}
-                | ({} if chunk.coef is None else {"coef": _float_tensor(chunk.coef)}),
+                | ({} if chunk.coef is None else coefficient_tensors(chunk.coef)),
             )
             self._unacked[self._stream_seq] = p
             self._stream_out.append((backup, frames))
@@ -792,18 +792,3 @@ class ParamServer(ServerLoop):
             zero_copy=True,
         )
         return pull.identity, self._reply_copies.track(p, frames)
-
-
-def _float_tensor(value: float) -> torch.Tensor:
-    return torch.tensor([value], dtype=torch.float64)
-
-
-def _one_float(tensors: dict[str, torch.Tensor], name: str) -> float | None:
-    """`tensors[name]` as a clipping coefficient (float64 (1,), in [0, 1]); None if not."""
-    t = tensors.get(name)
-    if t is None or t.dtype != torch.float64 or t.shape != (1,):
-        return None
-    try:
-        return check_coefficient(float(t.item()))
-    except ValueError:
-        return None

@@ -15,7 +15,11 @@ import torch
 import zmq
 
 from orchestrator.agileml import wire
-from orchestrator.agileml.clipping import answer_from_tensors, coefficient
+from orchestrator.agileml.clipping import (
+    answer_from_tensors,
+    coefficient,
+    coefficient_tensors,
+)
 from orchestrator.agileml.errors import AgileMLError, WireError, WorkerError
 from orchestrator.agileml.partitions import PartitionTable
 from orchestrator.agileml.rejections import RejectReason, parse_moved
@@ -156,9 +160,8 @@ class ServerRequests:
                 log.warning("clipping a redone clock without some partitions' norms",
                             extra={"clock": clock, "worker": me})  # fmt: skip
             coef = coefficient([a.sq_norm or 0.0 for a in answers], max_norm)
-        value = torch.tensor([coef], dtype=torch.float64)
         self._round_trip(
-            [(p, MessageKind.CLIP, clock, {"coef": value}, me) for p in waiting],
+            [(p, MessageKind.CLIP, clock, coefficient_tensors(coef), me) for p in waiting],
             MessageKind.CLIP_ACK,
         )
 
