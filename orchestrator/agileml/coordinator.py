@@ -194,6 +194,9 @@ class Coordinator:
             record=lambda clock, s: self._record("checkpointed", [], f"clock {clock} in {s:.3f} s"),
         )
         self._events: list[CoordinatorEvent] = []
+        # when the message loop last found nothing waiting: every message sent before it has
+        # been read, so a node's silence up to it is real (see `_silent`)
+        self._caught_up_s = now()
         self._queue: queue.Queue[tuple[str, str]] = queue.Queue()
         self._stop = threading.Event()
         self._done = threading.Event()
@@ -335,8 +338,10 @@ class Coordinator:
     def _serve(self, sock: zmq.Socket[Any]) -> None:
         try:
             while not self._stop.is_set():
-                if not sock.poll(POLL_MS):
-                    continue
+                if not sock.poll(0):  # nothing waiting: caught up with every node
+                    self._caught_up_s = self._now()
+                    if not sock.poll(POLL_MS):
+                        continue
                 msg = sock.recv_multipart()
                 if len(msg) < 2:
                     continue
@@ -908,11 +913,14 @@ class Coordinator:
 
     def _silent(self, node: str, timeouts: float = 1.0) -> bool:
         """No heartbeat from `node` for `timeouts` x `failure_timeout_s` (1: the detector
-        takes it as failed)."""
+        takes it as failed), counted up to when the message loop last caught up: a loop
+        that could not run (this process starved on a busy machine) has not heard what the
+        nodes sent meanwhile, and their silence is not yet known."""
         limit = timeouts * self.spec.failure_timeout_s
+        heard_until = min(self._now(), self._caught_up_s)
         with self._lock:
             info = self._nodes.get(node)
-            return info is None or self._now() - info.last_seen_s > limit
+            return info is None or heard_until - info.last_seen_s > limit
 
     def _check_done(self) -> None:
         view = self.view()

@@ -6,6 +6,7 @@ does its serving thread on a hostile frame."""
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import zmq
 from orchestrator.agileml import wire
 from orchestrator.agileml.control import ControlClient, ControlError, ModelSpec, TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator
+from orchestrator.agileml.elasticity import NodeState
 
 TOKEN = secrets.token_bytes(32)
 
@@ -105,8 +107,10 @@ def test_hostile_frames_never_silence_the_elasticity_controller() -> None:
 def test_a_joiner_is_told_the_lowest_fp16_loss_scale_the_live_nodes_reported() -> None:
     """fp16: a node joining late starts at the running workers' loss scale, not at 2 ** 16
     (each overflow of a joiner's would skip a step for every worker)."""
+    # the nodes stay live however slow this machine is (the hint counts live nodes only)
     spec = TrainingSpec(job_id="scale", model=ModelSpec(kind="additive", features=8),
-                        global_batch=8, iterations=10, num_partitions=1, min_nodes=3)  # fmt: skip
+                        global_batch=8, iterations=10, num_partitions=1, min_nodes=3,
+                        failure_timeout_s=60.0)  # fmt: skip
     coordinator = Coordinator(spec, token=TOKEN).start()
     clients = {n: ControlClient(job_id="scale", sender=n, token=TOKEN) for n in ("a", "b", "c")}
     try:
@@ -129,3 +133,61 @@ def test_a_joiner_is_told_the_lowest_fp16_loss_scale_the_live_nodes_reported() -
         for client in clients.values():
             client.close()
         coordinator.stop()
+
+
+def test_silence_counts_only_up_to_when_the_message_loop_last_caught_up(monkeypatch) -> None:
+    """Slow is not dead: while the controller's own message loop cannot run (its process
+    starved on a busy machine), the heartbeats waiting for it are not silence; once it has
+    read everything, a node that really sent nothing is failed."""
+    spec = TrainingSpec(job_id="slow", model=ModelSpec(kind="additive", features=8),
+                        global_batch=8, iterations=10, num_partitions=1, min_nodes=2)  # fmt: skip
+    clock = [1000.0]
+    coordinator = Coordinator(spec, token=TOKEN, now=lambda: clock[0]).start()
+    client = ControlClient(job_id="slow", sender="a", token=TOKEN)
+    answer, stalled, resume = coordinator._answer, threading.Event(), threading.Event()
+    held = threading.Event()
+
+    def stalling(frames):
+        if stalled.is_set():
+            held.set()
+            resume.wait(10.0)  # the loop cannot run: what else was sent waits in its queue
+        return answer(frames)
+
+    monkeypatch.setattr(coordinator, "_answer", stalling)
+    try:
+        join = {"op": "join", "tier": "reliable", "endpoint": "tcp://127.0.0.1:9"}
+        assert client.call(coordinator.endpoint, join, 10.0)["ok"]
+        assert client.call(coordinator.endpoint, {"op": "ready"}, 10.0)["ok"]
+        deadline = time.monotonic() + 5.0
+        while coordinator._detect_failures() != [] or "a" not in _ready(coordinator):
+            assert time.monotonic() < deadline, "the node never got ready"
+            time.sleep(0.02)
+        stalled.set()
+        beat = threading.Thread(
+            target=client.call,
+            args=(coordinator.endpoint, {"op": "heartbeat", "clock": 0}, 10.0),
+        )
+        beat.start()
+        assert held.wait(5.0)
+        clock[0] += 10 * spec.failure_timeout_s  # the loop stalls; the node's beats wait
+        time.sleep(0.5)  # the reconfiguration thread looks meanwhile (`_drop_silent_joiners`)
+        assert coordinator._detect_failures() == []
+        stalled.clear()
+        resume.set()
+        beat.join(10.0)
+        assert coordinator._detect_failures() == []  # heard: alive
+        assert "a" in _ready(coordinator)
+        assert not [e for e in coordinator.events() if e.kind == "failed"]
+        clock[0] += 2 * spec.failure_timeout_s  # now truly silent
+        deadline = time.monotonic() + 5.0
+        while coordinator._detect_failures() != ["a"]:
+            assert time.monotonic() < deadline, "a silent node was never failed"
+            time.sleep(0.02)
+    finally:
+        resume.set()
+        client.close()
+        coordinator.stop()
+
+
+def _ready(coordinator: Coordinator) -> set[str]:
+    return {n for n in ("a",) if coordinator._membership.state(n) is NodeState.READY}
