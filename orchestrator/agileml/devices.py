@@ -57,6 +57,8 @@ START_POLL_S = 0.05
 WATCH_POLL_S = 0.5
 #: How long closing a group waits for the stop to be taken, then for each process to exit.
 STOP_WAIT_S = 5.0
+#: How long a failed collective waits for a device process's exit code, to report it.
+EXIT_CODE_WAIT_S = 2.0
 
 OP_BACKWARD, OP_STOP = 1, 2
 HEADER = 4  # op, rows, whether the parameters follow, fp16's loss scale exponent
@@ -358,8 +360,15 @@ class DeviceGroup:
         return f"node {self.node_id}: a device process failed in the job's code (see its log)"
 
     def _exit_codes(self) -> str:
-        codes = [f"{r + 1}: {p.poll()}" for r, p in enumerate(self._procs)]
-        return "exit codes " + ", ".join(codes)
+        """Each device process's exit code ("running": none yet), waiting a little for one to
+        end: the connection of a killed process closes before its parent reaps it."""
+        deadline = time.monotonic() + EXIT_CODE_WAIT_S
+        while all(p.poll() is None for p in self._procs) and time.monotonic() < deadline:
+            time.sleep(START_POLL_S)
+        codes = [p.poll() for p in self._procs]
+        return "exit codes " + ", ".join(
+            f"{r + 1}: {'running' if code is None else code}" for r, code in enumerate(codes)
+        )
 
     def _lose(self, exc: BaseException) -> None:
         log.warning("a device process is gone", extra={"node": self.node_id, "error": str(exc)})
