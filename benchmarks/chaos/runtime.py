@@ -180,23 +180,29 @@ def _reach(job: LocalJob, clock: int, out: _Outcome) -> bool:
         if job.max_clock() > last:
             last, last_at = job.max_clock(), time.monotonic()
         elif time.monotonic() - last_at > WATCHDOG_S:
-            out.hung += 1
-            out.hung_job = True
-            events = [(e.kind, list(e.nodes), e.detail) for e in job.events()]
-            detail = {"job": job.spec.job_id, "last_fault": out.last_fault,
-                      "waiting_for": clock, "at": last,
-                      "crashed": job.crashed(5), "events": events[-8:]}  # fmt: skip
-            out.hung_details = [*(out.hung_details or []), detail]
+            _hang(job, out, f"no clock past {last} (waiting for {clock})")
             return False
         time.sleep(0.02)
     return True
+
+
+def _hang(job: LocalJob, out: _Outcome, why: str) -> None:
+    """Count a hung job, with what it was doing: its last fault and events, and any node
+    process that crashed."""
+    out.hung += 1
+    out.hung_job = True
+    events = [(e.kind, list(e.nodes), e.detail) for e in job.events()]
+    detail = {"job": job.spec.job_id, "why": why, "last_fault": out.last_fault,
+              "max_clock": job.max_clock(), "crashed": job.crashed(5),
+              "events": events[-8:]}  # fmt: skip
+    out.hung_details = [*(out.hung_details or []), detail]
 
 
 def _ended_by_abort(job: LocalJob, out: _Outcome) -> bool:
     """After its reliable node is lost the job must abort and say why, in time: True when it
     did (counted); False when it had finished before (`_finish` checks it)."""
     if not job.coordinator.wait_done(WATCHDOG_S):
-        out.hung += 1
+        _hang(job, out, "no abort after the reliable node was killed")
         return True
     if job.coordinator.error is None:
         return False
@@ -220,7 +226,7 @@ def _finish(job: LocalJob, spec: TrainingSpec, out: _Outcome) -> None:
         params, _ = job.finish(WATCHDOG_S + spec.iterations * 0.5)
     except AgileMLError as exc:
         if "not done" in str(exc):
-            out.hung += 1
+            _hang(job, out, f"not done at the end: {exc}")
         else:
             _count_abort(job, out)
         return

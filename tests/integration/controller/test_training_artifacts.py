@@ -83,12 +83,37 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
         proc.wait(10)
 
 
-def _step_until(host: TrainingHost, done: object, timeout_s: float = 120.0) -> None:
+def _step_until(
+    host: TrainingHost, done: object, timeout_s: float = 120.0, logs: Path | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "no progress"
+        if time.monotonic() >= deadline:
+            print(_state_of(host, logs), file=sys.stderr)  # pytest cuts a long message
+            raise AssertionError("no progress (the hosted job's state is on stderr)")
         host.step(time.time())
         time.sleep(0.1)
+
+
+def _state_of(host: TrainingHost, logs: Path | None) -> str:
+    """What a test that timed out needs to say why: the hosted job's progress, its reports,
+    evaluations and checkpoints, and the ends of its nodes' logs."""
+    hosted = host.hosted(JOB_ID)
+    lines = [f"hosted: {hosted is not None}"]
+    if hosted is not None:
+        lines += [
+            f"done: {hosted.done}",
+            f"error: {hosted.error}",
+            f"progress: {hosted.progress()}",
+            f"evaluations: {hosted.evaluations()}",
+        ]
+    lines += [f"reports: {[r.model_dump() for r in host.store.training(JOB_ID)[-3:]]}"]
+    artifacts = host.artifacts(JOB_ID)
+    if artifacts is not None:
+        lines += [f"checkpoints: {sorted(artifacts.checkpoints.names())}"]
+    for log in sorted(logs.glob("*.log")) if logs is not None else []:
+        lines += [f"--- {log.name}", *log.read_text(errors="replace").splitlines()[-40:]]
+    return "\n".join(lines)
 
 
 @pytest.fixture
@@ -119,6 +144,7 @@ def test_a_restarted_controller_resumes_the_job_from_its_checkpoint(
         _step_until(
             first,
             lambda: store.training(JOB_ID)[-1:] and store.training(JOB_ID)[-1].iteration >= 35,
+            logs=tmp_path,
         )
         work_before = store.get_job(JOB_ID).work_done_gpu_hours
         assert work_before > 0
@@ -141,7 +167,7 @@ def test_a_restarted_controller_resumes_the_job_from_its_checkpoint(
     assert second.endpoint(JOB_ID) == f"tcp://127.0.0.1:{port}"
     procs = _nodes(str(second.endpoint(JOB_ID)), tmp_path)
     try:
-        _step_until(second, artifacts.has_final)
+        _step_until(second, artifacts.has_final, logs=tmp_path)
     finally:
         second.close()
         _stop(procs)
@@ -186,7 +212,7 @@ def test_a_job_reads_its_data_from_an_s3_prefix_the_controller_never_fetches(
         procs = _nodes(str(host.endpoint(JOB_ID)), tmp_path)
         artifacts = JobArtifacts(root, JOB_ID)
         try:
-            _step_until(host, lambda: host.hosted(JOB_ID).done)  # type: ignore[union-attr]
+            _step_until(host, lambda: host.hosted(JOB_ID).done, logs=tmp_path)  # type: ignore[union-attr]
             host.save_final(JOB_ID)
         finally:
             host.close()
@@ -297,7 +323,7 @@ def test_evaluations_during_training_reach_the_reports_and_tensorboard(tmp_path:
     hosted = host.hosted(JOB_ID)
     assert hosted is not None
     try:
-        _step_until(host, lambda: hosted.done and len(hosted.evaluations()) >= 2)
+        _step_until(host, lambda: hosted.done and len(hosted.evaluations()) >= 2, logs=tmp_path)
         time.sleep(1.5)  # the evaluation thread's next look: the last checkpoints
         host.step(time.time())
     finally:

@@ -362,9 +362,13 @@ def test_the_controller_runs_a_job_to_success_in_the_offline_world_through_an_ev
                 if work is not None:
                     store.update_progress(job, work, clock.now())
                 if forced is None and clock.now() > T0 + 900.0:
-                    for i in controller.cloud.describe():  # one not already being reclaimed
-                        if i.lifecycle == "spot" and replayer.force_evict(
-                            i.instance_id, clock.now() + 300.0
+                    # one not already being reclaimed, whose agent is up to see the notice (on
+                    # a busy machine an agent takes seconds to start)
+                    for i in controller.cloud.describe():
+                        if (
+                            i.lifecycle == "spot"
+                            and _agent_started(tmp_path / f"{i.instance_id}.log")
+                            and replayer.force_evict(i.instance_id, clock.now() + 300.0)
                         ):
                             forced = i.instance_id
                             break
@@ -388,3 +392,7 @@ def test_the_controller_runs_a_job_to_success_in_the_offline_world_through_an_ev
     assert EventKind.NOTICE in events and EventKind.EVICTION in events
     assert "spot interruption notice" in (tmp_path / f"{forced}.log").read_text()
     assert left == []  # nothing of ours left running in moto
+
+
+def _agent_started(log: Path) -> bool:
+    return log.exists() and "instance agent started" in log.read_text(errors="replace")
