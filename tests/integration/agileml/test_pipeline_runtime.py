@@ -18,6 +18,7 @@ from orchestrator.agileml.roster import global_batch_indices
 
 SPEC = ChainModelSpec(features=16, hidden=32, classes=4, depth=4, samples=1024)
 BOUNDS = chain_layout([(0, 1), (2, 3), (4, 6)])  # 7 modules (4 Linear + 3 ReLU) on 3 stages
+RECOVERY_BOUND_S = 30.0
 
 
 def _in_flight_max(ops: list[Op]) -> int:
@@ -172,7 +173,9 @@ def test_stage_evicted_mid_run_is_recreated_from_its_backup_and_ends_exact(  # t
         assert recovery.stage == 1 and recovery.resumed_minibatch >= 8
     else:  # the killed stage may not have sent its copy of step 2 yet
         assert recovery.stage == 1 and recovery.resumed_minibatch in (4, 8)
-    assert recovery.seconds is not None and recovery.seconds < 10
+    # bounded, not timed: a replacement process starts (Python and torch imported), seconds
+    # on a busy machine; benchmarks/pipeline_elastic.py measures it
+    assert recovery.seconds is not None and recovery.seconds < RECOVERY_BOUND_S
     if replan is not None:
         assert recovery.layout == chain_layout([(0, 3), (4, 6)])
     assert len(result.losses) == 24
@@ -374,7 +377,7 @@ def test_asynchronous_schedules_recover_from_an_eviction_close_to_the_run_withou
     # a cut every stage backed up (the input stage may back up a few more before the kill
     # lands): a common multiple of the stages' update groups
     assert 0 < recovery.resumed_minibatch <= 30 and recovery.resumed_minibatch % cut == 0
-    assert recovery.seconds is not None and recovery.seconds < 10
+    assert recovery.seconds is not None and recovery.seconds < RECOVERY_BOUND_S
     assert len(evicted.losses) == 60
     tail_plain, tail_evicted = sum(plain.losses[-10:]) / 10, sum(evicted.losses[-10:]) / 10
     assert tail_evicted < 0.8 * sum(evicted.losses[:10]) / 10  # it kept learning
