@@ -226,7 +226,7 @@ def _finish(job: LocalJob, spec: TrainingSpec, out: _Outcome) -> None:
         params, _ = job.finish(WATCHDOG_S + spec.iterations * 0.5)
     except AgileMLError as exc:
         if "not done" in str(exc):
-            _hang(job, out, f"not done at the end: {exc}")
+            _hang(job, out, f"not done at the end: {str(exc)[:300]}")
         else:
             _count_abort(job, out)
         return

@@ -112,6 +112,10 @@ LIVE_CALL_CAP_SECONDS = 120.0
 #: A control call stops waiting on a node silent for this many failure timeouts: by then the
 #: detector has failed it (a busy node that answers late would otherwise be taken for dead).
 GONE_AFTER = 3.0
+#: Silence is counted up to when the message loop last caught up (see `_heard_until`), but
+#: never from further back than this: a loop that never catches up (a flood of messages)
+#: must not hide a dead node for good.
+MAX_UNHEARD_S = 30.0
 ROSTER_RETRIES = 5  # a join scheduled too late is pushed later this many times
 POLL_MS = 50
 
@@ -197,6 +201,7 @@ class Coordinator:
         # when the message loop last found nothing waiting: every message sent before it has
         # been read, so a node's silence up to it is real (see `_silent`)
         self._caught_up_s = now()
+        self._lagging = False  # warned that the loop is behind (`_heard_until`)
         self._queue: queue.Queue[tuple[str, str]] = queue.Queue()
         self._stop = threading.Event()
         self._done = threading.Event()
@@ -587,7 +592,7 @@ class Coordinator:
             if hold(owners=owners, now_s=self._now()):
                 return
         self._horizon = ahead
-        fresh = self._now() - 2 * self.spec.heartbeat_s
+        fresh = self._heard_until() - 2 * self.spec.heartbeat_s
         serving = self._serving_nodes()
         with self._lock:
             live = [n for n in serving if self._nodes[n].last_seen_s >= fresh]
@@ -793,7 +798,7 @@ class Coordinator:
             return (
                 info is not None
                 and self._membership.state(node) in LIVE_STATES
-                and self._now() - info.last_seen_s <= self.spec.failure_timeout_s
+                and self._heard_until() - info.last_seen_s <= self.spec.failure_timeout_s
             )
 
     def _configure_all(
@@ -917,10 +922,28 @@ class Coordinator:
         that could not run (this process starved on a busy machine) has not heard what the
         nodes sent meanwhile, and their silence is not yet known."""
         limit = timeouts * self.spec.failure_timeout_s
-        heard_until = min(self._now(), self._caught_up_s)
+        heard_until = self._heard_until()
         with self._lock:
             info = self._nodes.get(node)
             return info is None or heard_until - info.last_seen_s > limit
+
+    def _heard_until(self) -> float:
+        """The time up to which the nodes' messages have been read: when the message loop
+        last found nothing waiting (now, normally), at most `MAX_UNHEARD_S` ago. (Messages
+        still in the kernel's buffers when it looked are not seen: after a stall of the
+        whole process that is a window of microseconds.)"""
+        now = self._now()
+        lag = now - self._caught_up_s
+        if lag > self.spec.failure_timeout_s and not self._lagging:
+            self._lagging = True
+            log.warning(
+                "the elasticity controller's message loop is behind; nodes' silence is "
+                "counted from when it last caught up",
+                extra={"lag_s": round(lag, 1)},
+            )
+        elif lag <= self.spec.failure_timeout_s:
+            self._lagging = False
+        return max(min(now, self._caught_up_s), now - MAX_UNHEARD_S)
 
     def _check_done(self) -> None:
         view = self.view()

@@ -363,7 +363,11 @@ class DeviceGroup:
         """Each device process's exit code ("running": none yet), waiting a little for one to
         end: the connection of a killed process closes before its parent reaps it."""
         deadline = time.monotonic() + EXIT_CODE_WAIT_S
-        while all(p.poll() is None for p in self._procs) and time.monotonic() < deadline:
+        while (
+            self._procs
+            and all(p.poll() is None for p in self._procs)
+            and time.monotonic() < deadline
+        ):
             time.sleep(START_POLL_S)
         codes = [p.poll() for p in self._procs]
         return "exit codes " + ", ".join(
