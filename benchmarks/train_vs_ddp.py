@@ -80,10 +80,12 @@ def agileml_seconds_per_iteration(
     seed: int,
     overlap: bool = False,
     partitions: int | None = None,
+    wire_precision: str = "fp32",
 ) -> tuple[tuple[float, float], dict[str, float]]:
     """`train_locally`'s (median, mean) seconds per steady iteration on `nodes` processes
     (every process gone on return), and the workers' own timers: mean seconds per iteration
-    pulling, computing, pushing. `overlap` and `partitions` as `TrainPlan`'s.
+    pulling, computing, pushing. `overlap`, `partitions` and `wire_precision` as
+    `TrainPlan`'s.
 
     Raises:
         RuntimeError: the run measured no steady iteration (too few iterations).
@@ -97,6 +99,7 @@ def agileml_seconds_per_iteration(
         seed=seed,
         overlap=overlap,
         partitions=partitions,
+        wire_precision=wire_precision,  # type: ignore[arg-type]
     )
     result = train_locally(plan)
     median, mean = result.seconds_per_iteration, result.mean_seconds_per_iteration
@@ -199,6 +202,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run AgileML with overlap on, and again with it off, in every repeat "
         "(`agileml.streams`)",
     )
+    parser.add_argument(
+        "--wire-precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="what AgileML's pushes and pulls carry (`TrainingSpec.wire_precision`)",
+    )
     args = parser.parse_args(argv)
     if not args.job.is_file():
         parser.error(f"job file {args.job} does not exist")
@@ -225,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             nodes=args.nodes,
             partitions=args.partitions,
             overlap=args.compare_overlap,
+            wire_precision=args.wire_precision,
             **common,
         )
         progress(f"[{k}/{args.repeats}] AgileML: {agileml[0]:.4f} s/it; DDP: {args.nodes} ranks")
@@ -252,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         "nodes": args.nodes,
         "global_batch": args.global_batch,
         "iterations": args.iterations,
+        "wire_precision": args.wire_precision,
         **{k: _median(r[k] for r in runs) for k in runs[0] if not k.endswith("phase_s_per_it")},
         "agileml_phase_s_per_it": {
             phase: _median(r["agileml_phase_s_per_it"][phase] for r in runs)

@@ -287,6 +287,7 @@ class AgileMLNode:
                 overlap=spec.overlap,
                 accumulate=spec.accumulate,
                 precision=spec.precision,
+                wire_precision=spec.wire_precision,
                 clip_grad_norm=spec.clip_grad_norm,
                 iterations=spec.iterations,
             ),

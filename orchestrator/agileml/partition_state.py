@@ -39,6 +39,8 @@ from orchestrator.agileml.updates import RuleFactory, UpdateRule, sum_rules
 #: Applied clocks' sums a partition keeps to sum later clocks into (a clock or two are in
 #: flight at once under bounded staleness).
 SPARE_SUMS = 2
+#: What a pushed delta may be: float32, or bfloat16 (`wire_precision`), summed in float32.
+PUSH_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PushOutcome(StrEnum):
@@ -410,10 +412,11 @@ class PartitionStore:
             raise RejectedError(RejectReason.BAD_CLOCK, f"clock {clock}")
         if self.roster is None or worker not in self.roster.members(clock):
             raise RejectedError(RejectReason.UNKNOWN_WORKER, f"{worker} at clock {clock}")
-        if delta.dtype != torch.float32 or delta.shape != part.values.shape:
+        if delta.dtype not in PUSH_DTYPES or delta.shape != part.values.shape:
             raise RejectedError(
                 RejectReason.BAD_DELTA,
-                f"{delta.dtype} {tuple(delta.shape)}, want float32 {tuple(part.values.shape)}",
+                f"{delta.dtype} {tuple(delta.shape)}, want float32 (or bfloat16) "
+                f"{tuple(part.values.shape)}",
             )
         if self._applied(part, worker, clock):
             return PushOutcome.DUPLICATE
@@ -421,7 +424,10 @@ class PartitionStore:
         part.applied.add((worker, clock))
         if track_pending:
             total, who = part.pending.get(clock, (None, set()))
-            part.pending[clock] = (delta.clone() if total is None else total.add_(delta), who)
+            part.pending[clock] = (
+                _float32_copy(delta) if total is None else total.add_(delta),
+                who,
+            )
             who.add(worker)
         self._advance(part)
         return PushOutcome.APPLIED
@@ -564,7 +570,9 @@ class PartitionStore:
         if total is None:
             # into an applied clock's sum: a fresh tensor is paged in as it is first written
             # (a 64 MB clone ran at ~2.6 GB/s here, a copy into a used one at ~20)
-            part.accum[clock] = part.spare.pop().copy_(delta) if part.spare else delta.clone()
+            part.accum[clock] = (
+                part.spare.pop().copy_(delta) if part.spare else _float32_copy(delta)
+            )
         else:
             total += delta
 
@@ -603,3 +611,7 @@ class PartitionStore:
         if part is None:
             raise PartitionError(f"partition {p} is not owned here", partition=p)
         return part
+
+
+def _float32_copy(delta: torch.Tensor) -> torch.Tensor:
+    return delta.to(torch.float32, copy=True)

@@ -34,9 +34,10 @@ class ReplyCopies:
     """Per partition: the copy of its current state, and released ones to reuse. Not
     thread-safe (the server holds its lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self._current: dict[int, _Copy] = {}
         self._spares: dict[int, list[_Copy]] = {}
+        self.dtype = dtype  # what the copies hold (bfloat16 for workers that ask for it)
 
     def copy_of(self, p: int, values: torch.Tensor, generation: int) -> torch.Tensor:
         """The frozen copy of partition p's `values` at `generation`: the same tensor for
@@ -49,7 +50,7 @@ class ReplyCopies:
             spares.append(current)
         reuse = next((c for c in spares if c.values.shape == values.shape and c.released()), None)
         if reuse is None:
-            fresh = _Copy(generation, values, values.clone())
+            fresh = _Copy(generation, values, values.to(self.dtype, copy=True))
         else:
             spares.remove(reuse)
             reuse.values.copy_(values)

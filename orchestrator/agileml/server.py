@@ -89,6 +89,7 @@ class _HeldPull:
     min_clock: int  # a `norm` request's: the clock it asks about
     epoch: int | None = None  # the request's epoch (None: unchecked)
     norm: bool = False  # a `norm` request (clipping), held until its clock is complete
+    bf16: bool = False  # the values in bfloat16 (the pull's detail: `wire.PULL_BF16`)
 
 
 class ParamServer(ServerLoop):
@@ -138,7 +139,12 @@ class ParamServer(ServerLoop):
         self._backup = PartitionStore(spare_sums=0)
         self._backups: dict[int, str] = {}  # partition -> endpoint of its BackupPS
         self._held: dict[int, list[_HeldPull]] = {}
-        self._reply_copies = ReplyCopies()  # what pull replies send: frozen, reused
+        # what pull replies send: frozen, reused; in bfloat16 to the workers that ask for it
+        # (`wire_precision`), float32 to the others (the final weights are read so)
+        self._reply_copies = {
+            torch.float32: ReplyCopies(),
+            torch.bfloat16: ReplyCopies(torch.bfloat16),
+        }
         self._moving: set[int] = set()  # hand-off in flight: frozen
         # partition -> receiver of a hand-off whose ack never came (still frozen; see handoff_to)
         self._unsettled: dict[int, str] = {}
@@ -198,7 +204,7 @@ class ParamServer(ServerLoop):
             for p in self._store.owned():
                 if p not in owned:
                     self._store.drop_partition(p, 0)
-                    self._reply_copies.forget(p)
+                    self._forget_copies(p)
                     for held in self._held.pop(p, []):  # refused: their workers retry the step
                         frames = self._encode(
                             MessageKind.ERROR, held.seq, partition=p, detail="not owned here"
@@ -421,7 +427,7 @@ class ParamServer(ServerLoop):
             if self_backup:
                 self._backup.import_partition(snapshot, restore=True)
             self._store.drop_partition(p, version)
-            self._reply_copies.forget(p)
+            self._forget_copies(p)
             self._moving.discard(p)
             self._moved[p] = (new_owner, version)
             detail = moved_detail(new_owner, version)
@@ -649,7 +655,8 @@ class ParamServer(ServerLoop):
         self._check_serving(p)
         assert p is not None
         min_clock = header.clock if header.clock is not None else -1
-        pull = _HeldPull(identity, header.seq, min_clock, header.epoch)
+        bf16 = header.detail == wire.PULL_BF16
+        pull = _HeldPull(identity, header.seq, min_clock, header.epoch, bf16=bf16)
         if self._answerable(p, pull):
             return [self._pull_reply(p, pull)]
         self._held.setdefault(p, []).append(pull)
@@ -783,12 +790,17 @@ class ParamServer(ServerLoop):
         self._stats = replace(self._stats, pulls_answered=self._stats.pulls_answered + 1)
         consistent = self._store.consistent_clock(p)
         values, generation = self._store.live_values(p)
+        copies = self._reply_copies[torch.bfloat16 if pull.bf16 else torch.float32]
         frames = self._encode(
             MessageKind.PULL_REPLY,
             pull.seq,
             partition=p,
             clock=pull.min_clock if consistent is None else consistent,
-            tensors={"values": self._reply_copies.copy_of(p, values, generation)},
+            tensors={"values": copies.copy_of(p, values, generation)},
             zero_copy=True,
         )
-        return pull.identity, self._reply_copies.track(p, frames)
+        return pull.identity, copies.track(p, frames)
+
+    def _forget_copies(self, p: int) -> None:
+        for copies in self._reply_copies.values():
+            copies.forget(p)

@@ -105,6 +105,11 @@ class TrainingSpec(BaseModel):
     # skipped on every partition); the parameter servers keep fp32 weights and optimizer
     # state, and the gradients travel in fp32 (see `precision`)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # what pushes and pulls carry between workers and parameter servers: `bf16` halves the
+    # bytes (the servers still sum and keep float32; each worker computes on the values
+    # rounded to bfloat16 and pushes its gradient rounded so); hand-offs, backups and
+    # checkpoints stay float32
+    wire_precision: Literal["fp32", "bf16"] = "fp32"
     # gradient clipping: each iteration's gradient scaled to at most this global 2-norm over
     # every partition, as `torch.nn.utils.clip_grad_norm_` on one process (see `clipping`:
     # one more round between workers and servers per iteration; bulk-synchronous jobs only)
@@ -161,6 +166,11 @@ class TrainingSpec(BaseModel):
             raise ValueError(
                 f"precision {self.precision} applies to data-parallel jobs for now: a "
                 "pipeline's stages compute in fp32"
+            )
+        if self.parallelism == "pipeline" and self.wire_precision != "fp32":
+            raise ValueError(
+                "wire_precision applies to data-parallel jobs: a pipeline's stages send "
+                "activations to each other, not values through parameter servers"
             )
         if self.clip_grad_norm is not None and (self.slack or self.parallelism == "pipeline"):
             raise ValueError(

@@ -115,6 +115,8 @@ class TrainPlan(BaseModel):
     accumulate: Annotated[int, Field(ge=1, le=MAX_ACCUMULATE)] = 1
     # the workers' forward and loss (`agileml.precision`; fp16 with a dynamic loss scale)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # what pushes and pulls carry (`TrainingSpec.wire_precision`; bf16: half the bytes)
+    wire_precision: Literal["fp32", "bf16"] = "fp32"
     # each iteration's gradient clipped to this global norm (`agileml.clipping`); None: not
     clip_grad_norm: Annotated[float, Field(gt=0, le=1e9, strict=True)] | None = None
     # DataLoader processes per node reading its next share ahead (`agileml.loading`)
@@ -155,6 +157,8 @@ class TrainResult:
     devices: dict[str, int] = field(default_factory=dict)
     # fp16: the iterations whose step every server skipped (a worker's gradient overflowed)
     skipped_steps: list[int] = field(default_factory=list)
+    # what pushes and pulls carried (`wire_bytes`)
+    wire: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -291,6 +295,7 @@ def train_spec(plan: TrainPlan, job_id: str = "train") -> TrainingSpec:
         overlap=plan.overlap,
         accumulate=plan.accumulate,
         precision=plan.precision,
+        wire_precision=plan.wire_precision,
         clip_grad_norm=plan.clip_grad_norm,
         devices_per_node=plan.devices_per_node,
         loader_workers=plan.loader_workers,
@@ -357,6 +362,7 @@ def _run(
         clip_grad_norm=spec.clip_grad_norm,
         devices=job.coordinator.node_devices(),
         skipped_steps=sorted({c for o in outcomes.values() for c in o.skipped_clocks}),
+        wire=wire_bytes(parts.layout.total, spec.wire_precision),
     )
     if parts.code is not None:
         result.evaluation, result.evaluation_error = evaluate_trained(parts.code, model)
@@ -485,6 +491,17 @@ def _finish_timeout(plan: TrainPlan) -> float:
     return 120.0 + 5.0 * plan.iterations
 
 
+def wire_bytes(values: int, precision: str) -> dict[str, Any]:
+    """What each worker sends and receives per iteration: it pulls every value and pushes a
+    gradient of each (tensor bytes; headers and MACs add under 100 bytes a partition)."""
+    per_value = 2 if precision == "bf16" else 4
+    return {
+        "precision": precision,
+        "bytes_per_worker_iteration": 2 * values * per_value,
+        "saved_bytes_per_worker_iteration": 2 * values * (4 - per_value),
+    }
+
+
 def _mean_losses(outcomes: dict[str, NodeOutcome]) -> list[tuple[int, float]]:
     by_clock: dict[int, list[float]] = {}
     for outcome in outcomes.values():
@@ -546,6 +563,7 @@ def save_outputs(result: TrainResult, out: Path) -> None:
         "devices": sum(result.devices.values()),
         "devices_per_node": result.devices,
         "skipped_steps": result.skipped_steps,
+        "wire": result.wire,
         "final_loss": result.final_loss,
         "seconds_per_iteration": result.seconds_per_iteration,
         "mean_seconds_per_iteration": result.mean_seconds_per_iteration,

@@ -55,9 +55,11 @@ AUTH_BYTES = NONCE_BYTES + TAG_BYTES
 _KEY_LABEL = b"agileml/poly1305-key/"
 ZERO_COPY_MIN_BYTES = 4096  # smaller buffers are copied (ZMQ may store them unaligned)
 MAX_WORKERS = 4096  # bound on the `workers` list of a handoff header (a DoS guard)
+PULL_BF16 = "bf16"  # a pull's `detail`: the values in bfloat16 (`wire_precision`)
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
+    "bfloat16": torch.bfloat16,  # pushes and pulls with `wire_precision` bf16
     "float64": torch.float64,
     "int64": torch.int64,
     "uint8": torch.uint8,  # JSON bodies of control messages (`json_body`)
@@ -192,7 +194,8 @@ def _tensor_bytes(
         raise WireError(WireReason.DTYPE, f"tensor {name!r} has dtype {tensor.dtype}")
     t = tensor.detach().cpu().contiguous()
     spec = {"name": name, "dtype": dtype_name, "shape": list(t.shape)}
-    array = t.numpy()
+    # numpy has no bfloat16: its bytes, through a byte view of the same memory
+    array = (t.reshape(-1).view(torch.uint8) if t.dtype == torch.bfloat16 else t).numpy()
     if zero_copy and array.size:
         return spec, array.data.cast("B")
     return spec, array.tobytes()

@@ -61,6 +61,9 @@ from orchestrator.agileml.worker_link import Round, ServerRequests, StaleViewErr
 FORWARD = "the model's forward or loss(output, target)"  # user code: see `usercode`
 BACKWARD = "backward() through the model and the loss"
 DATA = "dataset()[i] or collate(items)"
+#: What a pull reply's values may be: float32, or bfloat16 from servers with `wire_precision`
+#: bf16 (loaded into the float32 model as they are).
+PULL_DTYPES = (torch.float32, torch.bfloat16)
 
 if TYPE_CHECKING:
     from orchestrator.agileml.devices import DeviceGroup
@@ -312,7 +315,7 @@ class Worker(ServerRequests):
 
     def _pulled_values(self, p: int, reply: dict[str, torch.Tensor]) -> torch.Tensor:
         values = reply.get("values")
-        if values is None or values.dtype != torch.float32:
+        if values is None or values.dtype not in PULL_DTYPES:
             raise WorkerError(self.spec.worker_id, f"bad pull reply for partition {p}")
         return values
 
@@ -457,7 +460,7 @@ class Worker(ServerRequests):
 
         def send(p: int) -> None:
             grad = self.layout.partition_grad(self._params, p)
-            self._submit(pushes, (p, MessageKind.PUSH, clock, {"delta": grad}, identity))
+            self._submit(pushes, (p, MessageKind.PUSH, clock, self._delta(grad), identity))
             self.early_pushes += 1
 
         return self._early.arm(send)
@@ -496,7 +499,13 @@ class Worker(ServerRequests):
             if helped:
                 for parts in helped:
                     grad.add_(parts[p])
-            self._submit(pushes, (p, MessageKind.PUSH, clock, {"delta": grad}, identity))
+            self._submit(pushes, (p, MessageKind.PUSH, clock, self._delta(grad), identity))
+
+    def _delta(self, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A push's tensors: the gradient, rounded to bfloat16 with `wire_precision` bf16."""
+        if self.spec.wire_precision == "bf16":
+            return {"delta": grad.to(torch.bfloat16)}
+        return {"delta": grad}
 
     # -- what the reassigner uses ------------------------------------------------------------
 

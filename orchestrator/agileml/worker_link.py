@@ -57,6 +57,9 @@ class WorkerSpec:
     accumulate: int = 1
     # the forward and loss under autocast to bfloat16 (`TrainingSpec.precision`)
     precision: str = "fp32"
+    # what its pushes and pulls carry: `bf16` rounds each partition's gradient, and has the
+    # servers round the values they send, to bfloat16 (half the bytes; `TrainingSpec`)
+    wire_precision: str = "fp32"
     # clip each clock's gradient to this global norm (`clipping`; needs slack 0); None: no
     clip_grad_norm: float | None = None
     # the job's iterations: no share past them is fetched ahead (`loading`)
@@ -289,6 +292,8 @@ class ServerRequests:
             fields["epoch"] = self.epoch
         if kind is MessageKind.PUSH and self.roster is not None:
             fields["roster_version"] = self.roster.version
+        if kind is MessageKind.PULL and self.spec.wire_precision == "bf16":
+            fields["detail"] = wire.PULL_BF16
         sock = self._socket(self.table.owner(p))
         # pushes frame the fresh gradient in place; nothing changes it after this
         frames = wire.encode(fields, tensors, self._token, zero_copy=True)

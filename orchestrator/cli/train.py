@@ -88,6 +88,16 @@ PrecisionOption = Annotated[
         metavar="fp32|bf16|fp16",
     ),
 ]
+WirePrecisionOption = Annotated[
+    str,
+    typer.Option(
+        "--wire-precision",
+        help="What pushes and pulls carry between workers and parameter servers: fp32, or "
+        "bf16 (half the bytes: the gradients and the values the workers compute on rounded to "
+        "bfloat16; the servers still sum and keep fp32).",
+        metavar="fp32|bf16",
+    ),
+]
 ClipOption = Annotated[
     float | None,
     typer.Option(
@@ -177,6 +187,7 @@ def train_command(
     overlap: OverlapOption = False,
     accumulate: AccumulateOption = 1,
     precision: PrecisionOption = "fp32",
+    wire_precision: WirePrecisionOption = "fp32",
     clip_grad_norm: ClipOption = None,
     loader_workers: LoaderWorkersOption = 2,
     devices_per_node: DevicesOption = 1,
@@ -207,6 +218,7 @@ def train_command(
             overlap=overlap,
             accumulate=accumulate,
             precision=precision,
+            wire_precision=wire_precision,
             clip_grad_norm=clip_grad_norm,
             loader_workers=loader_workers,
             devices_per_node=devices_per_node,
@@ -222,11 +234,11 @@ def train_command(
     if pipeline and (
         partitions is not None or overlap or reliable != 1 or accumulate != 1
         or precision != "fp32" or eval_every is not None or devices_per_node != 1
-        or clip_grad_norm is not None
+        or clip_grad_norm is not None or wire_precision != "fp32"
     ):  # fmt: skip
         raise UserError(
             "--partitions, --overlap, --reliable, --accumulate, --precision, --eval-every, "
-            "--clip-grad-norm and --devices-per-node "
+            "--clip-grad-norm, --wire-precision and --devices-per-node "
             "are data-parallel options; "
             "a pipeline runs each iteration as microbatches and "
             "backs its stages up to the launcher",
@@ -317,6 +329,14 @@ def _print_result(result: TrainResult) -> None:
     if any(n > 1 for n in result.devices.values()):
         total, nodes = sum(result.devices.values()), len(result.devices)
         out.print(f"trained on {total} devices in {nodes} nodes", highlight=False)
+    if result.wire.get("saved_bytes_per_worker_iteration"):
+        mb = result.wire["bytes_per_worker_iteration"] / 1e6
+        saved = result.wire["saved_bytes_per_worker_iteration"] / 1e6
+        out.print(
+            f"{result.wire['precision']} on the wire: {mb:.2f} MB pushed and pulled per worker "
+            f"per iteration ({saved:.2f} MB less than fp32)",
+            highlight=False,
+        )
     if result.skipped_steps:
         shown = ", ".join(str(c) for c in result.skipped_steps[:10])
         more = "" if len(result.skipped_steps) <= 10 else ", ..."

@@ -28,10 +28,14 @@ GATE_S = 30.0  # a held worker is let go after this long whatever happens
 Hook = Callable[[str, int], None]
 
 
-def additive_spec(job_id: str, *, min_nodes: int, iterations: int = 40) -> TrainingSpec:
+def additive_spec(
+    job_id: str, *, min_nodes: int, iterations: int = 40, wire_precision: str = "fp32"
+) -> TrainingSpec:
     """A job on the additive probe whose every update is exact (small-integer data: every
-    float32 sum is exact), with fast heartbeats and a short failure timeout."""
+    float32 sum is exact, and every worker's gradient is exact in bfloat16 too: multiples of
+    1/16 under 2), with fast heartbeats and a short failure timeout."""
     return TrainingSpec(
+        wire_precision=wire_precision,  # type: ignore[arg-type]
         job_id=job_id,
         model=ModelSpec(kind="additive", features=24),
         samples=512,

@@ -81,10 +81,13 @@ def test_the_final_pull_is_answered_when_the_job_ended_on_its_horizon(
     assert torch.equal(job.finish(), job.expected())
 
 
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
 def test_stage2_job_with_one_reliable_and_two_transient_nodes_is_exact(
-    jobs: Callable[[TrainingSpec], Job],
+    jobs: Callable[[TrainingSpec], Job], wire: str
 ) -> None:
-    job = jobs(additive_spec("plain", iterations=40, min_nodes=3))
+    """Every update once, to the bit; with `wire_precision` bf16 too (the probe's gradients
+    are exact in bfloat16, so any lost or doubled push would show)."""
+    job = jobs(additive_spec("plain", iterations=40, min_nodes=3, wire_precision=wire))
     job.launch("r0", NodeTier.RELIABLE)
     for t in ("t0", "t1"):
         job.launch(t)

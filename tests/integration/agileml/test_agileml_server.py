@@ -14,7 +14,7 @@ from support.wire_client import WireClients
 
 from orchestrator.agileml.errors import ServerError
 from orchestrator.agileml.server import ParamServer
-from orchestrator.agileml.wire import MessageKind
+from orchestrator.agileml.wire import PULL_BF16, MessageKind
 
 JOB, TOKEN = "job-1", b"server-test-token"
 INITIAL = torch.tensor([1.0, 2.0, 3.0, 4.0])
@@ -64,6 +64,28 @@ def test_bsp_pull_waits_for_the_slowest_worker(server: ParamServer, ctx: WireCli
     assert (header.kind, header.seq, header.clock) == (MessageKind.PULL_REPLY, seq, 0)
     assert torch.equal(tensors["values"], INITIAL + 3 * d)
     assert server.stats().pulls_held == 0
+
+
+def test_bf16_on_the_wire_is_summed_and_kept_in_float32(
+    server: ParamServer, ctx: WireClients
+) -> None:
+    """`wire_precision` bf16: a push may carry bfloat16, summed into the float32 values; a
+    pull that asks for bf16 gets them rounded to it, any other pull (the final weights are
+    read so) gets float32."""
+    w0, w1 = ctx(server.endpoint, "w0"), ctx(server.endpoint, "w1")
+    d0 = torch.tensor([0.5, 1 / 3, -1.0, 2.0]).to(torch.bfloat16)
+    d1 = torch.tensor([0.25, 1 / 3, 1.0, 1.0])  # a float32 worker in the same job
+    assert w0.push(0, d0).detail == "applied"
+    assert w1.push(0, d1).detail == "applied"
+    want = INITIAL + (d0.float() + d1)  # the clock's sum, then applied
+    assert server.state(0).dtype == torch.float32 and torch.equal(server.state(0), want)
+    _, half = w0.request(MessageKind.PULL, partition=0, clock=0, detail=PULL_BF16)
+    assert half["values"].dtype == torch.bfloat16
+    assert torch.equal(half["values"], want.to(torch.bfloat16))
+    _, full = w1.request(MessageKind.PULL, partition=0, clock=0)
+    assert full["values"].dtype == torch.float32 and torch.equal(full["values"], want)
+    again = w0.push(0, d0)  # a resend: still once
+    assert again.detail == "duplicate" and torch.equal(server.state(0), want)
 
 
 def test_ssp_pull_is_answered_within_the_slack(server: ParamServer, ctx: WireClients) -> None:

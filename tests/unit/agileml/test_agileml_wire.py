@@ -49,7 +49,7 @@ def _reason(frames: list[bytes], **kwargs: Any) -> WireReason:
 FLOAT_BYTES = torch.tensor([1.0, 2.0]).numpy().tobytes()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
 def test_round_trip_preserves_values_dtype_and_shape(dtype: torch.dtype) -> None:
     tensors = {
         "matrix": torch.arange(12).reshape(3, 4).to(dtype),
@@ -63,6 +63,15 @@ def test_round_trip_preserves_values_dtype_and_shape(dtype: torch.dtype) -> None
     for name, t in tensors.items():
         assert out[name].dtype == dtype and out[name].shape == t.shape
         assert torch.equal(out[name], t)
+
+
+def test_a_bfloat16_tensor_framed_in_place_round_trips() -> None:
+    """Pushes frame their gradient in place (`zero_copy`); numpy has no bfloat16."""
+    delta = torch.linspace(-1, 1, 5000).to(torch.bfloat16)
+    fields = {"kind": "push", "job_id": "j", "sender": "w", "seq": 0, "partition": 0}
+    frames = wire.encode(fields, {"delta": delta}, TOKEN, zero_copy=True)
+    _, out = wire.decode([bytes(f) for f in frames], TOKEN)
+    assert out["delta"].dtype == torch.bfloat16 and torch.equal(out["delta"], delta)
 
 
 def test_decoded_tensor_is_a_private_writable_copy() -> None:

@@ -24,6 +24,21 @@ def test_precision_is_fp32_bf16_or_fp16_and_data_parallel_only() -> None:
         TrainingSpec(job_id="j", code="job.py", parallelism="pipeline", precision="bf16")
 
 
+def test_wire_precision_is_fp32_or_bf16_for_data_parallel_jobs_and_says_the_bytes() -> None:
+    from orchestrator.agileml.trainrun import wire_bytes
+
+    assert TrainingSpec(job_id="j", wire_precision="bf16").wire_precision == "bf16"
+    with pytest.raises(ValidationError, match="wire_precision"):
+        TrainingSpec(job_id="j", wire_precision="fp16")
+    with pytest.raises(ValidationError, match="wire_precision applies to data-parallel jobs"):
+        TrainingSpec(job_id="j", code="job.py", parallelism="pipeline", wire_precision="bf16")
+    # a worker pulls every value and pushes a gradient of each: 2 x 4 bytes a value, or 2 x 2
+    assert wire_bytes(1000, "fp32") == {"precision": "fp32", "bytes_per_worker_iteration": 8000,
+                                        "saved_bytes_per_worker_iteration": 0}  # fmt: skip
+    assert wire_bytes(1000, "bf16")["bytes_per_worker_iteration"] == 4000
+    assert wire_bytes(1000, "bf16")["saved_bytes_per_worker_iteration"] == 4000
+
+
 def test_the_loss_scale_unscales_halves_on_overflow_and_grows_after_a_run_of_finite() -> None:
     scale = LossScale(exponent=4, growth_interval=2)
     p, q = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))

@@ -74,3 +74,14 @@ def test_a_partition_whose_shape_changed_gets_a_copy_of_its_own_shape() -> None:
     assert torch.equal(copies.copy_of(0, bigger, generation=0), bigger)
     copies.forget(0)
     assert torch.equal(copies.copy_of(0, bigger, generation=0), bigger)
+
+
+def test_bfloat16_copies_hold_the_values_rounded_and_are_reused_as_bfloat16() -> None:
+    """`wire_precision` bf16: the copies a server sends the workers that ask for it."""
+    copies, live = ReplyCopies(torch.bfloat16), torch.linspace(0, 1, 8)
+    first = copies.copy_of(0, live, generation=1)
+    assert first.dtype == torch.bfloat16 and torch.equal(first, live.to(torch.bfloat16))
+    live += 1 / 3
+    spare_copies = [copies.copy_of(0, live, generation=g) for g in (2, 3)]  # nothing in flight
+    assert all(c.dtype == torch.bfloat16 for c in spare_copies)
+    assert torch.equal(spare_copies[-1], live.to(torch.bfloat16))
