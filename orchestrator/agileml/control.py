@@ -151,13 +151,16 @@ class Left(BaseModel):
 
 
 class JobFailed(BaseModel):
-    """The job's own code raised on the node (its model, loss, optimizer or scheduler): a
-    deterministic error that no retry fixes, so the job is aborted with it."""
+    """A deterministic error on the node that no retry fixes, so the job is aborted with it:
+    the job's own code raised (its model, loss, optimizer or scheduler; `cause` "job_code"),
+    or a parameter server refused the worker's request for good ("refused": a request it
+    would send again the same, e.g. a gradient of the wrong size or type)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     op: Literal["job_failed"] = "job_failed"
     error: Annotated[str, Field(min_length=1, max_length=2 * MAX_REPORT_CHARS)]
+    cause: Literal["job_code", "refused"] = "job_code"
 
 
 NodeMessage = Annotated[

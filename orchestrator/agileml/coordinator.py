@@ -386,7 +386,7 @@ class Coordinator:
             return Reply(ok=False, error=f"bad control body: {exc}")
         node, m = header.sender, message.message
         if isinstance(m, JobFailed):
-            return self._job_failed(node, m.error)
+            return self._job_failed(node, m.error, m.cause)
         now = self._now()
         with self._lock:
             info = self._nodes.get(node)
@@ -429,15 +429,17 @@ class Coordinator:
         ]
         return min(heard) if heard else None
 
-    def _job_failed(self, node: str, error: str) -> Reply:
-        """A node's report that the job's code raised: abort the job with the user's error
-        (the first report stands; the nodes are told to shut down in this very reply)."""
+    def _job_failed(self, node: str, error: str, cause: str = "job_code") -> Reply:
+        """A node's report that the job's code raised (or a server refused its requests for
+        good: `JobFailed.cause`): abort the job with that error (the first report stands; the
+        nodes are told to shut down in this very reply)."""
         with self._lock:
             known, ended = node in self._nodes, self._view.done  # aborted, or trained
         if not known:
             return Reply(ok=False, error=f"unknown node {node}: send `join` first")
         if not ended:
-            self._abort(f"the job's code failed on node {node}: {error}")
+            what = "the job's code failed" if cause == "job_code" else "a request was refused"
+            self._abort(f"{what} on node {node}: {error}")
         return Reply(view=self.view())
 
     # -- reconfiguration (one change at a time) ---------------------------------------------

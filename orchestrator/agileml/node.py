@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -53,6 +53,7 @@ from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.peers import PeerLink
 from orchestrator.agileml.reassign import Reassigner
+from orchestrator.agileml.rejections import FINAL_REJECTIONS
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.server import HANDOFF_TIMEOUT_SECONDS, ParamServer
 from orchestrator.agileml.token import token_from_env
@@ -133,6 +134,7 @@ class AgileMLNode:
         self._last_loss: float | None = None
         self._lost = False
         self._job_error: str | None = None  # the job's code failed here (`_failure`)
+        self._failure_cause: Literal["job_code", "refused"] = "job_code"  # `JobFailed.cause`
         self._worker: Worker | None = None
         self._reassigner: Reassigner | None = None
         self._link: PeerLink | None = None
@@ -436,6 +438,10 @@ class AgileMLNode:
                 except WorkerError as exc:
                     if self._failure() is not None:  # this node's server applied it and failed
                         return self._await_abort(spec)
+                    if exc.reason.partition(":")[0] in FINAL_REJECTIONS:  # no retry can help
+                        self._job_error, self._failure_cause = str(exc), "refused"
+                        log.error("a parameter server refused this worker's request: %s", exc)
+                        return self._await_abort(spec)
                     log.warning("iteration failed; retrying", extra={"error": str(exc)})
                     time.sleep(spec.heartbeat_s)
                     continue
@@ -496,7 +502,7 @@ class AgileMLNode:
     def _report_failure(self, client: ControlClient, error: str) -> None:
         """Tell the controller that the job's code failed (a few tries: it may be busy)."""
         for _ in range(LEFT_ATTEMPTS):
-            if self._send(client, JobFailed(error=error)) is not None:
+            if self._send(client, JobFailed(error=error, cause=self._failure_cause)) is not None:
                 return
 
     def _await_view(self, worker: Worker, roster_version: int | None, spec: TrainingSpec) -> None:

@@ -40,6 +40,18 @@ ROUTINE_REJECTIONS = frozenset(
 )
 
 
+#: Refusals of a request that the worker would send again the same (a retry cannot help):
+#: the job fails with them (`control.JobFailed`, cause "refused").
+FINAL_REJECTIONS = frozenset(
+    {
+        RejectReason.WRONG_JOB,
+        RejectReason.UNEXPECTED_KIND,
+        RejectReason.BAD_DELTA,
+        RejectReason.BAD_CLOCK,
+    }
+)
+
+
 class RejectedError(Exception):
     """Internal: a request the store refuses; becomes an `error` reply. State is unchanged.
 

@@ -105,6 +105,25 @@ def test_stage2_job_with_one_reliable_and_two_transient_nodes_is_exact(
         assert sorted(c for c, _ in result.losses) == list(range(40))
 
 
+def test_a_request_refused_for_good_fails_the_job_at_once_with_the_reason(
+    jobs: Callable[[TrainingSpec], Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal no retry can fix (here: workers push bfloat16 to servers that take float32
+    only, as nodes of another build would) aborts the job with the server's reason instead
+    of retrying the iteration for good."""
+    from orchestrator.agileml import partition_state
+
+    monkeypatch.setattr(partition_state, "PUSH_DTYPES", (torch.float32,))
+    job = jobs(additive_spec("refused", iterations=40, min_nodes=2, wire_precision="bf16"))
+    job.launch("r0", NodeTier.RELIABLE)
+    job.launch("t0")
+    assert job.coord.wait_done(60.0), job.coord.events()
+    error = job.coord.error or ""
+    assert "a request was refused on node" in error and "bad_delta" in error, error
+    job.close()
+    assert {job.ended(n) for n in ("r0", "t0")} == {"job_failed"}
+
+
 # -- stage transitions -------------------------------------------------------------------------
 
 
