@@ -362,7 +362,9 @@ def _run(
         clip_grad_norm=spec.clip_grad_norm,
         devices=job.coordinator.node_devices(),
         skipped_steps=sorted({c for o in outcomes.values() for c in o.skipped_clocks}),
-        wire=wire_bytes(parts.layout.total, spec.wire_precision),
+        wire=wire_bytes(
+            parts.layout.total, spec.wire_precision, _buffer_partition_values(parts.layout)
+        ),
     )
     if parts.code is not None:
         result.evaluation, result.evaluation_error = evaluate_trained(parts.code, model)
@@ -491,15 +493,24 @@ def _finish_timeout(plan: TrainPlan) -> float:
     return 120.0 + 5.0 * plan.iterations
 
 
-def wire_bytes(values: int, precision: str) -> dict[str, Any]:
+def wire_bytes(values: int, precision: str, fp32_pushed: int = 0) -> dict[str, Any]:
     """What each worker sends and receives per iteration: it pulls every value and pushes a
-    gradient of each (tensor bytes; headers and MACs add under 100 bytes a partition)."""
+    gradient of each (tensor bytes; headers and MACs add under 100 bytes a partition); with
+    bf16, the `fp32_pushed` values of partitions that hold buffers are pushed in fp32."""
     per_value = 2 if precision == "bf16" else 4
+    fp32_pushed = fp32_pushed if precision == "bf16" else 0
+    moved = 2 * values * per_value + fp32_pushed * (4 - per_value)
     return {
         "precision": precision,
-        "bytes_per_worker_iteration": 2 * values * per_value,
-        "saved_bytes_per_worker_iteration": 2 * values * (4 - per_value),
+        "bytes_per_worker_iteration": moved,
+        "saved_bytes_per_worker_iteration": 8 * values - moved,
     }
+
+
+def _buffer_partition_values(layout: PartitionLayout) -> int:
+    """The values of the partitions that hold buffers (pushed in fp32: `Worker._delta`)."""
+    bounds = [layout.bounds(p) for p in range(layout.num_partitions)]
+    return sum(hi - lo for lo, hi in bounds if hi > layout.param_total)
 
 
 def _mean_losses(outcomes: dict[str, NodeOutcome]) -> list[tuple[int, float]]:

@@ -460,7 +460,7 @@ class Worker(ServerRequests):
 
         def send(p: int) -> None:
             grad = self.layout.partition_grad(self._params, p)
-            self._submit(pushes, (p, MessageKind.PUSH, clock, self._delta(grad), identity))
+            self._submit(pushes, (p, MessageKind.PUSH, clock, self._delta(p, grad), identity))
             self.early_pushes += 1
 
         return self._early.arm(send)
@@ -499,11 +499,16 @@ class Worker(ServerRequests):
             if helped:
                 for parts in helped:
                     grad.add_(parts[p])
-            self._submit(pushes, (p, MessageKind.PUSH, clock, self._delta(grad), identity))
+            self._submit(pushes, (p, MessageKind.PUSH, clock, self._delta(p, grad), identity))
 
-    def _delta(self, grad: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A push's tensors: the gradient, rounded to bfloat16 with `wire_precision` bf16."""
-        if self.spec.wire_precision == "bf16":
+    def _delta(self, p: int, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A push's tensors: partition p's gradient, rounded to bfloat16 with `wire_precision`
+        bf16, except in a partition that holds buffers' changes: a counter's share (BatchNorm's
+        `num_batches_tracked` over 3 workers: 1/3 each) would drift by its rounding."""
+        if (
+            self.spec.wire_precision == "bf16"
+            and self.layout.bounds(p)[1] <= self.layout.param_total
+        ):
             return {"delta": grad.to(torch.bfloat16)}
         return {"delta": grad}
 

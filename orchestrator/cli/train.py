@@ -330,11 +330,11 @@ def _print_result(result: TrainResult) -> None:
         total, nodes = sum(result.devices.values()), len(result.devices)
         out.print(f"trained on {total} devices in {nodes} nodes", highlight=False)
     if result.wire.get("saved_bytes_per_worker_iteration"):
-        mb = result.wire["bytes_per_worker_iteration"] / 1e6
-        saved = result.wire["saved_bytes_per_worker_iteration"] / 1e6
+        moved = _size(result.wire["bytes_per_worker_iteration"])
+        saved = _size(result.wire["saved_bytes_per_worker_iteration"])
         out.print(
-            f"{result.wire['precision']} on the wire: {mb:.2f} MB pushed and pulled per worker "
-            f"per iteration ({saved:.2f} MB less than fp32)",
+            f"{result.wire['precision']} on the wire: {moved} pushed and pulled per worker "
+            f"per iteration ({saved} less than fp32)",
             highlight=False,
         )
     if result.skipped_steps:
@@ -404,3 +404,7 @@ def _event_line(e: dict[str, Any]) -> str | None:
         what = kind.removeprefix("skipped_")
         return f"warning: {what}@{e.get('iteration')} not done: {e.get('reason')}"
     return None
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"

@@ -226,17 +226,21 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_train_cli_writes_weights_that_load_into_the_users_model(tmp_path: Path) -> None:
-    """A job directory with a helper module, BatchNorm, RMSprop + OneCycleLR, an evaluate hook."""
+    """A job directory with a helper module, BatchNorm, RMSprop + OneCycleLR, an evaluate hook;
+    pushes and pulls in bfloat16 (`--wire-precision bf16`: BatchNorm's counters stay exact)."""
     out = tmp_path / "out"
     run = _cli(
         str(JOBS / "bn_rmsprop"),
         "--nodes", "3", "--iterations", "100", "--global-batch", "64",
-        "--inject", "evict@30", "--out", str(out),
+        "--inject", "evict@30", "--wire-precision", "bf16", "--out", str(out),
         cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "evict t0 at iteration" in run.stdout  # the oldest transient node
+    assert "bf16 on the wire: " in run.stdout and "less than fp32" in run.stdout
     summary = json.loads((out / "summary.json").read_text())
+    wire = summary["wire"]
+    assert wire["precision"] == "bf16" and wire["saved_bytes_per_worker_iteration"] > 0
     assert summary["iterations"] == 100 and summary["seconds_per_iteration"] > 0
     assert summary["mean_seconds_per_iteration"] > 0
     assert set(summary["phase_seconds"]) == {"wait", "pull", "compute", "push"}
