@@ -439,7 +439,8 @@ class AgileMLNode:
                     if self._failure() is not None:  # this node's server applied it and failed
                         return self._await_abort(spec)
                     if exc.reason.partition(":")[0] in FINAL_REJECTIONS:  # no retry can help
-                        self._job_error, self._failure_cause = str(exc), "refused"
+                        self._failure_cause = "refused"  # before the error: see `_failure`
+                        self._job_error = str(exc)
                         log.error("a parameter server refused this worker's request: %s", exc)
                         return self._await_abort(spec)
                     log.warning("iteration failed; retrying", extra={"error": str(exc)})

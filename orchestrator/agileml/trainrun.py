@@ -493,13 +493,13 @@ def _finish_timeout(plan: TrainPlan) -> float:
     return 120.0 + 5.0 * plan.iterations
 
 
-def wire_bytes(values: int, precision: str, fp32_pushed: int = 0) -> dict[str, Any]:
+def wire_bytes(values: int, precision: str, fp32_values: int = 0) -> dict[str, Any]:
     """What each worker sends and receives per iteration: it pulls every value and pushes a
     gradient of each (tensor bytes; headers and MACs add under 100 bytes a partition); with
-    bf16, the `fp32_pushed` values of partitions that hold buffers are pushed in fp32."""
+    bf16, the `fp32_values` of partitions that hold buffers travel in fp32 both ways."""
     per_value = 2 if precision == "bf16" else 4
-    fp32_pushed = fp32_pushed if precision == "bf16" else 0
-    moved = 2 * values * per_value + fp32_pushed * (4 - per_value)
+    fp32_values = fp32_values if precision == "bf16" else 0
+    moved = 2 * values * per_value + 2 * fp32_values * (4 - per_value)
     return {
         "precision": precision,
         "bytes_per_worker_iteration": moved,
@@ -508,7 +508,8 @@ def wire_bytes(values: int, precision: str, fp32_pushed: int = 0) -> dict[str, A
 
 
 def _buffer_partition_values(layout: PartitionLayout) -> int:
-    """The values of the partitions that hold buffers (pushed in fp32: `Worker._delta`)."""
+    """The values of the partitions that hold buffers (in fp32 both ways: `Worker._delta`,
+    `ServerRequests._send`)."""
     bounds = [layout.bounds(p) for p in range(layout.num_partitions)]
     return sum(hi - lo for lo, hi in bounds if hi > layout.param_total)
 

@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from orchestrator.agileml.errors import WireError, WireReason
 from orchestrator.units import INT64_MAX
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: bfloat16 pushes and pull replies (`wire_precision`)
 # 256 MiB: a generous bound for one partition of a large model; a DoS guard, not a quota.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 #: The header frame's bound (a handoff's worker names are the largest header).
@@ -118,6 +118,10 @@ class MessageKind(StrEnum):
     CLIP_ACK = "clip_ack"
     PIPE = "pipe"
 
+
+#: The only messages whose tensors may be bfloat16 (`wire_precision`): a worker's gradient
+#: and the values a server answers it with. Anywhere else it is refused as a bad dtype.
+BFLOAT16_KINDS = frozenset({MessageKind.PUSH, MessageKind.PULL_REPLY})
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -303,7 +307,9 @@ def _tensors(header: Header, buffers: list[memoryview]) -> dict[str, torch.Tenso
     if len(set(names)) != len(names):
         raise WireError(WireReason.SCHEMA, "duplicate tensor names")
     for spec in header.tensors:
-        if spec.dtype not in DTYPES:
+        if spec.dtype not in DTYPES or (
+            spec.dtype == "bfloat16" and header.kind not in BFLOAT16_KINDS
+        ):
             raise WireError(WireReason.DTYPE, f"tensor {spec.name!r}: dtype {spec.dtype!r}")
     if len(buffers) != len(header.tensors):
         raise WireError(

@@ -21,7 +21,7 @@ from orchestrator.agileml.clipping import (
     coefficient_tensors,
 )
 from orchestrator.agileml.errors import AgileMLError, WireError, WorkerError
-from orchestrator.agileml.partitions import PartitionTable
+from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
 from orchestrator.agileml.rejections import RejectReason, parse_moved
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.wire import MessageKind
@@ -96,6 +96,7 @@ class ServerRequests:
     """The request side of a `Worker` (a mixin: the worker sets the attributes below)."""
 
     spec: WorkerSpec
+    layout: PartitionLayout
     table: PartitionTable
     endpoints: dict[str, str]
     local_endpoints: dict[str, str]
@@ -292,7 +293,7 @@ class ServerRequests:
             fields["epoch"] = self.epoch
         if kind is MessageKind.PUSH and self.roster is not None:
             fields["roster_version"] = self.roster.version
-        if kind is MessageKind.PULL and self.spec.wire_precision == "bf16":
+        if kind is MessageKind.PULL and self._pulls_bf16(p):
             fields["detail"] = wire.PULL_BF16
         sock = self._socket(self.table.owner(p))
         # pushes frame the fresh gradient in place; nothing changes it after this
@@ -301,6 +302,12 @@ class ServerRequests:
             sock.send_multipart(frames, copy=False)
         except zmq.Again as exc:
             raise WorkerError(self.spec.worker_id, "timeout") from exc
+
+    def _pulls_bf16(self, p: int) -> bool:
+        """`wire_precision` bf16 asks partition p's values in bfloat16, unless it holds
+        buffers' values (a counter past 256 would be rounded in the model)."""
+        bf16 = self.spec.wire_precision == "bf16"
+        return bf16 and self.layout.bounds(p)[1] <= self.layout.param_total
 
     def _receive(self, sock: zmq.Socket[Any]) -> tuple[wire.Header, dict[str, torch.Tensor]]:
         try:

@@ -329,12 +329,17 @@ def _print_result(result: TrainResult) -> None:
     if any(n > 1 for n in result.devices.values()):
         total, nodes = sum(result.devices.values()), len(result.devices)
         out.print(f"trained on {total} devices in {nodes} nodes", highlight=False)
-    if result.wire.get("saved_bytes_per_worker_iteration"):
+    if result.wire.get("precision") == "bf16":
         moved = _size(result.wire["bytes_per_worker_iteration"])
-        saved = _size(result.wire["saved_bytes_per_worker_iteration"])
+        saved = result.wire["saved_bytes_per_worker_iteration"]
         out.print(
-            f"{result.wire['precision']} on the wire: {moved} pushed and pulled per worker "
-            f"per iteration ({saved} less than fp32)",
+            f"bf16 on the wire: {moved} pushed and pulled per worker per iteration "
+            + (
+                f"({_size(saved)} less than fp32)"
+                if saved
+                else "(nothing saved: every partition holds buffers' values, which travel in "
+                "fp32; more --partitions split them off)"
+            ),
             highlight=False,
         )
     if result.skipped_steps:

@@ -74,6 +74,17 @@ def test_a_bfloat16_tensor_framed_in_place_round_trips() -> None:
     assert out["delta"].dtype == torch.bfloat16 and torch.equal(out["delta"], delta)
 
 
+@pytest.mark.parametrize("kind", ["pipe", "handoff", "replicate", "pull"])
+def test_bfloat16_is_refused_outside_pushes_and_pull_replies(kind: str) -> None:
+    """Only the data path carries bfloat16 (`wire_precision`): the pipeline's files, hand-offs
+    and backups are float32 or bytes, and code reading them need not know another dtype."""
+    fields = {"kind": kind, "job_id": "j", "sender": "w", "seq": 0, "partition": 0}
+    frames = wire.encode(fields, {"w": torch.ones(4, dtype=torch.bfloat16)}, TOKEN)
+    with pytest.raises(WireError) as info:
+        wire.decode(frames, TOKEN)
+    assert info.value.reason is WireReason.DTYPE
+
+
 def test_decoded_tensor_is_a_private_writable_copy() -> None:
     frames = wire.encode(
         {"kind": "push", "job_id": "j", "sender": "w", "seq": 0}, {"d": torch.ones(3)}, TOKEN

@@ -37,8 +37,8 @@ def test_wire_precision_is_fp32_or_bf16_for_data_parallel_jobs_and_says_the_byte
                                         "saved_bytes_per_worker_iteration": 0}  # fmt: skip
     assert wire_bytes(1000, "bf16")["bytes_per_worker_iteration"] == 4000
     assert wire_bytes(1000, "bf16")["saved_bytes_per_worker_iteration"] == 4000
-    # a partition holding buffers (100 values) is pushed in fp32: 200 bytes more
-    assert wire_bytes(1000, "bf16", 100)["bytes_per_worker_iteration"] == 4200
+    # a partition holding buffers (100 values) is pushed and pulled in fp32: 400 bytes more
+    assert wire_bytes(1000, "bf16", 100)["bytes_per_worker_iteration"] == 4400
     assert wire_bytes(1000, "fp32", 100)["bytes_per_worker_iteration"] == 8000
 
 
