@@ -24,7 +24,7 @@ It tracks the job's nodes by tier and lifecycle, and drives every change of the 
 
 Node messages arrive on a ROUTER thread that only records and answers; changes run one at a
 time on a reconfiguration thread that calls the nodes' parameter servers (`control` ops, carried
-out by `server_calls`; checkpoints by `checkpointing`). The module is near 700 lines on
+out by `server_calls`; checkpoints by `checkpointing`). The module is about 1,000 lines on
 purpose: `Coordinator` is the one owner of the job's membership, view and partition table,
 which both threads share under one lock; splitting that state across classes would spread the
 lock discipline with it.
