@@ -35,12 +35,13 @@ from orchestrator.agileml.errors import (
 from orchestrator.agileml.rejections import RejectedError, RejectReason
 from orchestrator.agileml.roster import Roster
 from orchestrator.agileml.updates import RuleFactory, UpdateRule, sum_rules
+from orchestrator.agileml.wire import VALUE_DTYPES
 
 #: Applied clocks' sums a partition keeps to sum later clocks into (a clock or two are in
 #: flight at once under bounded staleness).
 SPARE_SUMS = 2
-#: What a pushed delta may be: float32, or bfloat16 (`wire_precision`), summed in float32.
-PUSH_DTYPES = (torch.float32, torch.bfloat16)
+#: What a pushed delta may be (summed in float32 whatever it is).
+PUSH_DTYPES = VALUE_DTYPES
 
 
 class PushOutcome(StrEnum):

@@ -70,6 +70,11 @@ class PartitionLayout:
         self._check(p)
         return self._bounds[p]
 
+    def holds_buffers(self, p: int) -> bool:
+        """Whether partition p holds buffers' values (they follow the parameters' in the flat
+        vector). Raises PartitionError."""
+        return self.bounds(p)[1] > self.param_total
+
     def slice(self, p: int) -> slice:
         """Partition p as a slice of the flat vector. Raises PartitionError."""
         start, stop = self.bounds(p)

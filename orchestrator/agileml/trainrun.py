@@ -510,8 +510,8 @@ def wire_bytes(values: int, precision: str, fp32_values: int = 0) -> dict[str, A
 def _buffer_partition_values(layout: PartitionLayout) -> int:
     """The values of the partitions that hold buffers (in fp32 both ways: `Worker._delta`,
     `ServerRequests._send`)."""
-    bounds = [layout.bounds(p) for p in range(layout.num_partitions)]
-    return sum(hi - lo for lo, hi in bounds if hi > layout.param_total)
+    parts = range(layout.num_partitions)
+    return sum(layout.size(p) for p in parts if layout.holds_buffers(p))
 
 
 def _mean_losses(outcomes: dict[str, NodeOutcome]) -> list[tuple[int, float]]:

@@ -122,6 +122,8 @@ class MessageKind(StrEnum):
 #: The only messages whose tensors may be bfloat16 (`wire_precision`): a worker's gradient
 #: and the values a server answers it with. Anywhere else it is refused as a bad dtype.
 BFLOAT16_KINDS = frozenset({MessageKind.PUSH, MessageKind.PULL_REPLY})
+#: What a push's delta and a pull reply's values may be (bfloat16: `wire_precision`).
+VALUE_DTYPES = (torch.float32, torch.bfloat16)
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]

@@ -55,15 +55,12 @@ from orchestrator.agileml.roster import Roster, global_batch_indices, worker_sha
 from orchestrator.agileml.staging import PushStaging
 from orchestrator.agileml.streams import EarlyPushes, PullStream, streaming_safe
 from orchestrator.agileml.usercode import job_code_call
-from orchestrator.agileml.wire import MessageKind
+from orchestrator.agileml.wire import VALUE_DTYPES, MessageKind
 from orchestrator.agileml.worker_link import Round, ServerRequests, StaleViewError, WorkerSpec
 
 FORWARD = "the model's forward or loss(output, target)"  # user code: see `usercode`
 BACKWARD = "backward() through the model and the loss"
 DATA = "dataset()[i] or collate(items)"
-#: What a pull reply's values may be: float32, or bfloat16 from servers with `wire_precision`
-#: bf16 (loaded into the float32 model as they are).
-PULL_DTYPES = (torch.float32, torch.bfloat16)
 
 if TYPE_CHECKING:
     from orchestrator.agileml.devices import DeviceGroup
@@ -315,7 +312,7 @@ class Worker(ServerRequests):
 
     def _pulled_values(self, p: int, reply: dict[str, torch.Tensor]) -> torch.Tensor:
         values = reply.get("values")
-        if values is None or values.dtype not in PULL_DTYPES:
+        if values is None or values.dtype not in VALUE_DTYPES:
             raise WorkerError(self.spec.worker_id, f"bad pull reply for partition {p}")
         return values
 
@@ -502,13 +499,9 @@ class Worker(ServerRequests):
             self._submit(pushes, (p, MessageKind.PUSH, clock, self._delta(p, grad), identity))
 
     def _delta(self, p: int, grad: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A push's tensors: partition p's gradient, rounded to bfloat16 with `wire_precision`
-        bf16, except in a partition that holds buffers' changes: a counter's share (BatchNorm's
-        `num_batches_tracked` over 3 workers: 1/3 each) would drift by its rounding."""
-        if (
-            self.spec.wire_precision == "bf16"
-            and self.layout.bounds(p)[1] <= self.layout.param_total
-        ):
+        """A push's tensors: partition p's gradient, rounded to bfloat16 where it travels so
+        (`_bf16_on_wire`)."""
+        if self._bf16_on_wire(p):
             return {"delta": grad.to(torch.bfloat16)}
         return {"delta": grad}
 

@@ -293,7 +293,7 @@ class ServerRequests:
             fields["epoch"] = self.epoch
         if kind is MessageKind.PUSH and self.roster is not None:
             fields["roster_version"] = self.roster.version
-        if kind is MessageKind.PULL and self._pulls_bf16(p):
+        if kind is MessageKind.PULL and self._bf16_on_wire(p):
             fields["detail"] = wire.PULL_BF16
         sock = self._socket(self.table.owner(p))
         # pushes frame the fresh gradient in place; nothing changes it after this
@@ -303,11 +303,11 @@ class ServerRequests:
         except zmq.Again as exc:
             raise WorkerError(self.spec.worker_id, "timeout") from exc
 
-    def _pulls_bf16(self, p: int) -> bool:
-        """`wire_precision` bf16 asks partition p's values in bfloat16, unless it holds
-        buffers' values (a counter past 256 would be rounded in the model)."""
-        bf16 = self.spec.wire_precision == "bf16"
-        return bf16 and self.layout.bounds(p)[1] <= self.layout.param_total
+    def _bf16_on_wire(self, p: int) -> bool:
+        """Whether partition p's pushes and pulls travel in bfloat16: with `wire_precision`
+        bf16, unless it holds buffers' values (a counter would drift by the rounding of its
+        pushed shares, and past 256 be rounded in the model)."""
+        return self.spec.wire_precision == "bf16" and not self.layout.holds_buffers(p)
 
     def _receive(self, sock: zmq.Socket[Any]) -> tuple[wire.Header, dict[str, torch.Tensor]]:
         try:
