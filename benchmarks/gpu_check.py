@@ -9,7 +9,8 @@ For each job and each GPU count k (1, and every GPU when there are more):
   iteration ends after the first 5.
 * DDP: k ranks, rank r on GPU r, NCCL, the job's model, optimizer, scheduler and loss, the same
   global batches (rank r computes the r-th of k slices); the same median.
-* Both runs' weights against the single-process loop (`reference.train_reference`) on GPU 0:
+* a pipeline: `train --pipeline` (flush) on k stage workers, worker w on GPU w;
+* The runs' weights against the single-process loop (`reference.train_reference`) on GPU 0:
   the relative distance (`reference.relative_error`).
 
 Without CUDA it prints {"skipped": ...} and exits 0 (CI), unless `--cpu-smoke`: the same flow
@@ -39,6 +40,7 @@ from benchmarks.ddp_baseline import run_ranks
 from benchmarks.train_vs_ddp import DdpPlan
 from orchestrator.agileml.batches import to_device
 from orchestrator.agileml.jobcode import dataset_rows, load_job_code, seeded_model
+from orchestrator.agileml.pipeline.trainrun import train_pipeline_locally
 from orchestrator.agileml.reference import relative_error, train_reference
 from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.trainrun import TrainPlan, train_locally
@@ -106,6 +108,9 @@ def check_one(job: Path, gpus: int, args: argparse.Namespace, loop: torch.nn.Mod
     ends, weights = run_ranks(_ddp_rank, ddp_plan, workers=gpus, timeout_s=args.timeout)[0]
     ddp_model = seeded_model(load_job_code(job), 0)
     ddp_model.load_state_dict(safetensors.torch.load(weights))
+    progress(f"{job.name} on {gpus}: a pipeline")
+    piped = train_pipeline_locally(plan.model_copy(update={"nodes": gpus, "reliable": 1,
+                                                           "pipeline": True}))  # fmt: skip
     agileml_s, ddp_s = result.seconds_per_iteration, _steady_median(ends)
     return {
         "job": job.name,
@@ -117,6 +122,10 @@ def check_one(job: Path, gpus: int, args: argparse.Namespace, loop: torch.nn.Mod
         "ratio": round(agileml_s / ddp_s, 3) if agileml_s else None,
         "agileml_distance_to_loop": relative_error(result.model, loop),
         "ddp_distance_to_loop": relative_error(ddp_model, loop),
+        # `train --pipeline` on as many stage workers (flush: one step per global batch)
+        "pipeline_stages": [e["stages"] for e in piped.events if e["kind"] == "planned"][0],
+        "pipeline_s_per_it": piped.seconds_per_iteration,
+        "pipeline_distance_to_loop": relative_error(piped.model, loop),
     }
 
 

@@ -32,7 +32,7 @@ from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.pipeline.planner import PlannedStage
 from orchestrator.agileml.pipeline.processes import Spawn, StageProcess, spawn_local
-from orchestrator.agileml.pipeline.stage import StageConfig
+from orchestrator.agileml.pipeline.stage import StageConfig, device_for
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.lifecycle import KEEP_LOGS_ENV, keep_logs
 
@@ -445,6 +445,8 @@ class Launch:
             first_minibatch=first_minibatch,
             initial_weights=files[0],
             initial_optimizer=files[1],
+            # on this machine's GPUs if it has any (a node that runs it picks its own)
+            device=device_for(self.workers.index((k, r))),
             **self._config,
         )
         name = f"stage{k}.{r}-{self.attempt}"

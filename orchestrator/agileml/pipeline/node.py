@@ -42,6 +42,7 @@ from orchestrator.agileml.node import NodeResult
 from orchestrator.agileml.pipeline.holder import BackupHolder
 from orchestrator.agileml.pipeline.processes import LocalSpawner, StageProcess
 from orchestrator.agileml.pipeline.remote import LOST_CODE, NAME, file_tensors, tensor_files
+from orchestrator.agileml.pipeline.stage import device_for
 from orchestrator.agileml.wire import MessageKind
 
 log = logging.getLogger(__name__)
@@ -280,7 +281,9 @@ class PipelineNode:
                 local = workdir / f"{name}-{Path(config[key]).name}"
                 local.write_bytes(files.get(Path(config[key]).name, b""))
                 config[key] = str(local)
-        config.update(code=code, rendezvous=rendezvous, host=self.host, out_dir=str(workdir))
+        # the stage trains on the instance's (first) GPU, if it has one
+        config.update(code=code, rendezvous=rendezvous, host=self.host, out_dir=str(workdir),
+                      device=device_for(0))  # fmt: skip
         path = workdir / f"{name}.json"
         path.write_text(json.dumps(config))
         self.ran.append(name)

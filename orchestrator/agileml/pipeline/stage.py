@@ -33,6 +33,7 @@ from torch import nn
 from torch.func import functional_call
 
 from orchestrator.agileml import wire
+from orchestrator.agileml.batches import to_device
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.pipeline.link import Rewind, StageLink
 from orchestrator.agileml.pipeline.schedule import Schedule, stage_ops, update_group
@@ -46,6 +47,29 @@ from orchestrator.agileml.pipeline.source import (
 from orchestrator.agileml.roster import global_batch_indices
 from orchestrator.agileml.token import token_from_env
 from orchestrator.lifecycle import exit_with_parent
+
+
+def stage_device(name: str) -> torch.device:
+    """The torch device a stage trains on (`StageConfig.device`).
+
+    Raises:
+        AgileMLError: a CUDA device on a machine without it, or past its GPUs.
+    """
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index is not None and device.index >= count:
+            raise AgileMLError(f"the stage's device {name} is not here: this machine has "
+                               f"{count} GPUs")  # fmt: skip
+    return device
+
+
+def device_for(worker: int) -> str:
+    """The device of worker `worker` (of those on this machine) as `StageConfig.device`: GPU
+    `worker` modulo the GPUs here (workers beyond them share), else the CPU."""
+    if torch.cuda.is_available():
+        return f"cuda:{worker % torch.cuda.device_count()}"
+    return "cpu"
 
 
 def stage_source(config: StageConfig) -> ChainSource:
@@ -95,6 +119,8 @@ class StageConfig(BaseModel):
     backup: bool = False
     # where the backups go: a reliable node's holder (`pipeline.holder`); None: `rendezvous`
     backup_to: str | None = None
+    # the device the stage's layers train on ("cpu", "cuda:N"; see `stage_device`)
+    device: Annotated[str, Field(pattern=r"^(cpu|cuda:[0-9]{1,2})$")] = "cpu"
 
     @model_validator(mode="after")
     def _replica_in_range(self) -> StageConfig:
@@ -126,9 +152,10 @@ class PipelineStage:
     def __init__(self, config: StageConfig, token: bytes) -> None:
         self.config = config
         self._token = token
+        self.device = stage_device(config.device)
         self.source = source = stage_source(config)
         layers = source.layers()[config.first_layer : config.last_layer + 1]
-        self.module = nn.Sequential(*layers)
+        self.module = nn.Sequential(*layers).to(self.device)
         self.names = [n for n, _ in self.module.named_parameters()]
         # the weights, detached; frozen ones (requires_grad False) are not trained
         self.live = [
@@ -212,12 +239,15 @@ class PipelineStage:
         """Run the stage's layers on minibatch `minibatch`; returns what goes downstream
         (activation, version), or None at the last stage."""
         c = self.config
-        batch = self.data.take(self.rows(minibatch)) if self.first or self.last else None
+        batch = None
+        if self.first or self.last:
+            batch = to_device(self.data.take(self.rows(minibatch)), self.device)
         if self.first:
             assert batch is not None
             x_in = batch[0]
             version = self.current
         assert x_in is not None
+        x_in = x_in.to(self.device, non_blocking=True)  # from the wire: on the host
         if not self.first and x_in.is_floating_point():
             x_in.requires_grad_(True)
         v = version if c.vertical_sync and version is not None else self.current  # None: stage 0
@@ -235,12 +265,14 @@ class PipelineStage:
             self.saved[minibatch] = (x_in, loss / self.group, v)
             return None
         self.saved[minibatch] = (x_in, out, v)
-        return out.detach(), version
+        return out.detach().cpu(), version
 
     def backward(self, minibatch: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
         """Backward of `minibatch` on the weights its forward used; returns the gradient for
         upstream (None at the first stage)."""
         x_in, out, v = self.saved.pop(minibatch)
+        if grad_out is not None:
+            grad_out = grad_out.to(self.device, non_blocking=True)
         torch.autograd.backward(out, grad_out)
         for acc, leaf in zip(self.acc, self.versions[v], strict=True):
             if leaf.grad is not None:
@@ -250,19 +282,20 @@ class PipelineStage:
         self._drop_unused()
         if self.first:
             return None
-        return x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+        return (x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)).cpu()
 
     def flat_gradient(self) -> torch.Tensor:
-        """The gradients accumulated since the last update, flat in parameter order."""
+        """The gradients accumulated since the last update, flat in parameter order (on the
+        host: the replicas sum them over the wire)."""
         if not self.acc:
             return torch.zeros(0)
-        return torch.cat([g.reshape(-1) for g in self.acc])
+        return torch.cat([g.reshape(-1) for g in self.acc]).cpu()
 
     def update(self, summed: torch.Tensor | None = None) -> None:
         """SGD on the accumulated gradients (or `summed`, the replicas' flat sum): a new
         weight version."""
         if summed is not None:
-            offset = 0
+            summed, offset = summed.to(self.device), 0
             for g in self.acc:
                 g.copy_(summed[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
@@ -307,7 +340,7 @@ class PipelineStage:
         for i, key in enumerate(self._optimizer_keys()):
             for name, value in state.get(i, {}).items():
                 tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-                out[f"{key}.{name}"] = tensor.detach().clone().contiguous()
+                out[f"{key}.{name}"] = tensor.detach().cpu().clone().contiguous()
         return out
 
     def _load_optimizer(self, entries: dict[str, torch.Tensor]) -> None:
@@ -326,7 +359,7 @@ class PipelineStage:
         """The stage's travelling state, flat float32 (see `source`)."""
         if not self.state:
             return np.zeros(0, dtype=np.float32)  # a stage of parameter-free layers
-        return torch.cat([t.detach().reshape(-1).float() for t in self.state]).numpy()
+        return torch.cat([t.detach().reshape(-1).float() for t in self.state]).cpu().numpy()
 
 
 #: Set by SIGUSR1, the node's eviction notice: the worker leaves after its next update's
