@@ -172,6 +172,15 @@ class TrainProgress:
     starting: str | None = None  # before the first iteration: what start-up is waiting on
 
 
+def check_devices(plan: TrainPlan) -> None:
+    """Refuse `kill-device` when a node has one device (UserError)."""
+    if plan.devices_per_node < 2 and any(i.kind == "kill-device" for i in plan.injections):
+        raise UserError(
+            "--inject kill-device kills one device process inside a node, and each node has "
+            "one device. To fix: add --devices-per-node 2 (or more)."
+        )
+
+
 def check_plan(plan: TrainPlan) -> None:
     """Refuse, before any process starts, what cannot run (as UserError/JobCodeError)."""
     joins = sum(1 for i in plan.injections if i.kind == "join")
@@ -187,11 +196,7 @@ def check_plan(plan: TrainPlan) -> None:
             f"--inject {late[0].kind}@{late[0].at}: the job has only {plan.iterations} "
             f"iterations. To fix: inject at an iteration below {plan.iterations}."
         )
-    if plan.devices_per_node < 2 and any(i.kind == "kill-device" for i in plan.injections):
-        raise UserError(
-            "--inject kill-device kills one device process inside a node, and each node has "
-            "one device. To fix: add --devices-per-node 2 (or more)."
-        )
+    check_devices(plan)
     leaving = sum(1 for i in plan.injections if i.kind in ("evict", "kill", "kill-device"))
     if leaving > plan.nodes + joins - 1:
         raise UserError(

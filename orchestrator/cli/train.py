@@ -233,12 +233,12 @@ def train_command(
         raise UserError("--schedule and --stages need --pipeline", field="--pipeline")
     if pipeline and (
         partitions is not None or overlap or reliable != 1 or accumulate != 1
-        or precision != "fp32" or eval_every is not None or devices_per_node != 1
+        or precision != "fp32" or eval_every is not None
         or clip_grad_norm is not None or wire_precision != "fp32"
     ):  # fmt: skip
         raise UserError(
             "--partitions, --overlap, --reliable, --accumulate, --precision, --eval-every, "
-            "--clip-grad-norm, --wire-precision and --devices-per-node "
+            "--clip-grad-norm and --wire-precision "
             "are data-parallel options; "
             "a pipeline runs each iteration as microbatches and "
             "backs its stages up to the launcher",
@@ -382,6 +382,8 @@ def _event_line(e: dict[str, Any]) -> str | None:
             f"pipeline: stages {e.get('stages')} ([first, last layer, replicas]), "
             f"{e.get('microbatches')} microbatches per iteration"
         )
+        if e.get("placement"):
+            line += f"\n  on nodes {e['placement']} (each stage's replicas)"
         if len(e.get("stages") or ()) == 1:
             line += (
                 "\n  the planner found one replicated stage (data parallelism) fastest for "

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.errors import AgileMLError, WireError
-from orchestrator.agileml.pipeline.planner import PlannedStage
+from orchestrator.agileml.pipeline.planner import PlannedStage, slots_of
 from orchestrator.agileml.pipeline.processes import Spawn, StageProcess, spawn_local
 from orchestrator.agileml.pipeline.stage import StageConfig, device_for
 from orchestrator.agileml.wire import MessageKind
@@ -50,11 +50,12 @@ EXIT_WAIT_S = 60.0
 @dataclass(frozen=True)
 class Fault:
     """An injected fault, due once the input stage has backed up `at` minibatches: `kill`
-    SIGKILLs the first worker of `stage`, `evict` gives it the eviction notice (SIGUSR1), `join`
-    adds a node (the run re-plans for one more). `stage` None: the middle stage of the layout
-    running then (its loss cuts the pipeline in two)."""
+    SIGKILLs the node of the first worker of `stage` (every worker on it), `evict` gives them
+    the eviction notice (SIGUSR1), `kill-device` SIGKILLs that one worker (its node is lost
+    with it), `join` adds a node (the run re-plans for one more). `stage` None: the middle
+    stage of the layout running then (its loss cuts the pipeline in two)."""
 
-    kind: Literal["kill", "evict", "join"]
+    kind: Literal["kill", "evict", "join", "kill-device"]
     at: int
     stage: int | None = None
 
@@ -167,8 +168,10 @@ class Launch:
         deadline: float,
         common: dict[str, Any],
         spawn: Spawn | None = None,
+        devices_per_node: int = 1,
     ) -> None:
         self.ctx, self.inbox, self.rendezvous, self.token = ctx, inbox, rendezvous, token
+        self.devices_per_node = devices_per_node  # a node's workers: slots s // K alike
         self.out_dir, self.deadline, self.common = out_dir, deadline, common
         self.spawn = spawn or spawn_local(token, out_dir)
         self._config = {k: v for k, v in common.items() if k != "sizes"}  # for StageConfig
@@ -200,6 +203,19 @@ class Launch:
             files = self._cut_files(k, st, backups)
             for r in range(st.replicas):
                 self.procs.append(self._spawn(k, r, backups.done, files))
+
+    def slot_of(self, worker: int) -> int:
+        """The worker's slot in the layout's plan (`planner.slots_of`)."""
+        k, r = self.workers[worker]
+        return slots_of(self.layout)[k][r]
+
+    def node_of(self, worker: int) -> int:
+        """The node the worker runs on: `devices_per_node` consecutive slots each."""
+        return self.slot_of(worker) // self.devices_per_node
+
+    def nodes(self) -> int:
+        """The nodes the running layout is on."""
+        return len(self.workers) // self.devices_per_node
 
     def can_replace(self, backups: Backups) -> bool:
         """Whether `replace` can recover: one worker lost, every other one still running,
@@ -367,7 +383,10 @@ class Launch:
                 raise AgileMLError(
                     f"stage {stage} (replica {replica}) {how} ({logs_hint(self.out_dir)})"
                 )
-        results = [json.loads(lines[-1]) for _, lines in reports]
+        results = [
+            {**json.loads(lines[-1]), "node": self.node_of(w)}
+            for w, (_, lines) in enumerate(reports)
+        ]
         return sorted(results, key=lambda r: (r["stage"], r["replica"]))
 
     def _on_backup(
@@ -398,9 +417,12 @@ class Launch:
         k = fault.stage if fault.stage is not None else len(self.layout) // 2
         k = min(k, len(self.layout) - 1)  # the layout may have shrunk since
         notice = fault.kind == "evict"
-        self.procs[self.workers.index((k, 0))].send_signal(
-            signal.SIGUSR1 if notice else signal.SIGKILL
-        )
+        victim = self.workers.index((k, 0))
+        hit = [victim] if fault.kind == "kill-device" else [
+            w for w in range(len(self.workers)) if self.node_of(w) == self.node_of(victim)
+        ]  # fmt: skip
+        for w in hit:
+            self.procs[w].send_signal(signal.SIGUSR1 if notice else signal.SIGKILL)
         recoveries.append(Recovery(k, time.time(), 0, (), notice=notice))
 
     def _new_attempt(self) -> str:
@@ -446,7 +468,7 @@ class Launch:
             initial_weights=files[0],
             initial_optimizer=files[1],
             # on this machine's GPUs if it has any (a node that runs it picks its own)
-            device=device_for(self.workers.index((k, r))),
+            device=device_for(self.slot_of(self.workers.index((k, r)))),
             **self._config,
         )
         name = f"stage{k}.{r}-{self.attempt}"

@@ -124,6 +124,7 @@ def run_pipeline(
     on_backup: Callable[[int, dict[int, float]], None] | None = None,
     recovery: Literal["stage", "restart"] = "stage",
     notice: bool = False,
+    devices_per_node: int = 1,
 ) -> PipelineResult:
     """Train with one process per worker of `layout` (see `chain_layout`, or a plan's stages):
     the job file `code` (see `source`), or else the built-in chain `model`.
@@ -137,6 +138,9 @@ def run_pipeline(
     its next update is backed up, so the job resumes from there (nothing it computed is lost).
     `faults` injects several (kills, notices, joins; see `launch.Fault`); a join restarts every
     stage from the cut on `replan(workers + 1)`.
+    With `devices_per_node` K a node runs the workers of K consecutive slots (see
+    `PlannedStage.slots`; `replan` is asked for nodes, each of K workers), and a worker lost
+    loses its node: the job re-plans without it.
     A lost worker on an unchanged layout (no `replan`) is replaced alone while the others
     rewind in place to the cut (`recovery="stage"`, when a cut past the start exists), or
     every worker restarts from the cut (`recovery="restart"`, and after a re-plan).
@@ -167,6 +171,7 @@ def run_pipeline(
         dict(model=model, code=code, sizes=sizes, schedule=schedule, minibatches=minibatches,
              microbatches=microbatches, microbatch_size=microbatch_size, lr=lr, seed=seed,
              vertical_sync=vertical_sync, backup=backup),
+        devices_per_node=devices_per_node,
     )  # fmt: skip
     launch.faults = sorted(injected, key=lambda f: f.at)
     failed = False
@@ -215,7 +220,7 @@ def _supervise(
 
     launch.start(layout, backups, _spread(emulated, planned, layout))
     while (outcome := launch.run(losses, backups, recoveries, on_backup)) != "done":
-        nodes = sum(st.replicas for st in layout)
+        nodes = launch.nodes()
         if outcome == "join":
             assert replan is not None  # `_check_faults`
             layout = restart_on(tuple(replan(nodes + 1)))
@@ -232,8 +237,9 @@ def _supervise(
         if replan is None and recovery == "stage" and launch.can_replace(backups):
             launch.replace(backups)
             recoveries[-1].mode = "stage"
-        else:  # the lost node is not replaced when the job re-plans
-            layout = restart_on(layout if replan is None else tuple(replan(nodes - 1)))
+        else:  # the lost nodes are not replaced when the job re-plans
+            gone = len({launch.node_of(w) for w in launch.lost})
+            layout = restart_on(layout if replan is None else tuple(replan(nodes - gone)))
         recoveries[-1].resumed_minibatch, recoveries[-1].layout = backups.done, layout
     final = None if launch.results else backups.weights  # a node went after the last update
     return _result(launch.results, launch.out_dir, len(layout), losses, recoveries, joins, final)

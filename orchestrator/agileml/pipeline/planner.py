@@ -50,19 +50,37 @@ class PlanError(UserError):
 
 
 class PlannedStage(BaseModel):
-    """Layers first_layer..last_layer (0-based, inclusive) run data-parallel by `replicas`."""
+    """Layers first_layer..last_layer (0-based, inclusive) run data-parallel by `replicas`.
+
+    `slots`: where each replica runs, as a worker slot of the plan's topology (0..workers-1;
+    a lowest-level component holds consecutive slots, so with levels [(K, ...), (N, ...)]
+    replica r is on node `slots[r] // K`). Empty: the stages' replicas take consecutive slots
+    in order (one level: every slot is alike)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     first_layer: Annotated[int, Field(ge=0)]
     last_layer: Annotated[int, Field(ge=0)]
     replicas: Annotated[int, Field(ge=1)]
+    slots: tuple[Annotated[int, Field(ge=0)], ...] = ()
 
     @model_validator(mode="after")
     def _ordered(self) -> PlannedStage:
         if self.last_layer < self.first_layer:
             raise ValueError(f"last_layer {self.last_layer} < first_layer {self.first_layer}")
+        if self.slots and len(self.slots) != self.replicas:
+            raise ValueError(f"{len(self.slots)} slots for {self.replicas} replicas")
         return self
+
+
+def slots_of(stages: Sequence[PlannedStage]) -> list[tuple[int, ...]]:
+    """Each stage's replicas' slots: their own (`PlannedStage.slots`), else consecutive in
+    stage order."""
+    out, start = [], 0
+    for st in stages:
+        out.append(st.slots or tuple(range(start, start + st.replicas)))
+        start += st.replicas
+    return out
 
 
 class Plan(BaseModel):
@@ -156,16 +174,16 @@ def plan(
         )
         tables.append(table)
         time_ms = float(table.best_ms[0, last, top.devices])
-        pipeline = _expand(tables, topology, depth, 0, last, top.devices, 1)
+        pipeline = _expand(tables, topology, depth, 0, last, top.devices, [0])
     else:
         time_ms, top_stages = _forced_depth(
             stage_ms, _comm_ms(activations, top), top.devices, stages
         )
-        pipeline = [
-            stage
-            for first, end, components in top_stages
-            for stage in _replicate(tables, topology, depth, first, end, components)
-        ]
+        pipeline, unit, used = [], workers // top.devices, 0
+        for first, end, components in top_stages:
+            slots = [(used + c) * unit for c in range(components)]
+            pipeline += _replicate(tables, topology, depth, first, end, slots)
+            used += components
     data_parallel_ms = _data_parallel_ms(float(compute.sum()), float(weights.sum()), topology)
     return Plan(
         stages=tuple(pipeline),
@@ -412,24 +430,32 @@ def _forced_depth(
 
 
 def _expand(
-    tables: list[_Table], topology: list[_Level], k: int, i: int, j: int, m: int, copies: int
+    tables: list[_Table], topology: list[_Level], k: int, i: int, j: int, m: int, bases: list[int]
 ) -> list[PlannedStage]:
-    """The stages of A^k(i→j, m), each run `copies` times over by higher-level components."""
+    """The stages of A^k(i→j, m), run over by one group of m level-(k-1) components at each
+    slot of `bases` (a copy per higher-level component running this sub-plan)."""
     table = tables[k - 1]
+    unit = math.prod(level.devices for level in topology[: k - 1])  # slots of a component
+
+    def components(lo: int, hi: int) -> list[int]:
+        # interleaved over the copies: replica r of the stage is in copy r % len(bases), so
+        # minibatch b (replica b % replicas at every stage) stays in copy b % len(bases)
+        return [base + c * unit for c in range(lo, hi) for base in bases]
+
     s = int(table.split_layer[i, j, m])
     if s < 0:
-        return _replicate(tables, topology, k, i, j, m * copies)
+        return _replicate(tables, topology, k, i, j, components(0, m))
     width = int(table.split_workers[i, j, m])
-    return _expand(tables, topology, k, i, s, m - width, copies) + _replicate(
-        tables, topology, k, s + 1, j, width * copies
+    return _expand(tables, topology, k, i, s, m - width, bases) + _replicate(
+        tables, topology, k, s + 1, j, components(m - width, m)
     )
 
 
 def _replicate(
-    tables: list[_Table], topology: list[_Level], k: int, i: int, j: int, components: int
+    tables: list[_Table], topology: list[_Level], k: int, i: int, j: int, slots: list[int]
 ) -> list[PlannedStage]:
-    """One level-k stage i..j on `components` level-(k-1) components, as physical stages."""
+    """One level-k stage i..j on the level-(k-1) components at `slots`, as physical stages."""
     if k == 1:
-        return [PlannedStage(first_layer=i, last_layer=j, replicas=components)]
+        return [PlannedStage(first_layer=i, last_layer=j, replicas=len(slots), slots=tuple(slots))]
     below = topology[k - 2].devices
-    return _expand(tables, topology, k - 1, i, j, below, components)
+    return _expand(tables, topology, k - 1, i, j, below, slots)

@@ -404,6 +404,7 @@ def run_stage(config: StageConfig, token: bytes) -> dict[str, Any]:
         return {
             "stage": config.stage,
             "replica": config.replica,
+            "device": str(stage.device),
             "started": started,
             "ended": ended,
             "busy_s": stage.busy_s,

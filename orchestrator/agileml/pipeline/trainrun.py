@@ -41,17 +41,20 @@ from orchestrator.agileml.jobcode import (
 from orchestrator.agileml.pipeline.launch import Fault
 from orchestrator.agileml.pipeline.local import Layout, PipelineResult, run_pipeline
 from orchestrator.agileml.pipeline.planner import plan as plan_stages
+from orchestrator.agileml.pipeline.planner import slots_of
 from orchestrator.agileml.pipeline.profiler import ModelProfile, profile_sequential
 from orchestrator.agileml.pipeline.schedule import Schedule
 from orchestrator.agileml.pipeline.sizing import PipelineSizing, size_pipeline_job
 from orchestrator.agileml.pipeline.source import job_layers, job_source, load_layers
-from orchestrator.agileml.trainrun import TrainPlan, TrainProgress, TrainResult
+from orchestrator.agileml.trainrun import TrainPlan, TrainProgress, TrainResult, check_devices
 from orchestrator.errors import UserError
 
 #: The link bandwidth the planner assumes between local processes (loopback, bytes/s).
 LOOPBACK_BYTES_PER_S = 1e9
 #: The link bandwidth the planner assumes between instances of a job (bytes/s: 10 Gbit/s).
 INSTANCE_BYTES_PER_S = 1.25e9
+#: ... and between the devices of one node (`--devices-per-node`: PCIe 3.0 x16, bytes/s).
+NODE_DEVICES_BYTES_PER_S = 1e10
 #: Microbatches per iteration aim at this many per stage (PipeDream-Flush fills a pipeline of S
 #: stages with S in flight; twice that keeps the bubble at a third of a step or less).
 MICROBATCHES_PER_STAGE = 2
@@ -67,12 +70,8 @@ def microbatches_for(global_batch: int, stages: int) -> int:
 def check_pipeline_plan(plan: TrainPlan) -> None:
     """Refuse, before any process starts, what a pipeline run cannot do (UserError or
     JobCodeError naming the option or function and the fix)."""
+    check_devices(plan)
     for injection in plan.injections:
-        if injection.kind == "kill-device":
-            raise UserError(
-                "--inject kill-device: a pipeline's stages train on one device each. To fix: "
-                "use kill (a stage's process) instead."
-            )
         if not 0 < injection.at < plan.iterations:
             raise UserError(
                 f"--inject {injection.kind}@{injection.at}: want an iteration in 1.."
@@ -109,10 +108,14 @@ def check_pipeline_plan(plan: TrainPlan) -> None:
     check_job_code(code, global_batch=plan.global_batch, seed=plan.seed)
     layers = job_source(plan.code, plan.seed).layers()
     _check_untied(layers)
-    if plan.stages is not None and plan.stages > min(plan.nodes, len(layers)):
+    # with several devices a node, stages split across nodes (each runs its stage's part)
+    k = plan.devices_per_node
+    depth = plan.nodes if k == 1 or plan.nodes > 1 else k
+    if plan.stages is not None and plan.stages > min(depth, len(layers)):
+        on = f"{plan.nodes} nodes" + (f" of {k} devices" if k > 1 else "")
         raise UserError(
-            f"--stages {plan.stages}: the job has {len(layers)} layers and {plan.nodes} nodes. "
-            f"To fix: ask for at most {min(plan.nodes, len(layers))} stages."
+            f"--stages {plan.stages}: the job has {len(layers)} layers and {on}. "
+            f"To fix: ask for at most {min(depth, len(layers))} stages."
         )
 
 
@@ -152,13 +155,21 @@ def _check_untied(layers: list[torch.nn.Module]) -> None:
                 )
 
 
-def plan_layout(plan: TrainPlan, workers: int, stages: int | None = None) -> Layout:
-    """PipeDream's stages and replicas of the job's layers on `workers`, from a profile of
-    one microbatch on this machine. Raises PlanError/ProfileError (UserErrors)."""
-    batch = plan.global_batch
-    profile = profile_job(plan.code, seed=plan.seed, global_batch=batch, workers=workers)
-    depth = None if stages is None else min(stages, workers)
-    return tuple(plan_stages(profile, workers, LOOPBACK_BYTES_PER_S, stages=depth).stages)
+def plan_layout(plan: TrainPlan, nodes: int, stages: int | None = None) -> Layout:
+    """PipeDream's stages and replicas of the job's layers on `nodes` nodes of
+    `plan.devices_per_node` devices (a worker each; the planner's two levels: the devices of a
+    node, then the nodes), from a profile of one microbatch on this machine. Raises
+    PlanError/ProfileError (UserErrors)."""
+    k = plan.devices_per_node
+    workers = nodes * k
+    profile = profile_job(plan.code, seed=plan.seed, global_batch=plan.global_batch,
+                          workers=workers)  # fmt: skip
+    levels = [(k, NODE_DEVICES_BYTES_PER_S), (nodes, LOOPBACK_BYTES_PER_S)]
+    if k == 1 or nodes == 1:
+        levels = [levels[0] if nodes == 1 else levels[1]]
+    depth = None if stages is None else min(stages, levels[-1][0])
+    planned = plan_stages(profile, workers, LOOPBACK_BYTES_PER_S, levels=levels, stages=depth)
+    return tuple(planned.stages)
 
 
 def train_pipeline_locally(
@@ -179,7 +190,7 @@ def train_pipeline_locally(
     layout = plan_layout(plan, plan.nodes, plan.stages)
     m = microbatches_for(plan.global_batch, len(layout))
     # kills: a middle stage (`check_pipeline_plan` refused kill-device)
-    faults = [Fault(i.kind, i.at * m) for i in plan.injections if i.kind != "kill-device"]
+    faults = [Fault(i.kind, i.at * m) for i in plan.injections]
 
     def replan(nodes: int) -> Layout:
         return plan_layout(plan, nodes, plan.stages)
@@ -208,6 +219,7 @@ def train_pipeline_locally(
         max_recoveries=MAX_RECOVERIES,
         timeout_s=120.0 + 5.0 * plan.iterations,
         on_backup=progress,
+        devices_per_node=plan.devices_per_node,
     )
     return _train_result(plan, code, result, m, layout, started)
 
@@ -228,14 +240,19 @@ def _train_result(
     per_iteration = [
         (k, sum(result.losses[k * m : (k + 1) * m]) / m) for k in range(len(result.losses) // m)
     ]
+    k = plan.devices_per_node
+
+    def laid_out(layout: Layout) -> dict[str, Any]:
+        if k == 1:
+            return {"stages": _describe(layout)}
+        return {"stages": _describe(layout), "placement": placement(layout, k)}
+
     events: list[dict[str, Any]] = [
-        {"at_s": 0.0, "kind": "planned", "stages": _describe(layout), "microbatches": m}
+        {"at_s": 0.0, "kind": "planned", **laid_out(layout), "microbatches": m}
     ]
     changes: list[dict[str, Any]] = []
     for cut, joined in result.joins:
-        changes.append(
-            {"kind": "joined", "resumed_iteration": cut // m, "stages": _describe(joined)}
-        )
+        changes.append({"kind": "joined", "resumed_iteration": cut // m, **laid_out(joined)})
     for r in result.recoveries:
         changes.append(
             {
@@ -243,7 +260,7 @@ def _train_result(
                 "stage": r.stage,
                 "notice": r.notice,
                 "resumed_iteration": r.resumed_minibatch // m,
-                "stages": _describe(r.layout),
+                **laid_out(r.layout),
                 "recovery_s": r.seconds,
             }
         )
@@ -257,6 +274,11 @@ def _train_result(
         losses=per_iteration,
         wall_seconds=time.monotonic() - started,
     )
+    # the last attempt's workers (a device each) by node, from their results (none when a
+    # node went after the last update: the weights are then the reliable copy's)
+    for worker in result.stages:
+        node = f"n{worker['node']}"
+        out.devices[node] = out.devices.get(node, 0) + 1
     out.evaluation, out.evaluation_error = evaluate_trained(job, model)
     return out
 
@@ -268,6 +290,11 @@ def _seconds_per_iteration(result: PipelineResult, m: int) -> float | None:
         return m / result.throughput_per_s(skip=m)
     except AgileMLError:
         return None  # too short to time
+
+
+def placement(layout: Layout, devices_per_node: int) -> list[list[int]]:
+    """The node of each stage's replicas (`PlannedStage.slots`, `devices_per_node` a node)."""
+    return [[slot // devices_per_node for slot in slots] for slots in slots_of(layout)]
 
 
 def _describe(layout: Layout) -> list[list[int]]:

@@ -76,6 +76,23 @@ def test_a_killed_stage_is_rebuilt_from_the_reliable_copy_and_the_weights_stay_e
     assert relative_error(result.model, expected) <= 1e-5
 
 
+def test_nodes_of_two_devices_hold_two_workers_each_and_a_lost_device_loses_its_node() -> None:
+    """3 nodes of 2 devices: 6 stage workers, 2 on each node (the planner's slots). `kill`
+    takes a node's two workers, `kill-device` one worker, whose node is lost with it: the job
+    re-plans for 2 nodes, then 1, and ends where one process does."""
+    injections = tuple(parse_injections("kill@8,kill-device@16"))
+    result = train_pipeline_locally(_plan(nodes=3, devices_per_node=2, injections=injections))
+    placements = [e["placement"] for e in result.events]
+    nodes = [sorted(n for stage in p for n in stage) for p in placements]
+    assert nodes == [[0, 0, 1, 1, 2, 2], [0, 0, 1, 1], [0, 0]], result.events
+    assert [len(e["stages"]) for e in result.events] == [2, 2, 2]  # --stages 2 throughout
+    assert result.devices == {"n0": 2}  # the last attempt's workers, by node
+    expected, _ = train_reference(
+        load_job_code(JOB), iterations=ITERATIONS, global_batch=GLOBAL_BATCH
+    )
+    assert relative_error(result.model, expected) <= 1e-5
+
+
 def test_a_stage_whose_code_raises_fails_the_run_with_its_log_not_a_recovery(
     tmp_path: Path,
 ) -> None:
@@ -187,6 +204,11 @@ def test_a_model_that_is_not_sequential_is_refused_with_the_fix(tmp_path: Path) 
         ({"injections": tuple(parse_injections("kill@5,kill@6"))}, "takes away 2 nodes of 2"),
         ({"injections": tuple(parse_injections("kill@30"))}, "want an iteration in 1..23"),
         ({"stages": 9, "nodes": 4}, "--stages 9: the job has 7 layers and 4 nodes"),
+        (
+            {"stages": 3, "nodes": 2, "devices_per_node": 2},
+            "--stages 3: the job has 7 layers and 2 nodes of 2 devices. To fix: ask for at most 2",
+        ),
+        ({"injections": tuple(parse_injections("kill-device@5"))}, "each node has one device"),
     ],
 )
 def test_pipeline_plans_that_cannot_run_are_refused(

@@ -249,6 +249,19 @@ def test_two_servers_on_slow_network_pipeline_across_and_replicate_inside() -> N
     assert result.time_per_minibatch_ms == pytest.approx(1.0)
     assert result.data_parallel_ms == pytest.approx(4000.0)
     assert result.noam == 2
+    # each stage on one server: its two GPUs (slots 0-1 and 2-3)
+    assert [st.slots for st in result.stages] == [(0, 1), (2, 3)]
+
+
+def test_servers_that_pipeline_inside_run_the_same_sub_pipeline_side_by_side() -> None:
+    # Weights sync slowly inside a server and at once across: each server runs both stages,
+    # and a minibatch stays on one server (replica b % 2 of each stage is on server b % 2).
+    profile = profile_of([1.0] * 4, [100_000_000] * 4, [1_000] * 4)
+    result = plan(profile, 4, 1e8, levels=[(2, 1e8), (2, 1e13)])
+    assert as_tuples(result) == [(0, 1, 2), (2, 3, 2)]
+    assert [st.slots for st in result.stages] == [(0, 2), (1, 3)]
+    servers = [[slot // 2 for slot in st.slots] for st in result.stages]
+    assert servers == [[0, 1], [0, 1]]
 
 
 def test_nested_plan_uses_every_worker_once() -> None:
@@ -260,6 +273,10 @@ def test_nested_plan_uses_every_worker_once() -> None:
         forced = plan(profile, workers, 1e9, levels=levels, stages=2)
         assert len(forced.stages) == 2
         assert_valid_layout(forced, 12, workers)
+        for p in (result, forced):  # every slot once, each stage's as many as its replicas
+            slots = [slot for st in p.stages for slot in st.slots]
+            assert sorted(slots) == list(range(workers))
+            assert all(len(st.slots) == st.replicas for st in p.stages)
 
 
 # -- results and errors ------------------------------------------------------------------------
@@ -362,8 +379,10 @@ def test_plan_command_prints_one_json_plan(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     body = json.loads(proc.stdout)
     assert set(body) == PLAN_KEYS
-    assert body["stages"] and set(body["stages"][0]) == {"first_layer", "last_layer", "replicas"}
+    stage_keys = {"first_layer", "last_layer", "replicas", "slots"}
+    assert body["stages"] and set(body["stages"][0]) == stage_keys
     assert sum(stage["replicas"] for stage in body["stages"]) == 4
+    assert sorted(slot for stage in body["stages"] for slot in stage["slots"]) == [0, 1, 2, 3]
     table = run_cli("plan", "--profile", profile, "--workers", "4", "--bandwidth", "1e9")
     assert table.returncode == 0, table.stderr
     assert "NOAM" in table.stdout and "layer0" in table.stdout

@@ -24,3 +24,12 @@ def test_events_of_other_shapes_print_less_rather_than_fail() -> None:
     assert _event_line({"kind": "skipped_kill", "iteration": 200, "reason": "why"}) == (
         "warning: kill@200 not done: why"
     )
+
+
+def test_a_pipeline_on_nodes_of_several_devices_prints_where_each_stage_runs() -> None:
+    event = {"kind": "planned", "stages": [[0, 2, 2], [3, 6, 2]], "microbatches": 4,
+             "placement": [[0, 1], [0, 1]]}  # fmt: skip
+    assert _event_line(event) == (
+        "pipeline: stages [[0, 2, 2], [3, 6, 2]] ([first, last layer, replicas]), "
+        "4 microbatches per iteration\n  on nodes [[0, 1], [0, 1]] (each stage's replicas)"
+    )
