@@ -125,7 +125,8 @@ DevicesOption = Annotated[
     typer.Option(
         "--devices-per-node",
         help="Devices each node trains on, one worker per device, their gradients summed "
-        "inside the node before its push (CPU processes stand in for GPUs without CUDA).",
+        "inside the node before its push; with --pipeline, a stage worker each "
+        "(CPU processes stand in for GPUs without CUDA).",
         min=1,
         max=16,
         metavar="K",
@@ -328,7 +329,8 @@ def _print_result(result: TrainResult) -> None:
     )
     if any(n > 1 for n in result.devices.values()):
         total, nodes = sum(result.devices.values()), len(result.devices)
-        out.print(f"trained on {total} devices in {nodes} nodes", highlight=False)
+        out.print(f"trained on {total} devices in {nodes} node{'s' * (nodes != 1)}",
+                  highlight=False)  # fmt: skip
     if result.wire.get("precision") == "bf16":
         moved = _size(result.wire["bytes_per_worker_iteration"])
         saved = result.wire["saved_bytes_per_worker_iteration"]
@@ -377,13 +379,14 @@ def _event_line(e: dict[str, Any]) -> str | None:
     less rather than failing."""
     kind = str(e.get("kind", ""))
     nodes = ", ".join(str(n) for n in e.get("nodes") or ())
+    placed = f" on nodes {e['placement']}" if e.get("placement") else ""  # a pipeline's, K > 1
     if kind == "planned":
         line = (
             f"pipeline: stages {e.get('stages')} ([first, last layer, replicas]), "
             f"{e.get('microbatches')} microbatches per iteration"
         )
-        if e.get("placement"):
-            line += f"\n  on nodes {e['placement']} (each stage's replicas)"
+        if placed:
+            line += f"\n {placed} (each stage's replicas)"
         if len(e.get("stages") or ()) == 1:
             line += (
                 "\n  the planner found one replicated stage (data parallelism) fastest for "
@@ -393,13 +396,14 @@ def _event_line(e: dict[str, Any]) -> str | None:
     if kind == "joined" and "resumed_iteration" in e:  # a pipeline re-planned for a joiner
         return (
             f"  a node joined: resumed at iteration {e['resumed_iteration']} on stages "
-            f"{e.get('stages')}"
+            f"{e.get('stages')}{placed}"
         )
     if kind == "recovered":
         what = "evicted (notice)" if e.get("notice") else "lost"
+        whose = "the node of stage" if placed else "stage"
         return (
-            f"  {what} stage {e.get('stage')}: resumed at iteration "
-            f"{e.get('resumed_iteration')} on stages {e.get('stages')}"
+            f"  {what} {whose} {e.get('stage')}: resumed at iteration "
+            f"{e.get('resumed_iteration')} on stages {e.get('stages')}{placed}"
         )
     if kind in ("joined", "evicted", "rolled_back", "failed"):  # the data-parallel runtime
         detail = f" ({e['detail']})" if e.get("detail") else ""

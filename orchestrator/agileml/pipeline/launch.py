@@ -220,6 +220,8 @@ class Launch:
     def can_replace(self, backups: Backups) -> bool:
         """Whether `replace` can recover: one worker lost, every other one still running,
         and a cut past the start to rewind to."""
+        if self.devices_per_node > 1:  # a node's workers go together: a new node, re-planned
+            return False
         others = [p for w, p in enumerate(self.procs) if w not in self.lost]
         alive = all(p.poll() is None for p in others)
         met = len(self.inboxes) == len(self.procs)  # this attempt's rendezvous completed

@@ -42,7 +42,7 @@ from orchestrator.agileml.pipeline.launch import (
     Recovery,
     logs_hint,
 )
-from orchestrator.agileml.pipeline.planner import PlannedStage
+from orchestrator.agileml.pipeline.planner import PlannedStage, slots_of
 from orchestrator.agileml.pipeline.schedule import Schedule, stuck_worker
 from orchestrator.agileml.pipeline.source import (
     ChainModelSpec,
@@ -155,7 +155,7 @@ def run_pipeline(
     model = model or ChainModelSpec()
     sizes = chain_sizes(model, seed, code)
     check_layout(layout, len(sizes), schedule, minibatches, microbatches)
-    _check_run(layout, schedule, microbatches, vertical_sync)
+    _check_run(layout, schedule, microbatches, vertical_sync, devices_per_node)
     injected = [*faults]
     if evict is not None:
         injected.append(Fault("evict" if notice else "kill", evict[1], evict[0]))
@@ -245,8 +245,17 @@ def _supervise(
     return _result(launch.results, launch.out_dir, len(layout), losses, recoveries, joins, final)
 
 
-def _check_run(layout: Layout, schedule: Schedule, microbatches: int, vertical_sync: bool) -> None:
+def _check_run(
+    layout: Layout, schedule: Schedule, microbatches: int, vertical_sync: bool, per_node: int
+) -> None:
     """Refuse run options that cannot work together (`run_pipeline` says which)."""
+    workers = sum(st.replicas for st in layout)
+    slots = sorted(slot for stage_slots in slots_of(layout) for slot in stage_slots)
+    if slots != list(range(workers)) or workers % per_node:
+        raise AgileMLError(
+            f"stages {describe(layout)} do not place their {workers} workers on nodes of "
+            f"{per_node} (slots {slots})"
+        )
     if vertical_sync and any(st.replicas > 1 for st in layout):
         raise AgileMLError(
             "vertical_sync numbers weight versions by update, and replicated stages update "

@@ -153,6 +153,8 @@ class PipelineStage:
         self.config = config
         self._token = token
         self.device = stage_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # no stray context on GPU 0 in every stage
         self.source = source = stage_source(config)
         layers = source.layers()[config.first_layer : config.last_layer + 1]
         self.module = nn.Sequential(*layers).to(self.device)
@@ -511,8 +513,11 @@ class _StageRun:
 
     def _update(self) -> None:
         config, stage = self.config, self.stage
-        grads = stage.flat_gradient()
-        stage.update(_replicas_sum(self.link, config, self.mates, self.completed, grads))
+        summed = None  # an unreplicated stage steps on its own gradient where it is
+        if self.mates:
+            grads = stage.flat_gradient()
+            summed = _replicas_sum(self.link, config, self.mates, self.completed, grads)
+        stage.update(summed)
         self.completed += stage.group
         if not config.backup:
             return
@@ -532,11 +537,9 @@ class _StageRun:
 
 def _replicas_sum(
     link: StageLink, config: StageConfig, mates: list[str], update: int, own: torch.Tensor
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """The stage's replicas exchange their gradients for update `update` and each sums them in
-    replica order, so every replica applies the same bits. None for an unreplicated stage."""
-    if not mates:
-        return None
+    replica order, so every replica applies the same bits."""
     for endpoint in mates:
         link.send(endpoint, f"sync{config.replica}", update, {"g": own})
     parts = [

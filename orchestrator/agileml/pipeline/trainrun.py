@@ -46,6 +46,7 @@ from orchestrator.agileml.pipeline.profiler import ModelProfile, profile_sequent
 from orchestrator.agileml.pipeline.schedule import Schedule
 from orchestrator.agileml.pipeline.sizing import PipelineSizing, size_pipeline_job
 from orchestrator.agileml.pipeline.source import job_layers, job_source, load_layers
+from orchestrator.agileml.pipeline.stage import device_for
 from orchestrator.agileml.trainrun import TrainPlan, TrainProgress, TrainResult, check_devices
 from orchestrator.errors import UserError
 
@@ -108,14 +109,12 @@ def check_pipeline_plan(plan: TrainPlan) -> None:
     check_job_code(code, global_batch=plan.global_batch, seed=plan.seed)
     layers = job_source(plan.code, plan.seed).layers()
     _check_untied(layers)
-    # with several devices a node, stages split across nodes (each runs its stage's part)
-    k = plan.devices_per_node
-    depth = plan.nodes if k == 1 or plan.nodes > 1 else k
-    if plan.stages is not None and plan.stages > min(depth, len(layers)):
-        on = f"{plan.nodes} nodes" + (f" of {k} devices" if k > 1 else "")
+    workers = plan.nodes * plan.devices_per_node
+    if plan.stages is not None and plan.stages > min(workers, len(layers)):
         raise UserError(
-            f"--stages {plan.stages}: the job has {len(layers)} layers and {on}. "
-            f"To fix: ask for at most {min(depth, len(layers))} stages."
+            f"--stages {plan.stages}: the job has {len(layers)} layers and {workers} stage "
+            f"workers (a device each). To fix: ask for at most {min(workers, len(layers))} "
+            "stages."
         )
 
 
@@ -124,10 +123,11 @@ def profile_job(code: str, *, seed: int, global_batch: int, workers: int) -> Mod
     microbatch a pipeline of up to `workers` stages would run). Raises JobCodeError,
     ProfileError (UserErrors)."""
     source = job_source(code, seed)
-    layers = source.layers()
+    device = torch.device(device_for(0))  # where a stage trains here (a GPU if there is one)
+    layers = [layer.to(device) for layer in source.layers()]
     size = global_batch // microbatches_for(global_batch, min(workers, len(layers)))
     x, _ = source.rows().take(torch.arange(size))
-    return profile_sequential(layers, x)
+    return profile_sequential(layers, x.to(device))
 
 
 def size_pipeline_submission(
@@ -158,16 +158,19 @@ def _check_untied(layers: list[torch.nn.Module]) -> None:
 def plan_layout(plan: TrainPlan, nodes: int, stages: int | None = None) -> Layout:
     """PipeDream's stages and replicas of the job's layers on `nodes` nodes of
     `plan.devices_per_node` devices (a worker each; the planner's two levels: the devices of a
-    node, then the nodes), from a profile of one microbatch on this machine. Raises
-    PlanError/ProfileError (UserErrors)."""
+    node, then the nodes), from a profile of one microbatch on this machine. A forced depth
+    (`stages`) above the nodes is planned on one level of every worker: its stages fill the
+    nodes in order (slot // K). Raises PlanError/ProfileError (UserErrors)."""
     k = plan.devices_per_node
     workers = nodes * k
     profile = profile_job(plan.code, seed=plan.seed, global_batch=plan.global_batch,
                           workers=workers)  # fmt: skip
     levels = [(k, NODE_DEVICES_BYTES_PER_S), (nodes, LOOPBACK_BYTES_PER_S)]
-    if k == 1 or nodes == 1:
-        levels = [levels[0] if nodes == 1 else levels[1]]
-    depth = None if stages is None else min(stages, levels[-1][0])
+    if k == 1 or (stages is not None and stages > nodes):
+        levels = [(workers, LOOPBACK_BYTES_PER_S)]
+    elif nodes == 1:
+        levels = levels[:1]
+    depth = None if stages is None else min(stages, workers)
     planned = plan_stages(profile, workers, LOOPBACK_BYTES_PER_S, levels=levels, stages=depth)
     return tuple(planned.stages)
 
@@ -189,7 +192,7 @@ def train_pipeline_locally(
     started = time.monotonic()
     layout = plan_layout(plan, plan.nodes, plan.stages)
     m = microbatches_for(plan.global_batch, len(layout))
-    # kills: a middle stage (`check_pipeline_plan` refused kill-device)
+    # kills and notices: the node of a middle stage's first worker (kill-device: that worker)
     faults = [Fault(i.kind, i.at * m) for i in plan.injections]
 
     def replan(nodes: int) -> Layout:

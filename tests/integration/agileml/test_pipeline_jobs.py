@@ -203,10 +203,10 @@ def test_a_model_that_is_not_sequential_is_refused_with_the_fix(tmp_path: Path) 
     [
         ({"injections": tuple(parse_injections("kill@5,kill@6"))}, "takes away 2 nodes of 2"),
         ({"injections": tuple(parse_injections("kill@30"))}, "want an iteration in 1..23"),
-        ({"stages": 9, "nodes": 4}, "--stages 9: the job has 7 layers and 4 nodes"),
+        ({"stages": 9, "nodes": 4}, "--stages 9: the job has 7 layers and 4 stage workers"),
         (
-            {"stages": 3, "nodes": 2, "devices_per_node": 2},
-            "--stages 3: the job has 7 layers and 2 nodes of 2 devices. To fix: ask for at most 2",
+            {"stages": 5, "nodes": 2, "devices_per_node": 2},
+            "--stages 5: the job has 7 layers and 4 stage workers .* at most 4 stages",
         ),
         ({"injections": tuple(parse_injections("kill-device@5"))}, "each node has one device"),
     ],
