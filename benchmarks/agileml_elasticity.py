@@ -9,7 +9,10 @@ stage 3 (`stage3_above` = 2.5, so 4:1 is stage 3: workers only on the transient 
   same 4 processes' worth of workers, model, data size and global batch), measured in this run;
 * `add_blip`: the slowest iteration from launching 2 more nodes until 3 clocks after they
   start computing, over the median iteration before the launch (`add_blip_static_window`: the
-  same statistic over the same clocks of the static run, where nothing happens);
+  same statistic over the same clocks of the static run, where nothing happens;
+  `add_blip_over_new_steady`: over the higher of that median and the median of clocks 4-8
+  after the join, when 6 workers share the machine's cores and an iteration is slower for
+  good: the spike, as `evict_blip` measures its own);
 * `evict_blip`: the slowest iteration of the clocks around the one where half the transient
   nodes leave (with warning: SIGUSR1), over the median iteration after it;
 * `failure_recovery_s`: from SIGKILL of a partition-owning node to the next completed iteration;
@@ -177,6 +180,7 @@ def run_elastic(spec: TrainingSpec) -> dict[str, Any]:
     ends = completion_times(outcomes)
     d = durations(ends)
     steady_before = median_over(d, WARMUP_CLOCKS, join_launch)
+    steady_after_join = median_over(d, join_clock + 4, join_clock + 9)
     during_join = {c: v for c, v in d.items() if join_launch < c <= join_clock + 3}
     blip_clock = max(during_join, key=during_join.__getitem__)
     steady_after_evict = median_over(d, evict_clock + 2, kill_clock)
@@ -186,6 +190,9 @@ def run_elastic(spec: TrainingSpec) -> dict[str, Any]:
         "steady_before_join_s": steady_before,
         "add_blip": during_join[blip_clock] / steady_before,
         "add_blip_clock": blip_clock,  # loading (before joined_from) or the join itself
+        "steady_after_join_s": steady_after_join,
+        "add_blip_over_new_steady": during_join[blip_clock] / max(steady_before,
+                                                                  steady_after_join),
         "evict_blip": max(at_evict) / steady_after_evict,
         "steady_after_evict_s": steady_after_evict,
         "failure_recovery_s": recovered - killed_at,
@@ -298,6 +305,7 @@ def main() -> None:
         "add_blip": elastic["add_blip"],
         # the same statistic over the same clocks of the static run: what noise alone gives
         "add_blip_static_window": static_blip(static["durations"], elastic["clocks"]),
+        "add_blip_over_new_steady": elastic["add_blip_over_new_steady"],
         "evict_blip": elastic["evict_blip"],
         "failure_recovery_s": elastic["failure_recovery_s"],
         "exactly_once": exact["exactly_once"],

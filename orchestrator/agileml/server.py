@@ -71,6 +71,9 @@ from orchestrator.agileml.wire import Header, MessageKind
 log = logging.getLogger(__name__)
 
 HANDOFF_TIMEOUT_SECONDS = 10.0  # handoff_to waits this long for the receiver's ack
+#: Requests kept for one partition while it is handed off (a worker has a few in flight);
+#: more are refused with `moving`, as all were before parking.
+MAX_PARKED = 64
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,15 @@ class HandoffResult:
     partition: int
     new_owner: str
     version: int
+
+
+@dataclass(frozen=True)
+class _Parked:
+    """A request that came while its partition was handed off (see `ParamServer._park`)."""
+
+    identity: bytes
+    header: Header
+    tensors: dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,8 @@ class ParamServer(ServerLoop):
             torch.bfloat16: ReplyCopies(torch.bfloat16),
         }
         self._moving: set[int] = set()  # hand-off in flight: frozen
+        # requests for a partition in flight, answered when its hand-off settles (`_park`)
+        self._parked: dict[int, list[_Parked]] = {}
         # partition -> receiver of a hand-off whose ack never came (still frozen; see handoff_to)
         self._unsettled: dict[int, str] = {}
         # partition -> (sender, snapshot version, version taken at) of the last hand-off taken
@@ -209,7 +223,8 @@ class ParamServer(ServerLoop):
                         frames = self._encode(
                             MessageKind.ERROR, held.seq, partition=p, detail="not owned here"
                         )
-                        self._outbox.append((held.identity, frames))
+                        self._post([(held.identity, frames)])
+                self._post(self._unpark(p, "not owned here"))
             for p in self._backup.owned():
                 if p not in backed:
                     self._backup.drop_partition(p, 0)
@@ -254,7 +269,7 @@ class ParamServer(ServerLoop):
             self._store.set_roster(roster)
             self._backup.set_roster(roster)
             for p in list(self._held):
-                self._outbox.extend(self._release_held(p))
+                self._post(self._release_held(p))
             for p in self._store.owned():
                 self._queue_stream(p)  # the change may have completed clocks
 
@@ -265,7 +280,7 @@ class ParamServer(ServerLoop):
             self.slack = slack
             self.horizon = max(horizon, self.horizon if self.horizon is not None else horizon)
             for p in list(self._held):
-                self._outbox.extend(self._release_held(p))
+                self._post(self._release_held(p))
 
     def set_epoch(self, epoch: int) -> None:
         """Enter `epoch` (never goes back): requests of older epochs are refused from now on."""
@@ -418,6 +433,7 @@ class ParamServer(ServerLoop):
                 with self._lock:
                     if p in self._moving:  # not resumed or restored meanwhile
                         self._unsettled[p] = endpoint
+                        self._post(self._unpark(p, str(RejectReason.MOVING)))  # retried
             raise
         except Exception:  # framing or socket set-up: nothing reached the receiver
             self.resume_partition(p)
@@ -434,7 +450,8 @@ class ParamServer(ServerLoop):
             for held in self._held.pop(p, []):
                 self._stats = replace(self._stats, rejected=self._stats.rejected + 1)
                 frames = self._encode(MessageKind.ERROR, held.seq, partition=p, detail=detail)
-                self._outbox.append((held.identity, frames))
+                self._post([(held.identity, frames)])
+            self._post(self._unpark(p, detail))
             self._stats = replace(self._stats, handoffs_sent=self._stats.handoffs_sent + 1)
         log.info(
             "partition handed off",
@@ -448,6 +465,7 @@ class ParamServer(ServerLoop):
         with self._lock:
             self._moving.discard(p)
             self._unsettled.pop(p, None)
+            self._post(self._unpark(p))
 
     def unsettled(self) -> dict[int, str]:
         """Partitions frozen by a hand-off whose outcome is unknown, and their receivers."""
@@ -495,7 +513,7 @@ class ParamServer(ServerLoop):
             snap = snapshots[p]
             if endpoint == self.endpoint:
                 with self._lock:
-                    self._outbox.extend(self._restore_locked(snap, epoch))
+                    self._post(self._restore_locked(snap, epoch))
                     version = self._store.version(p)
             else:
                 self._handoff_seq += 1
@@ -535,7 +553,7 @@ class ParamServer(ServerLoop):
                 else:
                     keep.append(h)
             self._held[q] = keep
-        return replies
+        return replies + self._unpark(p)  # under the new epoch: older ones are refused
 
     # -- serving loop ---------------------------------------------------------------------
 
@@ -544,6 +562,8 @@ class ParamServer(ServerLoop):
     ) -> list[Reply]:
         if header.kind in (MessageKind.PULL, MessageKind.PUSH, MessageKind.NORM, MessageKind.CLIP):
             self._check_epoch(header)
+            if header.partition in self._moving:
+                return self._park(header.partition, _Parked(identity, header, tensors))
         if header.kind is MessageKind.PULL:
             return self._on_pull(identity, header)
         if header.kind is MessageKind.NORM:
@@ -568,6 +588,28 @@ class ParamServer(ServerLoop):
                 RejectReason.STALE_EPOCH, wire_detail=f"{RejectReason.STALE_EPOCH}:{self.epoch}"
             )
         raise RejectedError(RejectReason.FUTURE_EPOCH, f"server at epoch {self.epoch}")
+
+    def _park(self, p: int, request: _Parked) -> list[Reply]:
+        """Keep a request for partition p while it is handed off: a worker that asked again
+        every few ms would send its push (and MAC it) over and over, taking the cores the
+        hand-off needs. It is answered once the hand-off settles: `moved` (the worker asks
+        the new owner), or served here if p is resumed. A frozen partition whose hand-off has
+        an unknown outcome, or one with `MAX_PARKED` waiting, refuses with `moving`."""
+        parked = self._parked.setdefault(p, [])
+        if p in self._unsettled or len(parked) >= MAX_PARKED:
+            raise RejectedError(RejectReason.MOVING, f"partition {p}")
+        parked.append(request)
+        return []
+
+    def _unpark(self, p: int, detail: str | None = None) -> list[Reply]:
+        """The requests parked for p: refused with `detail`, or (None) handled now."""
+        replies: list[Reply] = []
+        for r in self._parked.pop(p, []):
+            if detail is None:
+                replies += self._answer_locked(r.identity, r.header, r.tensors)
+            else:
+                replies.append(self._reject_locked(r.identity, r.header.seq, detail, r.header))
+        return replies
 
     def _check_serving(self, p: int | None) -> None:
         """Raise the right RejectedError unless this server serves p right now."""

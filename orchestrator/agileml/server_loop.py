@@ -4,7 +4,9 @@ authenticates and renders messages, and streams updates to BackupPSs over DEALER
 `ServerLoop` runs the thread, answers `hello`, hands `control` ops to the node's handler on a
 thread of their own, refuses messages of another job, and passes every other authenticated
 request to `_dispatch` (the `ParamServer` decides). Replies made on other threads go through
-`_outbox`; updates for BackupPSs through `_stream_out`, their acks are counted in `_unacked`.
+`_post` (the outbox, sent by the serving thread, which a pipe wakes at once: a control op's
+answer or a held pull's does not wait for the next poll); updates for BackupPSs through
+`_stream_out`, their acks are counted in `_unacked`.
 Malformed or unauthenticated messages never reach `_dispatch`: they get an `error` reply with
 the reason in `detail` (to the request's `seq` once the MAC checked out, else to seq 0: an
 unauthenticated header is never read), counted, and logged at most every few seconds. A message
@@ -18,7 +20,9 @@ MAC included.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import secrets
 import threading
 from collections.abc import Callable
@@ -88,6 +92,7 @@ class ServerLoop:
         self._max_message_bytes = max_message_bytes
         self._control = control  # the AgileML node's handler of `control` ops it owns
         self._outbox: list[Reply] = []  # replies from other threads, sent by the serve thread
+        self._wake_fds: tuple[int, int] | None = None  # (read, write): see `_post`
         self._stream_out: list[tuple[str, Frames]] = []  # (backup endpoint, frames)
         self._unacked: dict[int, int] = {}  # replicate seq -> partition
         self._stats = ServerStats()
@@ -123,6 +128,9 @@ class ServerLoop:
             raise ServerError(f"server {self.node_id}: cannot bind {self._address}: {exc}") from exc
         self.inproc_endpoint = inproc
         self._sock = sock
+        self._wake_fds = os.pipe()
+        for fd in self._wake_fds:
+            os.set_blocking(fd, False)
         self._thread = threading.Thread(target=self._serve, name=f"ps-{self.node_id}", daemon=True)
         self._thread.start()
         log.info("param server started", extra={"node": self.node_id, "endpoint": self.endpoint})
@@ -152,8 +160,11 @@ class ServerLoop:
     def _serve(self) -> None:
         sock = self._sock
         assert sock is not None and self._ctx is not None
+        assert self._wake_fds is not None
+        wake = self._wake_fds[0]
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         backup_socks: dict[str, zmq.Socket[Any]] = {}
         try:
             while not self._stop.is_set():
@@ -172,6 +183,10 @@ class ServerLoop:
                         backup_socks[endpoint] = dealer
                     dealer.send_multipart(frames, copy=False)
                 events = dict(poller.poll(POLL_INTERVAL_MS))
+                if wake in events:  # replies were posted: sent at the top of the loop
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(wake, 4096):
+                            pass
                 for dealer in backup_socks.values():
                     if dealer in events:
                         self._drain_acks(dealer)
@@ -196,6 +211,20 @@ class ServerLoop:
                 dealer.close(linger=0)
             sock.close(linger=0)
             self._sock = None
+            with self._lock:
+                fds, self._wake_fds = self._wake_fds, None
+            for fd in fds or ():
+                os.close(fd)
+
+    def _post(self, replies: list[Reply]) -> None:
+        """Queue replies made off the serving thread and wake it to send them (call under
+        `_lock`)."""
+        if not replies:
+            return
+        self._outbox.extend(replies)
+        if self._wake_fds is not None:
+            with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
+                os.write(self._wake_fds[1], b"!")
 
     def _drain_acks(self, dealer: zmq.Socket[Any]) -> None:
         while True:
@@ -234,18 +263,25 @@ class ServerLoop:
         if header.kind is MessageKind.CONTROL and header.job_id == self.job_id:
             return self._on_control(identity, header, tensors)
         with self._lock:
-            try:
-                if header.job_id != self.job_id:
-                    raise RejectedError(RejectReason.WRONG_JOB, header.job_id)
-                if header.kind is MessageKind.HELLO:
-                    return [(identity, self._encode(MessageKind.HELLO, header.seq))]
-                return self._dispatch(identity, header, tensors)
-            except RejectedError as exc:
-                return [self._reject_locked(identity, header.seq, exc.wire_detail, header)]
-            except JobCodeError as exc:  # deterministic: no retry can fix it; the node reports
-                self._job_code_failed(exc)
-                detail = f"{RejectReason.JOB_CODE_FAILED}:{exc}"[:MAX_DETAIL_CHARS]
-                return [self._reject_locked(identity, header.seq, detail, header)]
+            return self._answer_locked(identity, header, tensors)
+
+    def _answer_locked(
+        self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
+    ) -> list[Reply]:
+        """The replies to an authenticated request (under `_lock`): `_dispatch`'s, or its
+        refusal."""
+        try:
+            if header.job_id != self.job_id:
+                raise RejectedError(RejectReason.WRONG_JOB, header.job_id)
+            if header.kind is MessageKind.HELLO:
+                return [(identity, self._encode(MessageKind.HELLO, header.seq))]
+            return self._dispatch(identity, header, tensors)
+        except RejectedError as exc:
+            return [self._reject_locked(identity, header.seq, exc.wire_detail, header)]
+        except JobCodeError as exc:  # deterministic: no retry can fix it; the node reports
+            self._job_code_failed(exc)
+            detail = f"{RejectReason.JOB_CODE_FAILED}:{exc}"[:MAX_DETAIL_CHARS]
+            return [self._reject_locked(identity, header.seq, detail, header)]
 
     def _job_code_failed(self, exc: JobCodeError) -> None:
         """Keep the first error of the job's code (the server goes on serving: a job's
@@ -321,7 +357,7 @@ class ServerLoop:
                 MessageKind.CONTROL_REPLY, header.seq, tensors=wire.json_body(result)
             )
             with self._lock:
-                self._outbox.append((identity, frames))
+                self._post([(identity, frames)])
 
         threading.Thread(target=run, name=f"control-{self.node_id}", daemon=True).start()
         return []

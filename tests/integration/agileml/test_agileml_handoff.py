@@ -158,6 +158,101 @@ def test_held_pull_gets_moved_error_when_its_partition_is_handed_off(
     assert parse_moved(header.detail) == ("ps-b", 1)
 
 
+class _SlowReceiver:
+    """A receiver that takes a hand-off and answers only when told: the partition stays in
+    flight at its sender meanwhile."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def take(self) -> tuple[bytes, wire.Header]:
+        assert self.sock.poll(REPLY_TIMEOUT_MS), "no hand-off came"
+        identity, *frames = self.sock.recv_multipart()
+        header, _ = wire.decode(frames, TOKEN)
+        assert header.kind is MessageKind.HANDOFF
+        return identity, header
+
+    def answer(self, identity: bytes, header: wire.Header, **fields: Any) -> None:
+        reply = {"kind": MessageKind.HANDOFF_ACK, "job_id": JOB, "sender": "ps-b",
+                 "seq": header.seq, "partition": header.partition, **fields}  # fmt: skip
+        self.sock.send_multipart([identity, *wire.encode(reply, {}, TOKEN)])
+
+
+def _hand_off_in_background(
+    old: ParamServer, endpoint: str, timeout_s: float = 10.0
+) -> tuple[threading.Thread, list[Any]]:
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(old.handoff_to(0, endpoint, timeout_s=timeout_s))
+        except HandoffError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def test_requests_during_a_handoff_wait_for_it_and_then_go_to_the_new_owner(
+    ctx: zmq.Context[Any],
+) -> None:
+    """Parked, not refused: a worker asking again every few ms would re-send (and MAC) its
+    whole push over and over, taking the cores the hand-off needs. Once the ack comes, the
+    push and the pull parked meanwhile get `moved`, at once."""
+    receiver = _SlowReceiver(ctx)
+    with ParamServer("ps-a", job_id=JOB, token=TOKEN) as old:
+        old.add_partition(0, INITIAL)
+        old.register_workers(["w0", "w1"])
+        thread, outcome = _hand_off_in_background(old, receiver.endpoint)
+        identity, handoff = receiver.take()
+        w0 = WireClient(ctx, old.endpoint, "w0", job_id=JOB, token=TOKEN)
+        w1 = WireClient(ctx, old.endpoint, "w1", job_id=JOB, token=TOKEN)
+        pushed = w0.send(MessageKind.PUSH, {"delta": torch.ones(4)}, partition=0, clock=0)
+        pulled = w1.send(MessageKind.PULL, partition=0, clock=-1)
+        assert w0.silent() and w1.silent()  # parked while the partition is in flight
+        receiver.answer(identity, handoff, clock=1)
+        thread.join(10)
+        assert outcome[0].new_owner == "ps-b"
+        for client, seq in ((w0, pushed), (w1, pulled)):
+            header, _ = client.recv(REPLY_TIMEOUT_MS)
+            assert (header.seq, parse_moved(header.detail)) == (seq, ("ps-b", 1))
+        assert old.owned() == []  # the push was never applied here
+    receiver.sock.close(linger=0)
+
+
+def test_a_refused_handoff_serves_what_was_parked_and_an_unknown_one_has_it_ask_again(
+    ctx: zmq.Context[Any],
+) -> None:
+    receiver = _SlowReceiver(ctx)
+    with ParamServer("ps-a", job_id=JOB, token=TOKEN) as old:
+        old.add_partition(0, INITIAL)
+        old.register_workers(["w0"])
+        w0 = WireClient(ctx, old.endpoint, "w0", job_id=JOB, token=TOKEN)
+        # refused by the receiver: the sender serves the partition again, the push included
+        thread, outcome = _hand_off_in_background(old, receiver.endpoint)
+        identity, handoff = receiver.take()
+        seq = w0.send(MessageKind.PUSH, {"delta": torch.ones(4)}, partition=0, clock=0)
+        assert w0.silent()
+        receiver.answer(identity, handoff, kind=MessageKind.ERROR, detail="stale_version")
+        thread.join(10)
+        assert isinstance(outcome[0], HandoffError) and not outcome[0].outcome_unknown
+        header, _ = w0.recv()
+        assert (header.seq, header.kind, header.detail) == (seq, MessageKind.PUSH_ACK, "applied")
+        assert torch.equal(old.state(0), INITIAL + 1)
+        # no answer at all: the outcome is unknown, and what was parked is told `moving`
+        thread, outcome = _hand_off_in_background(old, receiver.endpoint, timeout_s=1.0)
+        receiver.take()
+        seq = w0.send(MessageKind.PUSH, {"delta": torch.ones(4)}, partition=0, clock=1)
+        thread.join(10)
+        assert isinstance(outcome[0], HandoffError) and outcome[0].outcome_unknown
+        header, _ = w0.recv()
+        assert (header.seq, header.detail) == (seq, "moving")
+    receiver.sock.close(linger=0)
+
+
 def test_a_resent_handoff_is_taken_once_and_acknowledged_again(
     pair: tuple[ParamServer, ParamServer], ctx: zmq.Context[Any]
 ) -> None:
