@@ -17,15 +17,15 @@ partition's BackupPS, which holds clocks back under the ceiling the elasticity c
 raises, so a roll-back (`restore_owners`) or a checkpoint (`partition_states`) sees every
 partition at one common clock.
 
-The module is about 800 lines: `ParamServer`'s public methods are short, thread-safe wrappers
+The module is about 850 lines: `ParamServer`'s public methods are short, thread-safe wrappers
 that take its one lock and call the two `PartitionStore`s (owned and backed up); splitting
 them across classes would spread that lock discipline with them. (The request handlers of
 gradient clipping, `_on_norm` and `_on_clip`, could move to a mixin of their own.)
 
 Hand-off (`ParamServer.handoff_to`): a partition's values, its applied (worker, clock) set and
 its ownership version travel to another server in one authenticated `handoff` message. While
-the hand-off is in flight the partition is frozen (requests get `moving`, workers retry); once
-the receiver acknowledges, the sender drops it and answers its requests with
+the hand-off is in flight the partition is frozen (its requests are parked, `_park`); once
+the receiver acknowledges, the sender drops it and answers its requests, parked ones too, with
 `moved:<version>:<new owner>` (`parse_moved`). Since the applied set moves with the values, a
 push applied before the hand-off and replayed to the new owner is still a duplicate.
 """
@@ -381,8 +381,8 @@ class ParamServer(ServerLoop):
     ) -> HandoffResult:
         """Hand partition p to the server at `endpoint`; on its ack, stop serving p.
 
-        While in flight, pulls and pushes for p get a `moving` error (retryable). After the
-        ack they get `moved:<version>:<new owner>`, and so do pulls that were held. If this
+        While in flight, requests for p are parked (`_park`). After the ack they get
+        `moved:<version>:<new owner>`, and so do pulls that were held. If this
         server is p's BackupPS (a ParamServ handing p to a new ActivePS), it keeps the handed
         state as its backup copy, and the receiver streams from there.
 
@@ -440,18 +440,25 @@ class ParamServer(ServerLoop):
             raise
         new_owner, version = header.sender, header.clock or 0
         with self._lock:
-            if self_backup:
-                self._backup.import_partition(snapshot, restore=True)
-            self._store.drop_partition(p, version)
-            self._forget_copies(p)
-            self._moving.discard(p)
-            self._moved[p] = (new_owner, version)
+            if p not in self._moving:  # resumed or restored here meanwhile: it serves p again
+                log.warning("a hand-off was acknowledged after its partition was resumed or "
+                            "restored here; kept here", extra={"node": self.node_id,
+                            "partition": p, "to": new_owner})  # fmt: skip
+                raise HandoffError(p, "resumed here meanwhile")
             detail = moved_detail(new_owner, version)
-            for held in self._held.pop(p, []):
-                self._stats = replace(self._stats, rejected=self._stats.rejected + 1)
-                frames = self._encode(MessageKind.ERROR, held.seq, partition=p, detail=detail)
-                self._post([(held.identity, frames)])
-            self._post(self._unpark(p, detail))
+            try:
+                if self_backup:
+                    self._backup.import_partition(snapshot, restore=True)
+                self._store.drop_partition(p, version)
+                self._forget_copies(p)
+                self._moving.discard(p)
+                self._moved[p] = (new_owner, version)
+                for held in self._held.pop(p, []):
+                    self._stats = replace(self._stats, rejected=self._stats.rejected + 1)
+                    frames = self._encode(MessageKind.ERROR, held.seq, partition=p, detail=detail)
+                    self._post([(held.identity, frames)])
+            finally:  # the receiver has p either way: nothing parked is kept waiting
+                self._post(self._unpark(p, detail))
             self._stats = replace(self._stats, handoffs_sent=self._stats.handoffs_sent + 1)
         log.info(
             "partition handed off",
@@ -598,17 +605,26 @@ class ParamServer(ServerLoop):
         parked = self._parked.setdefault(p, [])
         if p in self._unsettled or len(parked) >= MAX_PARKED:
             raise RejectedError(RejectReason.MOVING, f"partition {p}")
-        parked.append(request)
+        # a copy: a push from this node's own worker views the worker's buffer (inproc, zero
+        # copy), which it may fill again before the hand-off settles
+        tensors = {k: v.clone() for k, v in request.tensors.items()}
+        parked.append(replace(request, tensors=tensors))
         return []
 
     def _unpark(self, p: int, detail: str | None = None) -> list[Reply]:
-        """The requests parked for p: refused with `detail`, or (None) handled now."""
+        """The requests parked for p: refused with `detail`, or (None) handled now (one that
+        fails is refused; the others are answered still)."""
         replies: list[Reply] = []
         for r in self._parked.pop(p, []):
-            if detail is None:
-                replies += self._answer_locked(r.identity, r.header, r.tensors)
-            else:
+            if detail is not None:
                 replies.append(self._reject_locked(r.identity, r.header.seq, detail, r.header))
+                continue
+            try:
+                replies += self._answer_locked(r.identity, r.header, r.tensors)
+            except Exception as exc:  # noqa: BLE001 - one request never loses the others
+                log.exception("a parked request failed", extra={"node": self.node_id})
+                why = f"parked request failed: {type(exc).__name__}"
+                replies.append(self._reject_locked(r.identity, r.header.seq, why, r.header))
         return replies
 
     def _check_serving(self, p: int | None) -> None:

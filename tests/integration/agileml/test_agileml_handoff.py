@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from support.wire_client import REPLY_TIMEOUT_MS, WireClient
+from support.wire_client import HELD_CHECK_MS, REPLY_TIMEOUT_MS, WireClient
 from torch import nn
 
 from orchestrator.agileml import wire
@@ -250,6 +250,40 @@ def test_a_refused_handoff_serves_what_was_parked_and_an_unknown_one_has_it_ask_
         assert isinstance(outcome[0], HandoffError) and outcome[0].outcome_unknown
         header, _ = w0.recv()
         assert (header.seq, header.detail) == (seq, "moving")
+    receiver.sock.close(linger=0)
+
+
+def test_a_parked_push_from_the_nodes_own_worker_is_kept_as_it_was_sent(
+    ctx: zmq.Context[Any],
+) -> None:
+    """The own node's worker pushes over inproc without a copy (its buffer is the frame):
+    what is parked is a copy, so a worker that fills its buffer again meanwhile does not
+    change the push that a refused hand-off then applies."""
+    receiver = _SlowReceiver(ctx)
+    size = 1 << 16  # 256 KiB: above the size ZMQ copies anyway
+    with ParamServer("ps-a", job_id=JOB, token=TOKEN) as old:
+        old.add_partition(0, torch.zeros(size))
+        old.register_workers(["w0"])
+        thread, outcome = _hand_off_in_background(old, receiver.endpoint)
+        identity, handoff = receiver.take()
+        own = wire.process_context().socket(zmq.DEALER)
+        own.setsockopt(zmq.LINGER, 0)
+        own.connect(old.inproc_endpoint)
+        gradient = torch.ones(size)
+        push = {"kind": MessageKind.PUSH, "job_id": JOB, "sender": "w0", "seq": 1,
+                "partition": 0, "clock": 0}  # fmt: skip
+        own.send_multipart(wire.encode(push, {"delta": gradient}, TOKEN, zero_copy=True),
+                           copy=False)  # fmt: skip
+        assert not own.poll(HELD_CHECK_MS)  # parked
+        gradient.fill_(1000.0)  # the worker's next use of its buffer
+        receiver.answer(identity, handoff, kind=MessageKind.ERROR, detail="stale_version")
+        thread.join(10)
+        assert isinstance(outcome[0], HandoffError)
+        assert own.poll(REPLY_TIMEOUT_MS)
+        header, _ = wire.decode(own.recv_multipart(), TOKEN)
+        assert (header.kind, header.detail) == (MessageKind.PUSH_ACK, "applied")
+        assert torch.equal(old.state(0), torch.ones(size))
+        own.close(linger=0)
     receiver.sock.close(linger=0)
 
 
