@@ -99,6 +99,14 @@ class EvaluationWatch:
         if self.error is None:  # a metric the job named `iteration` does not replace it
             self.results.append({**metrics, "iteration": iterations})
 
+    def add_end(self, iterations: int, model: nn.Module) -> None:
+        """Evaluate the model at the end (`add_final`), unless evaluate() failed before."""
+        if self.error is not None:
+            return
+        metrics, self.error = evaluate_trained(self.code, model)
+        if self.error is None:
+            self.add_final(iterations, metrics)
+
     def add_final(self, iterations: int, metrics: dict[str, float]) -> None:
         """The evaluation of the model at the end (`evaluate_trained`'s), once, and last."""
         self.results = [r for r in self.results if r["iteration"] != iterations]

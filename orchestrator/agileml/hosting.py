@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+from torch import nn
 
 from orchestrator.agileml import checkpoints
 from orchestrator.agileml.control import TrainingSpec, TrainingStatus
@@ -69,6 +70,9 @@ class HostedTraining:
         self._watch: EvaluationWatch | None = None
         self._watch_lock = threading.Lock()
         self._watching = threading.Event()  # set: the evaluation thread is to stop
+        # the model at the end, for the evaluation thread to evaluate once (`save_weights`)
+        self._end: tuple[int, nn.Module] | None = None
+        self._end_given = False
 
     @classmethod
     def start(cls, spec: TrainingSpec, *, token: bytes, host: str, port: int) -> HostedTraining:
@@ -154,7 +158,12 @@ class HostedTraining:
         """
         done = self.done
         params = self._coordinator.fetch_parameters(timeout_s=timeout_s, final=done)
-        checkpoints.save_weights(self._model().model_with(params), folder)
+        model = self._model().model_with(params)
+        checkpoints.save_weights(model, folder)
+        if done:  # `eval_every`: evaluated once more at the end, as `train` does
+            with self._watch_lock:
+                if self._watch is not None and not self._end_given:
+                    self._end, self._end_given = (self.spec.iterations, model), True
         return self.spec.iterations if done else self._coordinator.progress().iteration
 
     def save_checkpoint_weights(
@@ -219,6 +228,10 @@ class HostedTraining:
                 watch.poll()  # appends to `results`; a list append is atomic
             except Exception as exc:  # noqa: BLE001 - a store hiccup: look again later
                 log.warning("evaluation poll failed", extra={"error": str(exc)})
+            with self._watch_lock:
+                end, self._end = self._end, None
+            if end is not None:  # after the checkpoints: the last result
+                watch.add_end(*end)
             if watch.error is not None:
                 log.warning("the job's evaluate() failed; no more evaluations",
                             extra={"job_id": self.spec.job_id, "error": watch.error})  # fmt: skip

@@ -307,9 +307,11 @@ def test_job_download_writes_the_weights_and_unpacks_the_checkpoint(tmp_path: Pa
 @pytest.mark.slow
 def test_evaluations_during_training_reach_the_reports_and_tensorboard(tmp_path: Path) -> None:
     """`eval_every` through the controller: the training host evaluates the checkpoints its
-    nodes write (at least every 20 iterations: checkpoints come that often) on a thread of its
-    own; each report carries the newest evaluation, of the weights after an exact iteration
-    count, and the job's TensorBoard file in its artifacts holds the loss and every evaluation."""
+    nodes write (at least 20 iterations apart; a fast run may checkpoint less often, at the
+    backup servers' next common clock) on a thread of its own, and the model at the end once
+    more; each report carries the newest evaluation, of the weights after an exact iteration
+    count, and the job's TensorBoard file in its artifacts holds the loss and every evaluation.
+    (Without the end's evaluation, a run whose only checkpoint came at 45 had one result.)"""
     from orchestrator.agileml.event_files import read_scalars
     from orchestrator.artifacts import LocalFolder
 
@@ -334,9 +336,10 @@ def test_evaluations_during_training_reach_the_reports_and_tensorboard(tmp_path:
         _stop(procs)
     found = hosted.evaluations()
     iterations = [e["iteration"] for e in found]
-    assert len(found) >= 2 and all(
-        b - a >= 20 for a, b in zip(iterations, iterations[1:], strict=False)
-    )
+    # during the run, on checkpoints at least 20 iterations apart; and the model at the end
+    assert len(found) >= 2 and iterations[-1] == 60, found
+    during = iterations[:-1]
+    assert all(b - a >= 20 for a, b in zip(during, during[1:], strict=False))
     assert all(0 <= e["held_out_accuracy"] <= 1 for e in found)
     reported = [r.evaluation for r in store.training(JOB_ID) if r.evaluation is not None]
     assert reported and reported[-1].iteration == iterations[-1]
