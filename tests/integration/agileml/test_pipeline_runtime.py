@@ -335,6 +335,48 @@ def test_eviction_of_a_replicated_stage_replans_with_the_planner() -> None:
     assert torch.allclose(result.weights, expected, atol=1e-6, rtol=0)
 
 
+def test_a_kill_takes_every_worker_of_the_node_and_the_job_replans_without_it() -> None:
+    """Nodes of 2 devices running the same 2-stage sub-pipeline side by side (slots (0, 2)
+    and (1, 3): node 0 holds replica 0 of both stages). The kill at stage 0 takes node 0 and
+    with it a worker of stage 1 too: the job re-plans for the 1 node left, and flush ends as
+    plain SGD does."""
+    from orchestrator.agileml.pipeline.planner import PlannedStage
+
+    asked: list[int] = []
+
+    def replan(nodes: int):  # type: ignore[no-untyped-def]
+        asked.append(nodes)
+        return chain_layout([(0, 3), (4, 6)])  # one node: a worker of each stage
+
+    side_by_side = (
+        PlannedStage(first_layer=0, last_layer=3, replicas=2, slots=(0, 2)),
+        PlannedStage(first_layer=4, last_layer=6, replicas=2, slots=(1, 3)),
+    )
+    result = run_pipeline(
+        model=SPEC, layout=side_by_side, schedule=Schedule.FLUSH, minibatches=24,
+        microbatches=4, microbatch_size=8, lr=0.1, backup=True, evict=(0, 8),
+        replan=replan, timeout_s=120, devices_per_node=2,
+    )  # fmt: skip
+    assert asked == [1]  # two of its workers gone, one node lost
+    (recovery,) = result.recoveries
+    assert [st.replicas for st in recovery.layout] == [1, 1]
+    expected = _sgd_reference(steps=6, microbatches=4, size=8, lr=0.1)
+    assert torch.allclose(result.weights, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("slots", "per_node"), [(((0, 1), (1, 2)), 2), (((0, 1), (2, 3)), 3)])
+def test_a_placement_that_misses_a_slot_or_splits_a_node_is_refused(
+    slots: tuple[tuple[int, ...], ...], per_node: int
+) -> None:
+    from orchestrator.agileml.pipeline.planner import PlannedStage
+
+    layout = tuple(PlannedStage(first_layer=a, last_layer=b, replicas=2, slots=s)
+                   for (a, b), s in zip([(0, 3), (4, 6)], slots, strict=True))  # fmt: skip
+    with pytest.raises(AgileMLError, match="do not place their 4 workers on nodes of"):
+        run_pipeline(model=SPEC, layout=layout, schedule=Schedule.FLUSH, minibatches=4,
+                     devices_per_node=per_node)  # fmt: skip
+
+
 def test_vertical_sync_with_replicated_stages_is_refused() -> None:
     with pytest.raises(AgileMLError, match="vertical_sync"):
         run_pipeline(model=SPEC, layout=chain_layout([(0, 3), (4, 6)], [2, 1]),
