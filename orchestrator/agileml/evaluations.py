@@ -109,5 +109,5 @@ class EvaluationWatch:
 
     def add_final(self, iterations: int, metrics: dict[str, float]) -> None:
         """The evaluation of the model at the end (`evaluate_trained`'s), once, and last."""
-        self.results = [r for r in self.results if r["iteration"] != iterations]
-        self.results.append({**metrics, "iteration": iterations})
+        kept = [r for r in self.results if r["iteration"] != iterations]
+        self.results = [*kept, {**metrics, "iteration": iterations}]  # one swap: readers see all

@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 
 #: How often the background evaluation looks for a new checkpoint.
 EVALUATION_POLL_S = 1.0
+#: A host keeps an ended job until the evaluation of its model at the end is done, at most
+#: this long after the final weights were written (`HostedTraining.evaluating`).
+END_EVALUATION_WAIT_S = 300.0
 
 
 class HostedTraining:
@@ -70,9 +73,11 @@ class HostedTraining:
         self._watch: EvaluationWatch | None = None
         self._watch_lock = threading.Lock()
         self._watching = threading.Event()  # set: the evaluation thread is to stop
-        # the model at the end, for the evaluation thread to evaluate once (`save_weights`)
+        # the model at the end, for the evaluation thread to evaluate once (`save_weights`);
+        # when it was handed over, and whether its evaluation is done
         self._end: tuple[int, nn.Module] | None = None
-        self._end_given = False
+        self._end_at: float | None = None
+        self._end_done = False
 
     @classmethod
     def start(cls, spec: TrainingSpec, *, token: bytes, host: str, port: int) -> HostedTraining:
@@ -160,10 +165,10 @@ class HostedTraining:
         params = self._coordinator.fetch_parameters(timeout_s=timeout_s, final=done)
         model = self._model().model_with(params)
         checkpoints.save_weights(model, folder)
-        if done:  # `eval_every`: evaluated once more at the end, as `train` does
+        if done and self.error is None:  # `eval_every`: once more at the end, as `train` does
             with self._watch_lock:
-                if self._watch is not None and not self._end_given:
-                    self._end, self._end_given = (self.spec.iterations, model), True
+                if self._watch is not None and self._end_at is None:
+                    self._end, self._end_at = (self.spec.iterations, model), time.monotonic()
         return self.spec.iterations if done else self._coordinator.progress().iteration
 
     def save_checkpoint_weights(
@@ -215,6 +220,16 @@ class HostedTraining:
             )
         threading.Thread(target=self._evaluate_loop, name="evaluations", daemon=True).start()
 
+    def evaluating(self) -> bool:
+        """Whether the evaluation of the model at the end is on its way (handed over by
+        `save_weights`, not done, `END_EVALUATION_WAIT_S` not passed): its host keeps the
+        ended job until then, so that the job's last report and TensorBoard carry it."""
+        with self._watch_lock:
+            if self._end_at is None or self._end_done or self._watch is None:
+                return False
+            failed = self._watch.error is not None
+            return not failed and time.monotonic() - self._end_at < END_EVALUATION_WAIT_S
+
     def evaluations(self) -> list[dict[str, Any]]:
         """The evaluations during the run so far, oldest first (`watch_evaluations`)."""
         with self._watch_lock:
@@ -232,6 +247,8 @@ class HostedTraining:
                 end, self._end = self._end, None
             if end is not None:  # after the checkpoints: the last result
                 watch.add_end(*end)
+                with self._watch_lock:
+                    self._end_done = True
             if watch.error is not None:
                 log.warning("the job's evaluate() failed; no more evaluations",
                             extra={"job_id": self.spec.job_id, "error": watch.error})  # fmt: skip

@@ -267,14 +267,26 @@ class TrainingHost:
         for job_id, (training, _) in hosted.items():
             try:
                 job = self.store.get_job(job_id)
+                # an ended job is kept while its end's evaluation is on its way
+                pending = job.state.is_terminal and training.evaluating()
                 if not job.state.is_terminal:  # an ended job's numbers stay as they ended
                     self._report(job, training, now_s)
+                elif not pending:
+                    self._report_end(job, training, now_s)
             except Exception as exc:  # noqa: BLE001 - a store hiccup: report at the next step
                 log.warning("training report of %s failed: %r", job_id, exc)
                 continue
             self._keep_artifacts(job, training)
-            if job.state.is_terminal:
+            if job.state.is_terminal and not pending:
                 self._stop(job_id)
+
+    def _report_end(self, job: JobRecord, training: Hosted, now_s: float) -> None:
+        """An ended job's last report, when an evaluation came after its reports did (the
+        model at the end's): the same numbers, with that evaluation."""
+        evaluations = _evaluations(training)
+        last = self.store.latest_training(job.job_id)
+        if evaluations and last is not None and last.evaluation != evaluations[-1]:
+            self._report(job, training, now_s)
 
     def outcome(self, job: JobRecord) -> TrainingOutcome | None:
         """How far the job trained (None: it does not train): from its hosted runtime, else

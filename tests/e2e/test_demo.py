@@ -173,6 +173,8 @@ def _watch_in_chromium(driver: Any, url: str, tmp_path: Path) -> None:
           30, "the dashboard to show job-demo")  # fmt: skip
     _assert_follows_live(driver, api)
     until(lambda: _job(api)["job"]["state"] not in ("queued", "running"), 360, "the job to end")
+    # the evaluation of the model at the end comes in the ended job's last report, just after
+    until(lambda: _end_evaluated(_job(api)), 60, "the end's evaluation to be reported")
     final = _job(api)
     assert final["job"]["state"] == "succeeded", final["job"]
     until(lambda: float(body_data(driver, "renderedAt") or 0) >= final["now_s"], 10,
@@ -194,6 +196,13 @@ def _watch_in_chromium(driver: Any, url: str, tmp_path: Path) -> None:
     until(lambda: body_data(driver, "state") == "ready", 10, "the report to render")
     _assert_page_matches(driver, _job(api), _fleet(api))
     driver.save_screenshot(str(ARTIFACTS / "report-demo.png"))
+
+
+def _end_evaluated(data: dict[str, Any]) -> bool:
+    """Whether the newest report's evaluation, if any, is of the model after its iteration."""
+    last = data["training"][-1] if data["training"] else None
+    evaluation = last and last["evaluation"]
+    return not evaluation or evaluation["iteration"] == last["iteration"]
 
 
 def _assert_follows_live(driver: Any, api: str) -> None:

@@ -182,6 +182,10 @@ class HostedPipeline:
         """Nothing: a pipeline is evaluated at its end (`eval_every` is data-parallel)."""
         del checkpoints
 
+    def evaluating(self) -> bool:
+        """Never: a pipeline is evaluated by whoever fetches its weights."""
+        return False
+
     def evaluations(self) -> list[dict[str, Any]]:
         """None during the run (see `watch_evaluations`)."""
         return []

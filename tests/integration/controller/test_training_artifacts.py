@@ -32,7 +32,7 @@ from orchestrator.cloud.local.moto_server import MotoEC2Server
 from orchestrator.controller.training import TrainingHost
 from orchestrator.jobspec import JobSubmission
 from orchestrator.settings import ApiSettings, Settings, TrainingSettings
-from orchestrator.store import JobRecord, MemoryStore
+from orchestrator.store import JobRecord, JobState, MemoryStore
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*httpx2", category=UserWarning)
@@ -328,9 +328,14 @@ def test_evaluations_during_training_reach_the_reports_and_tensorboard(tmp_path:
     hosted = host.hosted(JOB_ID)
     assert hosted is not None
     try:
-        _step_until(host, lambda: hosted.done and len(hosted.evaluations()) >= 2, logs=tmp_path)
-        time.sleep(1.5)  # the evaluation thread's next look: the last checkpoints
-        host.step(time.time())
+        _step_until(host, lambda: hosted.done, logs=tmp_path)
+        # as the controller ends a finished job: the final weights, then the job ends; its
+        # host keeps it until the end's evaluation is in, reports it, and only then stops it
+        host.save_final(JOB_ID)
+        for state in (JobState.RUNNING, JobState.SUCCEEDED):
+            store.transition(JOB_ID, state, expected_version=store.get_job(JOB_ID).version,
+                             now_s=time.time())  # fmt: skip
+        _step_until(host, lambda: host.hosted(JOB_ID) is None, logs=tmp_path)
     finally:
         host.close()
         _stop(procs)
