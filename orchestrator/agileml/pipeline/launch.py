@@ -186,6 +186,7 @@ class Launch:
         self.attempt = 0
         self.job_id = ""
         self.layout: Layout = ()
+        self._slots: list[int] = []  # each worker's slot (`slot_of`)
         self._times: tuple[list[float], list[float]] = ([], [])
         self._started_at = 0.0
 
@@ -198,6 +199,7 @@ class Launch:
         self.layout, self._times = layout, times
         self.procs = []
         self.workers = [(k, r) for k, st in enumerate(layout) for r in range(st.replicas)]
+        self._slots = [slot for stage in slots_of(layout) for slot in stage]  # as `workers`
         backups.begin(self.job_id, self.workers, len(layout))
         for k, st in enumerate(layout):
             files = self._cut_files(k, st, backups)
@@ -206,8 +208,7 @@ class Launch:
 
     def slot_of(self, worker: int) -> int:
         """The worker's slot in the layout's plan (`planner.slots_of`)."""
-        k, r = self.workers[worker]
-        return slots_of(self.layout)[k][r]
+        return self._slots[worker]
 
     def node_of(self, worker: int) -> int:
         """The node the worker runs on: `devices_per_node` consecutive slots each."""

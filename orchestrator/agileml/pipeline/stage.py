@@ -34,6 +34,7 @@ from torch.func import functional_call
 
 from orchestrator.agileml import wire
 from orchestrator.agileml.batches import to_device
+from orchestrator.agileml.devices import node_devices
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.pipeline.link import Rewind, StageLink
 from orchestrator.agileml.pipeline.schedule import Schedule, stage_ops, update_group
@@ -66,10 +67,9 @@ def stage_device(name: str) -> torch.device:
 
 def device_for(worker: int) -> str:
     """The device of worker `worker` (of those on this machine) as `StageConfig.device`: GPU
-    `worker` modulo the GPUs here (workers beyond them share), else the CPU."""
-    if torch.cuda.is_available():
-        return f"cuda:{worker % torch.cuda.device_count()}"
-    return "cpu"
+    `worker` modulo the GPUs here (workers beyond them share), else the CPU
+    (`devices.node_devices`, as a data-parallel node's first device)."""
+    return str(node_devices(1, first=worker)[0])
 
 
 def stage_source(config: StageConfig) -> ChainSource:
