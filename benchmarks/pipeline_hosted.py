@@ -16,7 +16,10 @@ Per scenario: seconds from the fault to the next minibatch the input stage compl
 recovered, the run's wall time, and the largest difference of the final weights to the run
 without a fault (flush: 0 expected). Prints JSON.
 
-    python -m benchmarks.pipeline_hosted [--iterations 120] [--fault-at 40]
+With `--devices-per-node K` every node runs K stage workers (its instance's K GPUs; CPU
+processes here) and a lost node takes all of them: a replacement takes all their slots.
+
+    python -m benchmarks.pipeline_hosted [--iterations 120] [--fault-at 40] [--devices-per-node 2]
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def run(scenario: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     token = secrets.token_bytes(32)
     spec = TrainingSpec(job_id="bench", code=str(DIGITS_CNN), parallelism="pipeline",
                         stages=3, iterations=args.iterations, global_batch=args.global_batch,
-                        min_nodes=3, failure_timeout_s=args.failure_timeout_s)  # fmt: skip
+                        min_nodes=3, failure_timeout_s=args.failure_timeout_s,
+                        devices_per_node=args.devices_per_node)  # fmt: skip
     wait = 0.0 if scenario == "lost_replan" else 30.0
     hosted = HostedPipeline.start(spec, token=token, host="127.0.0.1", port=0,
                                   replace_wait_s=wait)  # fmt: skip
@@ -127,6 +131,7 @@ def main() -> None:
     parser.add_argument("--failure-timeout-s", type=float, default=3.0)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--only", choices=SCENARIOS, action="append")
+    parser.add_argument("--devices-per-node", type=int, default=1)
     args = parser.parse_args()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="pipeline-hosted-bench-") as tmp:
@@ -142,6 +147,7 @@ def main() -> None:
             diff = max(float((got[k] - v).abs().max()) for k, v in base.items())
             results[scenario]["max_weight_diff_to_static"] = diff
     print(json.dumps({"job": "digits_cnn, 3 stages, flush", "iterations": args.iterations,
+                      "devices_per_node": args.devices_per_node,
                       "fault_at": args.fault_at, **results}, indent=1))  # fmt: skip
 
 

@@ -226,35 +226,67 @@ class JobSubmission(BaseModel):
 
     @model_validator(mode="after")
     def _every_gpu_used(self, info: ValidationInfo) -> JobSubmission:
-        if self.training is None or not self.instance_types or (info.context or {}).get("stored"):
+        if self.training is None or (info.context or {}).get("stored"):
             return self
         catalog, cap = Catalog.load(), self.devices_per_node()
-        idle = [t for t in self.instance_types if not _fits(catalog, t, cap)]
-        if idle:
-            usable = [t for t in catalog.gpu_types() if _fits(catalog, t, cap)]
+        usable = [t for t in catalog.gpu_types() if self._fits(catalog, t)]
+        if not usable:  # a pipeline asking for a GPU count no instance type has
+            counts = sorted({catalog.get(t).gpu_count for t in catalog.gpu_types()})
             raise ValueError(
-                f"instance_types: {', '.join(idle)} "
-                f"{'has' if len(idle) == 1 else 'have'} more than {cap} GPU"
-                f"{'' if cap == 1 else 's'}, and the job's nodes train on {cap} "
-                f"({self._cap_reason()}): the others would be paid for and idle; list types "
-                f"with at most {cap} ({', '.join(usable)}) or leave instance_types out"
+                f"training.devices_per_node: {cap}: no instance type has exactly {_gpus(cap)} "
+                f"for a pipeline node's {cap} stage workers (a GPU each); the types have "
+                f"{', '.join(map(str, counts))} GPUs: ask for one of those counts"
+            )
+        unfit = [t for t in self.instance_types or () if not self._fits(catalog, t)]
+        if unfit:
+            raise ValueError(
+                f"instance_types: {'; '.join(self._why_unfit(catalog, t) for t in unfit)}: the "
+                f"job's nodes train on {_gpus(cap)} each ({self._cap_reason()}); list types "
+                f"with {self._fit_rule()} ({', '.join(usable)}) or leave instance_types out"
             )
         return self
 
     def devices_per_node(self) -> int:
         """The most GPUs of an instance a training node of the job uses: its training
-        section's `devices_per_node`; 1 for a pipeline (a stage trains on one device); else
-        every GPU an instance has."""
-        training = self.training or {}
-        if training.get("parallelism") == "pipeline":
-            return 1
-        cap = training.get("devices_per_node")
-        return cap if isinstance(cap, int) and 1 <= cap <= MAX_DEVICES else MAX_DEVICES
+        section's `devices_per_node`; when not given, 1 for a pipeline, else every GPU an
+        instance has."""
+        given = self._devices_given()
+        if self._pipeline():
+            return given or 1
+        return given or MAX_DEVICES
+
+    def _devices_given(self) -> int | None:
+        cap = (self.training or {}).get("devices_per_node")
+        return cap if type(cap) is int and 1 <= cap <= MAX_DEVICES else None
+
+    def _pipeline(self) -> bool:
+        return (self.training or {}).get("parallelism") == "pipeline"
+
+    def _fits(self, catalog: Catalog, instance_type: str) -> bool:
+        """Whether the job's nodes use every GPU of `instance_type`, each on a GPU of its own:
+        a pipeline node's stage workers (one per device, `devices_per_node` of them) need
+        exactly that many GPUs; a data-parallel node trains on every GPU up to its cap."""
+        gpus = catalog.get(instance_type).gpu_count
+        cap = self.devices_per_node()
+        return gpus == cap if self._pipeline() else gpus <= cap
+
+    def _why_unfit(self, catalog: Catalog, instance_type: str) -> str:
+        gpus, cap = catalog.get(instance_type).gpu_count, self.devices_per_node()
+        if gpus > cap:
+            return f"{instance_type} has {_gpus(gpus)}: {gpus - cap} would be paid for and idle"
+        them = "it" if gpus == 1 else "them"
+        return f"{instance_type} has {_gpus(gpus)}: {cap} stage workers would share {them}"
+
+    def _fit_rule(self) -> str:
+        gpus = _gpus(self.devices_per_node())
+        return f"exactly {gpus}" if self._pipeline() else f"at most {gpus}"
 
     def _cap_reason(self) -> str:
-        if (self.training or {}).get("parallelism") == "pipeline":
-            return "a pipeline stage trains on one device"
-        return "training.devices_per_node"
+        if not self._pipeline():
+            return "training.devices_per_node"
+        if self._devices_given() is None:
+            return "a pipeline node runs one stage worker unless training.devices_per_node says"
+        return "training.devices_per_node: a pipeline node's stage workers, a GPU each"
 
     def usable_types(self, catalog: Catalog) -> tuple[str, ...]:
         """The instance types BidBrain may buy for the job: its `instance_types` (else every
@@ -263,18 +295,19 @@ class JobSubmission(BaseModel):
         types = self.instance_types or tuple(catalog.gpu_types())
         if self.training is None:
             return tuple(types)
-        cap = self.devices_per_node()
-        return tuple(t for t in types if _fits(catalog, t, cap))
+        return tuple(t for t in types if self._fits(catalog, t))
 
     def types_refused(self, catalog: Catalog) -> str | None:
-        """Why the job may use none of its `instance_types` (a training job stored before they
+        """Why the job may use none of its instance types (a training job stored before they
         were checked at submission), None if it may use some."""
-        if self.usable_types(catalog) or not self.instance_types:
+        if self.usable_types(catalog):
             return None
+        listed = self.instance_types or tuple(catalog.gpu_types())
+        which = "the job's instance_types" if self.instance_types else "the instance types"
         return (
-            f"none of the job's instance_types ({', '.join(self.instance_types)}) is one whose "
-            f"every GPU a training node uses (a node trains on {self.devices_per_node()}, "
-            f"{self._cap_reason()}); submit it again with types of that many GPUs or fewer"
+            f"none of {which} ({', '.join(listed)}) has {self._fit_rule()}, which the job's "
+            f"nodes train on ({self._cap_reason()}); submit it again with types of "
+            f"{self._fit_rule()}"
         )
 
     @model_validator(mode="after")
@@ -310,12 +343,6 @@ class JobSubmission(BaseModel):
             return self
         at = datetime.fromtimestamp(now_s + self.deadline_hours * SECONDS_PER_HOUR, UTC)
         return self.model_copy(update={"deadline": at, "deadline_hours": None})
-
-
-def _fits(catalog: Catalog, instance_type: str, devices_per_node: int) -> bool:
-    """Whether a node that trains on up to `devices_per_node` devices uses every GPU of
-    `instance_type`."""
-    return catalog.get(instance_type).gpu_count <= devices_per_node
 
 
 #: `gpu_work_rates` as the field checks it (for the work from `iteration_time`, before it is)
@@ -399,6 +426,10 @@ def check_deadline(
             field="budget_usd",
         )
     return quote
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU{'' if count == 1 else 's'}"
 
 
 def _iso(t: float) -> str:

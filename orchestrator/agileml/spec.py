@@ -119,7 +119,8 @@ class TrainingSpec(BaseModel):
     # often, and the results go to the training reports (API, dashboard, /metrics, TensorBoard)
     eval_every: Annotated[int, Field(ge=1, le=1_000_000_000, strict=True)] | None = None
     # the most devices each node trains on (one worker per device, their gradients reduced
-    # inside the node before its push, see `devices`); None: every device a node has
+    # inside the node before its push, see `devices`); None: every device a node has. A
+    # pipeline node runs this many stage workers, a GPU each (None: 1; `pipeline.hosted`)
     devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES, strict=True)] | None = None
     # processes of a torch DataLoader that read a worker's next share while it computes (for a
     # job's own dataset read item by item; `loading`); 0: the worker takes its rows itself

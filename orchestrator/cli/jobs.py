@@ -204,13 +204,17 @@ def _pipeline_rates(submission: Any, job_file: Path) -> dict[str, float] | None:
     from orchestrator.market.catalog import Catalog
 
     spec = validate_training_section(training)
-    workers = max(1, int(submission.max_gpus))
+    k = submission.devices_per_node()  # a node's stage workers: whole instances of k GPUs
+    workers = max(k, int(submission.max_gpus) // k * k)
     code = str(job_file.parent / Path(str(training["code"])).expanduser())
     sizing = size_pipeline_submission(code, seed=spec.seed, global_batch=spec.global_batch,
                                       workers=workers,
-                                      gpu_work_rates=Catalog.load().gpu_work_rates)  # fmt: skip
+                                      gpu_work_rates=Catalog.load().gpu_work_rates,
+                                      devices_per_node=k)  # fmt: skip
+    nodes = workers // k
+    on = f" ({nodes} instance{'' if nodes == 1 else 's'} of {k})" if k > 1 else ""
     err.print(
-        f"pipeline: the planner's parallel efficiency on {workers} GPUs is "
+        f"pipeline: the planner's parallel efficiency on {workers} GPUs{on} is "
         f"{sizing.parallel_efficiency:.2f}; BidBrain counts each GPU at that share of its "
         "catalog rate (set gpu_work_rates to override)",
         highlight=False,

@@ -4,16 +4,19 @@ holds for it, with the interface `hosting.HostedTraining` has for data-parallel 
 The supervisor listens where the job's launch tag says (`remote.NodePool`): every instance's
 agent registers there as a node. Once `min_nodes` have, the first of them profiles the job's
 layers (on its data, which the controller never fetches) and PipeDream's planner lays them out
-on those nodes (stages, replicas); each node runs one stage worker.
+on those nodes (stages, replicas); each node runs `devices_per_node` stage workers (one per
+GPU of its instance, 1 unless the job says otherwise; the planner's two levels then: a node's
+devices, then the nodes).
 From then on the supervisor works as the local launcher does (`launch.Launch`:
 rendezvous, backups of every stage's weights and optimizer state at each consistent cut,
 faults; the backups go to a `holder.BackupHolder` on the first reliable (on-demand) node when
 the job has one, which runs a stage worker too, as every AgileML node is a worker; else they
 stay here), with these policies for a footprint that changes under it:
 - a node lost (evicted, with or without notice) is replaced by a node that registers within
-  `REPLACE_WAIT_S`: only the lost stage restarts there, from the cut, while the others rewind in
-  place (stage-only recovery). With no node to take its place the job re-plans for the nodes
-  left and every stage restarts from the cut;
+  `REPLACE_WAIT_S`: only the lost node's workers restart there (the same slots and devices),
+  from the cut, while the others rewind in place (stage-only recovery). With no node to take
+  its place the job re-plans for the nodes left and every stage restarts from the cut (so
+  does a node of several workers that lost one: it cannot be replaced alone);
 - a node that registers while the pipeline runs is used by re-planning for every node held
   (every stage restarts from the cut) once it has been there `failure_timeout_s` + 1 s (it may
   be the replacement of a node whose loss is not known yet).
@@ -29,6 +32,7 @@ starts again from the initial model (pipeline jobs write no checkpoints yet).
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -52,13 +56,17 @@ from orchestrator.agileml.parts import training_parts
 from orchestrator.agileml.pipeline.holder import RemoteBackups
 from orchestrator.agileml.pipeline.launch import Backups, Launch, Layout, Recovery
 from orchestrator.agileml.pipeline.local import chain_sizes, check_layout, describe
-from orchestrator.agileml.pipeline.planner import plan as plan_stages
+from orchestrator.agileml.pipeline.planner import slots_of
 from orchestrator.agileml.pipeline.processes import StageProcess
 from orchestrator.agileml.pipeline.profiler import ModelProfile
 from orchestrator.agileml.pipeline.remote import NodePool
 from orchestrator.agileml.pipeline.schedule import Schedule
 from orchestrator.agileml.pipeline.source import ChainModelSpec, job_layers, load_layers
-from orchestrator.agileml.pipeline.trainrun import INSTANCE_BYTES_PER_S, microbatches_for
+from orchestrator.agileml.pipeline.trainrun import (
+    INSTANCE_BYTES_PER_S,
+    microbatches_for,
+    plan_on_nodes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +129,8 @@ class HostedPipeline:
         self.recoveries: list[Recovery] = []
         self.layout: Layout = ()
         self.placement: list[str] = []  # node of each worker (stages in order, replicas within)
+        self.devices_per_node = spec.devices_per_node or 1  # stage workers a node runs
+        self._device_index: list[int] = []  # each worker's device on its node (as placement)
         self.microbatches = 0
         self.replace_wait_s = replace_wait_s
         self.join_settle_s = self.pool.failure_timeout_s + 1.0  # see `_watch`
@@ -175,8 +185,9 @@ class HostedPipeline:
         return {}
 
     def node_devices(self) -> dict[str, int]:
-        """Nothing: a stage trains on one device."""
-        return {}
+        """The stage workers (a device each) of every node in the running layout."""
+        with self._lock:
+            return dict(collections.Counter(self.placement))
 
     def watch_evaluations(self, checkpoints: object) -> None:
         """Nothing: a pipeline is evaluated at its end (`eval_every` is data-parallel)."""
@@ -303,6 +314,7 @@ class HostedPipeline:
         backup_to, resumed_m, resumed = self._place_backups(nodes, sizes)
         layout = self._plan(profile, len(nodes))
         m = self.microbatches = resumed_m or microbatches_for(spec.global_batch, len(layout))
+        k = self.devices_per_node
         if isinstance(self.backups, RemoteBackups):
             self.backups.microbatches = m
         minibatches = spec.iterations * m
@@ -314,7 +326,8 @@ class HostedPipeline:
                       microbatch_size=spec.global_batch // m, lr=spec.lr, seed=spec.seed,
                       vertical_sync=False, backup=True, backup_to=backup_to)  # fmt: skip
         launch = Launch(self.ctx, self.inbox, "tcp://supervisor", self._token, self.out_dir,
-                        time.monotonic() + 1e9, common, spawn=self._spawn)  # fmt: skip
+                        time.monotonic() + 1e9, common, spawn=self._spawn,
+                        devices_per_node=k)  # fmt: skip
         self._check(launch, layout, minibatches - resumed)
         losses: dict[int, float] = {}
         self._start(launch, layout, nodes)
@@ -333,7 +346,7 @@ class HostedPipeline:
             if outcome == "join":
                 held = self.pool.nodes()
                 free = [n for n in held if n not in self.placement]
-                placed = [n for n in self.placement if n in held]
+                placed = [n for n in dict.fromkeys(self.placement) if n in held]
                 self._restart(launch, profile, placed + free, "joined")
                 continue
             self._recover(launch, profile, minibatches)
@@ -371,7 +384,8 @@ class HostedPipeline:
         spec = self.spec
         while not self._halt.is_set():
             node = nodes[0]
-            body = {"seed": spec.seed, "global_batch": spec.global_batch, "workers": len(nodes)}
+            workers = len(nodes) * self.devices_per_node
+            body = {"seed": spec.seed, "global_batch": spec.global_batch, "workers": workers}
             self.pool.command(node, "profile", body)
             deadline = time.monotonic() + PROFILE_TIMEOUT_S
             while node not in self.pool.profiles and node in self.pool.nodes():
@@ -394,8 +408,9 @@ class HostedPipeline:
         return None
 
     def _recover(self, launch: Launch, profile: ModelProfile, minibatches: int) -> None:
-        """A worker was lost: replace it alone on a node that takes its place, else re-plan;
-        nothing when every minibatch got backed up meanwhile (the run loop finishes)."""
+        """A worker was lost: replace its node's workers alone on a node that takes its place,
+        else re-plan; nothing when every minibatch got backed up meanwhile (the run loop
+        finishes)."""
         if self._halt.is_set():
             return
         self._recovery_told = False
@@ -404,19 +419,29 @@ class HostedPipeline:
         gone = self.placement[lost]
         self._event(f"lost stage {recovery.stage} on {gone} (minibatch {self.backups.done})")
         held = self.pool.nodes()
+        # a node of several workers: those of its workers still running survive with it
         survivors = [n for i, n in enumerate(self.placement) if i != lost and n in held]
-        spare = self._wait_nodes(1, self.replace_wait_s) if len(launch.lost) == 1 else None
+        # a spare can take the place of one node lost: of its one worker, or of its K if gone
+        # (a node of K still here is re-planned on at once: it cannot be replaced alone)
+        one_node = len({self.placement[w] for w in launch.lost}) == 1
+        waits = one_node and (self.devices_per_node == 1 or gone not in held)
+        spare = self._wait_nodes(1, self.replace_wait_s) if waits else None
         # a survivor whose worker has exited (lost after `done`) is free, but no spare
         spare = [n for n in spare or () if n not in self.placement] or None
         if self._halt.is_set() or self.backups.done >= minibatches:
             return  # a stage relaunched at the end would have nothing to run
+        if self.devices_per_node > 1 and gone not in held:  # its instance went: every worker
+            launch.lost = [w for w, n in enumerate(self.placement) if n == gone]
         if spare and launch.can_replace(self.backups):
             with self._lock:
-                self.placement[lost] = spare[0]
+                for w in launch.lost:  # the same slots: the same devices on the new node
+                    self.placement[w] = spare[0]
             launch.replace(self.backups)
             recovery.mode, recovery.resumed_minibatch = "stage", self.backups.done
             recovery.layout = self.layout
-            self._event(f"replaced stage {recovery.stage} on {spare[0]} from iteration "
+            stages = sorted({launch.workers[w][0] for w in launch.lost})
+            named = f"stage {stages[0]}" if len(stages) == 1 else f"stages {_listed(stages)}"
+            self._event(f"replaced {named} on {spare[0]} from iteration "
                         f"{self.backups.done // self.microbatches}")  # fmt: skip
             return
         nodes = list(dict.fromkeys(survivors + (spare or [])))
@@ -447,15 +472,20 @@ class HostedPipeline:
         check_layout(layout, len(common["sizes"]), common["schedule"],
                      min(left, CHECK_UPDATES * m * workers), m)  # fmt: skip
 
-    def _plan(self, profile: ModelProfile, workers: int) -> Layout:
-        depth = None if self.spec.stages is None else min(self.spec.stages, workers)
-        plan = plan_stages(profile, workers, INSTANCE_BYTES_PER_S, stages=depth)
-        return tuple(plan.stages)
+    def _plan(self, profile: ModelProfile, nodes: int) -> Layout:
+        """The layout on `nodes` nodes of `devices_per_node` stage workers each."""
+        k = self.devices_per_node
+        stages = self.spec.stages
+        return plan_on_nodes(profile, nodes, k, INSTANCE_BYTES_PER_S, stages)
 
     def _start(self, launch: Launch, layout: Layout, nodes: list[str]) -> None:
-        workers = sum(st.replicas for st in layout)
+        """Start the layout's workers: the one in slot s on node s // K, on its device s % K."""
+        k = self.devices_per_node
+        slots = [slot for stage in slots_of(layout) for slot in stage]  # as Launch's workers
         with self._lock:
-            self.layout, self.placement = layout, list(nodes[:workers])
+            self.layout = layout
+            self.placement = [nodes[slot // k] for slot in slots]
+            self._device_index = [slot % k for slot in slots]
         zeros = [0.0] * len(layout)
         launch.start(layout, self.backups, (zeros, zeros))
 
@@ -467,7 +497,8 @@ class HostedPipeline:
             for key in ("initial_weights", "initial_optimizer")
             if config.get(key)
         }
-        return self.pool.spawn(self.placement[worker], name, config, files)
+        return self.pool.spawn(self.placement[worker], name, config, files,
+                               device_index=self._device_index[worker])  # fmt: skip
 
     def _watch(self) -> str | None:
         if self._halt.is_set():
@@ -507,3 +538,7 @@ class HostedPipeline:
             self._iteration = self.spec.iterations
             self._done = True
         self._event(f"done: {self.spec.iterations} iterations")
+
+
+def _listed(numbers: list[int]) -> str:
+    return ", ".join(map(str, numbers))

@@ -3,9 +3,10 @@
 `Backups` keeps the weights and optimizer state of the last consistent cut: the most
 minibatches every stage's backups include. `Launch` starts one `pipeline.stage` process per
 worker, rendezvouses them, watches them and, when one is lost, either restarts them all from
-the cut (`start`, on a new layout if the job re-planned) or replaces only the lost one
-(`replace`): the survivors rewind in place to the cut (`stage.Rewind`), keeping their
-processes, models and data, and the replacement starts from the cut.
+the cut (`start`, on a new layout if the job re-planned) or replaces only the lost node's
+workers (`replace`: its one, or all `devices_per_node` of them): the survivors rewind in place
+to the cut (`stage.Rewind`), keeping their processes, models and data, and the replacements
+start from the cut.
 """
 
 from __future__ import annotations
@@ -219,35 +220,39 @@ class Launch:
         return len(self.workers) // self.devices_per_node
 
     def can_replace(self, backups: Backups) -> bool:
-        """Whether `replace` can recover: one worker lost, every other one still running,
-        and a cut past the start to rewind to."""
-        if self.devices_per_node > 1:  # a node's workers go together: a new node, re-planned
-            return False
-        others = [p for w, p in enumerate(self.procs) if w not in self.lost]
+        """Whether `replace` can recover: the workers lost are one node's (every one of its
+        `devices_per_node`), every other one still running, and a cut past the start to
+        rewind to."""
+        lost = set(self.lost)
+        nodes = {self.node_of(w) for w in lost}
+        whole = {w for w in range(len(self.workers)) if self.node_of(w) in nodes}
+        others = [p for w, p in enumerate(self.procs) if w not in lost]
         alive = all(p.poll() is None for p in others)
         met = len(self.inboxes) == len(self.procs)  # this attempt's rendezvous completed
-        return len(self.lost) == 1 and alive and met and backups.done > 0
+        return len(nodes) == 1 and lost == whole and alive and met and backups.done > 0
 
     def replace(self, backups: Backups) -> None:
-        """Start a new process for the lost worker at the cut, and have every survivor
-        rewind to the cut in place (see the module docstring)."""
-        (lost,) = self.lost
-        try:
-            self.procs[lost].wait(timeout=LEAVE_WAIT_S)  # a worker leaving on notice exits
-        except subprocess.TimeoutExpired:
-            self.procs[lost].kill()
-            self.procs[lost].wait()
+        """Start new processes for the lost node's workers at the cut, and have every
+        survivor rewind to the cut in place (see the module docstring)."""
+        lost = list(dict.fromkeys(self.lost))
+        for w in lost:
+            try:
+                self.procs[w].wait(timeout=LEAVE_WAIT_S)  # a worker leaving on notice exits
+            except subprocess.TimeoutExpired:
+                self.procs[w].kill()
+                self.procs[w].wait()
         inboxes = self.inboxes  # the survivors', from this attempt's rendezvous
         old_job = self._new_attempt()
         backups.begin(self.job_id, self.workers, len(self.layout))
         files = {k: self._cut_files(k, st, backups) for k, st in enumerate(self.layout)}
         for w, (k, _) in enumerate(self.workers):
-            if w == lost:
+            if w in lost:
                 continue
             body = wire.json_body({"job_id": self.job_id, "first_minibatch": backups.done})
             self._send(inboxes[w], old_job, "rewind", {**body, **_cut_tensors(*files[k])})
-        k, r = self.workers[lost]
-        self.procs[lost] = self._spawn(k, r, backups.done, files[k])
+        for w in lost:
+            k, r = self.workers[w]
+            self.procs[w] = self._spawn(k, r, backups.done, files[k])
 
     def run(
         self,

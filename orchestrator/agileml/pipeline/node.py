@@ -43,6 +43,7 @@ from orchestrator.agileml.pipeline.holder import BackupHolder
 from orchestrator.agileml.pipeline.processes import LocalSpawner, StageProcess
 from orchestrator.agileml.pipeline.remote import LOST_CODE, NAME, file_tensors, tensor_files
 from orchestrator.agileml.pipeline.stage import device_for
+from orchestrator.agileml.spec import MAX_DEVICES
 from orchestrator.agileml.wire import MessageKind
 
 log = logging.getLogger(__name__)
@@ -273,17 +274,29 @@ class PipelineNode:
     ) -> None:
         name = str(body["name"])
         config = dict(body["config"])
-        if not NAME.match(name) or not isinstance(config.get("stage"), int):
-            log.warning("a malformed run request was refused", extra={"name": name[:80]})
+        index = body.get("device", 0)
+        if not NAME.match(name):
+            log.warning("a malformed run request was refused", extra={"worker": name[:80]})
+            return
+        if not isinstance(config.get("stage"), int) or type(index) is not int:
+            why = "no stage number or device index"
+        elif not 0 <= index < MAX_DEVICES:
+            why = f"device index {index} out of 0..{MAX_DEVICES - 1}"
+        else:
+            why = ""
+        if why:  # reported as the worker's exit: the supervisor fails the job with it
+            log.warning("a malformed run request was refused", extra={"worker": name})
+            self.procs[name] = (_Failed(1, f"a malformed run request: {why}"), {})
             return
         for key in ("initial_weights", "initial_optimizer"):
             if config.get(key):  # the supervisor's path: the file came with the message
                 local = workdir / f"{name}-{Path(config[key]).name}"
                 local.write_bytes(files.get(Path(config[key]).name, b""))
                 config[key] = str(local)
-        # the stage trains on the instance's (first) GPU, if it has one
+        # the stage trains on the instance's GPU of that index, if it has GPUs (its workers
+        # share them when it has fewer), else on the CPU
         config.update(code=code, rendezvous=rendezvous, host=self.host, out_dir=str(workdir),
-                      device=device_for(0))  # fmt: skip
+                      device=device_for(index))  # fmt: skip
         path = workdir / f"{name}.json"
         path.write_text(json.dumps(config))
         self.ran.append(name)
@@ -304,17 +317,18 @@ class PipelineNode:
             stdout = proc.communicate(timeout=5.0)[0] or ""
             log_file = workdir / f"{name}.log"
             tail = ""
-            if isinstance(proc, _Failed):
-                tail = proc.reason
-            elif log_file.exists():
-                tail = "\n".join(
-                    log_file.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-                )
             out: dict[str, bytes] = {}
-            weights = workdir / f"stage{config['stage']}.npy"
-            if code == 0 and int(config.get("replica", 0)) == 0 and weights.exists():
-                out[weights.name] = weights.read_bytes()
-                weights.unlink()
+            if isinstance(proc, _Failed):  # never started (its config may be malformed)
+                tail = proc.reason
+            else:
+                if log_file.exists():
+                    tail = "\n".join(
+                        log_file.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                    )
+                weights = workdir / f"stage{config['stage']}.npy"
+                if code == 0 and int(config.get("replica", 0)) == 0 and weights.exists():
+                    out[weights.name] = weights.read_bytes()
+                    weights.unlink()
             body = {"name": name, "code": code, "stdout": stdout, "log": tail}
             self._send(sock, "exited", body, out)
 

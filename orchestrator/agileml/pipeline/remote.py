@@ -14,7 +14,7 @@ node -> pool `hello` (answered by `welcome`: it fetches the job's code and data,
 {host, tier}`, `heartbeat`, `exited {name, code, stdout, log}` + files,
 `notice` (its instance is being evicted: no new work), `gone` (its workers left), `profiled
 {profile | error}`; pool -> node `welcome {rendezvous_port, code, code_store, data}`, `profile
-{seed, global_batch, workers}`, `run {name, config}` + files, `signal {name, signal}`,
+{seed, global_batch, workers}`, `run {name, config, device}` + files, `signal {name, signal}`,
 `kill {name}`, `shutdown`, the backup holder's requests `hold`, `begin`, `cut` (answered by
 `reply {rid, ...}`; see `holder`), and `reregister` to a node that heartbeats unregistered (after a
 supervisor restart, or once declared lost: it registers again with nothing running).
@@ -237,10 +237,17 @@ class NodePool:
             }
 
     def spawn(
-        self, node_id: str, name: str, config: dict[str, Any], files: dict[str, bytes]
+        self,
+        node_id: str,
+        name: str,
+        config: dict[str, Any],
+        files: dict[str, bytes],
+        *,
+        device_index: int = 0,
     ) -> RemoteStage:
         """Start worker `name` on `node_id` with `config` (a StageConfig as JSON) and its
-        files; a node that is gone gives a worker already lost."""
+        files, on the node's device `device_index` (its GPU of that index, the CPU on a node
+        without); a node that is gone gives a worker already lost."""
         stage = RemoteStage(self, node_id, name)
         with self._lock:
             self._stages[name] = stage
@@ -249,7 +256,8 @@ class NodePool:
                 stage.exited(LOST_CODE)
                 return stage
             node.workers.add(name)
-        self.command(node_id, "run", {"name": name, "config": config}, file_tensors(files))
+        body = {"name": name, "config": config, "device": device_index}
+        self.command(node_id, "run", body, file_tensors(files))
         return stage
 
     def request(

@@ -131,14 +131,25 @@ def profile_job(code: str, *, seed: int, global_batch: int, workers: int) -> Mod
 
 
 def size_pipeline_submission(
-    code: str, *, seed: int, global_batch: int, workers: int, gpu_work_rates: Mapping[str, float]
+    code: str,
+    *,
+    seed: int,
+    global_batch: int,
+    workers: int,
+    gpu_work_rates: Mapping[str, float],
+    devices_per_node: int = 1,
 ) -> PipelineSizing:
-    """BidBrain's view of a pipeline job on up to `workers` GPUs (`sizing`): its layers (tied
+    """BidBrain's view of a pipeline job on up to `workers` GPUs (`sizing`), on instances of
+    `devices_per_node` GPUs when that divides them (the planner's two levels): its layers (tied
     weights refused) profiled here, the planner's parallel efficiency applied to the catalog's
     rates `gpu_work_rates`. Raises JobCodeError, ProfileError, PlanError (UserErrors)."""
     _check_untied(job_source(code, seed).layers())
     profile = profile_job(code, seed=seed, global_batch=global_batch, workers=workers)
-    return size_pipeline_job(profile, workers, INSTANCE_BYTES_PER_S, 1, gpu_work_rates)
+    k, levels = devices_per_node, None
+    if k > 1 and workers % k == 0:
+        levels = [(k, NODE_DEVICES_BYTES_PER_S), (workers // k, INSTANCE_BYTES_PER_S)]
+    return size_pipeline_job(profile, workers, INSTANCE_BYTES_PER_S, 1, gpu_work_rates,
+                             levels=levels)  # fmt: skip
 
 
 def _check_untied(layers: list[torch.nn.Module]) -> None:
@@ -157,21 +168,35 @@ def _check_untied(layers: list[torch.nn.Module]) -> None:
 
 def plan_layout(plan: TrainPlan, nodes: int, stages: int | None = None) -> Layout:
     """PipeDream's stages and replicas of the job's layers on `nodes` nodes of
-    `plan.devices_per_node` devices (a worker each; the planner's two levels: the devices of a
-    node, then the nodes), from a profile of one microbatch on this machine. A forced depth
-    (`stages`) above the nodes is planned on one level of every worker: its stages fill the
-    nodes in order (slot // K). Raises PlanError/ProfileError (UserErrors)."""
+    `plan.devices_per_node` devices (see `plan_on_nodes`), from a profile of one microbatch on
+    this machine. Raises PlanError/ProfileError (UserErrors)."""
     k = plan.devices_per_node
-    workers = nodes * k
     profile = profile_job(plan.code, seed=plan.seed, global_batch=plan.global_batch,
-                          workers=workers)  # fmt: skip
-    levels = [(k, NODE_DEVICES_BYTES_PER_S), (nodes, LOOPBACK_BYTES_PER_S)]
+                          workers=nodes * k)  # fmt: skip
+    return plan_on_nodes(profile, nodes, k, LOOPBACK_BYTES_PER_S, stages)
+
+
+def plan_on_nodes(
+    profile: ModelProfile,
+    nodes: int,
+    devices_per_node: int,
+    between_nodes_bytes_per_s: float,
+    stages: int | None = None,
+) -> Layout:
+    """PipeDream's layout of `profile` on `nodes` nodes of `devices_per_node` devices (a
+    worker each; the planner's two levels: the devices of a node, then the nodes). A forced
+    depth (`stages`) above the nodes is planned on one level of every worker: its stages fill
+    the nodes in order (slot // K). Raises PlanError (a UserError)."""
+    k = devices_per_node
+    workers = nodes * k
+    levels = [(k, NODE_DEVICES_BYTES_PER_S), (nodes, between_nodes_bytes_per_s)]
     if k == 1 or (stages is not None and stages > nodes):
-        levels = [(workers, LOOPBACK_BYTES_PER_S)]
+        levels = [(workers, between_nodes_bytes_per_s)]
     elif nodes == 1:
         levels = levels[:1]
     depth = None if stages is None else min(stages, workers)
-    planned = plan_stages(profile, workers, LOOPBACK_BYTES_PER_S, levels=levels, stages=depth)
+    planned = plan_stages(profile, workers, between_nodes_bytes_per_s, levels=levels,
+                          stages=depth)  # fmt: skip
     return tuple(planned.stages)
 
 

@@ -156,6 +156,61 @@ def test_a_hosted_pipeline_trains_on_its_nodes_through_a_lost_node(tmp_path, fau
     nodes.join()  # told to shut down by stop()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("replacement", [False, True])
+def test_nodes_of_two_devices_run_two_stage_workers_each_through_a_lost_node(
+    tmp_path, monkeypatch, replacement
+):
+    """`devices_per_node: 2`: the planner lays the job out on both nodes' two devices, each
+    node runs two stage workers on its devices 0 and 1; a node lost with its instance takes
+    both: a node that takes its place runs them on its devices 0 and 1 while the others rewind
+    in place, else the job re-plans for the node left (its two devices), from the cut."""
+    asked: list[tuple[str, int]] = []  # (node, device) of each run request, as received
+    start = PipelineNode._start
+
+    def recording(self: PipelineNode, body, *args, **kwargs) -> None:
+        asked.append((self.node_id, body.get("device")))
+        start(self, body, *args, **kwargs)  # on the CPU here: no GPU for the index to pick
+
+    monkeypatch.setattr(PipelineNode, "_start", recording)
+    token = secrets.token_bytes(32)
+    iterations = 200  # the loss is known 2 s after the fault at 10: long before the end
+    spec = _spec(iterations, min_nodes=2, stages=2, devices_per_node=2)
+    hosted = host_training(spec, token=token, host="127.0.0.1", port=0)
+    assert isinstance(hosted, HostedPipeline)
+    hosted.replace_wait_s = 8.0 if replacement else 1.0
+    nodes = Nodes(hosted.endpoint, token, "pipe-job")
+    nodes.start("n0")
+    nodes.start("n1")
+    first: dict[str, int] = {}
+
+    def fault(nodes: Nodes) -> None:
+        first.update(hosted.node_devices())
+        nodes.nodes["n1"].stop()  # gone with its instance: no heartbeat, no report
+        if replacement:
+            nodes.start("n2")
+
+    try:
+        _run(hosted, nodes, fault)
+        events = hosted.events()
+        assert first == {"n0": 2, "n1": 2}, events
+        assert sorted(asked[:4]) == [("n0", 0), ("n0", 1), ("n1", 0), ("n1", 1)]
+        if replacement:
+            assert any(e.startswith("replaced stage") and " on n2 " in e for e in events), events
+            assert not any(e.startswith(("re-planned", "joined")) for e in events), events
+            assert sorted(asked[4:]) == [("n2", 0), ("n2", 1)]  # n1's slots, alone
+            assert hosted.node_devices() == {"n0": 2, "n2": 2}
+        else:
+            assert any(e.startswith("re-planned: ") for e in events), events
+            assert sorted(asked[4:]) == [("n0", 0), ("n0", 1)]  # the re-plan's
+            assert hosted.node_devices() == {"n0": 2}
+        assert hosted.progress().iteration == iterations
+        _weights_equal_reference(hosted, tmp_path, iterations)
+    finally:
+        hosted.stop()
+    nodes.join()
+
+
 class GoneBeforeItsExitReport(PipelineNode):
     """A node whose instance goes right after its worker finished: no exit report, no more
     heartbeats."""

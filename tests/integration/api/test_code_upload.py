@@ -153,3 +153,10 @@ def test_submitting_a_pipeline_job_sizes_it_for_bidbrain_from_the_planner(tmp_pa
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert run.returncode == 0 and "parallel efficiency" not in run.stderr, run.stderr
         assert store.get_job(run.stdout.strip()).spec["gpu_work_rates"] == {"V100": 0.5}
+        # 4 stage workers an instance: sized on whole instances of 4 (9 GPUs at most: 2)
+        four = {**spec, "max_gpus": 9,
+                "training": {**spec["training"], "devices_per_node": 4}}  # fmt: skip
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(four))
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        assert "parallel efficiency on 8 GPUs (2 instances of 4)" in run.stderr

@@ -92,7 +92,10 @@ def test_a_training_job_is_given_the_types_whose_every_gpu_its_nodes_train_on() 
     every = JobSubmission.model_validate({**BASE, **types, "training": {"iterations": 10}})
     assert every.devices_per_node() == 16 and every.usable_types(catalog) == both
     capped = {**BASE, **types, "training": {"iterations": 10, "devices_per_node": 2}}
-    with pytest.raises(ValidationError, match=r"p3\.8xlarge has more than 2 GPUs"):
+    capped_refused = (
+        r"p3\.8xlarge has 4 GPUs: 2 would be paid for and idle: the job's nodes train on 2 GPUs"
+    )
+    with pytest.raises(ValidationError, match=capped_refused):
         JobSubmission.model_validate(capped)
     job = JobSubmission.model_validate(capped, context=STORED)
     assert job.usable_types(catalog) == ("p3.2xlarge",)
@@ -104,5 +107,32 @@ def test_a_training_job_is_given_the_types_whose_every_gpu_its_nodes_train_on() 
     assert any(catalog.get(t).gpu_count == 4 for t in usable)
     assert set(usable) < set(catalog.gpu_types())
     pipeline = {"iterations": 10, "code": "job.py", "parallelism": "pipeline"}
-    with pytest.raises(ValidationError, match="a pipeline stage trains on one device"):
+    with pytest.raises(ValidationError, match=r"p3\.8xlarge has 4 GPUs: 3 would be paid for"):
         JobSubmission.model_validate({**BASE, **types, "training": pipeline})
+
+
+def test_a_pipeline_of_k_workers_a_node_is_given_the_types_of_exactly_k_gpus() -> None:
+    """A pipeline node runs `devices_per_node` stage workers, one per GPU: fewer GPUs would
+    have them share, more would leave some idle; both are refused."""
+    catalog = Catalog.load()
+    pipeline = {"iterations": 10, "code": "job.py", "parallelism": "pipeline"}
+    one = JobSubmission.model_validate({**BASE, "training": pipeline})
+    assert one.devices_per_node() == 1
+    assert {catalog.get(t).gpu_count for t in one.usable_types(catalog)} == {1}
+    four = JobSubmission.model_validate({**BASE, "training": {**pipeline, "devices_per_node": 4}})
+    usable = four.usable_types(catalog)
+    assert usable and {catalog.get(t).gpu_count for t in usable} == {4}
+    assert "p3.8xlarge" in usable and "p3.2xlarge" not in usable
+    for wrong, why in (("p3.2xlarge", "4 stage workers would share"), ("p3.16xlarge", "idle")):
+        with pytest.raises(ValidationError, match=rf"{wrong} .*{why}.*exactly 4 GPUs"):
+            JobSubmission.model_validate(
+                {**BASE, "instance_types": [wrong],
+                 "training": {**pipeline, "devices_per_node": 4}}
+            )  # fmt: skip
+    # no instance type has 2 GPUs: refused at submission, and a job stored so is told why
+    two = {**BASE, "training": {**pipeline, "devices_per_node": 2}}
+    with pytest.raises(ValidationError, match=r"no instance type has exactly 2 GPUs.*1, 4, 8"):
+        JobSubmission.model_validate(two)
+    stored = JobSubmission.model_validate(two, context=STORED)
+    assert stored.usable_types(catalog) == ()
+    assert "none of the instance types" in (stored.types_refused(catalog) or "")

@@ -272,7 +272,8 @@ def test_a_training_job_is_given_only_instances_whose_every_gpu_its_nodes_train_
 ) -> None:
     """A job whose nodes train on one device each (`devices_per_node: 1`) is never given a
     p3.8xlarge (four V100s billed, one training), though the same work without that cap
-    would be: a node trains on every GPU of its instance by default."""
+    would be: a node trains on every GPU of its instance by default. A pipeline node runs a
+    stage worker per GPU: one unless the job says K, then instances of exactly K GPUs."""
     catalog = Catalog.load()
 
     def bought(job_id: str, training: dict[str, Any] | None) -> set[int]:
@@ -288,6 +289,9 @@ def test_a_training_job_is_given_only_instances_whose_every_gpu_its_nodes_train_
     assert max(bought("job-every", {"code": "job.py", "iterations": 100})) > 1
     one = {"code": "job.py", "iterations": 100, "devices_per_node": 1}
     assert bought("job-train", one) == {1}
+    pipeline = {"code": "job.py", "iterations": 100, "parallelism": "pipeline"}
+    assert bought("job-pipe", pipeline) == {1}  # a stage worker an instance
+    assert bought("job-pipe4", {**pipeline, "devices_per_node": 4}) == {4}  # exactly 4
 
 
 def test_a_training_job_stored_before_the_check_runs_on_its_one_gpu_types_or_fails_saying_why(
@@ -300,7 +304,7 @@ def test_a_training_job_stored_before_the_check_runs_on_its_one_gpu_types_or_fai
     def stored(job_id: str, types: tuple[str, ...]) -> None:
         spec = {"name": job_id, "budget_usd": 200.0, "work_gpu_hours": 40.0, "max_gpus": 8.0,
                 "instance_types": list(types), "training": training}  # fmt: skip
-        with pytest.raises(ValidationError, match="more than 1 GPU"):
+        with pytest.raises(ValidationError, match="p3.8xlarge has 4 GPUs: 3 would be paid"):
             JobSubmission.model_validate(spec)  # a new submission is refused them
         store.create_job(JobRecord.submit(job_id, spec, 200.0, T0))
 
