@@ -418,19 +418,19 @@ class HostedPipeline:
         recovery = self.recoveries[-1]
         gone = self.placement[lost]
         self._event(f"lost stage {recovery.stage} on {gone} (minibatch {self.backups.done})")
-        held = self.pool.nodes()
-        # a node of several workers: those of its workers still running survive with it
-        survivors = [n for i, n in enumerate(self.placement) if i != lost and n in held]
         # a spare can take the place of one node lost: of its one worker, or of its K if gone
         # (a node of K still here is re-planned on at once: it cannot be replaced alone)
         one_node = len({self.placement[w] for w in launch.lost}) == 1
-        waits = one_node and (self.devices_per_node == 1 or gone not in held)
+        waits = one_node and (self.devices_per_node == 1 or gone not in self.pool.nodes())
         spare = self._wait_nodes(1, self.replace_wait_s) if waits else None
         # a survivor whose worker has exited (lost after `done`) is free, but no spare
         spare = [n for n in spare or () if n not in self.placement] or None
+        held = self.pool.nodes()  # after the wait: a node may have gone meanwhile
+        # a node of several workers: those of its workers still running survive with it
+        survivors = [n for i, n in enumerate(self.placement) if i != lost and n in held]
         if self._halt.is_set() or self.backups.done >= minibatches:
             return  # a stage relaunched at the end would have nothing to run
-        if self.devices_per_node > 1 and gone not in held:  # its instance went: every worker
+        if one_node and self.devices_per_node > 1 and gone not in held:  # every worker of it
             launch.lost = [w for w, n in enumerate(self.placement) if n == gone]
         if spare and launch.can_replace(self.backups):
             with self._lock:

@@ -11,6 +11,7 @@ start from the cut.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -81,9 +82,10 @@ def logs_hint(out_dir: Path) -> str:
 
 @dataclass
 class Recovery:
-    """One lost worker: when its stage's worker was killed, the minibatch the job resumed at,
-    the layout it resumed on, how (`stage`: the lost worker alone was replaced; `restart`:
-    every worker restarted) and when the next minibatch completed after it."""
+    """One loss: when the (first) lost worker's stage was killed, the minibatch the job
+    resumed at, the layout it resumed on, how (`stage`: the lost node's workers alone were
+    replaced; `restart`: every worker restarted) and when the next minibatch completed after
+    it."""
 
     stage: int
     killed_at: float
@@ -235,12 +237,15 @@ class Launch:
         """Start new processes for the lost node's workers at the cut, and have every
         survivor rewind to the cut in place (see the module docstring)."""
         lost = list(dict.fromkeys(self.lost))
+        deadline = time.monotonic() + LEAVE_WAIT_S  # one wait for them all
+        for w in lost:  # a worker leaving on notice exits after its next backup, unless a
+            with contextlib.suppress(subprocess.TimeoutExpired):  # node-mate that left stalls it
+                self.procs[w].wait(timeout=max(0.0, deadline - time.monotonic()))
         for w in lost:
-            try:
-                self.procs[w].wait(timeout=LEAVE_WAIT_S)  # a worker leaving on notice exits
-            except subprocess.TimeoutExpired:
+            if self.procs[w].poll() is None:
                 self.procs[w].kill()
-                self.procs[w].wait()
+        for w in lost:
+            self.procs[w].wait()
         inboxes = self.inboxes  # the survivors', from this attempt's rendezvous
         old_job = self._new_attempt()
         backups.begin(self.job_id, self.workers, len(self.layout))

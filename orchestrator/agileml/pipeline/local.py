@@ -10,13 +10,14 @@ Elastic runs (`backup=True`, any schedule): after every update each stage sends 
 here, the reliable tier's copy, with the number of minibatches they include. When a worker's
 process dies (an eviction: `evict=(stage, minibatches)` injects one with SIGKILL), the job
 resumes from the cut: the last minibatch count every stage backed up. On the same layout (a
-replacement node) only the lost worker is restarted and the others rewind in place (stage-only
-recovery, `launch.Launch.replace`); after a re-plan for the nodes now held (`replan(nodes)`,
-e.g. the planner's stages for that many workers) every stage restarts with its slice of the
-cut's weights. The minibatches after the cut, in flight or not begun, are replayed. Flush and GPipe
-steps are synchronous, so their result is the same as without the eviction; 1F1B and 2BW
-refill the pipeline from that cut (every stage's weights include exactly the same minibatches),
-so the replayed minibatches see fresher weights than they would have: close, not equal.
+replacement node) only the lost node's workers are restarted and the others rewind in place
+(stage-only recovery, `launch.Launch.replace`); after a re-plan for the nodes now held
+(`replan(nodes)`, e.g. the planner's stages for that many workers) every stage restarts with
+its slice of the cut's weights. The minibatches after the cut, in flight or not begun, are
+replayed. Flush and GPipe steps are synchronous, so their result is the same as without the
+eviction; 1F1B and 2BW refill the pipeline from that cut (every stage's weights include exactly
+the same minibatches), so the replayed minibatches see fresher weights than they would have:
+close, not equal.
 """
 
 from __future__ import annotations
@@ -141,8 +142,9 @@ def run_pipeline(
     With `devices_per_node` K a node runs the workers of K consecutive slots (see
     `PlannedStage.slots`; `replan` is asked for nodes, each of K workers), and a worker lost
     loses its node: the job re-plans without it.
-    A lost worker on an unchanged layout (no `replan`) is replaced alone while the others
-    rewind in place to the cut (`recovery="stage"`, when a cut past the start exists), or
+    A lost node on an unchanged layout (no `replan`) has its workers replaced (every one of
+    them seen lost) while the others rewind in place to the cut (`recovery="stage"`, when a
+    cut past the start exists), or
     every worker restarts from the cut (`recovery="restart"`, and after a re-plan).
     `on_backup(minibatches, losses)` is called as the input stage backs up weights including
     that many minibatches, with the losses of every minibatch so far (progress).
