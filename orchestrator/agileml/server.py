@@ -219,11 +219,11 @@ class ParamServer(ServerLoop):
                 if p not in owned:
                     self._store.drop_partition(p, 0)
                     self._forget_copies(p)
-                    for held in self._held.pop(p, []):  # refused: their workers retry the step
-                        frames = self._encode(
-                            MessageKind.ERROR, held.seq, partition=p, detail="not owned here"
-                        )
-                        self._post([(held.identity, frames)])
+                    self._post([  # refused: their workers retry the step
+                        (h.identity, self._encode(MessageKind.ERROR, h.seq, partition=p,
+                                                  detail="not owned here"))
+                        for h in self._held.pop(p, [])
+                    ])  # fmt: skip
                 self._post(self._unpark(p, "not owned here"))
             for p in self._backup.owned():
                 if p not in backed:
@@ -453,10 +453,12 @@ class ParamServer(ServerLoop):
                 self._forget_copies(p)
                 self._moving.discard(p)
                 self._moved[p] = (new_owner, version)
-                for held in self._held.pop(p, []):
-                    self._stats = replace(self._stats, rejected=self._stats.rejected + 1)
-                    frames = self._encode(MessageKind.ERROR, held.seq, partition=p, detail=detail)
-                    self._post([(held.identity, frames)])
+                refused = self._held.pop(p, [])
+                self._stats = replace(self._stats, rejected=self._stats.rejected + len(refused))
+                self._post([
+                    (h.identity, self._encode(MessageKind.ERROR, h.seq, partition=p, detail=detail))
+                    for h in refused
+                ])  # fmt: skip
             finally:  # the receiver has p either way: nothing parked is kept waiting
                 self._post(self._unpark(p, detail))
             self._stats = replace(self._stats, handoffs_sent=self._stats.handoffs_sent + 1)

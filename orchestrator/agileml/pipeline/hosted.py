@@ -314,7 +314,6 @@ class HostedPipeline:
         backup_to, resumed_m, resumed = self._place_backups(nodes, sizes)
         layout = self._plan(profile, len(nodes))
         m = self.microbatches = resumed_m or microbatches_for(spec.global_batch, len(layout))
-        k = self.devices_per_node
         if isinstance(self.backups, RemoteBackups):
             self.backups.microbatches = m
         minibatches = spec.iterations * m
@@ -327,7 +326,7 @@ class HostedPipeline:
                       vertical_sync=False, backup=True, backup_to=backup_to)  # fmt: skip
         launch = Launch(self.ctx, self.inbox, "tcp://supervisor", self._token, self.out_dir,
                         time.monotonic() + 1e9, common, spawn=self._spawn,
-                        devices_per_node=k)  # fmt: skip
+                        devices_per_node=self.devices_per_node)  # fmt: skip
         self._check(launch, layout, minibatches - resumed)
         losses: dict[int, float] = {}
         self._start(launch, layout, nodes)
@@ -440,7 +439,7 @@ class HostedPipeline:
             recovery.mode, recovery.resumed_minibatch = "stage", self.backups.done
             recovery.layout = self.layout
             stages = sorted({launch.workers[w][0] for w in launch.lost})
-            named = f"stage {stages[0]}" if len(stages) == 1 else f"stages {_listed(stages)}"
+            named = f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
             self._event(f"replaced {named} on {spare[0]} from iteration "
                         f"{self.backups.done // self.microbatches}")  # fmt: skip
             return
@@ -474,8 +473,7 @@ class HostedPipeline:
 
     def _plan(self, profile: ModelProfile, nodes: int) -> Layout:
         """The layout on `nodes` nodes of `devices_per_node` stage workers each."""
-        k = self.devices_per_node
-        stages = self.spec.stages
+        k, stages = self.devices_per_node, self.spec.stages
         return plan_on_nodes(profile, nodes, k, INSTANCE_BYTES_PER_S, stages)
 
     def _start(self, launch: Launch, layout: Layout, nodes: list[str]) -> None:
@@ -538,7 +536,3 @@ class HostedPipeline:
             self._iteration = self.spec.iterations
             self._done = True
         self._event(f"done: {self.spec.iterations} iterations")
-
-
-def _listed(numbers: list[int]) -> str:
-    return ", ".join(map(str, numbers))

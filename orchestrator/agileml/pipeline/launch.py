@@ -221,17 +221,21 @@ class Launch:
         """The nodes the running layout is on."""
         return len(self.workers) // self.devices_per_node
 
+    def workers_on(self, node: int) -> set[int]:
+        """The workers that run on `node`."""
+        return {w for w in range(len(self.workers)) if self.node_of(w) == node}
+
     def can_replace(self, backups: Backups) -> bool:
         """Whether `replace` can recover: the workers lost are one node's (every one of its
         `devices_per_node`), every other one still running, and a cut past the start to
         rewind to."""
         lost = set(self.lost)
         nodes = {self.node_of(w) for w in lost}
-        whole = {w for w in range(len(self.workers)) if self.node_of(w) in nodes}
+        whole = len(nodes) == 1 and lost == self.workers_on(nodes.pop())
         others = [p for w, p in enumerate(self.procs) if w not in lost]
         alive = all(p.poll() is None for p in others)
         met = len(self.inboxes) == len(self.procs)  # this attempt's rendezvous completed
-        return len(nodes) == 1 and lost == whole and alive and met and backups.done > 0
+        return whole and alive and met and backups.done > 0
 
     def replace(self, backups: Backups) -> None:
         """Start new processes for the lost node's workers at the cut, and have every
@@ -431,10 +435,8 @@ class Launch:
         k = min(k, len(self.layout) - 1)  # the layout may have shrunk since
         notice = fault.kind == "evict"
         victim = self.workers.index((k, 0))
-        hit = [victim] if fault.kind == "kill-device" else [
-            w for w in range(len(self.workers)) if self.node_of(w) == self.node_of(victim)
-        ]  # fmt: skip
-        for w in hit:
+        hit = {victim} if fault.kind == "kill-device" else self.workers_on(self.node_of(victim))
+        for w in sorted(hit):
             self.procs[w].send_signal(signal.SIGUSR1 if notice else signal.SIGKILL)
         recoveries.append(Recovery(k, time.time(), 0, (), notice=notice))
 
