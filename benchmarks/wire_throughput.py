@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import multiprocessing as mp
 import statistics
@@ -42,7 +43,7 @@ import torch.distributed as dist
 import zmq
 
 from benchmarks.ddp_baseline import run_ranks
-from orchestrator.agileml import wire
+from orchestrator.agileml import chunks, wire
 from orchestrator.agileml.server import ParamServer
 from orchestrator.agileml.wire import MessageKind
 from orchestrator.cloud.local.redis_process import free_port
@@ -74,11 +75,14 @@ def _median_seconds(run: Callable[[], object], repeats: int) -> float:
 # -- the ParamServer path -----------------------------------------------------------------
 
 
-def _serve_partitions(sizes_mb: list[int], conn: Any) -> None:
-    """Child process: a ParamServer owning partition i of sizes_mb[i] floats (zeros)."""
+def _serve_partitions(sizes_mb: list[int], conn: Any, chunk_bytes: int) -> None:
+    """Child process: a ParamServer owning partition i of sizes_mb[i] floats (zeros), its
+    pull replies in chunks of `chunk_bytes`."""
     torch.set_num_threads(1)  # as a node's process (OMP_NUM_THREADS=1)
     limit = 2 * max(sizes_mb) * MB + wire.MAX_HEADER_BYTES
-    server = ParamServer("ps-0", job_id=JOB, token=TOKEN, max_message_bytes=limit)
+    server = ParamServer(
+        "ps-0", job_id=JOB, token=TOKEN, max_message_bytes=limit, chunk_bytes=chunk_bytes
+    )
     for p, size in enumerate(sizes_mb):
         server.add_partition(p, torch.zeros(_floats(size)))
     server.register_workers([WORKER])
@@ -90,7 +94,9 @@ def _serve_partitions(sizes_mb: list[int], conn: Any) -> None:
 class _Worker:
     """One worker's DEALER socket to the server, framing as `worker_link` does."""
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.assembler = chunks.Assembler()
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
@@ -103,12 +109,25 @@ class _Worker:
         self.seq += 1
         fields = {"kind": kind, "job_id": JOB, "sender": WORKER, "seq": self.seq,
                   "partition": p, "clock": clock}  # fmt: skip
-        frames = wire.encode(fields, tensors, TOKEN, zero_copy=True, max_message_bytes=self.limit)
-        self.sock.send_multipart(frames, copy=False)
-        if not self.sock.poll(TIMEOUT_MS):
-            raise RuntimeError(f"no reply to {kind} of partition {p}")
-        got = self.sock.recv_multipart(copy=False)
-        header, out = wire.decode([f.buffer for f in got], TOKEN, max_message_bytes=self.limit)
+        message: list[chunks.Frame] | chunks.ChunkedMessage
+        if chunks.chunked(tensors, self.chunk_bytes):
+            ((name, tensor),) = tensors.items()
+            message = chunks.ChunkedMessage(
+                fields, name, tensor, TOKEN, chunk_bytes=self.chunk_bytes
+            )
+        else:
+            message = list(wire.encode(fields, tensors, TOKEN, zero_copy=True,
+                                       max_message_bytes=self.limit))  # fmt: skip
+        chunks.send(self.sock, [], message)
+        while True:
+            if not self.sock.poll(TIMEOUT_MS):
+                raise RuntimeError(f"no reply to {kind} of partition {p}")
+            got = self.sock.recv_multipart(copy=False)
+            header, out = wire.decode([f.buffer for f in got], TOKEN, max_message_bytes=self.limit)
+            whole = self.assembler.add(header.seq, header, out, buffer_key=p)
+            if whole is not None:
+                break
+        header, out = whole
         if header.kind is MessageKind.ERROR:
             raise RuntimeError(f"{kind} refused: {header.detail}")
         return header, out
@@ -141,13 +160,13 @@ def _push_and_pull(worker: _Worker, p: int, size: int, repeats: int) -> dict[str
 
 
 @contextlib.contextmanager
-def _child(target: Callable[..., None], sizes_mb: list[int]) -> Iterator[str]:
+def _child(target: Callable[..., None], sizes_mb: list[int], *args: Any) -> Iterator[str]:
     """A spawned process running `target(sizes_mb, conn)`, which sends its endpoint over
     `conn`; yields the endpoint. On exit the child is told "done" over the pipe (or its socket
     was told to stop) and killed if it is still there 30 s later."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(sizes_mb, child), daemon=True)
+    proc = ctx.Process(target=target, args=(sizes_mb, child, *args), daemon=True)
     proc.start()
     try:
         if not parent.poll(60):
@@ -160,13 +179,13 @@ def _child(target: Callable[..., None], sizes_mb: list[int]) -> Iterator[str]:
             proc.kill()
 
 
-def _agileml(sizes_mb: list[int], repeats: int) -> dict[int, dict[str, float]]:
+def _agileml(sizes_mb: list[int], repeats: int, chunk_bytes: int) -> dict[int, dict[str, float]]:
     zctx = zmq.Context()
     try:
-        with _child(_serve_partitions, sizes_mb) as endpoint:
+        with _child(_serve_partitions, sizes_mb, chunk_bytes) as endpoint:
             out = {}
             for p, size in enumerate(sizes_mb):
-                worker = _Worker(zctx, endpoint)
+                worker = _Worker(zctx, endpoint, chunk_bytes)
                 out[size] = _push_and_pull(worker, p, size, repeats)
                 worker.sock.close(linger=0)  # frees the last reply's frames
             return out
@@ -295,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", default="4,16,64,256",
                         help="partition sizes in MB, comma-separated (1-1024)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per figure (1-100)")
+    parser.add_argument("--chunk-mb", type=float, default=chunks.CHUNK_BYTES / 2**20,
+                        help="pushes and pull replies over this many MiB go in chunks of it "
+                             "(the runtime's default); 0: never (one message each, as "
+                             "before chunks)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes_mb.split(",")]
@@ -304,10 +327,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sizes-mb: each size must be 1-1024 MB")
     if not 1 <= args.repeats <= 100:
         parser.error("--repeats must be 1-100")
+    if not 0 <= args.chunk_mb <= 1024:
+        parser.error("--chunk-mb must be 0-1024")
+    chunk_bytes = int(args.chunk_mb * 2**20) or 2**62
     torch.set_num_threads(1)
-    result: dict[str, Any] = {"sizes_mb": sizes, "repeats": args.repeats}
-    for name, run in (("agileml", _agileml), ("raw_zmq", _raw_zmq),
-                      ("gloo_allreduce", _gloo), ("parts", _parts)):  # fmt: skip
+    result: dict[str, Any] = {"sizes_mb": sizes, "repeats": args.repeats,
+                              "chunk_mb": args.chunk_mb}  # fmt: skip
+    runs: tuple[tuple[str, Callable[[list[int], int], Any]], ...] = (
+        ("agileml", functools.partial(_agileml, chunk_bytes=chunk_bytes)),
+        ("raw_zmq", _raw_zmq), ("gloo_allreduce", _gloo), ("parts", _parts),
+    )  # fmt: skip
+    for name, run in runs:
         print(f"measuring {name}...", file=sys.stderr, flush=True)
         result[name] = run(sizes, args.repeats)
     raw, ours = result["raw_zmq"], result["agileml"]

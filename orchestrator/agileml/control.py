@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import zmq
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.agileml import wire
+from orchestrator.agileml import chunks, wire
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, WireError
 from orchestrator.agileml.peers import PeerInboxes
@@ -252,7 +252,7 @@ class ControlClient:
         try:
             while (left := deadline - time.monotonic()) > 0:
                 slice_s = left if gone is None else min(left, GONE_CHECK_S)
-                got = wire.await_reply(sock, self._seq, self._token, slice_s)
+                got = chunks.await_reply(sock, self._seq, self._token, slice_s)
                 if got is not None:
                     break
                 if gone is not None and gone():

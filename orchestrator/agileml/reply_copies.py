@@ -10,6 +10,7 @@ clone ran at ~2.6 GB/s here, a copy into a used one at ~20).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,14 +64,23 @@ class ReplyCopies:
     def track(self, p: int, frames: list[bytes | memoryview]) -> list[bytes | memoryview]:
         """`frames` of a reply whose last frame is partition p's current copy, with that frame
         tracked (the copy is not reused until ZMQ has sent or dropped it)."""
-        current = self._current.get(p)
         last = frames[-1]
-        if current is None or not isinstance(last, memoryview):
+        if p not in self._current or not isinstance(last, memoryview):
             return frames  # an empty partition: its bytes are copied into the message
-        frame = zmq.Frame(last, track=True)
-        current.trackers = [t for t in current.trackers if not t.done]
-        current.trackers.append(frame.tracker)
-        return [*frames[:-1], frame]  # type: ignore[list-item]
+        return [*frames[:-1], self.tracked(p)(last)]  # type: ignore[list-item]
+
+    def tracked(self, p: int) -> Callable[[memoryview], zmq.Frame]:
+        """What frames a part of partition p's current copy (a chunk of a reply in several:
+        `chunks.ChunkedMessage`'s `frame`), tracked as `track` does."""
+        current = self._current[p]
+
+        def frame(buffer: memoryview) -> zmq.Frame:
+            tracked = zmq.Frame(buffer, track=True)
+            current.trackers = [t for t in current.trackers if not t.done]
+            current.trackers.append(tracked.tracker)
+            return tracked
+
+        return frame
 
     def forget(self, p: int) -> None:
         """Partition p is no longer served here."""

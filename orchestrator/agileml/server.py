@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.agileml import wire
+from orchestrator.agileml import chunks, wire
 from orchestrator.agileml.clipping import coefficient_of, coefficient_tensors
 from orchestrator.agileml.errors import (
     HandoffError,
@@ -135,6 +135,7 @@ class ParamServer(ServerLoop):
         port: int = 0,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         control: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        chunk_bytes: int | None = None,
     ) -> None:
         super().__init__(
             node_id,
@@ -144,6 +145,7 @@ class ParamServer(ServerLoop):
             port=port,
             max_message_bytes=max_message_bytes,
             control=control,
+            chunk_bytes=chunk_bytes,
         )
         self._store = PartitionStore()
         # copies of partitions this server backs up: off the workers' path, so it keeps no
@@ -851,13 +853,26 @@ class ParamServer(ServerLoop):
         consistent = self._store.consistent_clock(p)
         values, generation = self._store.live_values(p)
         copies = self._reply_copies[torch.bfloat16 if pull.bf16 else torch.float32]
+        clock = pull.min_clock if consistent is None else consistent
+        tensors = {"values": copies.copy_of(p, values, generation)}
+        if chunks.chunked(tensors, self._chunk_bytes):  # signed as it is sent, chunk by chunk
+            fields = self._header(MessageKind.PULL_REPLY, pull.seq, partition=p, clock=clock)
+            reply = chunks.ChunkedMessage(
+                fields,
+                "values",
+                tensors["values"],
+                self._token,
+                chunk_bytes=self._chunk_bytes,
+                frame=copies.tracked(p),
+            )
+            return pull.identity, reply
         frames = self._encode(
             MessageKind.PULL_REPLY,
             pull.seq,
-            partition=p,
-            clock=pull.min_clock if consistent is None else consistent,
-            tensors={"values": copies.copy_of(p, values, generation)},
+            tensors=tensors,
             zero_copy=True,
+            partition=p,
+            clock=clock,
         )
         return pull.identity, copies.track(p, frames)
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 import zmq
 
-from orchestrator.agileml import checkpoints, wire
+from orchestrator.agileml import checkpoints, chunks, wire
 from orchestrator.agileml.control import TrainingSpec, View
 from orchestrator.agileml.elasticity import RolePlan, assign_partitions
 from orchestrator.agileml.errors import AgileMLError, PartitionsLostError
@@ -391,7 +391,7 @@ def pull_partitions(
                 "epoch": view.epoch,
             }
             sock.send_multipart(wire.encode(header, {}, token))
-            got = wire.await_reply(sock, p, token, timeout_s)
+            got = chunks.await_reply(sock, p, token, timeout_s)
             if got is None:
                 raise AgileMLError(f"partition {p}: no answer from {owner}")
             reply, tensors = got

@@ -32,7 +32,7 @@ from typing import Any, Self
 import torch
 import zmq
 
-from orchestrator.agileml import wire
+from orchestrator.agileml import chunks, wire
 from orchestrator.agileml.drops import DropLog
 from orchestrator.agileml.errors import HandoffError, ServerError, WireError, WireReason
 from orchestrator.agileml.rejections import ROUTINE_REJECTIONS, RejectedError, RejectReason
@@ -48,7 +48,8 @@ POLL_INTERVAL_MS = 50  # how often the server thread checks for stop() while idl
 STOP_TIMEOUT_SECONDS = 5.0  # stop() gives the thread this long to exit
 
 Frames = list[bytes | memoryview]
-Reply = tuple[bytes, Frames]
+#: (the requester's identity, the reply's frames or its chunks)
+Reply = tuple[bytes, Frames | chunks.ChunkedMessage]
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,16 @@ class ServerLoop:
         port: int = 0,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         control: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        chunk_bytes: int | None = None,
     ) -> None:
         self.node_id = node_id
         self.job_id = job_id
         self._token = token
         self._address = f"tcp://{host}:{port}"
         self._max_message_bytes = max_message_bytes
+        self._chunk_bytes = chunk_bytes  # pull replies of larger values go in chunks (None: the
+        # default, `chunks.CHUNK_BYTES`)
+        self._assembler = chunks.Assembler()  # chunked pushes, by (sender identity, partition)
         self._control = control  # the AgileML node's handler of `control` ops it owns
         self._outbox: list[Reply] = []  # replies from other threads, sent by the serve thread
         self._wake_fds: tuple[int, int] | None = None  # (read, write): see `_post`
@@ -172,7 +177,7 @@ class ServerLoop:
                     outbox, self._outbox = self._outbox, []
                     stream, self._stream_out = self._stream_out, []
                 for identity, frames in outbox:
-                    sock.send_multipart([identity, *frames], copy=False)
+                    chunks.send(sock, [identity], frames)
                 for endpoint, frames in stream:
                     dealer = backup_socks.get(endpoint)
                     if dealer is None:
@@ -202,7 +207,7 @@ class ServerLoop:
                     except Exception as exc:  # noqa: BLE001 - one message never ends the loop
                         replies = self._drop(f"handling failed: {exc!r}")
                     for identity, frames in replies:
-                        sock.send_multipart([identity, *frames], copy=False)
+                        chunks.send(sock, [identity], frames)
         except Exception as exc:  # the socket itself failed: its node must fail, not idle on
             log.exception("param server crashed", extra={"node": self.node_id})
             self.crashed = f"this node's parameter server stopped serving: {exc!r}"
@@ -254,12 +259,16 @@ class ServerLoop:
             header, tensors = wire.decode(
                 frames, self._token, max_message_bytes=self._max_message_bytes
             )
+            whole = self._assembler.add((identity, header.partition), header, tensors)
         except WireError as exc:
             self._refusals.drop(str(exc))
             seq = 0 if exc.reason in UNAUTHENTICATED else _authenticated_seq(frames)
             with self._lock:
                 self._stats = replace(self._stats, rejected=self._stats.rejected + 1)
             return [(identity, self._encode(MessageKind.ERROR, seq, detail=str(exc.reason)))]
+        if whole is None:
+            return []  # a chunk of a push, more to come
+        header, tensors = whole
         if header.kind is MessageKind.CONTROL and header.job_id == self.job_id:
             return self._on_control(identity, header, tensors)
         with self._lock:
@@ -317,7 +326,7 @@ class ServerLoop:
             sock.connect(endpoint)
             sock.send_multipart(frames)
             try:
-                got = wire.await_reply(sock, seq, self._token, timeout_s)
+                got = chunks.await_reply(sock, seq, self._token, timeout_s)
             except WireError as exc:
                 raise HandoffError(p, str(exc.reason), outcome_unknown=True) from exc
             if got is None:
@@ -371,8 +380,12 @@ class ServerLoop:
         zero_copy: bool = False,
         **fields: Any,
     ) -> list[bytes | memoryview]:
-        header = {"kind": kind, "job_id": self.job_id, "sender": self.node_id, "seq": seq, **fields}
+        header = self._header(kind, seq, **fields)
         return wire.encode(header, tensors or {}, self._token, zero_copy=zero_copy)
+
+    def _header(self, kind: MessageKind, seq: int, **fields: Any) -> dict[str, Any]:
+        """The header fields of a message from this server."""
+        return {"kind": kind, "job_id": self.job_id, "sender": self.node_id, "seq": seq, **fields}
 
     def _reject(self, identity: bytes, seq: int, reason: str) -> Reply:
         with self._lock:

@@ -31,7 +31,6 @@ import hmac
 import json
 import math
 import secrets
-import time
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any
@@ -44,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from orchestrator.agileml.errors import WireError, WireReason
 from orchestrator.units import INT64_MAX
 
-PROTOCOL_VERSION = 4  # 4: bfloat16 pushes and pull replies (`wire_precision`)
+PROTOCOL_VERSION = 5  # 5: large pushes and pull replies in chunks (`Header.chunk`, `chunks`)
 # 256 MiB: a generous bound for one partition of a large model; a DoS guard, not a quota.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 #: The header frame's bound (a handoff's worker names are the largest header).
@@ -122,6 +121,8 @@ class MessageKind(StrEnum):
 #: The only messages whose tensors may be bfloat16 (`wire_precision`): a worker's gradient
 #: and the values a server answers it with. Anywhere else it is refused as a bad dtype.
 BFLOAT16_KINDS = frozenset({MessageKind.PUSH, MessageKind.PULL_REPLY})
+#: The only messages that may carry a chunk of a larger tensor (`Header.chunk`, `chunks`).
+CHUNKED_KINDS = frozenset({MessageKind.PUSH, MessageKind.PULL_REPLY})
 #: What a push's delta and a pull reply's values may be (bfloat16: `wire_precision`).
 VALUE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -149,7 +150,8 @@ class Header(BaseModel):
     minimum clock it must see, a push the clock of its update. `detail` explains an `error`.
     `workers` names the workers a `handoff` snapshot's `applied` pairs refer to (by index);
     `epoch` is the epoch a request was made in, `roster_version` the roster a push was computed
-    with (see `server.ParamServer`). These three are left out of messages that do not set them.
+    with (see `server.ParamServer`), `chunk` where a chunk of a large tensor goes (`chunks`).
+    These are left out of messages that do not set them.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -166,6 +168,10 @@ class Header(BaseModel):
     workers: Annotated[tuple[Name, ...], Field(max_length=MAX_WORKERS)] | None = None
     epoch: Count | None = None
     roster_version: Count | None = None
+    # (offset, total): the message's one tensor is elements [offset, offset + its size) of a
+    # 1-D tensor of `total` elements sent in several messages (`chunks`); pushes and pull
+    # replies only
+    chunk: tuple[Count, Count] | None = None
 
 
 def canonical_json(obj: Mapping[str, Any]) -> bytes:
@@ -301,7 +307,24 @@ def decode(
         header = Header.model_validate_json(raw)
     except ValidationError as exc:
         raise WireError(WireReason.SCHEMA, _first_error(exc)) from None
-    return header, _tensors(header, buffers)
+    tensors = _tensors(header, buffers)
+    if header.chunk is not None:
+        _check_chunk(header, tensors, max_message_bytes)
+    return header, tensors
+
+
+def _check_chunk(header: Header, tensors: dict[str, torch.Tensor], max_bytes: int) -> None:
+    """A chunk is one 1-D tensor within its whole, of a kind that may be chunked, and the
+    whole within the bound of one message (what a receiver allocates for it)."""
+    assert header.chunk is not None
+    offset, total = header.chunk
+    if header.kind not in CHUNKED_KINDS or len(tensors) != 1:
+        raise WireError(WireReason.SCHEMA, f"a chunk of one tensor in a {header.kind}")
+    (piece,) = tensors.values()
+    if piece.dim() != 1 or not piece.numel() or offset + piece.numel() > total:
+        raise WireError(WireReason.SCHEMA, f"chunk {header.chunk} of {tuple(piece.shape)}")
+    if total * piece.dtype.itemsize > max_bytes:
+        raise WireError(WireReason.TOO_LARGE, f"a chunked tensor over {max_bytes} bytes")
 
 
 def _tensors(header: Header, buffers: list[memoryview]) -> dict[str, torch.Tensor]:
@@ -434,22 +457,3 @@ def process_context() -> zmq.Context[Any]:
     """The process's one shared ZMQ context, never terminated: `inproc://` endpoints connect only
     within one context, so a server and the worker of the same node both use this one."""
     return zmq.Context.instance()
-
-
-def await_reply(
-    sock: Any, seq: int, token: bytes, timeout_s: float
-) -> tuple[Header, dict[str, torch.Tensor]] | None:
-    """Wait on a DEALER socket for the authenticated reply to request `seq`; replies to other
-    (earlier, abandoned) requests are skipped. None after `timeout_s`.
-
-    Raises:
-        WireError: a reply that fails `decode` (it cannot be trusted).
-    """
-    deadline = time.monotonic() + timeout_s
-    while (remaining_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-        if not sock.poll(remaining_ms):
-            return None
-        header, tensors = decode(sock.recv_multipart(), token)
-        if header.seq == seq:
-            return header, tensors
-    return None

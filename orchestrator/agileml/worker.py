@@ -47,6 +47,7 @@ from orchestrator.agileml.batches import (
     micro_batches,
     to_device,
 )
+from orchestrator.agileml.chunks import Assembler
 from orchestrator.agileml.errors import AgileMLError, WorkerError
 from orchestrator.agileml.loading import AHEAD, LoaderRows
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
@@ -165,6 +166,7 @@ class Worker(ServerRequests):
         self._preloaded: dict[tuple[str, int, int], tuple[int, Batch]] = {}
         # requests sent and not answered: seq -> (their round, index in it)
         self._outstanding: dict[int, tuple[Round, int]] = {}
+        self._assembler = Assembler()  # chunked pull replies (`chunks`), by request seq
         # overlap (see `streams`): only with several partitions and contiguous parameters;
         # streaming pulls only where every read of a parameter is a torch operation we see
         self._params = layout.params(self._model)  # layout order; the model never changes

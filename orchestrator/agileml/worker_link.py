@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import zmq
 
-from orchestrator.agileml import wire
+from orchestrator.agileml import chunks, wire
 from orchestrator.agileml.clipping import (
     answer_from_tensors,
     coefficient,
@@ -110,6 +110,7 @@ class ServerRequests:
     _first_reply_at: float | None
     # requests sent and not answered: seq -> (their round, index in it)
     _outstanding: dict[int, tuple[Round, int]]
+    _assembler: chunks.Assembler
 
     def _phase(self, name: str) -> None:
         """The fault-injection hook of the phase `name` (the worker's)."""
@@ -231,7 +232,9 @@ class ServerRequests:
                     helped_s += helped
                     continue
                 while sock.poll(0):
-                    self._on_reply(*self._receive(sock))
+                    reply = self._receive(sock)
+                    if reply is not None:
+                        self._on_reply(*reply)
         return helped_s
 
     def _on_reply(self, header: wire.Header, tensors: dict[str, torch.Tensor]) -> None:
@@ -297,9 +300,14 @@ class ServerRequests:
             fields["detail"] = wire.PULL_BF16
         sock = self._socket(self.table.owner(p))
         # pushes frame the fresh gradient in place; nothing changes it after this
-        frames = wire.encode(fields, tensors, self._token, zero_copy=True)
+        message: list[chunks.Frame] | chunks.ChunkedMessage
+        if kind is MessageKind.PUSH and chunks.chunked(tensors):
+            ((name, tensor),) = tensors.items()
+            message = chunks.ChunkedMessage(fields, name, tensor, self._token)
+        else:
+            message = list(wire.encode(fields, tensors, self._token, zero_copy=True))
         try:
-            sock.send_multipart(frames, copy=False)
+            chunks.send(sock, [], message)
         except zmq.Again as exc:
             raise WorkerError(self.spec.worker_id, "timeout") from exc
 
@@ -309,10 +317,15 @@ class ServerRequests:
         pushed shares, and past 256 be rounded in the model)."""
         return self.spec.wire_precision == "bf16" and not self.layout.holds_buffers(p)
 
-    def _receive(self, sock: zmq.Socket[Any]) -> tuple[wire.Header, dict[str, torch.Tensor]]:
+    def _receive(self, sock: zmq.Socket[Any]) -> tuple[wire.Header, dict[str, torch.Tensor]] | None:
+        """The next reply on `sock`, whole: None for a chunk of one not complete yet (its
+        values stay valid until the next pull of its partition: `chunks.Assembler`)."""
         try:
             frames = sock.recv_multipart(copy=False)
-            return wire.decode([f.buffer for f in frames], self._token)
+            header, tensors = wire.decode([f.buffer for f in frames], self._token)
+            if header.chunk is None or header.seq not in self._outstanding:
+                return header, tensors  # a late one is dropped by `_on_reply`
+            return self._assembler.add(header.seq, header, tensors, buffer_key=header.partition)
         except WireError as exc:
             raise WorkerError(self.spec.worker_id, f"bad reply: {exc.reason}") from exc
 

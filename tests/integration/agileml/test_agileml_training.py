@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from orchestrator.agileml import chunks
 from orchestrator.agileml.batches import TensorRows
 from orchestrator.agileml.errors import WorkerError
 from orchestrator.agileml.examples import (
@@ -289,3 +291,46 @@ def test_an_fp16_iteration_redone_after_a_failed_push_computes_at_the_same_scale
         worker.step()  # the redo: the same scale, the same NaN pushes
         assert worker._loss_scale.exponent == 15 and worker.skipped_clocks == {0}
         worker.close()
+
+
+def _count_chunked_sends(monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -> list[bool]:
+    """Large messages in chunks of `chunk_bytes`; returns, per message sent, whether it went
+    in chunks."""
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", chunk_bytes)
+    sent: list[bool] = []
+    send = chunks.send
+
+    def counted(sock: Any, prefix: list[bytes], message: Any) -> None:
+        sent.append(isinstance(message, chunks.ChunkedMessage))
+        send(sock, prefix, message)
+
+    monkeypatch.setattr(chunks, "send", counted)
+    return sent
+
+
+@pytest.mark.parametrize("inproc", [True, False])
+def test_pushes_and_pull_replies_in_chunks_train_the_same_weights(
+    monkeypatch: pytest.MonkeyPatch, inproc: bool
+) -> None:
+    """Partitions of ~72 KB pushed and pulled in chunks of 5,000 bytes: the same weights to
+    the bit as in one message each (in process the chunks are the sender's memory too)."""
+    whole = _two_workers_one_in_process(inproc=inproc)
+    sent = _count_chunked_sends(monkeypatch, 5000)
+    in_chunks = _two_workers_one_in_process(inproc=inproc)
+    assert sent.count(True) >= 2 * 2 * 4 * 2  # every push and every pull reply
+    assert all(torch.equal(a, b) for a, b in zip(whole, in_chunks, strict=True))
+
+
+def test_overlapped_pulls_in_chunks_load_the_same_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pulls that stream into the forward pass, each reply in chunks of 256 bytes."""
+
+    def run() -> list[torch.Tensor]:
+        result = train_local(_deep_mlp, DATA, num_workers=2, num_servers=2, num_partitions=3,
+                             iterations=6, batch_size=32, lr=0.2, seed=5, overlap=True)  # fmt: skip
+        return [p.detach().clone() for p in result.final_model.parameters()]
+
+    whole = run()
+    sent = _count_chunked_sends(monkeypatch, 256)
+    in_chunks = run()
+    assert sent.count(True) > 0
+    assert all(torch.equal(a, b) for a, b in zip(whole, in_chunks, strict=True))
