@@ -154,6 +154,8 @@ class _Watch:
     hosted: Hosted | None = None
     loss_at_start: float = math.nan
     last_loss: float = math.nan
+    # until a loss is known the status line shows "-" (a NaN there would read as divergence)
+    loss_seen: bool = False
     next_loss_s: float = 0.0
     earlier_events: list[str] = field(default_factory=list)  # of runtimes restarted since
 
@@ -278,7 +280,7 @@ def _measure_loss(watch: _Watch, world: OfflineWorld) -> None:
         return
     loss = watch.hosted.model_loss()
     if loss is not None:
-        watch.last_loss = loss
+        watch.last_loss, watch.loss_seen = loss, True
 
 
 def _inject_eviction(world: OfflineWorld, now_s: float) -> int:
@@ -303,11 +305,12 @@ def _progress(
     spent = world.controller.spend_usd(JOB_ID, now_s)
     pct = 100.0 * min(record.work_done_gpu_hours / job.work_gpu_hours, 1.0)
     trained = 0 if watch.hosted is None else watch.hosted.progress().iteration
+    loss = f"{watch.last_loss:.3f}" if watch.loss_seen else "-"
     line = (
         f"t+{(now_s - world.clock.start_s) / SECONDS_PER_HOUR:5.2f} h  work {pct:5.1f}%  "
         f"trained {trained}/{(job.training or {}).get('iterations', 0)}  "
         f"spent ${spent:7.2f} / ${job.budget_usd:g}  nodes: {len(alive) - spot} reliable, "
-        f"{spot} spot  evictions {len(world.replayer.evictions)}  loss {watch.last_loss:.3f}  "
+        f"{spot} spot  evictions {len(world.replayer.evictions)}  loss {loss}  "
         f"[{record.state}]"
     )
     if console.is_terminal:
