@@ -109,6 +109,7 @@ class _Worker:
         self.seq += 1
         fields = {"kind": kind, "job_id": JOB, "sender": WORKER, "seq": self.seq,
                   "partition": p, "clock": clock}  # fmt: skip
+        self.assembler.reset()  # the last reply's values are read: its buffer is reused
         message: list[chunks.Frame] | chunks.ChunkedMessage
         if chunks.chunked(tensors, self.chunk_bytes):
             ((name, tensor),) = tensors.items()
@@ -124,7 +125,7 @@ class _Worker:
                 raise RuntimeError(f"no reply to {kind} of partition {p}")
             got = self.sock.recv_multipart(copy=False)
             header, out = wire.decode([f.buffer for f in got], TOKEN, max_message_bytes=self.limit)
-            whole = self.assembler.add(header.seq, header, out, buffer_key=p)
+            whole = self.assembler.add(header.seq, header, out, pool_key=p)
             if whole is not None:
                 break
         header, out = whole
@@ -186,8 +187,10 @@ def _agileml(sizes_mb: list[int], repeats: int, chunk_bytes: int) -> dict[int, d
             out = {}
             for p, size in enumerate(sizes_mb):
                 worker = _Worker(zctx, endpoint, chunk_bytes)
-                out[size] = _push_and_pull(worker, p, size, repeats)
-                worker.sock.close(linger=0)  # frees the last reply's frames
+                try:
+                    out[size] = _push_and_pull(worker, p, size, repeats)
+                finally:
+                    worker.sock.close(linger=0)  # frees the last reply's frames
             return out
     finally:
         zctx.term()

@@ -31,8 +31,11 @@ from orchestrator.agileml.wire import Header
 #: Tensors over this many bytes travel in chunks of this many (see the module docstring; 1, 2
 #: and 4 MB measured within noise of each other for 64 MB, 16 MB slower).
 CHUNK_BYTES = 4 * 1024 * 1024
-#: Assemblies a receiver keeps open at once (a DoS guard: the oldest is dropped).
-MAX_OPEN = 256
+#: Assemblies a receiver keeps open at once (a DoS guard: the oldest is dropped). A server
+#: keeps one per connected worker, a worker one per partition it pulls.
+MAX_OPEN = 1024
+#: Free buffers kept per (pool key, dtype, size) for the next whole of that shape.
+FREE_PER_SHAPE = 4
 
 Frame = bytes | memoryview | zmq.Frame
 
@@ -52,8 +55,12 @@ class ChunkedMessage:
     while the next is signed. The tensor is framed in place (as `wire.encode`'s `zero_copy`):
     do not change it until every chunk is sent.
 
-    `chunk_bytes` defaults to `CHUNK_BYTES`. `frame` wraps each chunk's buffer frame before
-    it is sent (a tracked `zmq.Frame`).
+    `chunk_bytes` defaults to `CHUNK_BYTES`. `frame` wraps each chunk's buffer in the frame it
+    is sent as (a tracked `zmq.Frame`): all are made here, when the message is built, so
+    whatever tracks them counts the memory in use from then on, not from when it is sent.
+
+    Raises:
+        WireError: TOO_LARGE, the tensor is over `max_message_bytes` (the receiver's bound).
     """
 
     def __init__(
@@ -65,29 +72,39 @@ class ChunkedMessage:
         *,
         chunk_bytes: int | None = None,
         frame: Callable[[memoryview], Frame] | None = None,
+        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        if flat.numel() * flat.element_size() > max_message_bytes:
+            raise WireError(WireReason.TOO_LARGE, f"tensor {name!r} over {max_message_bytes} bytes")
         self._fields = dict(header_fields)
         self._name = name
-        self._flat = tensor.detach().cpu().contiguous().reshape(-1)
         self._token = token
-        self._step = max(1, (chunk_bytes or CHUNK_BYTES) // self._flat.element_size())
-        self._frame = frame
+        step = max(1, (chunk_bytes or CHUNK_BYTES) // flat.element_size())
+        self._total = flat.numel()
+        self._pieces = [flat[offset : offset + step] for offset in range(0, self._total, step)]
+        self._frames: list[Frame | None] = [
+            frame(_bytes_of(piece)) if frame is not None else None for piece in self._pieces
+        ]
 
     def __len__(self) -> int:
-        return -(-self._flat.numel() // self._step)
+        return len(self._pieces)
 
     def __iter__(self) -> Iterator[list[Frame]]:
-        total = self._flat.numel()
-        for offset in range(0, total, self._step):
-            piece = self._flat[offset : offset + self._step]
-            fields = {**self._fields, "chunk": [offset, total]}
-            frames: list[Frame] = list(
-                wire.encode(fields, {self._name: piece}, self._token, zero_copy=True)
-            )
-            last = frames[-1]
-            if self._frame is not None and isinstance(last, memoryview):
-                frames[-1] = self._frame(last)
-            yield frames
+        offset = 0
+        for piece, framed in zip(self._pieces, self._frames, strict=True):
+            fields = {**self._fields, "chunk": [offset, self._total]}
+            header, buffers = wire.unsigned(fields, {self._name: piece}, zero_copy=True)
+            # signed over the frame's own bytes: pyzmq copies a small one when it is made
+            body: list[Frame] = [*buffers] if framed is None else [framed]
+            offset += piece.numel()
+            yield [wire.sign_frames(header, body, self._token), header, *body]
+
+
+def _bytes_of(piece: torch.Tensor) -> memoryview:
+    """The memory of a contiguous 1-D tensor, as `wire.encode` frames it in place."""
+    array = (piece.view(torch.uint8) if piece.dtype == torch.bfloat16 else piece).numpy()
+    return array.data.cast("B")
 
 
 def send(
@@ -104,6 +121,7 @@ def send(
 class _Open:
     header: Header
     whole: torch.Tensor
+    shape_key: Hashable
     filled: int = 0
 
 
@@ -117,17 +135,24 @@ class Assembler:
     """Puts chunked tensors back together as their messages arrive (decoded: authenticated
     and checked by `wire.decode`). Not thread-safe.
 
-    `add(key, header, tensors)` takes every message a receiver decoded: one that is not a
-    chunk comes back as it is; a chunk is copied into its whole, and the whole comes back with
-    its last chunk's header (`chunk` None) once complete. `key` tells apart assemblies that
-    may be open together (a worker's request seq; a server's sender and partition). A whole
-    is a buffer reused for the next whole of the same `key`'s `buffer_key` and size: it stays
-    valid until then.
+    `add(key, header, tensors, pool_key)` takes every message a receiver decoded: one that is
+    not a chunk comes back as it is; a chunk is copied into its whole, and the whole comes
+    back with its last chunk's header (`chunk` None) once complete. `key` tells apart
+    assemblies that may be open together (a worker's request seq; a server's connection: one
+    connection's messages come in order, so a new message's first chunk ends any other open
+    under its key). A whole is lent from a pool of buffers per (`pool_key`, dtype, size): give
+    it back with `release` or `reset` once it is no longer read, and the next whole of that
+    shape reuses it (a new buffer is paged in as it is first written).
+
+    A chunk out of order raises `WireError` once; the rest of that message is then dropped
+    without a word, as are those of a message `refuse`d.
     """
 
     def __init__(self, max_open: int = MAX_OPEN) -> None:
         self._open: OrderedDict[Hashable, _Open] = OrderedDict()
-        self._buffers: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self._refused: dict[Hashable, int] = {}  # key -> the seq whose chunks are dropped
+        self._free: OrderedDict[Hashable, list[torch.Tensor]] = OrderedDict()
+        self._lent: dict[int, tuple[Hashable, torch.Tensor]] = {}  # id(whole) -> (shape, it)
         self._max_open = max_open
 
     def add(
@@ -135,24 +160,27 @@ class Assembler:
         key: Hashable,
         header: Header,
         tensors: dict[str, torch.Tensor],
-        buffer_key: Hashable | None = None,
+        pool_key: Hashable = None,
     ) -> tuple[Header, dict[str, torch.Tensor]] | None:
-        """The message, whole; None while chunks of it are still to come.
+        """The message, whole; None while chunks of it are still to come (or it is dropped).
 
         Raises:
             WireError: SCHEMA, a chunk out of order or of another message than the chunks
-                before it under `key` (that assembly is dropped).
+                before it under `key` (that message is dropped).
         """
         if header.chunk is None:
             return header, tensors
         offset, total = header.chunk
         ((name, piece),) = tensors.items()
         if offset == 0:
-            whole = self._buffer(key if buffer_key is None else buffer_key, piece.dtype, total)
-            self._open.pop(key, None)
-            self._open[key] = _Open(header, whole)
+            self._refused.pop(key, None)
+            self._close(key)
+            shape_key = (pool_key, piece.dtype, total)
+            self._open[key] = _Open(header, self._take(shape_key, piece.dtype, total), shape_key)
             while len(self._open) > self._max_open:
-                self._open.popitem(last=False)
+                self._close(next(iter(self._open)))
+        elif self._refused.get(key) == header.seq:
+            return None
         assembly = self._open.get(key)
         if (
             assembly is None
@@ -161,30 +189,69 @@ class Assembler:
             or assembly.whole.dtype != piece.dtype
             or not _same_message(assembly.header, header)
         ):
-            self._open.pop(key, None)
+            self.refuse(key, header.seq)
             raise WireError(WireReason.SCHEMA, f"chunk {header.chunk} out of order")
         assembly.whole[offset : offset + piece.numel()].copy_(piece)
         assembly.filled += piece.numel()
         if assembly.filled < total:
             return None
         del self._open[key]
+        self._lent[id(assembly.whole)] = (assembly.shape_key, assembly.whole)
         return header.model_copy(update={"chunk": None}), {name: assembly.whole}
 
-    def _buffer(self, key: Hashable, dtype: torch.dtype, total: int) -> torch.Tensor:
-        kept = self._buffers.get(key)
-        if kept is None or kept.dtype != dtype or kept.numel() != total:
-            # a new whole is paged in as it is first written: kept for the next one
-            kept = torch.empty(total, dtype=dtype)
-            self._buffers[key] = kept
-        self._buffers.move_to_end(key)
-        while len(self._buffers) > self._max_open:
-            self._buffers.popitem(last=False)
-        return kept
+    def refuse(self, key: Hashable, seq: int) -> None:
+        """Drop message `seq` under `key`: its chunks so far, and those still to come."""
+        self._close(key)
+        self._refused[key] = seq
+        while len(self._refused) > self._max_open:
+            del self._refused[next(iter(self._refused))]
+
+    def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Give back the whole among `tensors`, if one was lent (`add`): it is not read after."""
+        for tensor in tensors.values():
+            lent = self._lent.pop(id(tensor), None)
+            if lent is not None and lent[1] is tensor:
+                self._give_back(*lent)
+
+    def reset(self) -> None:
+        """Give back every whole lent and drop every message still open."""
+        for shape_key, whole in self._lent.values():
+            self._give_back(shape_key, whole)
+        self._lent.clear()
+        for key in list(self._open):
+            self._close(key)
+        self._refused.clear()
+
+    def forget(self, pool_key: Hashable) -> None:
+        """Free the buffers kept for `pool_key` (a partition no longer served here)."""
+        for shape_key in [k for k in self._free if isinstance(k, tuple) and k[0] == pool_key]:
+            del self._free[shape_key]
 
     def clear(self) -> None:
-        """Drop every open assembly and kept buffer."""
+        """Drop everything: open messages, lent wholes and kept buffers."""
         self._open.clear()
-        self._buffers.clear()
+        self._refused.clear()
+        self._lent.clear()
+        self._free.clear()
+
+    def _close(self, key: Hashable) -> None:
+        assembly = self._open.pop(key, None)
+        if assembly is not None:
+            self._give_back(assembly.shape_key, assembly.whole)
+
+    def _take(self, shape_key: Hashable, dtype: torch.dtype, total: int) -> torch.Tensor:
+        free = self._free.get(shape_key)
+        if free:
+            return free.pop()
+        return torch.empty(total, dtype=dtype)
+
+    def _give_back(self, shape_key: Hashable, whole: torch.Tensor) -> None:
+        free = self._free.setdefault(shape_key, [])
+        self._free.move_to_end(shape_key)
+        if len(free) < FREE_PER_SHAPE:
+            free.append(whole)
+        while len(self._free) > self._max_open:
+            del self._free[next(iter(self._free))]
 
 
 def await_reply(

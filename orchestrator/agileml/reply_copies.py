@@ -4,8 +4,9 @@ A reply frames its partition's values without copying them into the message (ZMQ
 tensor's memory), so what it frames must not change until ZMQ has let go of it; the live values
 change at every applied clock. Each state of a partition is copied once, and every pull of that
 state sends the copy. A copy is reused for a later state once ZMQ has released every message
-that framed it (tracked frames): a fresh tensor is paged in as it is first written (a 64 MB
-clone ran at ~2.6 GB/s here, a copy into a used one at ~20).
+that framed it (tracked frames, made when the reply is built, so a chunked reply's chunks
+count from then on, not from when they are sent): a fresh tensor is paged in as it is first
+written (a 64 MB clone ran at ~2.6 GB/s here, a copy into a used one at ~20).
 """
 
 from __future__ import annotations

@@ -102,6 +102,7 @@ class _HeldPull:
     epoch: int | None = None  # the request's epoch (None: unchecked)
     norm: bool = False  # a `norm` request (clipping), held until its clock is complete
     bf16: bool = False  # the values in bfloat16 (the pull's detail: `wire.PULL_BF16`)
+    whole: bool = False  # the reply in one message, never chunked (`Header.whole_reply`)
 
 
 class ParamServer(ServerLoop):
@@ -591,6 +592,14 @@ class ParamServer(ServerLoop):
             return self._on_replicate(identity, header, tensors)
         raise RejectedError(RejectReason.UNEXPECTED_KIND, str(header.kind))
 
+    def _admit_chunks(self, header: Header) -> None:
+        """Pushes may come in chunks, to a partition served here or moving (parked whole)."""
+        if header.kind is not MessageKind.PUSH:
+            super()._admit_chunks(header)
+        self._check_epoch(header)
+        if header.partition not in self._moving:
+            self._check_serving(header.partition)
+
     def _check_epoch(self, header: Header) -> None:
         if header.epoch is None or header.epoch == self.epoch:
             return
@@ -718,7 +727,8 @@ class ParamServer(ServerLoop):
         assert p is not None
         min_clock = header.clock if header.clock is not None else -1
         bf16 = header.detail == wire.PULL_BF16
-        pull = _HeldPull(identity, header.seq, min_clock, header.epoch, bf16=bf16)
+        whole = header.whole_reply is True
+        pull = _HeldPull(identity, header.seq, min_clock, header.epoch, bf16=bf16, whole=whole)
         if self._answerable(p, pull):
             return [self._pull_reply(p, pull)]
         self._held.setdefault(p, []).append(pull)
@@ -855,7 +865,7 @@ class ParamServer(ServerLoop):
         copies = self._reply_copies[torch.bfloat16 if pull.bf16 else torch.float32]
         clock = pull.min_clock if consistent is None else consistent
         tensors = {"values": copies.copy_of(p, values, generation)}
-        if chunks.chunked(tensors, self._chunk_bytes):  # signed as it is sent, chunk by chunk
+        if not pull.whole and chunks.chunked(tensors, self._chunk_bytes):  # signed as sent
             fields = self._header(MessageKind.PULL_REPLY, pull.seq, partition=p, clock=clock)
             reply = chunks.ChunkedMessage(
                 fields,
@@ -879,3 +889,4 @@ class ParamServer(ServerLoop):
     def _forget_copies(self, p: int) -> None:
         for copies in self._reply_copies.values():
             copies.forget(p)
+        self._assembler.forget(p)

@@ -94,7 +94,7 @@ class ServerLoop:
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes  # pull replies of larger values go in chunks (None: the
         # default, `chunks.CHUNK_BYTES`)
-        self._assembler = chunks.Assembler()  # chunked pushes, by (sender identity, partition)
+        self._assembler = chunks.Assembler()  # chunked pushes, one open per connection
         self._control = control  # the AgileML node's handler of `control` ops it owns
         self._outbox: list[Reply] = []  # replies from other threads, sent by the serve thread
         self._wake_fds: tuple[int, int] | None = None  # (read, write): see `_post`
@@ -123,6 +123,10 @@ class ServerLoop:
         self._ctx = wire.process_context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # no limit on messages queued per peer: a ROUTER drops past it without a word, and a
+        # large pull reply is many chunks (their memory is the reply copies, not the queue)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
         inproc = f"inproc://agileml-ps-{self.node_id}-{secrets.token_hex(8)}"
         try:
             sock.bind(self._address)
@@ -177,7 +181,7 @@ class ServerLoop:
                     outbox, self._outbox = self._outbox, []
                     stream, self._stream_out = self._stream_out, []
                 for identity, frames in outbox:
-                    chunks.send(sock, [identity], frames)
+                    self._send_reply(sock, identity, frames)
                 for endpoint, frames in stream:
                     dealer = backup_socks.get(endpoint)
                     if dealer is None:
@@ -207,7 +211,7 @@ class ServerLoop:
                     except Exception as exc:  # noqa: BLE001 - one message never ends the loop
                         replies = self._drop(f"handling failed: {exc!r}")
                     for identity, frames in replies:
-                        chunks.send(sock, [identity], frames)
+                        self._send_reply(sock, identity, frames)
         except Exception as exc:  # the socket itself failed: its node must fail, not idle on
             log.exception("param server crashed", extra={"node": self.node_id})
             self.crashed = f"this node's parameter server stopped serving: {exc!r}"
@@ -220,6 +224,14 @@ class ServerLoop:
                 fds, self._wake_fds = self._wake_fds, None
             for fd in fds or ():
                 os.close(fd)
+
+    def _send_reply(self, sock: zmq.Socket[Any], identity: bytes, message: Any) -> None:
+        """Send one reply (a chunked one is signed chunk by chunk here): a reply that cannot be
+        framed is dropped and logged, never the end of the loop."""
+        try:
+            chunks.send(sock, [identity], message)
+        except WireError as exc:
+            self._drops.drop(f"reply not sent: {exc}")
 
     def _post(self, replies: list[Reply]) -> None:
         """Queue replies made off the serving thread and wake it to send them (call under
@@ -259,20 +271,50 @@ class ServerLoop:
             header, tensors = wire.decode(
                 frames, self._token, max_message_bytes=self._max_message_bytes
             )
-            whole = self._assembler.add((identity, header.partition), header, tensors)
         except WireError as exc:
             self._refusals.drop(str(exc))
             seq = 0 if exc.reason in UNAUTHENTICATED else _authenticated_seq(frames)
             with self._lock:
                 self._stats = replace(self._stats, rejected=self._stats.rejected + 1)
             return [(identity, self._encode(MessageKind.ERROR, seq, detail=str(exc.reason)))]
-        if whole is None:
-            return []  # a chunk of a push, more to come
-        header, tensors = whole
+        if header.chunk is not None:
+            return self._on_chunk(identity, header, tensors)
         if header.kind is MessageKind.CONTROL and header.job_id == self.job_id:
             return self._on_control(identity, header, tensors)
         with self._lock:
             return self._answer_locked(identity, header, tensors)
+
+    def _on_chunk(
+        self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]
+    ) -> list[Reply]:
+        """A chunk of a message (`chunks`): its first is admitted or refused before any memory
+        is taken for the whole; the whole is answered as one message once complete."""
+        assert header.chunk is not None
+        if header.chunk[0] == 0:
+            with self._lock:
+                try:
+                    if header.job_id != self.job_id:
+                        raise RejectedError(RejectReason.WRONG_JOB, header.job_id)
+                    self._admit_chunks(header)
+                except RejectedError as exc:
+                    self._assembler.refuse(identity, header.seq)  # its other chunks: no reply
+                    return [self._reject_locked(identity, header.seq, exc.wire_detail, header)]
+        try:
+            whole = self._assembler.add(identity, header, tensors, pool_key=header.partition)
+        except WireError as exc:  # out of order: refused once, the rest dropped
+            return [self._reject(identity, header.seq, str(exc.reason))]
+        if whole is None:
+            return []
+        try:
+            with self._lock:
+                return self._answer_locked(identity, *whole)
+        finally:
+            self._assembler.release(whole[1])  # handlers copy what they keep
+
+    def _admit_chunks(self, header: Header) -> None:
+        """Raise `RejectedError` unless a message of this header may come in chunks here (under
+        the lock; subclasses say which: none by default)."""
+        raise RejectedError(RejectReason.UNEXPECTED_KIND, f"a chunked {header.kind}")
 
     def _answer_locked(
         self, identity: bytes, header: Header, tensors: dict[str, torch.Tensor]

@@ -19,8 +19,11 @@ integers). Nothing is ever unpickled: tensors are rebuilt with `torch.frombuffer
 a received ZMQ frame's own memory (no copy), or over a private copy of any other bytes.
 `decode` checks, in this order: frame count and sizes, MAC, JSON (its nesting and integers
 bounded), version, kind, schema (strict types: a bool is not an integer; integers within 64
-bits), dtypes, buffer count, buffer sizes; the first failure raises `WireError` with its
-reason, and the caller must drop the message without acting on it.
+bits), dtypes, buffer count, buffer sizes, a chunk's place; the first failure raises
+`WireError` with its reason, and the caller must drop the message without acting on it.
+
+A large push or pull reply is sent as several such messages, each with a chunk of its one
+tensor (`Header.chunk`); `chunks` sends and reassembles them.
 """
 
 from __future__ import annotations
@@ -150,8 +153,9 @@ class Header(BaseModel):
     minimum clock it must see, a push the clock of its update. `detail` explains an `error`.
     `workers` names the workers a `handoff` snapshot's `applied` pairs refer to (by index);
     `epoch` is the epoch a request was made in, `roster_version` the roster a push was computed
-    with (see `server.ParamServer`), `chunk` where a chunk of a large tensor goes (`chunks`).
-    These are left out of messages that do not set them.
+    with (see `server.ParamServer`), `chunk` where a chunk of a large tensor goes (`chunks`),
+    `whole_reply` that a pull's reply must not be chunked. These are left out of messages that
+    do not set them.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -172,6 +176,9 @@ class Header(BaseModel):
     # 1-D tensor of `total` elements sent in several messages (`chunks`); pushes and pull
     # replies only
     chunk: tuple[Count, Count] | None = None
+    # a pull whose reply must come whole, in one message: its worker shares the server's
+    # process and takes the values by reference (no transfer for chunks to overlap)
+    whole_reply: bool | None = None
 
 
 def canonical_json(obj: Mapping[str, Any]) -> bytes:
@@ -225,8 +232,9 @@ def encode(
 
     Args:
         header_fields: `kind`, `job_id`, `sender`, `seq` and optionally `partition`, `clock`,
-            `detail`, `workers` (a list of names), `epoch`, `roster_version` (omitted when not
-            given); `v` defaults to `PROTOCOL_VERSION` (set it only to test peers).
+            `detail`, `workers` (a list of names), `epoch`, `roster_version`, `chunk`,
+            `whole_reply` (omitted when not given); `v` defaults to `PROTOCOL_VERSION` (set it
+            only to test peers).
         tensors: the buffers to send, in order; CPU copies are taken, inputs are not changed.
             With `zero_copy`, contiguous CPU tensors are framed in place instead: send with
             `copy=False` and do not change them until the message is sent.
@@ -236,6 +244,21 @@ def encode(
         WireError: `DTYPE` for a tensor outside the allowlist, `SCHEMA` for invalid fields,
             `TOO_LARGE` if the message would exceed `max_message_bytes`.
     """
+    header, buffers = unsigned(
+        header_fields, tensors, max_message_bytes=max_message_bytes, zero_copy=zero_copy
+    )
+    return [sign_frames(header, buffers, token), header, *buffers]
+
+
+def unsigned(
+    header_fields: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    zero_copy: bool = False,
+) -> tuple[bytes, list[bytes | memoryview]]:
+    """The header frame and buffer frames of a message, not signed yet (`encode`, with the
+    same arguments but the token; sign with `sign_frames`)."""
     specs: list[dict[str, Any]] = []
     buffers: list[bytes | memoryview] = []
     for name, tensor in tensors.items():
@@ -258,7 +281,15 @@ def encode(
         AUTH_BYTES + len(header) + sum(len(b) for b in buffers) > max_message_bytes
     ):
         raise WireError(WireReason.TOO_LARGE, f"message over {max_message_bytes} bytes")
-    return [sign([header, *buffers], token), header, *buffers]
+    return header, buffers
+
+
+def sign_frames(
+    header: bytes, buffers: Sequence[bytes | memoryview | zmq.Frame], token: bytes
+) -> bytes:
+    """The `auth` frame of a message of this header and these buffer frames, over the bytes
+    each frame will send (a `zmq.Frame` may hold a copy of what it was made from)."""
+    return sign([header, *(b.buffer if isinstance(b, zmq.Frame) else b for b in buffers)], token)
 
 
 def sign(pieces: Sequence[bytes | memoryview], token: bytes) -> bytes:

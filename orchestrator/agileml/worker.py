@@ -303,6 +303,7 @@ class Worker(ServerRequests):
 
     def _pull(self, min_clock: int) -> None:
         """Load every partition (as of at least `min_clock`) into the scratch model."""
+        self._assembler.reset()  # the last round's pulled values are loaded: buffers to reuse
         n = self.layout.num_partitions
         me = self.spec.worker_id
         replies = self._round_trip(
@@ -322,6 +323,7 @@ class Worker(ServerRequests):
         """Ask for every partition (as of at least `min_clock`) and wait for the first reply;
         the rest load as the computation reads them. Only without a FlexRR inbox: a worker
         that helps peers while it waits needs a whole model to help on."""
+        self._assembler.reset()  # the last round's pulled values are loaded: buffers to reuse
         pulls = Round(MessageKind.PULL_REPLY, self.layout.num_partitions)
         stream = PullStream(self.layout, self._model, lambda done: self._wait(done, pulls))
         # a wrong size raises PartitionError, as `scatter` does without overlap

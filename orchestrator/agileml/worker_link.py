@@ -298,10 +298,12 @@ class ServerRequests:
             fields["roster_version"] = self.roster.version
         if kind is MessageKind.PULL and self._bf16_on_wire(p):
             fields["detail"] = wire.PULL_BF16
+        if kind is MessageKind.PULL and self._inproc(p):
+            fields["whole_reply"] = True  # by reference in process: nothing to overlap
         sock = self._socket(self.table.owner(p))
         # pushes frame the fresh gradient in place; nothing changes it after this
         message: list[chunks.Frame] | chunks.ChunkedMessage
-        if kind is MessageKind.PUSH and chunks.chunked(tensors):
+        if kind is MessageKind.PUSH and chunks.chunked(tensors) and not self._inproc(p):
             ((name, tensor),) = tensors.items()
             message = chunks.ChunkedMessage(fields, name, tensor, self._token)
         else:
@@ -311,6 +313,10 @@ class ServerRequests:
         except zmq.Again as exc:
             raise WorkerError(self.spec.worker_id, "timeout") from exc
 
+    def _inproc(self, p: int) -> bool:
+        """Whether partition p's owner is this worker's own node (reached in process)."""
+        return self.endpoints.get(self.table.owner(p)) in self.local_endpoints
+
     def _bf16_on_wire(self, p: int) -> bool:
         """Whether partition p's pushes and pulls travel in bfloat16: with `wire_precision`
         bf16, unless it holds buffers' values (a counter would drift by the rounding of its
@@ -318,14 +324,14 @@ class ServerRequests:
         return self.spec.wire_precision == "bf16" and not self.layout.holds_buffers(p)
 
     def _receive(self, sock: zmq.Socket[Any]) -> tuple[wire.Header, dict[str, torch.Tensor]] | None:
-        """The next reply on `sock`, whole: None for a chunk of one not complete yet (its
-        values stay valid until the next pull of its partition: `chunks.Assembler`)."""
+        """The next reply on `sock`, whole: None for a chunk of one not complete yet (a
+        chunked reply's values are lent until the next pull round resets the assembler)."""
         try:
             frames = sock.recv_multipart(copy=False)
             header, tensors = wire.decode([f.buffer for f in frames], self._token)
             if header.chunk is None or header.seq not in self._outstanding:
                 return header, tensors  # a late one is dropped by `_on_reply`
-            return self._assembler.add(header.seq, header, tensors, buffer_key=header.partition)
+            return self._assembler.add(header.seq, header, tensors, pool_key=header.partition)
         except WireError as exc:
             raise WorkerError(self.spec.worker_id, f"bad reply: {exc.reason}") from exc
 
@@ -340,6 +346,8 @@ class ServerRequests:
             ctx = wire.process_context() if inproc is not None else self._ctx
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # no limit on the messages queued: a large push or
+            sock.setsockopt(zmq.RCVHWM, 0)  # pull reply is many chunks (`chunks`)
             # a send to a closed inproc peer blocks (over TCP it queues): time it out instead
             sock.setsockopt(zmq.SNDTIMEO, int(self.spec.request_timeout_s * 1000))
             sock.connect(inproc or endpoint)
@@ -351,6 +359,7 @@ class ServerRequests:
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
+        self._assembler.clear()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

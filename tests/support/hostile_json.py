@@ -22,7 +22,8 @@ FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])  # fmt: skip
 FIELDS = ["v", "kind", "job_id", "sender", "seq", "partition", "clock", "tensors", "detail",
-          "workers", "epoch", "roster_version", "op", "tier", "endpoint"]  # fmt: skip
+          "workers", "epoch", "roster_version", "chunk", "whole_reply", "op", "tier",
+          "endpoint"]  # fmt: skip
 
 
 def leaves(*strings: str) -> st.SearchStrategy[str]:

@@ -39,19 +39,64 @@ def test_a_tensor_sent_in_chunks_comes_back_whole_and_equal(dtype: torch.dtype) 
     assert torch.equal(tensors["values"], values)
 
 
-def test_the_whole_is_a_buffer_reused_for_the_next_message_of_its_key() -> None:
+def _whole(
+    assembler: chunks.Assembler, message: chunks.ChunkedMessage, key: object
+) -> torch.Tensor:
+    got = None
+    for h, t in _decoded(message):
+        got = assembler.add(key, h, t, pool_key=h.partition)
+    assert got is not None
+    return got[1]["values"]
+
+
+def _message(seq: int, fill: float, n: int = 300) -> chunks.ChunkedMessage:
+    return chunks.ChunkedMessage(
+        {**FIELDS, "seq": seq}, "values", torch.full((n,), fill), TOKEN, chunk_bytes=400
+    )
+
+
+def test_a_whole_given_back_is_reused_for_the_next_of_its_shape_and_not_before() -> None:
     assembler = chunks.Assembler()
-    wholes = []
-    for seq, fill in ((1, 1.0), (2, 2.0)):
-        message = chunks.ChunkedMessage(
-            {**FIELDS, "seq": seq}, "values", torch.full((300,), fill), TOKEN, chunk_bytes=400
-        )
-        for h, t in _decoded(message):
-            got = assembler.add(h.seq, h, t, buffer_key=h.partition)
-        assert got is not None
-        wholes.append(got[1]["values"])
-    assert wholes[0] is wholes[1]  # nothing allocated per message
-    assert torch.equal(wholes[1], torch.full((300,), 2.0))
+    first = _whole(assembler, _message(1, 1.0), 1)
+    second = _whole(assembler, _message(2, 2.0), 2)
+    assert second is not first  # the first is still lent: never written under its reader
+    assert torch.equal(first, torch.full((300,), 1.0))
+    assembler.reset()  # both given back
+    third = _whole(assembler, _message(3, 3.0), 3)
+    assert third is first or third is second  # nothing allocated
+    assert torch.equal(third, torch.full((300,), 3.0))
+    assembler.release({"values": third})
+    assert _whole(assembler, _message(4, 4.0), 4) is third
+
+
+def test_free_buffers_are_bounded_per_shape() -> None:
+    assembler = chunks.Assembler()
+    wholes = [_whole(assembler, _message(seq, 0.0), seq) for seq in range(10)]
+    assembler.reset()
+    again = [_whole(assembler, _message(seq, 0.0), seq) for seq in range(10, 20)]
+    reused = {id(w) for w in wholes} & {id(w) for w in again}
+    assert len(reused) == chunks.FREE_PER_SHAPE
+
+
+def test_a_new_message_under_a_key_ends_the_one_open_there() -> None:
+    """A server keys by connection: a connection's messages come in order, so a first chunk
+    ends whatever that connection left unfinished."""
+    assembler = chunks.Assembler()
+    stale = _decoded(_message(1, 1.0))
+    assembler.add("conn", *stale[0])
+    assert torch.equal(_whole(assembler, _message(2, 2.0), "conn"), torch.full((300,), 2.0))
+    with pytest.raises(WireError):
+        assembler.add("conn", *stale[1])
+
+
+def test_a_refused_message_s_other_chunks_are_dropped_without_a_word() -> None:
+    assembler = chunks.Assembler()
+    parts = _decoded(_message(5, 1.0, n=500))
+    assembler.refuse("conn", 5)
+    assert all(assembler.add("conn", *part) is None for part in parts[1:])
+    with pytest.raises(WireError):  # out of order: refused once ...
+        assembler.add("c2", *parts[1])
+    assert assembler.add("c2", *parts[2]) is None  # ... and the rest dropped
 
 
 def test_a_message_that_is_not_a_chunk_passes_through() -> None:
@@ -70,8 +115,7 @@ def test_chunks_out_of_order_or_of_another_message_are_refused() -> None:
     assembler.add(7, *parts[0])
     with pytest.raises(WireError):  # a chunk skipped: the assembly is dropped
         assembler.add(7, *parts[2])
-    with pytest.raises(WireError):
-        assembler.add(7, *parts[1])
+    assert assembler.add(7, *parts[1]) is None  # refused once: the rest dropped quietly
     other = _decoded(
         chunks.ChunkedMessage({**FIELDS, "clock": 12}, "values", values, TOKEN, chunk_bytes=100)
     )
@@ -82,17 +126,18 @@ def test_chunks_out_of_order_or_of_another_message_are_refused() -> None:
 
 def test_open_assemblies_are_bounded() -> None:
     assembler = chunks.Assembler(max_open=2)
-    values = torch.zeros(50)
-    firsts = []
-    for seq in (1, 2, 3):
-        parts = _decoded(
-            chunks.ChunkedMessage({**FIELDS, "seq": seq}, "values", values, TOKEN, chunk_bytes=100)
-        )
+    firsts = [_decoded(_message(seq, 0.0, n=150)) for seq in (1, 2, 3)]
+    for seq, parts in zip((1, 2, 3), firsts, strict=True):
         assembler.add(seq, *parts[0])
-        firsts.append(parts)
     with pytest.raises(WireError):  # the oldest was dropped
         assembler.add(1, *firsts[0][1])
     assert assembler.add(3, *firsts[2][1]) is not None  # the newest completes
+
+
+def test_a_tensor_over_the_message_bound_is_refused_before_sending() -> None:
+    with pytest.raises(WireError) as err:
+        chunks.ChunkedMessage(FIELDS, "values", torch.zeros(300), TOKEN, max_message_bytes=1000)
+    assert err.value.reason is WireReason.TOO_LARGE
 
 
 def _chunk_frames(fields: dict[str, object], tensors: dict[str, torch.Tensor]) -> list[bytes]:
