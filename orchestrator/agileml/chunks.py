@@ -9,12 +9,13 @@ receive buffer is paged in per message: ~25 ms (`benchmarks.wire_throughput`).
 A chunk is an ordinary authenticated message: its header is the whole message's (the same
 kind, seq, partition, clock ...) with `chunk` = (offset, total) in elements, and its one
 tensor is that slice of the 1-D whole. `ChunkedMessage` sends; `Assembler` receives, in order
-(ZMQ keeps a connection's messages in order), into a buffer kept for the next message of the
-same key and size, so nothing is allocated per message.
+(ZMQ keeps a connection's messages in order), into a buffer lent from a pool per (key, dtype,
+size) until the receiver gives it back, so nothing is allocated per message.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -31,8 +32,9 @@ from orchestrator.agileml.wire import Header
 #: Tensors over this many bytes travel in chunks of this many (see the module docstring; 1, 2
 #: and 4 MB measured within noise of each other for 64 MB, 16 MB slower).
 CHUNK_BYTES = 4 * 1024 * 1024
-#: Assemblies a receiver keeps open at once (a DoS guard: the oldest is dropped). A server
-#: keeps one per connected worker, a worker one per partition it pulls.
+#: Assemblies a receiver keeps open at once, messages it remembers as refused and shapes it
+#: keeps free buffers for (DoS guards: the oldest is dropped). A server keeps one assembly per
+#: connected worker, a worker one per partition it pulls.
 MAX_OPEN = 1024
 #: Free buffers kept per (pool key, dtype, size) for the next whole of that shape.
 FREE_PER_SHAPE = 4
@@ -125,6 +127,10 @@ class _Open:
     filled: int = 0
 
 
+def _pool_key(shape_key: Hashable) -> Hashable:
+    return shape_key[0] if isinstance(shape_key, tuple) else None
+
+
 def _same_message(a: Header, b: Header) -> bool:
     return a.model_copy(update={"chunk": None, "tensors": ()}) == b.model_copy(
         update={"chunk": None, "tensors": ()}
@@ -145,10 +151,13 @@ class Assembler:
     shape reuses it (a new buffer is paged in as it is first written).
 
     A chunk out of order raises `WireError` once; the rest of that message is then dropped
-    without a word, as are those of a message `refuse`d.
+    without a word, as are those of a message `refuse`d. Thread-safe (a server's serving
+    thread assembles while its control thread `forget`s a partition handed off).
     """
 
     def __init__(self, max_open: int = MAX_OPEN) -> None:
+        self._lock = threading.Lock()
+        self._forgotten: set[Hashable] = set()  # pool keys whose buffers are freed, not kept
         self._open: OrderedDict[Hashable, _Open] = OrderedDict()
         self._refused: dict[Hashable, int] = {}  # key -> the seq whose chunks are dropped
         self._free: OrderedDict[Hashable, list[torch.Tensor]] = OrderedDict()
@@ -170,11 +179,23 @@ class Assembler:
         """
         if header.chunk is None:
             return header, tensors
+        with self._lock:
+            return self._add(key, header, tensors, pool_key)
+
+    def _add(
+        self,
+        key: Hashable,
+        header: Header,
+        tensors: dict[str, torch.Tensor],
+        pool_key: Hashable,
+    ) -> tuple[Header, dict[str, torch.Tensor]] | None:
+        assert header.chunk is not None
         offset, total = header.chunk
         ((name, piece),) = tensors.items()
         if offset == 0:
             self._refused.pop(key, None)
             self._close(key)
+            self._forgotten.discard(pool_key)  # served here again
             shape_key = (pool_key, piece.dtype, total)
             self._open[key] = _Open(header, self._take(shape_key, piece.dtype, total), shape_key)
             while len(self._open) > self._max_open:
@@ -189,7 +210,7 @@ class Assembler:
             or assembly.whole.dtype != piece.dtype
             or not _same_message(assembly.header, header)
         ):
-            self.refuse(key, header.seq)
+            self._refuse(key, header.seq)
             raise WireError(WireReason.SCHEMA, f"chunk {header.chunk} out of order")
         assembly.whole[offset : offset + piece.numel()].copy_(piece)
         assembly.filled += piece.numel()
@@ -201,6 +222,10 @@ class Assembler:
 
     def refuse(self, key: Hashable, seq: int) -> None:
         """Drop message `seq` under `key`: its chunks so far, and those still to come."""
+        with self._lock:
+            self._refuse(key, seq)
+
+    def _refuse(self, key: Hashable, seq: int) -> None:
         self._close(key)
         self._refused[key] = seq
         while len(self._refused) > self._max_open:
@@ -208,31 +233,40 @@ class Assembler:
 
     def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Give back the whole among `tensors`, if one was lent (`add`): it is not read after."""
-        for tensor in tensors.values():
-            lent = self._lent.pop(id(tensor), None)
-            if lent is not None and lent[1] is tensor:
-                self._give_back(*lent)
+        with self._lock:
+            for tensor in tensors.values():
+                lent = self._lent.pop(id(tensor), None)
+                if lent is not None and lent[1] is tensor:
+                    self._give_back(*lent)
 
     def reset(self) -> None:
         """Give back every whole lent and drop every message still open."""
-        for shape_key, whole in self._lent.values():
-            self._give_back(shape_key, whole)
-        self._lent.clear()
-        for key in list(self._open):
-            self._close(key)
-        self._refused.clear()
+        with self._lock:
+            for shape_key, whole in self._lent.values():
+                self._give_back(shape_key, whole)
+            self._lent.clear()
+            for key in list(self._open):
+                self._close(key)
+            self._refused.clear()
 
     def forget(self, pool_key: Hashable) -> None:
-        """Free the buffers kept for `pool_key` (a partition no longer served here)."""
-        for shape_key in [k for k in self._free if isinstance(k, tuple) and k[0] == pool_key]:
-            del self._free[shape_key]
+        """Free the buffers kept for `pool_key` (a partition no longer served here), and those
+        given back for it later, until a message for it comes again."""
+        with self._lock:
+            self._forgotten.add(pool_key)
+            while len(self._forgotten) > self._max_open:
+                self._forgotten.pop()
+            for shape_key in [k for k in self._free if _pool_key(k) == pool_key]:
+                del self._free[shape_key]
 
     def clear(self) -> None:
         """Drop everything: open messages, lent wholes and kept buffers."""
-        self._open.clear()
-        self._refused.clear()
-        self._lent.clear()
-        self._free.clear()
+        with self._lock:
+            self._open.clear()
+            self._refused.clear()
+            self._lent.clear()
+            self._free.clear()
+            self._forgotten.clear()
 
     def _close(self, key: Hashable) -> None:
         assembly = self._open.pop(key, None)
@@ -246,6 +280,8 @@ class Assembler:
         return torch.empty(total, dtype=dtype)
 
     def _give_back(self, shape_key: Hashable, whole: torch.Tensor) -> None:
+        if _pool_key(shape_key) in self._forgotten:
+            return  # freed with the last reference
         free = self._free.setdefault(shape_key, [])
         self._free.move_to_end(shape_key)
         if len(free) < FREE_PER_SHAPE:

@@ -597,8 +597,14 @@ class ParamServer(ServerLoop):
         if header.kind is not MessageKind.PUSH:
             super()._admit_chunks(header)
         self._check_epoch(header)
-        if header.partition not in self._moving:
-            self._check_serving(header.partition)
+        p = header.partition
+        if p in self._moving:
+            return  # parked whole
+        self._check_serving(p)
+        assert p is not None and header.chunk is not None
+        size = self._store.live_values(p)[0].numel()
+        if header.chunk[1] != size:
+            raise RejectedError(RejectReason.BAD_DELTA, f"{header.chunk[1]} values, want {size}")
 
     def _check_epoch(self, header: Header) -> None:
         if header.epoch is None or header.epoch == self.epoch:

@@ -7,10 +7,13 @@ request to `_dispatch` (the `ParamServer` decides). Replies made on other thread
 `_post` (the outbox, sent by the serving thread, which a pipe wakes at once: a control op's
 answer or a held pull's does not wait for the next poll); updates for BackupPSs through
 `_stream_out`, their acks are counted in `_unacked`.
-Malformed or unauthenticated messages never reach `_dispatch`: they get an `error` reply with
-the reason in `detail` (to the request's `seq` once the MAC checked out, else to seq 0: an
-unauthenticated header is never read), counted, and logged at most every few seconds. A message
-whose handling raises is dropped and counted: one message never ends the loop.
+A push in chunks (`chunks`) is put together per connection (`_on_chunk`): its first chunk is
+admitted or refused (`_admit_chunks`) before memory is taken, and the whole is handled as one
+message. Malformed or unauthenticated messages never reach `_dispatch`: they get an `error`
+reply with the reason in `detail` (to the request's `seq` once the MAC checked out, else to
+seq 0: an unauthenticated header is never read), counted, and logged at most every few
+seconds. A message whose handling raises is dropped and counted: one message never ends the
+loop.
 
 The socket also binds `inproc_endpoint` on the process's shared ZMQ context
 (`wire.process_context`): the worker of the same node reaches its own partitions there, without
@@ -216,6 +219,7 @@ class ServerLoop:
             log.exception("param server crashed", extra={"node": self.node_id})
             self.crashed = f"this node's parameter server stopped serving: {exc!r}"
         finally:
+            self._assembler.clear()
             for dealer in backup_socks.values():
                 dealer.close(linger=0)
             sock.close(linger=0)
@@ -274,6 +278,8 @@ class ServerLoop:
         except WireError as exc:
             self._refusals.drop(str(exc))
             seq = 0 if exc.reason in UNAUTHENTICATED else _authenticated_seq(frames)
+            if exc.reason not in UNAUTHENTICATED:  # a bad chunk: the rest of its message too
+                self._assembler.refuse(identity, seq)
             with self._lock:
                 self._stats = replace(self._stats, rejected=self._stats.rejected + 1)
             return [(identity, self._encode(MessageKind.ERROR, seq, detail=str(exc.reason)))]

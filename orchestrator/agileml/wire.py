@@ -354,8 +354,8 @@ def _check_chunk(header: Header, tensors: dict[str, torch.Tensor], max_bytes: in
     (piece,) = tensors.values()
     if piece.dim() != 1 or not piece.numel() or offset + piece.numel() > total:
         raise WireError(WireReason.SCHEMA, f"chunk {header.chunk} of {tuple(piece.shape)}")
-    if total * piece.dtype.itemsize > max_bytes:
-        raise WireError(WireReason.TOO_LARGE, f"a chunked tensor over {max_bytes} bytes")
+    if total * piece.dtype.itemsize > max_bytes:  # authenticated: SCHEMA is answered to its seq
+        raise WireError(WireReason.SCHEMA, f"a chunked tensor over {max_bytes} bytes")
 
 
 def _tensors(header: Header, buffers: list[memoryview]) -> dict[str, torch.Tensor]:

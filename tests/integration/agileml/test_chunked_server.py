@@ -77,6 +77,32 @@ def test_a_chunked_push_to_a_partition_not_served_is_refused_once(
     assert [(h.kind, h.detail) for h in _messages(w0)] == [(MessageKind.PUSH_ACK, "applied")]
 
 
+def test_a_chunked_push_of_the_wrong_size_is_refused_once_to_its_seq(
+    server: ParamServer, ctx: WireClients
+) -> None:
+    w0 = ctx(server.endpoint, "w0")
+    for frames in _chunked_push(w0, 0, torch.ones(SIZE + 1)):
+        w0.sock.send_multipart(frames, copy=False)
+    replies = _messages(w0)
+    assert [(h.seq, h.kind) for h in replies] == [(w0.seq, MessageKind.ERROR)]
+    assert (replies[0].detail or "").startswith("bad_delta")
+
+
+def test_a_bad_chunk_mid_message_is_answered_once_and_the_rest_dropped(
+    server: ParamServer, ctx: WireClients
+) -> None:
+    w0 = ctx(server.endpoint, "w0")
+    frames = _chunked_push(w0, 0, torch.ones(SIZE))
+    fields = {"kind": MessageKind.PUSH, "job_id": JOB, "sender": "w0", "seq": w0.seq,
+              "partition": 0, "clock": 0, "chunk": [900, SIZE]}  # fmt: skip
+    overrun = wire.encode(fields, {"delta": torch.ones(256)}, TOKEN)  # past the whole's end
+    for message in (frames[0], overrun, *frames[1:]):
+        w0.sock.send_multipart(message, copy=False)
+    replies = _messages(w0)
+    assert [(h.seq, h.kind, h.detail) for h in replies] == [(w0.seq, MessageKind.ERROR, "schema")]
+    assert torch.equal(server.state(0), torch.zeros(SIZE))
+
+
 def test_a_pull_asking_for_a_whole_reply_gets_one_message(
     server: ParamServer, ctx: WireClients
 ) -> None:
