@@ -21,7 +21,7 @@ import torch
 import zmq
 from support.agileml_jobs import TOKEN, Hook, InjectedCrash, Job, additive_spec, chain
 
-from orchestrator.agileml import wire
+from orchestrator.agileml import chunks, wire
 from orchestrator.agileml.control import (
     ControlClient,
     ControlError,
@@ -61,6 +61,15 @@ def _first_clock_without(roster: Roster, nodes: set[str]) -> int:
 def _all_backed_up_on(view: View, node_id: str) -> bool:
     endpoint = view.endpoints.get(node_id)
     return endpoint is not None and view.backups == {p: endpoint for p in range(4)}
+
+
+@pytest.fixture(params=["whole", "chunks"])
+def messages(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Pushes and pull replies whole, or every one in chunks of 8 bytes (the probe's
+    partitions are 24: three chunks each, across every hand-off, roll-back and stage)."""
+    if request.param == "chunks":
+        monkeypatch.setattr(chunks, "CHUNK_BYTES", 8)
+    return str(request.param)
 
 
 # -- a job that just runs ----------------------------------------------------------------------
@@ -129,6 +138,7 @@ def test_a_request_refused_for_good_fails_the_job_at_once_with_the_reason(
 
 def test_joins_move_the_job_to_stage2_and_evictions_back_to_stage1_exactly(
     jobs: Callable[[TrainingSpec], Job],
+    messages: str,
 ) -> None:
     job = jobs(additive_spec("stages", iterations=60, min_nodes=2))
     grow, shrink, alone = job.gate(10), job.gate(30), job.gate()
@@ -202,6 +212,7 @@ def test_joins_move_the_job_to_stage2_and_evictions_back_to_stage1_exactly(
 
 def test_eviction_of_half_the_transient_nodes_mid_run_is_exact(
     jobs: Callable[[TrainingSpec], Job],
+    messages: str,
 ) -> None:
     job = jobs(additive_spec("evict", iterations=40, min_nodes=5))
     gate, after = job.gate(12), job.gate()
@@ -269,7 +280,7 @@ CRASH_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("role", "phase"), CRASH_CASES)
 def test_crash_at_any_phase_of_an_iteration_still_ends_exact(
-    jobs: Callable[[TrainingSpec], Job], role: str, phase: str
+    jobs: Callable[[TrainingSpec], Job], role: str, phase: str, messages: str
 ) -> None:
     """1 reliable + 3 transient nodes (stage 2, two ActivePSs); one transient node dies, and
     the job recovers well within a worker's request timeout (30 s)."""
