@@ -75,9 +75,9 @@ def _median_seconds(run: Callable[[], object], repeats: int) -> float:
 # -- the ParamServer path -----------------------------------------------------------------
 
 
-def _serve_partitions(sizes_mb: list[int], conn: Any, chunk_bytes: int) -> None:
+def _serve_partitions(sizes_mb: list[int], conn: Any, chunk_bytes: int | None) -> None:
     """Child process: a ParamServer owning partition i of sizes_mb[i] floats (zeros), its
-    pull replies in chunks of `chunk_bytes`."""
+    pull replies in chunks of `chunk_bytes` (None: as the runtime chunks them)."""
     torch.set_num_threads(1)  # as a node's process (OMP_NUM_THREADS=1)
     limit = 2 * max(sizes_mb) * MB + wire.MAX_HEADER_BYTES
     server = ParamServer(
@@ -94,7 +94,7 @@ def _serve_partitions(sizes_mb: list[int], conn: Any, chunk_bytes: int) -> None:
 class _Worker:
     """One worker's DEALER socket to the server, framing as `worker_link` does."""
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, chunk_bytes: int) -> None:
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, chunk_bytes: int | None) -> None:
         self.chunk_bytes = chunk_bytes
         self.assembler = chunks.Assembler()
         self.sock = ctx.socket(zmq.DEALER)
@@ -180,7 +180,9 @@ def _child(target: Callable[..., None], sizes_mb: list[int], *args: Any) -> Iter
             proc.kill()
 
 
-def _agileml(sizes_mb: list[int], repeats: int, chunk_bytes: int) -> dict[int, dict[str, float]]:
+def _agileml(
+    sizes_mb: list[int], repeats: int, chunk_bytes: int | None
+) -> dict[int, dict[str, float]]:
     zctx = zmq.Context()
     try:
         with _child(_serve_partitions, sizes_mb, chunk_bytes) as endpoint:
@@ -317,10 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", default="4,16,64,256",
                         help="partition sizes in MB, comma-separated (1-1024)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per figure (1-100)")
-    parser.add_argument("--chunk-mb", type=float, default=chunks.CHUNK_BYTES / 2**20,
-                        help="pushes and pull replies over this many MiB go in chunks of it "
-                             "(the runtime's default); 0: never (one message each, as "
-                             "before chunks)")  # fmt: skip
+    parser.add_argument("--chunk-mb", type=float, default=None,
+                        help="pushes and pull replies over this many MiB go in chunks of it; "
+                             "0: never (one message each, as before chunks); default: as the "
+                             "runtime does (over 32 MiB, in 4 MiB chunks)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes_mb.split(",")]
@@ -330,9 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sizes-mb: each size must be 1-1024 MB")
     if not 1 <= args.repeats <= 100:
         parser.error("--repeats must be 1-100")
-    if not 0 <= args.chunk_mb <= 1024:
+    if args.chunk_mb is not None and not 0 <= args.chunk_mb <= 1024:
         parser.error("--chunk-mb must be 0-1024")
-    chunk_bytes = int(args.chunk_mb * 2**20) or 2**62
+    chunk_bytes = None if args.chunk_mb is None else int(args.chunk_mb * 2**20) or 2**62
     torch.set_num_threads(1)
     result: dict[str, Any] = {"sizes_mb": sizes, "repeats": args.repeats,
                               "chunk_mb": args.chunk_mb}  # fmt: skip

@@ -4,7 +4,8 @@ One message of 64 MB moved at ~1.8 GB/s over loopback here, and its MAC, once on
 ran in series with the transfer: ~55 ms in all. As 4 MB chunks, each signed just before it
 is sent and checked as it arrives, the sender's MAC of one chunk runs while ZMQ's I/O thread
 transfers the one before, the receiver checks one while the next arrives, and no 64 MB
-receive buffer is paged in per message: ~25 ms (`benchmarks.wire_throughput`).
+receive buffer is paged in per message: ~35 ms, as fast as raw ZMQ's one message
+(`benchmarks.wire_throughput`). Smaller tensors go whole (`CHUNK_ABOVE_BYTES`).
 
 A chunk is an ordinary authenticated message: its header is the whole message's (the same
 kind, seq, partition, clock ...) with `chunk` = (offset, total) in elements, and its one
@@ -29,9 +30,14 @@ from orchestrator.agileml import wire
 from orchestrator.agileml.errors import WireError, WireReason
 from orchestrator.agileml.wire import Header
 
-#: Tensors over this many bytes travel in chunks of this many (see the module docstring; 1, 2
-#: and 4 MB measured within noise of each other for 64 MB, 16 MB slower).
+#: Chunks are of this many bytes (see the module docstring; 1, 2 and 4 MB measured within
+#: noise of each other for 64 MB, 16 MB slower).
 CHUNK_BYTES = 4 * 1024 * 1024
+#: Tensors over this many bytes go in chunks. Below it one message reuses the heap's memory
+#: (ZMQ's receive buffer is not paged in anew), and on a busy machine the chunks' extra copies
+#: cost more than their overlap gains: the 5M-parameter MLR's 5 MB partitions in 2 chunks
+#: measured 0.167 and 0.175 s per iteration against 0.152 whole (`agileml_elasticity`).
+CHUNK_ABOVE_BYTES = 32 * 1024 * 1024
 #: Assemblies a receiver keeps open at once, messages it remembers as refused and shapes it
 #: keeps free buffers for (DoS guards: the oldest is dropped). A server keeps one assembly per
 #: connected worker, a worker one per partition it pulls.
@@ -43,12 +49,12 @@ Frame = bytes | memoryview | zmq.Frame
 
 
 def chunked(tensors: Mapping[str, torch.Tensor], chunk_bytes: int | None = None) -> bool:
-    """Whether a message of these tensors goes in chunks: one tensor over `chunk_bytes`
-    (default `CHUNK_BYTES`)."""
+    """Whether a message of these tensors goes in chunks: one tensor over `chunk_bytes` when
+    given (a benchmark's or a test's size), else over `CHUNK_ABOVE_BYTES`."""
     if len(tensors) != 1:
         return False
     (tensor,) = tensors.values()
-    return tensor.numel() * tensor.element_size() > (chunk_bytes or CHUNK_BYTES)
+    return tensor.numel() * tensor.element_size() > (chunk_bytes or CHUNK_ABOVE_BYTES)
 
 
 class ChunkedMessage:

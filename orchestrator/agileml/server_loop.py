@@ -96,7 +96,7 @@ class ServerLoop:
         self._address = f"tcp://{host}:{port}"
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes  # pull replies of larger values go in chunks (None: the
-        # default, `chunks.CHUNK_BYTES`)
+        # runtime's rule: over `chunks.CHUNK_ABOVE_BYTES`, in `chunks.CHUNK_BYTES`)
         self._assembler = chunks.Assembler()  # chunked pushes, one open per connection
         self._control = control  # the AgileML node's handler of `control` ops it owns
         self._outbox: list[Reply] = []  # replies from other threads, sent by the serve thread

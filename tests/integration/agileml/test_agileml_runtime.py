@@ -69,6 +69,7 @@ def messages(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     partitions are 24: three chunks each, across every hand-off, roll-back and stage)."""
     if request.param == "chunks":
         monkeypatch.setattr(chunks, "CHUNK_BYTES", 8)
+        monkeypatch.setattr(chunks, "CHUNK_ABOVE_BYTES", 8)
     return str(request.param)
 
 

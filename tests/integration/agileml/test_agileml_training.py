@@ -297,6 +297,7 @@ def _count_chunked_sends(monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -> l
     """Large messages in chunks of `chunk_bytes`; returns, per message sent, whether it went
     in chunks."""
     monkeypatch.setattr(chunks, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(chunks, "CHUNK_ABOVE_BYTES", chunk_bytes)
     sent: list[bool] = []
     send = chunks.send
 
