@@ -110,15 +110,8 @@ class _Worker:
         fields = {"kind": kind, "job_id": JOB, "sender": WORKER, "seq": self.seq,
                   "partition": p, "clock": clock}  # fmt: skip
         self.assembler.reset()  # the last reply's values are read: its buffer is reused
-        message: list[chunks.Frame] | chunks.ChunkedMessage
-        if chunks.chunked(tensors, self.chunk_bytes):
-            ((name, tensor),) = tensors.items()
-            message = chunks.ChunkedMessage(
-                fields, name, tensor, TOKEN, chunk_bytes=self.chunk_bytes
-            )
-        else:
-            message = list(wire.encode(fields, tensors, TOKEN, zero_copy=True,
-                                       max_message_bytes=self.limit))  # fmt: skip
+        message = chunks.message(fields, tensors, TOKEN, chunk_bytes=self.chunk_bytes,
+                                 max_message_bytes=self.limit)  # fmt: skip
         chunks.send(self.sock, [], message)
         while True:
             if not self.sock.poll(TIMEOUT_MS):

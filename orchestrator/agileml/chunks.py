@@ -92,7 +92,7 @@ class ChunkedMessage:
         self._total = flat.numel()
         self._pieces = [flat[offset : offset + step] for offset in range(0, self._total, step)]
         self._frames: list[Frame | None] = [
-            frame(_bytes_of(piece)) if frame is not None else None for piece in self._pieces
+            frame(wire.byte_view(piece)) if frame is not None else None for piece in self._pieces
         ]
 
     def __len__(self) -> int:
@@ -109,10 +109,23 @@ class ChunkedMessage:
             yield [wire.sign_frames(header, body, self._token), header, *body]
 
 
-def _bytes_of(piece: torch.Tensor) -> memoryview:
-    """The memory of a contiguous 1-D tensor, as `wire.encode` frames it in place."""
-    array = (piece.view(torch.uint8) if piece.dtype == torch.bfloat16 else piece).numpy()
-    return array.data.cast("B")
+def message(
+    header_fields: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    token: bytes,
+    *,
+    chunk_bytes: int | None = None,
+    whole: bool = False,
+    max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+) -> list[Frame] | ChunkedMessage:
+    """A message of `tensors` framed in place: in chunks if `chunked` says so (and not
+    `whole`), else one message (`wire.encode` with `zero_copy`). Send it with `send`."""
+    if not whole and chunked(tensors, chunk_bytes):
+        ((name, tensor),) = tensors.items()
+        return ChunkedMessage(header_fields, name, tensor, token, chunk_bytes=chunk_bytes,
+                              max_message_bytes=max_message_bytes)  # fmt: skip
+    return list(wire.encode(header_fields, tensors, token, zero_copy=True,
+                            max_message_bytes=max_message_bytes))  # fmt: skip
 
 
 def send(
@@ -129,12 +142,12 @@ def send(
 class _Open:
     header: Header
     whole: torch.Tensor
-    shape_key: Hashable
+    shape_key: ShapeKey
     filled: int = 0
 
 
-def _pool_key(shape_key: Hashable) -> Hashable:
-    return shape_key[0] if isinstance(shape_key, tuple) else None
+#: A pool of buffers: (the receiver's pool key, dtype, elements).
+ShapeKey = tuple[Hashable, torch.dtype, int]
 
 
 def _same_message(a: Header, b: Header) -> bool:
@@ -166,8 +179,8 @@ class Assembler:
         self._forgotten: set[Hashable] = set()  # pool keys whose buffers are freed, not kept
         self._open: OrderedDict[Hashable, _Open] = OrderedDict()
         self._refused: dict[Hashable, int] = {}  # key -> the seq whose chunks are dropped
-        self._free: OrderedDict[Hashable, list[torch.Tensor]] = OrderedDict()
-        self._lent: dict[int, tuple[Hashable, torch.Tensor]] = {}  # id(whole) -> (shape, it)
+        self._free: OrderedDict[ShapeKey, list[torch.Tensor]] = OrderedDict()
+        self._lent: dict[int, tuple[ShapeKey, torch.Tensor]] = {}  # id(whole) -> (shape, it)
         self._max_open = max_open
 
     def add(
@@ -203,7 +216,7 @@ class Assembler:
             self._close(key)
             self._forgotten.discard(pool_key)  # served here again
             shape_key = (pool_key, piece.dtype, total)
-            self._open[key] = _Open(header, self._take(shape_key, piece.dtype, total), shape_key)
+            self._open[key] = _Open(header, self._take(shape_key), shape_key)
             while len(self._open) > self._max_open:
                 self._close(next(iter(self._open)))
         elif self._refused.get(key) == header.seq:
@@ -262,7 +275,7 @@ class Assembler:
             self._forgotten.add(pool_key)
             while len(self._forgotten) > self._max_open:
                 self._forgotten.pop()
-            for shape_key in [k for k in self._free if _pool_key(k) == pool_key]:
+            for shape_key in [k for k in self._free if k[0] == pool_key]:
                 del self._free[shape_key]
 
     def clear(self) -> None:
@@ -279,14 +292,15 @@ class Assembler:
         if assembly is not None:
             self._give_back(assembly.shape_key, assembly.whole)
 
-    def _take(self, shape_key: Hashable, dtype: torch.dtype, total: int) -> torch.Tensor:
+    def _take(self, shape_key: ShapeKey) -> torch.Tensor:
         free = self._free.get(shape_key)
         if free:
             return free.pop()
+        _, dtype, total = shape_key
         return torch.empty(total, dtype=dtype)
 
-    def _give_back(self, shape_key: Hashable, whole: torch.Tensor) -> None:
-        if _pool_key(shape_key) in self._forgotten:
+    def _give_back(self, shape_key: ShapeKey, whole: torch.Tensor) -> None:
+        if shape_key[0] in self._forgotten:
             return  # freed with the last reference
         free = self._free.setdefault(shape_key, [])
         self._free.move_to_end(shape_key)

@@ -213,11 +213,16 @@ def _tensor_bytes(
         raise WireError(WireReason.DTYPE, f"tensor {name!r} has dtype {tensor.dtype}")
     t = tensor.detach().cpu().contiguous()
     spec = {"name": name, "dtype": dtype_name, "shape": list(t.shape)}
+    view = byte_view(t)
+    return spec, view if zero_copy and len(view) else view.tobytes()
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, in place (no copy)."""
     # numpy has no bfloat16: its bytes, through a byte view of the same memory
-    array = (t.reshape(-1).view(torch.uint8) if t.dtype == torch.bfloat16 else t).numpy()
-    if zero_copy and array.size:
-        return spec, array.data.cast("B")
-    return spec, array.tobytes()
+    flat = tensor.reshape(-1)
+    array = (flat.view(torch.uint8) if flat.dtype == torch.bfloat16 else flat).numpy()
+    return array.data.cast("B")
 
 
 def encode(

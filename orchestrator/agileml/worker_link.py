@@ -302,12 +302,9 @@ class ServerRequests:
             fields["whole_reply"] = True  # by reference in process: nothing to overlap
         sock = self._socket(self.table.owner(p))
         # pushes frame the fresh gradient in place; nothing changes it after this
-        message: list[chunks.Frame] | chunks.ChunkedMessage
-        if kind is MessageKind.PUSH and chunks.chunked(tensors) and not self._inproc(p):
-            ((name, tensor),) = tensors.items()
-            message = chunks.ChunkedMessage(fields, name, tensor, self._token)
-        else:
-            message = list(wire.encode(fields, tensors, self._token, zero_copy=True))
+        # a push to the worker's own node goes whole: by reference, nothing to overlap
+        whole = kind is not MessageKind.PUSH or self._inproc(p)
+        message = chunks.message(fields, tensors, self._token, whole=whole)
         try:
             chunks.send(sock, [], message)
         except zmq.Again as exc:
