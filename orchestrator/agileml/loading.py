@@ -7,10 +7,11 @@ The rows are the runtime's: the worker names the shares it will want next (`AHEA
 by (clock, roster version) and their row numbers (`prefetch`); `take_prefetched` returns a
 share's batch, waiting for it if it is on its way (the loader's processes read in parallel,
 faster than the worker alone), and None when it was not asked for (a roster change made the
-guess wrong) or the loader is still starting: the worker then takes the rows itself, as
-without a loader. Either way the same rows, so exactly-once is unchanged. An error of the
-job's dataset or collate function in the loader turns the loader off: the worker then meets
-it taking the rows itself, and it stops the run as any error of the job's code does.
+guess wrong) or the loader is still starting (a node waits for it to start while it loads,
+`wait_started`): the worker then takes the rows itself, as without a loader. Either way the
+same rows, so exactly-once is unchanged. An error of the job's dataset or collate function in
+the loader turns the loader off: the worker then meets it taking the rows itself, and it stops
+the run as any error of the job's code does.
 
 The loader's processes start from a fork server (never a fork of the node's process, whose
 threads could hold a lock the child then waits on for good) and build the job's dataset from
@@ -34,7 +35,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -164,6 +165,16 @@ class LoaderRows:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def wait_started(self, timeout_s: float, stopping: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until the loader's processes are up, it failed, `stopping()` or `timeout_s`
+        passed; whether they are up. A node waits while it loads: a loader that starts while
+        the job trains reads nothing ahead until it is up (seconds on a busy machine)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._started.wait(0.1):
+            if self.failed is not None or stopping() or time.monotonic() > deadline:
+                return False
+        return True
 
     def take(self, rows: torch.Tensor) -> Batch:
         """The rows, taken here and now (as `DatasetRows.take`)."""

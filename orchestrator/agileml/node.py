@@ -69,6 +69,8 @@ T = TypeVar("T")
 JOIN_TIMEOUT_SECONDS = 10.0
 LOST_CONTROLLER_HEARTBEATS = 50
 LEFT_ATTEMPTS = 3  # heartbeats without an answer before the node gives up
+#: The longest a loading node waits for its rows loader's processes to start (`loading`).
+LOADER_START_S = 120.0
 
 
 @dataclass
@@ -322,6 +324,11 @@ class AgileMLNode:
             )
             self._worker.reassigner = self._reassigner
         self._warm_up(self._worker, self._reassigner)
+        if self._loader is not None and not self._loader.wait_started(
+            LOADER_START_S, stopping=self._stop.is_set
+        ):
+            log.warning("the rows loader is not up; the worker reads its rows itself until it is",
+                        extra={"node": self.node_id, "failed": self._loader.failed})  # fmt: skip
         if not flexrr and self._link is not None:
             self._link.close()
             self._link = None

@@ -53,6 +53,29 @@ def test_a_share_read_ahead_is_the_rows_asked_for_and_only_for_its_key() -> None
         loader.close()
 
 
+def test_a_started_loader_hands_over_each_share_asked_for() -> None:
+    """What a node waits for while it loads (`wait_started`): once the processes are up, a
+    share asked for is waited for, never read by the caller; a stop ends the wait at once."""
+    spec = TrainingSpec(job_id="loading", code=str(JOB), global_batch=48)
+    rows = training_parts(spec).rows
+    assert isinstance(rows, DatasetRows)
+    loader = LoaderRows(rows, spec.model_dump_json(), 2)
+    try:
+        t0 = time.monotonic()
+        assert not loader.wait_started(60, stopping=lambda: True)
+        assert time.monotonic() - t0 < 5
+        assert loader.wait_started(120), loader.failed
+        for clock in range(3):
+            loader.prefetch(clock, torch.arange(clock, clock + 12))
+        for clock in range(3):
+            batch = loader.take_prefetched(clock)
+            assert batch is not None
+            assert torch.equal(batch[1], rows.take(torch.arange(clock, clock + 12))[1])
+        assert loader.prefetched == 3 and loader.missed == 0
+    finally:
+        loader.close()
+
+
 def test_a_loader_whose_dataset_fails_is_turned_off(tmp_path: Path) -> None:
     """The job's dataset raises in the loader's processes (here: only there, as a file
     missing on that path would): the loader turns off, and the worker reads the rows itself
@@ -76,6 +99,7 @@ def test_a_loader_whose_dataset_fails_is_turned_off(tmp_path: Path) -> None:
             loader.take_prefetched("k")
             time.sleep(0.05)
         assert "no such file" in loader.failed
+        assert not loader.wait_started(60)  # a node waits no longer for it
         loader.prefetch("k2", torch.arange(4))
         assert loader.take_prefetched("k2") is None
         assert torch.equal(rows.take(torch.arange(4))[1], torch.tensor([0, 1, 2, 3]))

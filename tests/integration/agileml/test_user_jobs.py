@@ -351,10 +351,11 @@ def test_rows_read_ahead_by_a_dataloader_are_the_rows_of_the_loop(
     reads = [line.split() for line in items.read_text().splitlines()]
     loaders = {pid for pid, parent in reads if pid != me and parent != me}
     by_loaders = sum(1 for pid, _ in reads if pid in loaders)
-    # 2 per node, of the 3 nodes; each starts (seconds here: torch and the job imported, read
-    # once as it starts) while training goes on: how many shares it then reads depends on it
+    # 2 per node, of the 3 nodes; each is up (torch and the job imported, one item read as it
+    # starts) before its node is ready, however busy the machine: most of the job's rows are
+    # read ahead (the nodes read the rest, and FlexRR helpers their helpees' rows)
     assert len(loaders) >= 2 * 2, loaders
-    assert by_loaders - len(loaders) >= 5 * 12, by_loaders  # 5 shares or more read ahead
+    assert by_loaders - len(loaders) >= 0.75 * 160 * 36, by_loaders
     expected, _ = train_reference(load_job_code(path), iterations=160, global_batch=36)
     assert relative_error(result.model, expected) <= 1e-5
     deadline = time.monotonic() + 10
