@@ -206,12 +206,15 @@ def run_demo(
             console.print()
         if world.server is not None and linger_s > 0:
             link = _dashboard_link(world.server, settings)
-            console.print(
-                f"Serving the dashboard {linger_s:g} s more: {link}",
-                highlight=False,
-                soft_wrap=True,
-            )
-            time.sleep(linger_s)
+            try:  # the job has ended: after a Ctrl-C its summary still follows
+                console.print(
+                    f"Serving the dashboard {linger_s:g} s more (Ctrl-C stops it): {link}",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+                time.sleep(linger_s)
+            except KeyboardInterrupt:
+                console.print("Stopped serving the dashboard.")
         summary = _summary(world, watch, job, wall0)
         summary = _with_returned_weights(world, summary, weights_out)
     _print_summary(console, summary)

@@ -42,7 +42,8 @@ def demo(
         typer.Option(
             "--linger",
             min=0.0,
-            help="Keep serving the dashboard this many seconds after the job ends.",
+            help="Keep serving the dashboard this many seconds after the job ends (Ctrl-C "
+            "stops it sooner; the summary follows).",
         ),  # fmt: skip
     ] = 0.0,
     weights_out: Annotated[

@@ -15,7 +15,7 @@ def test_an_instance_whose_agent_was_killed_is_released_and_replaced() -> None:
     # killed early in a long run: the job must outlast the release (tens of real seconds on a
     # busy machine), since its reliable node trains on meanwhile. The killed node may be one
     # still loading the job (a replacement after an eviction): it is released all the same
-    run = run_once(kill_at=0.1, seed=1, speed=300.0, timeout_s=280.0, iterations=2500,
+    run = run_once(kill_at=0.05, seed=1, speed=300.0, timeout_s=280.0, iterations=2000,
                    spare_killed=True)  # fmt: skip
     assert run["state"] == "succeeded", run
     killed = run["killed"]
