@@ -27,7 +27,6 @@ is not a plain TensorDataset, which is indexed at once, faster than any prefetch
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import multiprocessing
@@ -42,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from orchestrator.agileml.batches import Batch, DatasetRows, map_tensors, micro_batches
+from orchestrator.agileml.forked import release_server_liveness
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +95,7 @@ def _watch_node(node_pid: int, worker_id: int) -> None:
     own check watches the fork server, which waits for its children: a SIGKILLed node would
     leave both behind), and lets go of the fork server's liveness pipe."""
     del worker_id
-    from multiprocessing import forkserver
-
-    alive = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_alive_fd", None)
-    if alive is not None:
-        with contextlib.suppress(OSError):
-            os.close(alive)
+    release_server_liveness()
 
     def watch() -> None:
         while True:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from support.processes import alive as _alive
-from support.processes import children as _children
+from support.processes import descendants
 
 from orchestrator.lifecycle import SIGTERM_EXIT_STATUS
 
@@ -39,14 +39,27 @@ def _start_training(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str],
              "--nodes", "2", "--iterations", "3000", "--global-batch", "64", *extra],
             stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=env,
         )  # fmt: skip
-    # 2 transient nodes and a reliable one, or 2 pipeline workers
-    _wait_for(
-        "the node processes", lambda: len(_children(proc.pid)) >= 2 or proc.poll() is not None
-    )
+    # 2 transient nodes and a reliable one, or 2 pipeline workers (forked: under the fork
+    # server, itself a child, as is multiprocessing's resource tracker)
+    _wait_for("the node processes", lambda: len(_workers(proc.pid)) >= 2 or proc.poll() is not None)
     time.sleep(4.0)  # into training
-    children = _children(proc.pid)
+    children = descendants(proc.pid)
     assert proc.poll() is None and len(children) >= 2
     return proc, children
+
+
+def _workers(pid: int) -> set[int]:
+    """The node processes under `pid`, or its pipeline's stage processes (named `stage`)."""
+    out = set()
+    for p in descendants(pid):
+        try:
+            comm = Path(f"/proc/{p}/comm").read_text().strip()
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if comm == "stage" or b"orchestrator.agileml.node" in cmdline:
+            out.add(p)
+    return out
 
 
 def _ours(folder: Path) -> list[str]:

@@ -558,21 +558,14 @@ def _emulate(ms: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`stage CONFIG.json`, or `stage --standby`: started ahead (its imports done) and given
-    its config's path on stdin when a stage is needed (an empty line: not needed, exit 0)."""
+    """`stage CONFIG.json` (`LocalSpawner` forks it, with this module imported)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print(
-            "usage: python -m orchestrator.agileml.pipeline.stage CONFIG.json | --standby",
-            file=sys.stderr,
-        )
+        print("usage: python -m orchestrator.agileml.pipeline.stage CONFIG.json", file=sys.stderr)
         return 2
     signal.signal(signal.SIGUSR1, lambda *_: NOTICE.set())
     exit_with_parent()  # a SIGKILLed launcher leaves no stage behind
-    path = sys.stdin.readline().strip() if args[0] == "--standby" else args[0]
-    if not path:
-        return 0
-    config = StageConfig.model_validate_json(Path(path).read_text())
+    config = StageConfig.model_validate_json(Path(args[0]).read_text())
     result = run_stage(config, token_from_env())
     print(json.dumps(result), flush=True)
     return 0

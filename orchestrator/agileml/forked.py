@@ -1,0 +1,192 @@
+"""Processes of this machine forked from a server that has Python, torch and the runtime
+imported (`multiprocessing`'s fork server): a process starts in milliseconds instead of the
+seconds those imports take (3-4 s of CPU each on a quiet core, several times that on a busy
+machine), for every stage worker a pipeline starts or replaces.
+
+The child gets what `python -m MODULE ARGS` gets from `subprocess.Popen`: the environment
+given, this process's working folder, the arguments, stdout and stderr into files, an empty
+stdin; it runs `MODULE.main(ARGS)` and exits with what that returns. As in any
+`multiprocessing` child, the launcher's main module is imported first (as `__mp_main__`;
+a package's `__main__` is not), so a script that starts children guards its start with
+`if __name__ == "__main__"`. Its command line stays the server's; its name (`ps -o comm`,
+`top`) is the module's last part, e.g. `stage`. `Forked` has the `Popen`
+methods the runtime uses. The server never initialises CUDA (importing torch does not), so a
+child may. It exits once this process is gone, and its children then exit with their parent
+(`lifecycle.exit_with_parent`); at this process's exit a child still running is stopped (as
+a daemon process is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import wait as wait_ready
+from pathlib import Path
+
+#: What the fork server imports once (each child then starts with it imported).
+PRELOAD = ["torch", "orchestrator.agileml.pipeline.stage"]
+
+_CONTEXT = multiprocessing.get_context("forkserver")
+#: A child's exit code is read once, from its pipe to the server: two threads reading it at
+#: once would make one of them see 255 (what `multiprocessing` says when the pipe is closed).
+_EXIT_CODES = threading.Lock()
+#: What `multiprocessing` reports for a child whose pipe closed without an exit code.
+NO_EXIT_CODE = 255
+
+
+def warm() -> None:
+    """Start the fork server and wait until it has its imports (seconds; blocks), so that
+    the next `start` is quick: a start waits for the server, and a node that must heartbeat
+    meanwhile should not."""
+    _CONTEXT.set_forkserver_preload(PRELOAD)
+    probe = _CONTEXT.Process(target=_ready, name="forked-warm-up")
+    probe.start()
+    probe.join()
+
+
+def _ready() -> None:
+    """The warm-up's child: forked once the server has its imports; nothing to do."""
+
+
+def start(
+    module: str, args: Sequence[str], *, env: Mapping[str, str], stdout: Path, stderr: Path
+) -> Forked:
+    """`python -m module *args` with `env`, its output appended to `stdout` and `stderr`
+    (files that exist), forked from the server (started first if it is not running: seconds).
+
+    Raises:
+        OSError: the server could not fork it (or could not start).
+    """
+    _CONTEXT.set_forkserver_preload(PRELOAD)  # read when the server starts, once
+    process = _CONTEXT.Process(
+        target=_child,
+        args=(module, list(args), dict(env), os.getcwd(), str(stdout), str(stderr)),
+        name=f"{module} {' '.join(args)}"[:200],
+    )
+    try:
+        process.start()
+    except (EOFError, ConnectionError, ValueError) as exc:  # the server died or never started
+        raise OSError(f"the fork server could not start {module}: {exc!r}") from exc
+    # not multiprocessing's child to watch: its clean-up of finished children (at any other
+    # start, `active_children()`) would read exit codes beside `Forked.poll`, and at this
+    # process's exit it would wait for a child that ignores SIGTERM for good. A child left
+    # running then exits with its server (`exit_with_parent`), as one `Popen` started would.
+    getattr(multiprocessing.process, "_children", set()).discard(process)
+    return Forked(process, [sys.executable, "-m", module, *args])
+
+
+def release_server_liveness() -> None:
+    """In a child of a fork server: close the child's copy of the pipe whose end tells the
+    server that its launcher is gone (`multiprocessing` hands one to every child). Held by a
+    running child, it kept the server, and so the child (`exit_with_parent` watches the
+    server), alive after a SIGKILL of the launcher."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def _child(
+    module: str, args: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str
+) -> None:
+    """In the forked process: become `python -m module *args` and run its `main(args)`."""
+    release_server_liveness()
+    with contextlib.suppress(OSError):  # its name in `ps`/`top` (its command line is the server's)
+        Path("/proc/self/comm").write_text(module.rsplit(".", 1)[-1][:15])
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # OpenMP read it when the server imported torch
+        import torch
+
+        torch.set_num_threads(int(threads))
+    sys.argv = [module, *args]
+    try:
+        code = importlib.import_module(module).main(args)
+    except KeyboardInterrupt:  # ended by SIGINT, as a `python -m` process would be (-2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
+
+
+class Forked:
+    """A forked process (`start`), with the `subprocess.Popen` methods the runtime uses;
+    `returncode` is negative for a signal, as `Popen`'s is. A child whose server died is
+    killed and reported as killed (-9), not as an exit of its own."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, args: list[str]) -> None:
+        self._process = process
+        self.args = args
+
+    @property
+    def pid(self) -> int:
+        pid = self._process.pid
+        assert pid is not None  # started
+        return pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def poll(self) -> int | None:
+        with _EXIT_CODES:
+            code = self._process.exitcode
+        if code == NO_EXIT_CODE and _running(self.pid):  # its server is gone, not the child
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            return -signal.SIGKILL
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code, waited for (`subprocess.TimeoutExpired` past `timeout`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            wait_ready([self._process.sentinel], left)  # readable once it exits; not read
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        """As `Popen`'s: nothing once it has exited (also between its exit and its code)."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (not gone, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"

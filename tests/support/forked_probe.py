@@ -1,0 +1,37 @@
+"""A module for `forked`'s tests to fork (`tests/integration/agileml/test_forked.py`):
+`main(args)` reports what the child got, sleeps, raises, or waits for its parent to go."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main(args: list[str]) -> int:
+    if args[0] == "sleep":
+        time.sleep(float(args[1]))
+        return 0
+    if args[0] == "raise":
+        raise RuntimeError("the probe failed")
+    if args[0] == "orphan":
+        from orchestrator.lifecycle import exit_with_parent
+
+        exit_with_parent(poll_s=0.2)
+        print(os.getpid(), flush=True)
+        time.sleep(600)
+        return 0
+    import torch
+
+    report = {
+        "args": args,
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
+        "env": os.environ.get("PROBE_ENV"),
+        "leaked": os.environ.get("PROBE_LEAK"),
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(report))
+    print("to stderr", file=sys.stderr)
+    return int(args[1])
