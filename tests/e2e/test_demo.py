@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -327,27 +328,15 @@ def _lines_of(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
     return lines
 
 
-def _dashboard_url(lines: queue.Queue[str | None], output: list[str], timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            continue
-        if line is None:
-            break
-        output.append(line)
-        match = re.search(r"Dashboard: (http://\S+/dashboard\?token=\w+)", line)
-        if match:
-            return match.group(1)
-    raise AssertionError("the demo printed no dashboard URL:\n" + "".join(output)[-3000:])
-
-
-def _stop_lingering(
-    proc: subprocess.Popen[str], lines: queue.Queue[str | None], output: list[str], timeout_s: float
-) -> None:
-    """Once the demo serves its dashboard on after the end (`--linger`), Ctrl-C (SIGINT) stops
-    it, as a user would (the summary follows); if the demo ended first, nothing to stop."""
+def _read_until(
+    lines: queue.Queue[str | None],
+    output: list[str],
+    timeout_s: float,
+    what: str,
+    want: Callable[[str], str | None],
+) -> str | None:
+    """The demo's lines into `output` until `want(line)` gives a value (returned), or None
+    once the output has ended; AssertionError naming `what` past `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -356,12 +345,34 @@ def _stop_lingering(
             continue
         if line is None:
             lines.put(None)  # for `_drain`
-            return
+            return None
         output.append(line)
-        if "Serving the dashboard" in line:
-            proc.send_signal(signal.SIGINT)
-            return
-    raise AssertionError("the demo did not linger:\n" + "".join(output)[-3000:])
+        if (found := want(line)) is not None:
+            return found
+    raise AssertionError(f"no {what} in {timeout_s:g} s:\n" + "".join(output)[-3000:])
+
+
+def _dashboard_url(lines: queue.Queue[str | None], output: list[str], timeout_s: float) -> str:
+    def url(line: str) -> str | None:
+        match = re.search(r"Dashboard: (http://\S+/dashboard\?token=\w+)", line)
+        return match.group(1) if match else None
+
+    found = _read_until(lines, output, timeout_s, "dashboard URL", url)
+    assert found is not None, "the demo ended without a dashboard URL:\n" + "".join(output)[-3000:]
+    return found
+
+
+def _stop_lingering(
+    proc: subprocess.Popen[str], lines: queue.Queue[str | None], output: list[str], timeout_s: float
+) -> None:
+    """Once the demo serves its dashboard on after the end (`--linger`), Ctrl-C (SIGINT) stops
+    it, as a user would (the summary follows); if the demo ended first, nothing to stop."""
+
+    def serving(line: str) -> str | None:
+        return line if "Serving the dashboard" in line else None
+
+    if _read_until(lines, output, timeout_s, "linger", serving) is not None:
+        proc.send_signal(signal.SIGINT)
 
 
 def _drain(lines: queue.Queue[str | None]) -> list[str]:
