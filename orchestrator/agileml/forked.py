@@ -9,11 +9,10 @@ stdin; it runs `MODULE.main(ARGS)` and exits with what that returns. As in any
 `multiprocessing` child, the launcher's main module is imported first (as `__mp_main__`;
 a package's `__main__` is not), so a script that starts children guards its start with
 `if __name__ == "__main__"`. Its command line stays the server's; its name (`ps -o comm`,
-`top`) is the module's last part, e.g. `stage`. `Forked` has the `Popen`
-methods the runtime uses. The server never initialises CUDA (importing torch does not), so a
-child may. It exits once this process is gone, and its children then exit with their parent
-(`lifecycle.exit_with_parent`); at this process's exit a child still running is stopped (as
-a daemon process is).
+`top`) is the module's last part, e.g. `stage`. `Forked` has the `Popen` methods the runtime
+uses. The server never initialises CUDA (importing torch does not), so a child may. The server
+exits once this process is gone, and a child still running then exits with its parent
+(`lifecycle.exit_with_parent`), as one `Popen` started did.
 """
 
 from __future__ import annotations
