@@ -115,8 +115,6 @@ class PipelineNode:
         finally:
             try:
                 self._kill_all(report=False)
-                if self._spawner is not None:
-                    self._spawner.close()
                 if self.holder is not None:
                     self.holder.stop()
                 sock.close()

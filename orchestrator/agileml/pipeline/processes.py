@@ -67,9 +67,6 @@ class LocalSpawner:
         )
         return LocalStage(proc, out_path)
 
-    def close(self) -> None:
-        """Nothing to stop: a stage is stopped by whoever runs it."""
-
 
 class LocalStage:
     """A stage worker process of this machine (`StageProcess`): a forked one (`forked`) or
