@@ -159,8 +159,12 @@ class HostedTraining:
         `folder` as `model.safetensors`; returns the iterations in it.
 
         Raises:
-            AgileMLError: the parameters could not be read (no server answered in time).
+            AgileMLError: the parameters could not be read (no server answered in time), or
+                the job was aborted (its nodes were told to shut down with the abort: a
+                checkpoint holds its weights, not servers that are going).
         """
+        if self.error is not None:
+            raise AgileMLError(f"the job was aborted; its servers shut down: {self.error}")
         done = self.done
         params = self._coordinator.fetch_parameters(timeout_s=timeout_s, final=done)
         model = self._model().model_with(params)

@@ -5,6 +5,7 @@ its traceback, within seconds; nothing retries a deterministic error."""
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.agileml.control import TrainingSpec
+from orchestrator.agileml.control import ControlClient, JobFailed, Join, TrainingSpec
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError
+from orchestrator.agileml.hosting import HostedTraining, host_training
 from orchestrator.agileml.local import LocalJob
 from orchestrator.agileml.trainrun import TrainPlan, train_locally
 
@@ -73,3 +75,28 @@ def test_a_node_that_cannot_load_the_job_aborts_it_with_the_error(
     assert "dataset() raised FileNotFoundError" in error, error
     assert 'digits_failing.py", line' in error  # the frame where it raised
     assert "the user's data is not on this node" in error
+
+
+def test_the_weights_of_an_aborted_job_are_not_waited_for_from_its_servers() -> None:
+    """An aborted job's nodes shut down with the abort, so its weights come from a checkpoint
+    (the controller's `save_final`): asking the servers for them fails at once, not after
+    the fetch's timeout (which held the controller's tick, and the failed job's end, 10 s)."""
+    token = secrets.token_bytes(32)
+    spec = TrainingSpec(job_id="job-aborted", code=str(JOB), iterations=20, global_batch=64,
+                        num_partitions=2)  # fmt: skip
+    hosted = host_training(spec, token=token, host="127.0.0.1", port=0)
+    assert isinstance(hosted, HostedTraining)
+    client = ControlClient(job_id=spec.job_id, sender="n1", token=token)
+    try:
+        join = Join(tier=NodeTier.RELIABLE, endpoint="tcp://127.0.0.1:1")
+        assert client.call(hosted.endpoint, join.model_dump(mode="json"), 10.0).get("spec")
+        failed = JobFailed(error="the scheduler's step raised ValueError")
+        client.call(hosted.endpoint, failed.model_dump(mode="json"), 10.0)
+        assert hosted.error is not None and "the scheduler's step raised" in hosted.error
+        started = time.monotonic()
+        with pytest.raises(AgileMLError, match="aborted"):
+            hosted.save_weights(Path("unused"), timeout_s=10.0)
+        assert time.monotonic() - started < 1.0
+    finally:
+        client.close()
+        hosted.stop()
