@@ -1,18 +1,20 @@
 """Processes of this machine forked from a server that has Python, torch and the runtime
 imported (`multiprocessing`'s fork server): a process starts in milliseconds instead of the
 seconds those imports take (3-4 s of CPU each on a quiet core, several times that on a busy
-machine), for every stage worker a pipeline starts or replaces.
+machine), for every stage worker a pipeline starts or replaces and every node a `LocalJob`
+starts.
 
 The child gets what `python -m MODULE ARGS` gets from `subprocess.Popen`: the environment
-given, this process's working folder, the arguments, stdout and stderr into files, an empty
-stdin; it runs `MODULE.main(ARGS)` and exits with what that returns. As in any
+given, this process's working folder, the arguments, stdout and stderr into files, stdin from
+a file (a FIFO the launcher writes to) or empty; it runs `MODULE.main(ARGS)` and exits with
+what that returns. As in any
 `multiprocessing` child, the launcher's main module is imported first (as `__mp_main__`;
 a package's `__main__` is not), so a script that starts children guards its start with
 `if __name__ == "__main__"`. Its command line stays the server's; its name (`ps -o comm`,
-`top`) is the module's last part, e.g. `stage`. `Forked` has the `Popen` methods the runtime
-uses. The server never initialises CUDA (importing torch does not), so a child may. The server
-exits once this process is gone, and a child still running then exits with its parent
-(`lifecycle.exit_with_parent`), as one `Popen` started did.
+`top`) is the module's last part, e.g. `stage` or `node`. `Forked` has the `Popen` methods the
+runtime uses. The server never initialises CUDA (importing torch does not), so a child may.
+The server exits once this process is gone, and a child still running then exits with its
+parent (`lifecycle.exit_with_parent`), as one `Popen` started did.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -31,7 +35,7 @@ from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 
 #: What the fork server imports once (each child then starts with it imported).
-PRELOAD = ["torch", "orchestrator.agileml.pipeline.stage"]
+PRELOAD = ["torch", "orchestrator.agileml.pipeline.stage", "orchestrator.agileml.node"]
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 #: A child's exit code is read once, from its pipe to the server: two threads reading it at
@@ -39,6 +43,10 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 _EXIT_CODES = threading.Lock()
 #: What `multiprocessing` reports for a child whose pipe closed without an exit code.
 NO_EXIT_CODE = 255
+#: The longest TMPDIR the fork server's socket can be under: an AF_UNIX path has at most 107
+#: bytes, and `multiprocessing` puts it at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (32 more).
+SOCKET_TMPDIR_MAX = 107 - 32
+_TEMPDIR = threading.Lock()
 
 
 def warm() -> None:
@@ -46,6 +54,7 @@ def warm() -> None:
     the next `start` is quick: a start waits for the server, and a node that must heartbeat
     meanwhile should not."""
     _CONTEXT.set_forkserver_preload(PRELOAD)
+    _short_socket_folder()
     probe = _CONTEXT.Process(target=_ready, name="forked-warm-up")
     probe.start()
     probe.join()
@@ -56,18 +65,35 @@ def _ready() -> None:
 
 
 def start(
-    module: str, args: Sequence[str], *, env: Mapping[str, str], stdout: Path, stderr: Path
+    module: str,
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    stdout: Path,
+    stderr: Path,
+    stdin: Path | None = None,
 ) -> Forked:
     """`python -m module *args` with `env`, its output appended to `stdout` and `stderr`
-    (files that exist), forked from the server (started first if it is not running: seconds).
+    (files that exist), its input read from `stdin` (a FIFO must have a writer already, or
+    the child blocks opening it) or empty, forked from the server (started first if it is not
+    running: seconds).
 
     Raises:
         OSError: the server could not fork it (or could not start).
     """
     _CONTEXT.set_forkserver_preload(PRELOAD)  # read when the server starts, once
+    _short_socket_folder()
     process = _CONTEXT.Process(
         target=_child,
-        args=(module, list(args), dict(env), os.getcwd(), str(stdout), str(stderr)),
+        args=(
+            module,
+            list(args),
+            dict(env),
+            os.getcwd(),
+            str(stdout),
+            str(stderr),
+            None if stdin is None else str(stdin),
+        ),  # fmt: skip
         name=f"{module} {' '.join(args)}"[:200],
     )
     try:
@@ -80,6 +106,21 @@ def start(
     # running then exits with its server (`exit_with_parent`), as one `Popen` started would.
     getattr(multiprocessing.process, "_children", set()).discard(process)
     return Forked(process, [sys.executable, "-m", module, *args])
+
+
+def _short_socket_folder() -> None:
+    """Have `multiprocessing`'s folder (where the fork server's socket goes) made under /tmp
+    when TMPDIR is too long for a socket's path (`SOCKET_TMPDIR_MAX`); Python 3.11 does not
+    fall back by itself, and the start failed with "AF_UNIX path too long"."""
+    if len(tempfile.gettempdir()) <= SOCKET_TMPDIR_MAX:
+        return
+    with _TEMPDIR:
+        saved = tempfile.tempdir
+        tempfile.tempdir = "/tmp"  # noqa: S108 - the folder is made private (mkdtemp)
+        try:
+            multiprocessing.util.get_temp_dir()  # made now, and kept for this process
+        finally:
+            tempfile.tempdir = saved
 
 
 def release_server_liveness() -> None:
@@ -98,7 +139,13 @@ def release_server_liveness() -> None:
 
 
 def _child(
-    module: str, args: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    cwd: str,
+    stdout: str,
+    stderr: str,
+    stdin: str | None,
 ) -> None:
     """In the forked process: become `python -m module *args` and run its `main(args)`."""
     release_server_liveness()
@@ -107,10 +154,16 @@ def _child(
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # read again from this environment's TMPDIR
     for fd, path in ((1, stdout), (2, stderr)):
         target = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)
+    if stdin is not None:  # `multiprocessing` gave the child os.devnull
+        source = os.open(stdin, os.O_RDONLY)
+        os.dup2(source, 0)
+        os.close(source)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own, for its life
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # OpenMP read it when the server imported torch
         import torch

@@ -1,5 +1,6 @@
 """Run an AgileML job on this machine: the elasticity controller in this process, each node a
-separate `python -m orchestrator.agileml.node` process on loopback.
+separate process on loopback (`python -m orchestrator.agileml.node`, forked from a server
+with the imports done: `forked`); its output, JSON at the end, goes to a file.
 
 Used by the benchmark and the offline demo; `evict` sends a node its eviction notice (SIGUSR1),
 `kill` takes it away without warning (SIGKILL).
@@ -7,13 +8,13 @@ Used by the benchmark and the offline demo; `evict` sends a node its eviction no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.agileml import forked
 from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.coordinator import Coordinator, CoordinatorEvent
 from orchestrator.agileml.elasticity import NodeState, NodeTier
@@ -68,9 +70,10 @@ class LocalJob:
         self.spec = spec
         self._token = secrets.token_bytes(32)
         self.coordinator = Coordinator(spec, token=self._token)
-        self._procs: dict[str, subprocess.Popen[str]] = {}
+        self._procs: dict[str, forked.Forked] = {}
         self._killed: set[str] = set()
         self._held: set[str] = set()  # started, not released yet
+        self._releases: dict[str, int] = {}  # a held node's stdin (a FIFO's end) -> "join"
         self._unjoined: set[str] = set()  # stopped at the end while still joining
         # a log folder made here is removed on every exit (a crashed node's error carries the
         # end of its log), kept after an error with ORCHESTRATOR_KEEP_LOGS=1 (`remove_run_dir`)
@@ -108,26 +111,31 @@ class LocalJob:
         computing = not held and self.max_clock() >= 0
         entry = "orchestrator.agileml.node_process" if computing else "orchestrator.agileml.node"
         cmd = [
-            sys.executable, "-m", entry,
             "--node-id", node_id, "--job-id", self.spec.job_id, "--tier", tier.value,
             "--controller", self.coordinator.endpoint,
         ]  # fmt: skip
         k = self.spec.devices_per_node
         if k is not None:  # each node on its own GPUs, where the machine has them
             cmd += ["--devices", str(k), "--first-device", str(len(self._procs) * k)]
+        stdin = None
         if held:
             self._held.add(node_id)
             preload = self.spec.code and not is_code_ref(self.spec.code)  # a path: warm it up
             cmd += ["--hold"] + (["--preload", str(self.spec.code)] if preload else [])
-        with (self._log_dir / f"{node_id}.log").open("w") as stderr:
-            self._procs[node_id] = subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE if held else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                env=env,
-            )
+            stdin = self._log_dir / f"{node_id}.in"
+            os.mkfifo(stdin, 0o600)
+            # read and write: opening it does not wait for the reader; closing it is the EOF
+            self._releases[node_id] = os.open(stdin, os.O_RDWR)
+        stdout, stderr = self._out_path(node_id), self._log_dir / f"{node_id}.log"
+        stdout.write_bytes(b"")
+        stderr.write_bytes(b"")
+        self._procs[node_id] = forked.start(
+            entry, cmd, env=env, stdout=stdout, stderr=stderr, stdin=stdin
+        )
+
+    def _out_path(self, node_id: str) -> Path:
+        """Where the node's standard output (its result, JSON) goes."""
+        return self._log_dir / f"{node_id}.out"
 
     def starting_nodes(self) -> list[str]:
         """The nodes started to join now (not held back for a later join)."""
@@ -136,10 +144,9 @@ class LocalJob:
     def release(self, node_id: str) -> None:
         """Let a held node join."""
         self._held.discard(node_id)
-        stdin = self._procs[node_id].stdin
-        if stdin is not None:
-            stdin.write("join\n")
-            stdin.flush()
+        fd = self._releases.get(node_id)
+        if fd is not None:
+            os.write(fd, b"join\n")
 
     def evict(self, node_id: str) -> None:
         """The eviction notice: the node finishes its clocks, hands off, and leaves."""
@@ -227,6 +234,10 @@ class LocalJob:
     def close(self) -> None:
         """Stop the controller and every node process that is still running."""
         self.coordinator.stop()
+        for fd in self._releases.values():  # a node still held reads EOF: it exits
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._releases.clear()
         for proc in self._procs.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -241,11 +252,12 @@ class LocalJob:
         out = {}
         for node_id, proc in self._procs.items():
             try:
-                stdout, _ = proc.communicate(timeout=STOP_GRACE_SECONDS)
+                proc.wait(timeout=STOP_GRACE_SECONDS)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                stdout, _ = proc.communicate()
-            lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("{")]
+                proc.wait()
+            stdout = self._out_path(node_id).read_text(errors="replace")
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
             if node_id in self._killed or node_id in self._held or not lines:
                 ended = "killed" if node_id in self._killed else "crashed"
                 ended = "still joining at the end" if node_id in self._unjoined else ended

@@ -14,9 +14,11 @@ import sys
 from orchestrator.agileml.lowprio import at_low_priority
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the node of `argv` (the command line's when None): see the module docstring. A
+    node forked with the imports done (`forked`) only loads at low priority."""
     node = at_low_priority(lambda: importlib.import_module("orchestrator.agileml.node"))
-    return int(node.main(low_priority_load=True))
+    return int(node.main(argv, low_priority_load=True))
 
 
 if __name__ == "__main__":

@@ -48,8 +48,12 @@ def _start_training(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str],
     return proc, children
 
 
+WORKER_NAMES = {"stage", "node", "node_process"}
+
+
 def _workers(pid: int) -> set[int]:
-    """The node processes under `pid`, or its pipeline's stage processes (named `stage`)."""
+    """The node processes under `pid` (forked ones named `node` or `node_process`), or its
+    pipeline's stage processes (named `stage`)."""
     out = set()
     for p in descendants(pid):
         try:
@@ -57,7 +61,7 @@ def _workers(pid: int) -> set[int]:
             cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
         except OSError:
             continue
-        if comm == "stage" or b"orchestrator.agileml.node" in cmdline:
+        if comm in WORKER_NAMES or b"orchestrator.agileml.node" in cmdline:
             out.add(p)
     return out
 
@@ -138,7 +142,7 @@ def test_every_exit_of_a_training_run_removes_its_temporary_folders(tmp_path: Pa
     try:
         proc, temp, marker = runs["sigterm"]
         _wait_for("a node to compute", lambda: marker.exists() or proc.poll() is not None)
-        assert proc.poll() is None
+        assert proc.poll() is None, proc.communicate()[1]
         assert any(p.name.startswith("agileml-") for p in temp.iterdir())  # there, in use
         proc.send_signal(signal.SIGTERM)
         for ending, (proc, _, _) in runs.items():

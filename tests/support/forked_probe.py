@@ -1,11 +1,13 @@
 """A module for `forked`'s tests to fork (`tests/integration/agileml/test_forked.py`):
-`main(args)` reports what the child got, sleeps, raises, or waits for its parent to go."""
+`main(args)` reports what the child got, sleeps, raises, waits for its parent to go, or reads
+a line of its stdin."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import tempfile
 import time
 
 
@@ -15,6 +17,9 @@ def main(args: list[str]) -> int:
         return 0
     if args[0] == "raise":
         raise RuntimeError("the probe failed")
+    if args[0] == "read":  # what its stdin says first, and where its temporary files go
+        print(json.dumps({"line": sys.stdin.readline(), "tmp": tempfile.gettempdir()}))
+        return 0
     if args[0] == "orphan":
         from orchestrator.lifecycle import exit_with_parent
 

@@ -177,3 +177,60 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_a_child_reads_its_stdin_from_a_fifo_and_its_own_tmpdir(tmp_path: Path) -> None:
+    """A held `LocalJob` node waits for a line on its stdin (a FIFO the launcher writes to),
+    and a child's temporary files go where its environment's TMPDIR says (the server's
+    `tempfile` may have settled on another folder before the fork)."""
+    out, err = _files(tmp_path)
+    fifo = tmp_path / "in"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)  # a writer first: the child's open does not block
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    try:
+        proc = forked.start(PROBE, ["read"], env={"TMPDIR": str(own_tmp)}, stdout=out,
+                            stderr=err, stdin=fifo)  # fmt: skip
+        time.sleep(0.5)
+        assert proc.poll() is None, err.read_text()  # waits for its line
+        os.write(writer, b"join\n")
+        assert proc.wait(60) == 0, err.read_text()
+    finally:
+        os.close(writer)
+    child = json.loads(out.read_text())
+    assert child == {"line": "join\n", "tmp": str(own_tmp)}
+    # its writer closed instead: the child reads EOF (a held node the job never released)
+    os.unlink(fifo)
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)
+    proc = forked.start(PROBE, ["read"], env={}, stdout=out, stderr=err, stdin=fifo)
+    time.sleep(0.5)
+    os.close(writer)
+    assert proc.wait(60) == 0, err.read_text()
+    assert json.loads(out.read_text().splitlines()[-1])["line"] == ""
+
+
+def test_a_launcher_whose_tmpdir_is_too_long_for_a_socket_still_forks(tmp_path: Path) -> None:
+    """The fork server listens on a Unix socket under TMPDIR, and such a path has at most 107
+    bytes: a long TMPDIR (a user's, pytest's) once failed `train` with "AF_UNIX path too
+    long"."""
+    long_tmp = tmp_path / ("t" * 60) / ("u" * 60)
+    long_tmp.mkdir(parents=True)
+    out, err = _files(tmp_path)
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from orchestrator.agileml import forked\n"
+        "if __name__ == '__main__':\n"
+        f"    proc = forked.start({PROBE!r}, ['echo', '3'], env={{}}, stdout=Path({str(out)!r}),"
+        f" stderr=Path({str(err)!r}))\n"
+        "    sys.exit(proc.wait(120))\n"
+    )
+    tests_dir = str(Path(__file__).parents[2])
+    env = {**os.environ, "TMPDIR": str(long_tmp), "PYTHONPATH": tests_dir}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=180)  # fmt: skip
+    assert run.returncode == 3, run.stderr[-2000:]
+    assert json.loads(out.read_text())["args"] == ["echo", "3"]
+    assert list(long_tmp.iterdir()) == []  # nothing of it left in TMPDIR
