@@ -42,11 +42,14 @@ def run_once(
     timeout_s: float,
     iterations: int = ITERATIONS,
     spare_killed: bool = False,
+    until_replaced: bool = False,
 ) -> dict[str, Any]:
     """One run of the demo's job at `iterations`; with `kill_at`, one spot instance's agent is
     SIGKILLed once that fraction of the work is done (and its node trains). `spare_killed`:
     the trace never takes that instance back (a test of its release; the cost comparison
-    leaves the trace as it is for both runs)."""
+    leaves the trace as it is for both runs). `until_replaced`: the run ends (the job still
+    running) once the killed agent's instance is released and the job trains on, with a
+    node of an instance launched after the kill among its members."""
     wall0 = time.monotonic()
     settings = demo_settings(speed=speed, start=DEFAULT_START)
     job = sample_job(BUDGET_USD, iterations=iterations)
@@ -63,6 +66,9 @@ def run_once(
             done = record.work_done_gpu_hours / job.work_gpu_hours
             if kill_at is not None and not killed and done >= kill_at:
                 killed = _kill_a_spot_agent(world, now, spare=spare_killed)
+                killed["launched_before"] = sorted(world.launched)
+            if until_replaced and killed and _replaced(world, killed):
+                break
             time.sleep(STEP_WALL_S)
         world.fleet.step()
         record = world.store.get_job(JOB_ID)
@@ -70,6 +76,7 @@ def run_once(
             "state": str(record.state),
             "message": record.message[:200],
             "spent_usd": round(world.store.spent_usd(JOB_ID), 4),
+            "work_done_fraction": round(record.work_done_gpu_hours / job.work_gpu_hours, 4),
             "sim_hours": round((record.updated_at - t0) / 3600.0, 3),
             "wall_s": round(time.monotonic() - wall0, 1),
             "instances_launched": len(world.launched),
@@ -98,6 +105,20 @@ def _kill_a_spot_agent(world: OfflineWorld, now_s: float, *, spare: bool) -> dic
         node.process.kill()
         return {"instance_id": rec.instance_id, "at_s": now_s}
     return {}
+
+
+def _replaced(world: OfflineWorld, killed: dict[str, Any]) -> bool:
+    """Whether the killed agent's instance is released and a node of an instance launched
+    after the kill trains in the job (recorded in `killed`)."""
+    if world.store.get_instance(killed["instance_id"]).end_reason is None:
+        return False
+    hosted = world.training.hosted(JOB_ID)
+    members = hosted.members() if hosted is not None else frozenset()
+    later = world.launched - set(killed["launched_before"])
+    if not later & members:
+        return False
+    killed["replaced_with"] = sorted(later & members)
+    return True
 
 
 def _fate(world: OfflineWorld, instance_id: str) -> dict[str, Any]:
