@@ -6,9 +6,10 @@ Each `step()`:
 2. for each GPU instance newly `running`: starts a `MetadataMock` (its instance metadata
    service, serving the instance's tags as AWS does, attached to the `EvictionReplayer` so
    that notices appear at its `/latest/meta-data/spot/instance-action`) and one instance agent
-   process (`python -m orchestrator.agent`, the same agent as on AWS) at the instance type's
-   work rate (`Catalog.work_rate`). An instance launched with its job's elasticity controller
-   in its tags (the controller's `TrainingHost` adds it) also trains, with the fleet's
+   process (`python -m orchestrator.agent`, the same agent as on AWS, forked from a server
+   with torch and the runtime imported: `agileml.forked`) at the instance type's work rate
+   (`Catalog.work_rate`). An instance launched with its job's elasticity controller in its
+   tags (the controller's `TrainingHost` adds it) also trains, with the fleet's
    `training_token`: spot instances as transient AgileML nodes, on-demand ones (the CPU
    reliable tier included) as reliable nodes (BackupPS / ParamServ). A CPU instance that
    does not train gets no agent;
@@ -33,7 +34,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -48,6 +48,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import orchestrator
+from orchestrator.agileml import forked
+from orchestrator.agileml.forked import Forked
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.cloud.ec2 import EC2Cloud
 from orchestrator.cloud.errors import CloudError
@@ -76,6 +78,7 @@ log = logging.getLogger(__name__)
 
 #: After SIGTERM, an agent exits within one report interval; then it is SIGKILLed.
 AGENT_STOP_TIMEOUT_SECONDS = 5.0
+AGENT_MODULE = "orchestrator.agent.offline"
 REDIS_TIMEOUT_SECONDS = 2.0
 LOG_TAIL_CHARS = 2000
 MAX_LOG_LINE_CHARS = 500  # of an agent's last log line, in a stall's event
@@ -125,7 +128,7 @@ class LocalNode:
     instance: CloudInstance
     work_rate: float
     started_at_s: float
-    process: subprocess.Popen[bytes] | None = None
+    process: Forked | None = None
     metadata: MetadataMock | None = None
     log_path: Path | None = None
     state: LocalNodeState = LocalNodeState.RUNNING
@@ -159,7 +162,6 @@ class LocalFleet:
         redis_url: the store's Redis (agents report there).
         namespace: the store's namespace.
         clock: the world's replay clock; agents rebuild it from its start, speed and origin.
-        python: the interpreter that runs the agents.
         cloud_client: a boto3 EC2 client (of the moto server).
         controller_id: whose instances to stand in for.
         replayer: gets each node's `MetadataMock` (so notices reach the agent), if given.
@@ -187,7 +189,6 @@ class LocalFleet:
         redis_url: str,
         namespace: str,
         clock: ReplayClock,
-        python: str = sys.executable,
         *,
         cloud_client: Any,
         controller_id: str,
@@ -207,7 +208,6 @@ class LocalFleet:
         self.training_token = training_token
         self.namespace = namespace
         self.clock = clock
-        self.python = python
         self.cloud = EC2Cloud(cloud_client.meta.region_name, controller_id, client=cloud_client)
         self.replayer = replayer
         self.catalog = catalog or Catalog.load()
@@ -422,9 +422,8 @@ class LocalFleet:
 
     def _spawn(
         self, instance: CloudInstance, work_rate: float, metadata_url: str, log_path: Path
-    ) -> subprocess.Popen[bytes]:
+    ) -> Forked:
         argv = [
-            self.python, "-m", "orchestrator.agent",
             "--redis-url", self.redis_url,
             "--namespace", self.namespace,
             "--work-rate", repr(work_rate),
@@ -441,10 +440,9 @@ class LocalFleet:
             env[AGILEML_TOKEN_ENV] = self.training_token.hex()
         source_root = str(Path(orchestrator.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
-        with open(log_path, "ab") as out:
-            return subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
-            )
+        log_path.touch()
+        # `python -m orchestrator.agent` runs this module's `main`
+        return forked.start(AGENT_MODULE, argv, env=env, stdout=log_path, stderr=log_path)
 
     def _stop_nodes(self, nodes: Iterable[LocalNode]) -> None:
         """SIGTERM every agent at once, then wait for each (SIGKILL at the deadline); stop
