@@ -52,6 +52,8 @@ PLAIN_LINE_EVERY_SIM_S = 900.0
 #: Real seconds between two measurements of the model's loss (parameters pulled from the
 #: parameter servers, loss over the whole training set).
 LOSS_EVERY_WALL_S = 2.0
+#: The longest wait after the job's end for its last report (the end's evaluation).
+SETTLE_S = 60.0
 #: If the trace has evicted nothing when this fraction of the work is done, one spot node is
 #: evicted on purpose: early enough that most of the training (and the dashboard) shows recovery.
 INJECT_AT_DONE = 0.25
@@ -201,7 +203,7 @@ def run_demo(
         submit_job(world.store, job, now_s=world.clock.now(), new_id=lambda: JOB_ID)
         _announce(console, world, job, speed, settings)
         _run(world, watch, job, console, deadline=wall0 + timeout_s)
-        world.fleet.step()  # stops the agents of the instances the controller released
+        _settle(world, deadline=min(wall0 + timeout_s, time.monotonic() + SETTLE_S))
         if console.is_terminal:
             console.print()
         if world.server is not None and linger_s > 0:
@@ -265,6 +267,16 @@ def _run(
             _progress(console, world, watch, record, job, now)
             last_line_s = now
         time.sleep(STEP_WALL_S)
+
+
+def _settle(world: OfflineWorld, *, deadline: float) -> None:
+    """Step the world after the job's end until its training host lets the job go (its last
+    report written, with the evaluation of the model at the end: the dashboard and the
+    API show it) or the deadline; the agents of the released instances are stopped."""
+    world.fleet.step()
+    while time.monotonic() < deadline and world.training.hosted(JOB_ID) is not None:
+        time.sleep(STEP_WALL_S)
+        world.step()
 
 
 def _measure_loss(watch: _Watch, world: OfflineWorld) -> None:
