@@ -5,9 +5,10 @@ machine), for every stage worker a pipeline starts or replaces and every node a 
 starts.
 
 The child gets what `python -m MODULE ARGS` gets from `subprocess.Popen`: the environment
-given, this process's working folder, the arguments, stdout and stderr into files, stdin from
-a file (a FIFO the launcher writes to) or empty; it runs `MODULE.main(ARGS)` and exits with
-what that returns. As in any
+given, this process's working folder, the arguments, stdout and stderr into files, stdin a
+pipe from the launcher (`Forked.stdin`) or empty; it runs `MODULE.main(ARGS)`, then the exit
+handlers (`atexit`), and exits with what `main` returned. Unlike at a `python -m` exit, a file
+left open and unflushed is not flushed. As in any
 `multiprocessing` child, the launcher's main module is imported first (as `__mp_main__`;
 a package's `__main__` is not), so a script that starts children guards its start with
 `if __name__ == "__main__"`. Its command line stays the server's; its name (`ps -o comm`,
@@ -19,6 +20,7 @@ parent (`lifecycle.exit_with_parent`), as one `Popen` started did.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import multiprocessing
@@ -31,8 +33,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
+from typing import IO
 
 #: What the fork server imports once (each child then starts with it imported).
 PRELOAD = ["torch", "orchestrator.agileml.pipeline.stage", "orchestrator.agileml.node"]
@@ -47,6 +51,7 @@ NO_EXIT_CODE = 255
 #: bytes, and `multiprocessing` puts it at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (32 more).
 SOCKET_TMPDIR_MAX = 107 - 32
 _TEMPDIR = threading.Lock()
+_SOCKET_FOLDER_MADE = False
 
 
 def warm() -> None:
@@ -71,50 +76,57 @@ def start(
     env: Mapping[str, str],
     stdout: Path,
     stderr: Path,
-    stdin: Path | None = None,
+    stdin: bool = False,
 ) -> Forked:
     """`python -m module *args` with `env`, its output appended to `stdout` and `stderr`
-    (files that exist), its input read from `stdin` (a FIFO must have a writer already, or
-    the child blocks opening it) or empty, forked from the server (started first if it is not
-    running: seconds).
+    (files that exist), its input a pipe from this process (`stdin`: `Forked.stdin`, whose
+    close, or this process's end, is the child's EOF) or empty, forked from the server
+    (started first if it is not running: seconds).
 
     Raises:
         OSError: the server could not fork it (or could not start).
     """
     _CONTEXT.set_forkserver_preload(PRELOAD)  # read when the server starts, once
     _short_socket_folder()
+    reader, writer = _CONTEXT.Pipe(duplex=False) if stdin else (None, None)
     process = _CONTEXT.Process(
         target=_child,
-        args=(
-            module,
-            list(args),
-            dict(env),
-            os.getcwd(),
-            str(stdout),
-            str(stderr),
-            None if stdin is None else str(stdin),
-        ),  # fmt: skip
+        args=(module, list(args), dict(env), os.getcwd(), str(stdout), str(stderr), reader),
         name=f"{module} {' '.join(args)}"[:200],
     )
     try:
         process.start()
     except (EOFError, ConnectionError, ValueError) as exc:  # the server died or never started
+        if writer is not None:
+            writer.close()
         raise OSError(f"the fork server could not start {module}: {exc!r}") from exc
+    finally:
+        if reader is not None:
+            reader.close()  # the child's now (sent with the start): its EOF is the writer's end
     # not multiprocessing's child to watch: its clean-up of finished children (at any other
     # start, `active_children()`) would read exit codes beside `Forked.poll`, and at this
     # process's exit it would wait for a child that ignores SIGTERM for good. A child left
     # running then exits with its server (`exit_with_parent`), as one `Popen` started would.
     getattr(multiprocessing.process, "_children", set()).discard(process)
-    return Forked(process, [sys.executable, "-m", module, *args])
+    pipe_in = None
+    if writer is not None:  # a file, as Popen's stdin is
+        pipe_in = os.fdopen(os.dup(writer.fileno()), "wb", buffering=0)
+        writer.close()
+    return Forked(process, [sys.executable, "-m", module, *args], pipe_in)
 
 
 def _short_socket_folder() -> None:
     """Have `multiprocessing`'s folder (where the fork server's socket goes) made under /tmp
     when TMPDIR is too long for a socket's path (`SOCKET_TMPDIR_MAX`); Python 3.11 does not
-    fall back by itself, and the start failed with "AF_UNIX path too long"."""
-    if len(tempfile.gettempdir()) <= SOCKET_TMPDIR_MAX:
-        return
+    fall back by itself, and the start failed with "AF_UNIX path too long". Once a process:
+    other threads see `tempfile.tempdir` as /tmp while it is made."""
+    global _SOCKET_FOLDER_MADE
     with _TEMPDIR:
+        if _SOCKET_FOLDER_MADE:
+            return
+        _SOCKET_FOLDER_MADE = True
+        if len(tempfile.gettempdir()) <= SOCKET_TMPDIR_MAX:
+            return
         saved = tempfile.tempdir
         tempfile.tempdir = "/tmp"  # noqa: S108 - the folder is made private (mkdtemp)
         try:
@@ -145,7 +157,7 @@ def _child(
     cwd: str,
     stdout: str,
     stderr: str,
-    stdin: str | None,
+    stdin: Connection | None,
 ) -> None:
     """In the forked process: become `python -m module *args` and run its `main(args)`."""
     release_server_liveness()
@@ -160,28 +172,42 @@ def _child(
         os.dup2(target, fd)
         os.close(target)
     if stdin is not None:  # `multiprocessing` gave the child os.devnull
-        source = os.open(stdin, os.O_RDONLY)
-        os.dup2(source, 0)
-        os.close(source)
+        os.dup2(stdin.fileno(), 0)
+        stdin.close()
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own, for its life
+    _limit_threads(env)
+    sys.argv = [module, *args]
+    interrupted = False
+    try:
+        code = importlib.import_module(module).main(args)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:
+        atexit._run_exitfuncs()  # the job's exit handlers, as at a `python -m` process's end
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if interrupted:  # ended by SIGINT, as a `python -m` process would be (-2)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(code)
+
+
+def _limit_threads(env: Mapping[str, str]) -> None:
+    """The thread limits of `env` that the libraries read when the server imported them:
+    torch's (OMP_NUM_THREADS) and numpy's BLAS (OPENBLAS_NUM_THREADS, through threadpoolctl
+    where it is installed)."""
     threads = env.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:  # OpenMP read it when the server imported torch
+    if threads.isdigit() and int(threads) > 0:
         import torch
 
         torch.set_num_threads(int(threads))
-    sys.argv = [module, *args]
-    try:
-        code = importlib.import_module(module).main(args)
-    except KeyboardInterrupt:  # ended by SIGINT, as a `python -m` process would be (-2)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        raise
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    sys.exit(code)
+    blas = env.get("OPENBLAS_NUM_THREADS", "")
+    if blas.isdigit() and int(blas) > 0:
+        with contextlib.suppress(ImportError):
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(int(blas), user_api="blas")
 
 
 class Forked:
@@ -189,9 +215,15 @@ class Forked:
     `returncode` is negative for a signal, as `Popen`'s is. A child whose server died is
     killed and reported as killed (-9), not as an exit of its own."""
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, args: list[str]) -> None:
+    def __init__(
+        self,
+        process: multiprocessing.process.BaseProcess,
+        args: list[str],
+        stdin: IO[bytes] | None = None,
+    ) -> None:
         self._process = process
         self.args = args
+        self.stdin = stdin  # the pipe to the child's stdin (`start(stdin=True)`), or None
 
     @property
     def pid(self) -> int:

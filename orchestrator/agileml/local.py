@@ -73,7 +73,6 @@ class LocalJob:
         self._procs: dict[str, forked.Forked] = {}
         self._killed: set[str] = set()
         self._held: set[str] = set()  # started, not released yet
-        self._releases: dict[str, int] = {}  # a held node's stdin (a FIFO's end) -> "join"
         self._unjoined: set[str] = set()  # stopped at the end while still joining
         # a log folder made here is removed on every exit (a crashed node's error carries the
         # end of its log), kept after an error with ORCHESTRATOR_KEEP_LOGS=1 (`remove_run_dir`)
@@ -117,20 +116,15 @@ class LocalJob:
         k = self.spec.devices_per_node
         if k is not None:  # each node on its own GPUs, where the machine has them
             cmd += ["--devices", str(k), "--first-device", str(len(self._procs) * k)]
-        stdin = None
         if held:
             self._held.add(node_id)
             preload = self.spec.code and not is_code_ref(self.spec.code)  # a path: warm it up
             cmd += ["--hold"] + (["--preload", str(self.spec.code)] if preload else [])
-            stdin = self._log_dir / f"{node_id}.in"
-            os.mkfifo(stdin, 0o600)
-            # read and write: opening it does not wait for the reader; closing it is the EOF
-            self._releases[node_id] = os.open(stdin, os.O_RDWR)
         stdout, stderr = self._out_path(node_id), self._log_dir / f"{node_id}.log"
         stdout.write_bytes(b"")
         stderr.write_bytes(b"")
         self._procs[node_id] = forked.start(
-            entry, cmd, env=env, stdout=stdout, stderr=stderr, stdin=stdin
+            entry, cmd, env=env, stdout=stdout, stderr=stderr, stdin=held
         )
 
     def _out_path(self, node_id: str) -> Path:
@@ -144,9 +138,10 @@ class LocalJob:
     def release(self, node_id: str) -> None:
         """Let a held node join."""
         self._held.discard(node_id)
-        fd = self._releases.get(node_id)
-        if fd is not None:
-            os.write(fd, b"join\n")
+        stdin = self._procs[node_id].stdin
+        if stdin is not None:
+            with contextlib.suppress(BrokenPipeError):  # it died held: `crashed` says so
+                stdin.write(b"join\n")
 
     def evict(self, node_id: str) -> None:
         """The eviction notice: the node finishes its clocks, hands off, and leaves."""
@@ -234,10 +229,10 @@ class LocalJob:
     def close(self) -> None:
         """Stop the controller and every node process that is still running."""
         self.coordinator.stop()
-        for fd in self._releases.values():  # a node still held reads EOF: it exits
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._releases.clear()
+        for proc in self._procs.values():
+            if proc.stdin is not None:  # a node still held reads EOF: it exits
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
         for proc in self._procs.values():
             if proc.poll() is None:
                 proc.terminate()

@@ -1,6 +1,6 @@
 """A module for `forked`'s tests to fork (`tests/integration/agileml/test_forked.py`):
-`main(args)` reports what the child got, sleeps, raises, waits for its parent to go, or reads
-a line of its stdin."""
+`main(args)` reports what the child got, sleeps, raises, waits for its parent to go, reads
+a line of its stdin, or registers an exit handler."""
 
 from __future__ import annotations
 
@@ -19,6 +19,12 @@ def main(args: list[str]) -> int:
         raise RuntimeError("the probe failed")
     if args[0] == "read":  # what its stdin says first, and where its temporary files go
         print(json.dumps({"line": sys.stdin.readline(), "tmp": tempfile.gettempdir()}))
+        return 0
+    if args[0] == "atexit":  # writes its argument's file at exit
+        import atexit
+        from pathlib import Path
+
+        atexit.register(Path(args[1]).write_text, "ran")
         return 0
     if args[0] == "orphan":
         from orchestrator.lifecycle import exit_with_parent

@@ -179,36 +179,44 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def test_a_child_reads_its_stdin_from_a_fifo_and_its_own_tmpdir(tmp_path: Path) -> None:
-    """A held `LocalJob` node waits for a line on its stdin (a FIFO the launcher writes to),
-    and a child's temporary files go where its environment's TMPDIR says (the server's
-    `tempfile` may have settled on another folder before the fork)."""
+def test_a_child_reads_its_stdin_from_the_launchers_pipe_and_its_own_tmpdir(
+    tmp_path: Path,
+) -> None:
+    """A held `LocalJob` node waits for a line on its stdin (a pipe the launcher writes to;
+    its close, or the launcher's death, is EOF), and a child's temporary files go where its
+    environment's TMPDIR says (the server's `tempfile` may have settled on another folder)."""
     out, err = _files(tmp_path)
-    fifo = tmp_path / "in"
-    os.mkfifo(fifo)
-    writer = os.open(fifo, os.O_RDWR)  # a writer first: the child's open does not block
     own_tmp = tmp_path / "tmp"
     own_tmp.mkdir()
-    try:
-        proc = forked.start(PROBE, ["read"], env={"TMPDIR": str(own_tmp)}, stdout=out,
-                            stderr=err, stdin=fifo)  # fmt: skip
-        time.sleep(0.5)
-        assert proc.poll() is None, err.read_text()  # waits for its line
-        os.write(writer, b"join\n")
-        assert proc.wait(60) == 0, err.read_text()
-    finally:
-        os.close(writer)
-    child = json.loads(out.read_text())
-    assert child == {"line": "join\n", "tmp": str(own_tmp)}
-    # its writer closed instead: the child reads EOF (a held node the job never released)
-    os.unlink(fifo)
-    os.mkfifo(fifo)
-    writer = os.open(fifo, os.O_RDWR)
-    proc = forked.start(PROBE, ["read"], env={}, stdout=out, stderr=err, stdin=fifo)
+    proc = forked.start(PROBE, ["read"], env={"TMPDIR": str(own_tmp)}, stdout=out, stderr=err,
+                        stdin=True)  # fmt: skip
+    assert proc.stdin is not None
     time.sleep(0.5)
-    os.close(writer)
+    assert proc.poll() is None, err.read_text()  # waits for its line
+    proc.stdin.write(b"join\n")
     assert proc.wait(60) == 0, err.read_text()
+    proc.stdin.close()
+    assert json.loads(out.read_text()) == {"line": "join\n", "tmp": str(own_tmp)}
+    # the pipe closed instead: the child reads EOF (a held node the job never released)
+    unreleased = forked.start(PROBE, ["read"], env={}, stdout=out, stderr=err, stdin=True)
+    assert unreleased.stdin is not None
+    time.sleep(0.5)
+    unreleased.stdin.close()
+    assert unreleased.wait(60) == 0, err.read_text()
     assert json.loads(out.read_text().splitlines()[-1])["line"] == ""
+    # and a child without stdin reads EOF at once
+    empty = forked.start(PROBE, ["read"], env={}, stdout=out, stderr=err)
+    assert empty.stdin is None and empty.wait(60) == 0, err.read_text()
+
+
+def test_a_childs_exit_handlers_run_as_at_a_python_m_exit(tmp_path: Path) -> None:
+    """A job's code may register `atexit` handlers (a tracker finishing its run): they run
+    when the child's `main` returns, as at a `python -m` process's end."""
+    out, err = _files(tmp_path)
+    marker = tmp_path / "atexit"
+    proc = forked.start(PROBE, ["atexit", str(marker)], env={}, stdout=out, stderr=err)
+    assert proc.wait(60) == 0, err.read_text()
+    assert marker.read_text() == "ran"
 
 
 def test_a_launcher_whose_tmpdir_is_too_long_for_a_socket_still_forks(tmp_path: Path) -> None:
