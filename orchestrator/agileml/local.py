@@ -230,9 +230,7 @@ class LocalJob:
         """Stop the controller and every node process that is still running."""
         self.coordinator.stop()
         for proc in self._procs.values():
-            if proc.stdin is not None:  # a node still held reads EOF: it exits
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
+            _close_stdin(proc)
         for proc in self._procs.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -246,6 +244,7 @@ class LocalJob:
     def _collect(self) -> dict[str, NodeOutcome]:
         out = {}
         for node_id, proc in self._procs.items():
+            _close_stdin(proc)  # as `communicate` did
             try:
                 proc.wait(timeout=STOP_GRACE_SECONDS)
             except subprocess.TimeoutExpired:
@@ -274,6 +273,13 @@ class LocalJob:
     @property
     def log_dir(self) -> Path:
         return self._log_dir
+
+
+def _close_stdin(proc: forked.Forked) -> None:
+    """End a node's stdin: one still held reads EOF and exits (released by nobody)."""
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
 
 
 def _children(pid: int) -> list[int]:

@@ -1,6 +1,9 @@
-"""LocalJob starts a job's first nodes at normal priority and joiners at the lowest."""
+"""LocalJob starts a job's first nodes at normal priority and joiners at the lowest; a held
+joiner never released ends with the job."""
 
 from __future__ import annotations
+
+import time
 
 from orchestrator.agileml.control import ModelSpec, TrainingSpec
 from orchestrator.agileml.elasticity import NodeTier
@@ -25,3 +28,20 @@ def test_the_first_nodes_start_at_normal_priority_and_a_joiner_at_the_lowest() -
         job.add_node("t1", NodeTier.TRANSIENT)
         assert _entry(job, "t1") == "orchestrator.agileml.node_process"  # imports at nice 19
         job.wait_clock(job.max_clock() + 2, timeout_s=120)
+
+
+def test_a_held_node_never_released_ends_with_the_job_at_once() -> None:
+    """A held joiner (`join@N` past the end) waits on its stdin; at the job's end it reads EOF
+    or is stopped, and is reported as never released, without the 10 s stop grace."""
+    spec = TrainingSpec(job_id="held", model=ModelSpec(kind="additive", features=16), lr=1.0,
+                        global_batch=8, iterations=30, num_partitions=2, min_nodes=2)  # fmt: skip
+    with LocalJob(spec) as job:
+        job.add_node("r0", NodeTier.RELIABLE)
+        job.add_node("t0", NodeTier.TRANSIENT)
+        job.add_node("h1", NodeTier.TRANSIENT, held=True)
+        _, outcomes = job.finish(timeout_s=120)
+        started = time.monotonic()
+        job.close()
+    assert outcomes["h1"].ended == "never released"
+    assert outcomes["r0"].ended == "done" and len(outcomes["r0"].ends) == 30
+    assert time.monotonic() - started < 5.0
