@@ -29,6 +29,7 @@ LINGER_S = 120  # the dashboard stays up for the checks after the end; then Ctrl
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_the_offline_demo_finishes_within_budget_and_its_dashboard_follows_it_live(tmp_path):
     """A longer run than the default (LIVE_ITERATIONS, at LIVE_SPEED), so that the page is
     watched while the job runs and recovers from its eviction (one by a quarter of the work,

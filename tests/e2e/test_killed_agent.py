@@ -12,6 +12,7 @@ from benchmarks.killed_agent import run_once
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_an_instance_whose_agent_was_killed_is_released_and_replaced() -> None:
     # killed early in a long run: the job must outlast the release (tens of real seconds on a
     # busy machine), since its reliable node trains on meanwhile. The killed node may be one

@@ -74,6 +74,7 @@ def _spec(name: str, code: str, iterations: int) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_a_users_job_goes_through_local_up_submit_download_and_down(tmp_path: Path) -> None:
     script = shutil.which("orchestrator")
     assert script is not None, "the console script is installed (pip install -e .)"

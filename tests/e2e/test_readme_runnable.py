@@ -32,6 +32,7 @@ def test_the_readme_marks_blocks_that_run_and_only_bash_ones() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.parametrize("index", range(3))
 def test_the_readmes_runnable_block_runs_as_written(index: int, tmp_path: Path) -> None:
     script = shutil.which("orchestrator")

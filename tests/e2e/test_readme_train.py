@@ -49,6 +49,7 @@ def test_the_readme_names_the_commands_this_test_runs() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.parametrize("index", [0, 1], ids=["data-parallel", "pipeline"])
 def test_the_readmes_train_command_writes_the_weights_it_promises(
     index: int, tmp_path: Path
