@@ -22,7 +22,7 @@ Two parts, run one after the other (2 cores cannot run both without starving one
   job stuck (a watchdog).
 
     python -m benchmarks.chaos_soak [--faults 1000] [--runtime-faults 100] [--seed 1]
-    python -m benchmarks.chaos_soak --short    # the CI version: 60 + 6 faults, about a minute
+    python -m benchmarks.chaos_soak --short    # the slow suite's: 60 + 6 faults, about a minute
 
 Recovery: seconds (wall) from a fault to the next good controller tick (control plane) or
 the next completed clock (runtime), per kind and over all.
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=4, help="control-plane jobs at a time")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--max-wall-s", type=float, default=1800.0, help="per part")
-    parser.add_argument("--short", action="store_true", help="the CI version: 60 + 6 faults")
+    parser.add_argument("--short", action="store_true", help="the slow suite's: 60 + 6 faults")
     args = parser.parse_args(argv)
     if args.short:
         args.faults, args.runtime_faults, args.jobs = 66, 6, 3

@@ -202,8 +202,12 @@ def run_demo(
         job = with_uploaded_code(job, world.artifacts)
         submit_job(world.store, job, now_s=world.clock.now(), new_id=lambda: JOB_ID)
         _announce(console, world, job, speed, settings)
-        _run(world, watch, job, console, deadline=wall0 + timeout_s)
-        _settle(world, deadline=min(wall0 + timeout_s, time.monotonic() + SETTLE_S))
+        ended = _run(world, watch, job, console, deadline=wall0 + timeout_s)
+        if not _settle(world, deadline=min(wall0 + timeout_s, time.monotonic() + SETTLE_S)):
+            console.print(
+                f"The job's last report (its final model's evaluation) did not come within "
+                f"{SETTLE_S:g} s; the dashboard shows the one before."
+            )
         if console.is_terminal:
             console.print()
         if world.server is not None and linger_s > 0:
@@ -217,7 +221,7 @@ def run_demo(
                 time.sleep(linger_s)
             except KeyboardInterrupt:
                 console.print("Stopped serving the dashboard.")
-        summary = _summary(world, watch, job, wall0)
+        summary = _summary(world, watch, job, wall0, ended)
         summary = _with_returned_weights(world, summary, weights_out)
     _print_summary(console, summary)
     return summary
@@ -251,8 +255,9 @@ def _gpus(max_gpus: float) -> str:
 
 def _run(
     world: OfflineWorld, watch: _Watch, job: JobSubmission, console: Console, *, deadline: float
-) -> None:
-    """Step the world until the job ends or the deadline."""
+) -> tuple[float, float]:
+    """Step the world until the job ends or the deadline; when that was (market time, and
+    this process's monotonic clock)."""
     last_line_s = -math.inf
     while time.monotonic() < deadline:
         now = world.step()
@@ -267,16 +272,21 @@ def _run(
             _progress(console, world, watch, record, job, now)
             last_line_s = now
         time.sleep(STEP_WALL_S)
+    return world.clock.now(), time.monotonic()
 
 
-def _settle(world: OfflineWorld, *, deadline: float) -> None:
+def _settle(world: OfflineWorld, *, deadline: float) -> bool:
     """Step the world after the job's end until its training host lets the job go (its last
     report written, with the evaluation of the model at the end: the dashboard and the
-    API show it) or the deadline; the agents of the released instances are stopped."""
+    API show it; True) or the deadline (False); the agents of the released instances are
+    stopped."""
     world.fleet.step()
-    while time.monotonic() < deadline and world.training.hosted(JOB_ID) is not None:
+    while world.training.hosted(JOB_ID) is not None:
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(STEP_WALL_S)
         world.step()
+    return True
 
 
 def _measure_loss(watch: _Watch, world: OfflineWorld) -> None:
@@ -334,8 +344,17 @@ def _progress(
         console.print(line, highlight=False, markup=False)
 
 
-def _summary(world: OfflineWorld, watch: _Watch, job: JobSubmission, wall0: float) -> DemoSummary:
+def _summary(
+    world: OfflineWorld,
+    watch: _Watch,
+    job: JobSubmission,
+    wall0: float,
+    ended: tuple[float, float],
+) -> DemoSummary:
+    """The run's numbers; its durations end where the job did (`ended`: market time and
+    monotonic), not after the wait for its last report or the dashboard's linger."""
     final = world.store.get_job(JOB_ID)
+    ended_sim_s, ended_wall_s = ended
     hosted = watch.hosted
     return DemoSummary(
         job_state=str(final.state),
@@ -346,8 +365,8 @@ def _summary(world: OfflineWorld, watch: _Watch, job: JobSubmission, wall0: floa
         instances_launched=len(world.launched),
         orphans_after=len(EC2Cloud(REGION, CONTROLLER_ID, client=world.client).describe()),
         work_done_fraction=round(min(final.work_done_gpu_hours / job.work_gpu_hours, 1.0), 4),
-        sim_hours=round((world.clock.now() - world.clock.start_s) / SECONDS_PER_HOUR, 3),
-        wall_seconds=round(time.monotonic() - wall0, 1),
+        sim_hours=round((ended_sim_s - world.clock.start_s) / SECONDS_PER_HOUR, 3),
+        wall_seconds=round(ended_wall_s - wall0, 1),
         injected_evictions=watch.injected,
         loss_at_start=round(watch.loss_at_start, 4),
         final_loss=round(watch.last_loss, 4),
