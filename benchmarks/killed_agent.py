@@ -54,6 +54,7 @@ def run_once(
     settings = demo_settings(speed=speed, start=DEFAULT_START)
     job = sample_job(BUDGET_USD, iterations=iterations)
     killed: dict[str, Any] = {}
+    launched_before: set[str] = set()  # the instances launched before the kill
     with offline_world(settings, seed=seed, port=None) as world:
         job = with_uploaded_code(job, world.artifacts)
         submit_job(world.store, job, now_s=world.clock.now(), new_id=lambda: JOB_ID)
@@ -66,8 +67,8 @@ def run_once(
             done = record.work_done_gpu_hours / job.work_gpu_hours
             if kill_at is not None and not killed and done >= kill_at:
                 killed = _kill_a_spot_agent(world, now, spare=spare_killed)
-                killed["launched_before"] = sorted(world.launched)
-            if until_replaced and killed and _replaced(world, killed):
+                launched_before = set(world.launched)
+            if until_replaced and killed and _replaced(world, killed, launched_before):
                 break
             time.sleep(STEP_WALL_S)
         world.fleet.step()
@@ -107,14 +108,14 @@ def _kill_a_spot_agent(world: OfflineWorld, now_s: float, *, spare: bool) -> dic
     return {}
 
 
-def _replaced(world: OfflineWorld, killed: dict[str, Any]) -> bool:
+def _replaced(world: OfflineWorld, killed: dict[str, Any], launched_before: set[str]) -> bool:
     """Whether the killed agent's instance is released and a node of an instance launched
     after the kill trains in the job (recorded in `killed`)."""
     if world.store.get_instance(killed["instance_id"]).end_reason is None:
         return False
     hosted = world.training.hosted(JOB_ID)
     members = hosted.members() if hosted is not None else frozenset()
-    later = world.launched - set(killed["launched_before"])
+    later = world.launched - launched_before
     if not later & members:
         return False
     killed["replaced_with"] = sorted(later & members)

@@ -8,14 +8,14 @@ The child gets what `python -m MODULE ARGS` gets from `subprocess.Popen`: the en
 given, this process's working folder, the arguments, stdout and stderr into files, stdin a
 pipe from the launcher (`Forked.stdin`) or empty; it runs `MODULE.main(ARGS)`, then the exit
 handlers (`atexit`), and exits with what `main` returned. Unlike at a `python -m` exit, a file
-left open and unflushed is not flushed. As in any
-`multiprocessing` child, the launcher's main module is imported first (as `__mp_main__`;
-a package's `__main__` is not), so a script that starts children guards its start with
-`if __name__ == "__main__"`. Its command line stays the server's; its name (`ps -o comm`,
-`top`) is the module's last part, e.g. `stage` or `node`. `Forked` has the `Popen` methods the
-runtime uses. The server never initialises CUDA (importing torch does not), so a child may.
-The server exits once this process is gone, and a child still running then exits with its
-parent (`lifecycle.exit_with_parent`), as one `Popen` started did.
+left open and unflushed is not flushed. As in any `multiprocessing` child, the launcher's main
+module is imported first (as `__mp_main__`; a package's `__main__` is not), so a script that
+starts children guards its start with `if __name__ == "__main__"`. Its command line stays the
+server's; its name (`ps -o comm`, `top`) is the module's last part, e.g. `stage` or `node`.
+`Forked` has the `Popen` methods the runtime uses. The server never initialises CUDA
+(importing torch does not), so a child may. The server exits once this process is gone, and a
+child still running then exits with its parent (`lifecycle.exit_with_parent`), as one `Popen`
+started did.
 """
 
 from __future__ import annotations
@@ -58,8 +58,7 @@ def warm() -> None:
     """Start the fork server and wait until it has its imports (seconds; blocks), so that
     the next `start` is quick: a start waits for the server, and a node that must heartbeat
     meanwhile should not."""
-    _CONTEXT.set_forkserver_preload(PRELOAD)
-    _short_socket_folder()
+    _prepare_server()
     probe = _CONTEXT.Process(target=_ready, name="forked-warm-up")
     probe.start()
     probe.join()
@@ -86,8 +85,7 @@ def start(
     Raises:
         OSError: the server could not fork it (or could not start).
     """
-    _CONTEXT.set_forkserver_preload(PRELOAD)  # read when the server starts, once
-    _short_socket_folder()
+    _prepare_server()
     reader, writer = _CONTEXT.Pipe(duplex=False) if stdin else (None, None)
     process = _CONTEXT.Process(
         target=_child,
@@ -113,6 +111,13 @@ def start(
         pipe_in = os.fdopen(os.dup(writer.fileno()), "wb", buffering=0)
         writer.close()
     return Forked(process, [sys.executable, "-m", module, *args], pipe_in)
+
+
+def _prepare_server() -> None:
+    """What the fork server needs before its (first) start: its imports, read when it starts,
+    and a folder short enough for its socket."""
+    _CONTEXT.set_forkserver_preload(PRELOAD)
+    _short_socket_folder()
 
 
 def _short_socket_folder() -> None:
