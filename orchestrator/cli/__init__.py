@@ -5,6 +5,7 @@ User errors (bad files, bad options) print what is wrong and what to do, with no
 and exit with code 2; any other error prints one line and exits 1; `--debug` shows the
 traceback.
 
+    console.py     the entry point's work: every command registered, errors to exit codes
     app.py         the typer app, the consoles, option-name mapping for errors
     train.py       train (a user's job on local processes)
     simulate.py    simulate, ledger-check           market.py   risk, catalog
@@ -17,74 +18,12 @@ traceback.
 
 from __future__ import annotations
 
-import importlib
-import sys
-
-import typer
-
-from orchestrator.cli.app import DEBUG, app, err
-from orchestrator.errors import UserError, clip_middle
-from orchestrator.lifecycle import exit_on_signals
-
-__all__ = ["app", "main"]
-
-#: Importing a command module registers its commands, in the order `--help` lists them.
-COMMAND_MODULES = (
-    "train", "simulate", "demo", "local", "market", "controller", "deploy", "jobs", "logs",
-    "plan",
-)  # fmt: skip
-for _module in COMMAND_MODULES:
-    importlib.import_module(f"{__name__}.{_module}")
-
 
 def main() -> None:
-    """Entry point of the console script: user errors exit 2 without a traceback; SIGTERM
-    and SIGHUP unwind (temporary folders removed, child processes stopped) and exit 143."""
-    exit_on_signals()
-    try:
-        # without standalone mode click returns a command's `typer.Exit(code)` instead of
-        # exiting: a command that failed would exit 0
-        code = app(standalone_mode=False)
-        if isinstance(code, int) and code:
-            sys.exit(code)
-    except UserError as exc:
-        if DEBUG["on"]:
-            raise
-        err.print(f"[bold red]error:[/bold red] {exc.message}", highlight=False)
-        if exc.fix:
-            err.print(f"To fix: {exc.fix}", highlight=False)
-        sys.exit(exc.exit_code)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        err.print("aborted")
-        sys.exit(130)
-    except _usage_errors() as exc:
-        exc.show()  # type: ignore[attr-defined]
-        sys.exit(2)
-    except Exception as exc:  # noqa: BLE001 - a bug: one line, exit 1 (--debug: the traceback)
-        if DEBUG["on"]:
-            raise
-        what = " ".join(f"{type(exc).__name__}: {exc}".split())
-        err.print(f"[bold red]internal error:[/bold red] {clip_middle(what, 300)}", highlight=False)
-        err.print("Run again with --debug for the traceback, and report it.", highlight=False)
-        sys.exit(1)
+    """Entry point of the console script (`console.main`). The commands are imported when it
+    is called, not with this package: a process that `multiprocessing` starts under the script
+    (a node, a stage, an instance agent) imports the script's main module again, and with it
+    this package; with every command it took 0.2-0.3 s of CPU in each such process."""
+    from orchestrator.cli.console import main as run
 
-
-def _usage_errors() -> tuple[type[Exception], ...]:
-    """The usage-error classes of the click that typer runs on: click's own, or the copy that
-    typer 0.29 and later vendor (`typer._click`), whose errors are not click's."""
-    import click
-
-    kinds: list[type[Exception]] = [click.ClickException]
-    try:
-        from typer._click.exceptions import ClickException as VendoredClickException
-    except ImportError:
-        pass
-    else:
-        kinds.append(VendoredClickException)
-    return tuple(kinds)
-
-
-if __name__ == "__main__":
-    main()
+    run()

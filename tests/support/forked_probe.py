@@ -1,6 +1,6 @@
 """A module for `forked`'s tests to fork (`tests/integration/agileml/test_forked.py`):
 `main(args)` reports what the child got, sleeps, raises, waits for its parent to go, reads
-a line of its stdin, or registers an exit handler."""
+a line of its stdin, registers an exit handler, or says which of some modules it has."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ def main(args: list[str]) -> int:
         from pathlib import Path
 
         atexit.register(Path(args[1]).write_text, "ran")
+        return 0
+    if args[0] == "modules":  # which of these modules the child has imported
+        print(json.dumps([m for m in args[1:] if m in sys.modules]))
         return 0
     if args[0] == "orphan":
         from orchestrator.lifecycle import exit_with_parent

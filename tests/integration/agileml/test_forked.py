@@ -172,6 +172,31 @@ def test_a_child_outlives_no_launcher(tmp_path: Path) -> None:
         time.sleep(0.2)
 
 
+def test_a_child_of_the_console_script_does_not_import_the_command_line(tmp_path: Path) -> None:
+    """`multiprocessing` runs the launcher's main module again in each child; the console
+    script's (`from orchestrator.cli import main`) once imported every command, typer and
+    rich with it: 0.2-0.3 s of CPU in each node, stage and agent `orchestrator` started."""
+    out, err = _files(tmp_path)
+    script = tmp_path / "orchestrator_script.py"
+    script.write_text(  # what pip writes for the `orchestrator` console script, and a start
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from orchestrator.cli import main\n"
+        "from orchestrator.agileml import forked\n"
+        "if __name__ == '__main__':\n"
+        f"    proc = forked.start({PROBE!r}, ['modules', 'orchestrator.cli.train', 'typer',"
+        " 'rich', 'orchestrator.cli'], env={}, stdout=Path(sys.argv[1]),"
+        " stderr=Path(sys.argv[2]))\n"
+        "    sys.exit(proc.wait(120))\n"
+    )
+    tests_dir = str(Path(__file__).parents[2])
+    run = subprocess.run([sys.executable, str(script), str(out), str(err)],
+                         env={**os.environ, "PYTHONPATH": tests_dir}, capture_output=True,
+                         text=True, timeout=180)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:] + err.read_text()[-2000:]
+    assert json.loads(out.read_text()) == ["orchestrator.cli"]  # the package, not a command
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"

@@ -627,7 +627,7 @@ def test_teardown_says_what_it_removes_and_dry_run_and_no_answer_change_nothing(
     with --yes it removes them."""
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from orchestrator.cli.console import app
 
     ec2 = aws
     deployer, params, outputs = _deploy(ec2)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
+from orchestrator.cli.console import app
 from orchestrator.errors import UserError
 from orchestrator.extras import EXTRAS, missing
 

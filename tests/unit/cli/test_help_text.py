@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from orchestrator.cli.app import app
+from orchestrator.cli.console import app
 
 #: What rich's markup parser takes for a tag: `[` then a lower-case letter, `#`, `/` or `@`.
 MARKUP_TAG = re.compile(r"(?<!\\)\[[a-z#/@][^\[\]]*\]")

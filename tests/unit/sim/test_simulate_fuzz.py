@@ -29,7 +29,7 @@ import pytest
 import yaml
 from support.fuzz import CaseTimeout, Tally, time_limit
 
-import orchestrator.cli
+import orchestrator.cli.console
 import orchestrator.sim.runner as runner
 from orchestrator.cli.simulate import simulation_config
 from orchestrator.errors import UserError
@@ -375,7 +375,7 @@ def _run(argv: list[str]) -> tuple[int, str, str]:
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                orchestrator.cli.main()
+                orchestrator.cli.console.main()
                 code: Any = 0
             except SystemExit as exc:
                 code = exc.code
@@ -391,7 +391,7 @@ def _run(argv: list[str]) -> tuple[int, str, str]:
 def test_simulate_command_exits_0_or_2_without_a_traceback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(orchestrator.cli, "exit_on_signals", lambda: None)  # pytest's own
+    monkeypatch.setattr(orchestrator.cli.console, "exit_on_signals", lambda: None)  # pytest's own
     real_load_world = runner.load_world
 
     def load_world_once(config: SimConfig, catalog: Any = None) -> Any:
