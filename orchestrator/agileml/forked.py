@@ -164,7 +164,36 @@ def _child(
     stderr: str,
     stdin: Connection | None,
 ) -> None:
-    """In the forked process: become `python -m module *args` and run its `main(args)`."""
+    """In the forked process: become `python -m module *args` and run its `main(args)`. A
+    SIGINT at any point ends it as it ends `python -m` (-2), also one that comes while it is
+    still becoming the module (once exit code 1: `multiprocessing` caught the interrupt)."""
+    interrupted = False
+    try:
+        _become(module, args, env, cwd, stdout, stderr, stdin)
+        code = importlib.import_module(module).main(args)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:
+        atexit._run_exitfuncs()  # the job's exit handlers, as at a `python -m` process's end
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if interrupted:  # ended by SIGINT, as a `python -m` process would be (-2)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(code)
+
+
+def _become(
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    cwd: str,
+    stdout: str,
+    stderr: str,
+    stdin: Connection | None,
+) -> None:
+    """The forked process takes what `python -m module *args` would have from `Popen`."""
     release_server_liveness()
     with contextlib.suppress(OSError):  # its name in `ps`/`top` (its command line is the server's)
         Path("/proc/self/comm").write_text(module.rsplit(".", 1)[-1][:15])
@@ -182,20 +211,6 @@ def _child(
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own, for its life
     _limit_threads(env)
     sys.argv = [module, *args]
-    interrupted = False
-    try:
-        code = importlib.import_module(module).main(args)
-    except KeyboardInterrupt:
-        interrupted = True
-        raise
-    finally:
-        atexit._run_exitfuncs()  # the job's exit handlers, as at a `python -m` process's end
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if interrupted:  # ended by SIGINT, as a `python -m` process would be (-2)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-    sys.exit(code)
 
 
 def _limit_threads(env: Mapping[str, str]) -> None:
