@@ -28,7 +28,6 @@ from orchestrator.agileml.coordinator import Coordinator, CoordinatorEvent
 from orchestrator.agileml.elasticity import NodeState, NodeTier
 from orchestrator.agileml.errors import AgileMLError
 from orchestrator.agileml.token import AGILEML_TOKEN_ENV
-from orchestrator.artifacts.code import is_code_ref
 from orchestrator.lifecycle import remove_run_dir
 
 STOP_GRACE_SECONDS = 10.0
@@ -98,8 +97,9 @@ class LocalJob:
     def add_node(self, node_id: str, tier: NodeTier, *, held: bool = False) -> None:
         """Start a node process; it joins, loads its data and says ready on its own.
 
-        `held`: the process starts (imports, the job's module) but joins only on `release`,
-        so that a join happens when it is asked for, not a process start-up later.
+        `held`: the process starts, joins and loads (the job's code, data and model, warmed
+        up) but says ready only on `release`, so that a join happens when it is asked for, not
+        a load later.
         """
         env = {**os.environ, AGILEML_TOKEN_ENV: self._token.hex()}
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -118,8 +118,7 @@ class LocalJob:
             cmd += ["--devices", str(k), "--first-device", str(len(self._procs) * k)]
         if held:
             self._held.add(node_id)
-            preload = self.spec.code and not is_code_ref(self.spec.code)  # a path: warm it up
-            cmd += ["--hold"] + (["--preload", str(self.spec.code)] if preload else [])
+            cmd.append("--hold")
         stdout, stderr = self._out_path(node_id), self._log_dir / f"{node_id}.log"
         stdout.write_bytes(b"")
         stderr.write_bytes(b"")

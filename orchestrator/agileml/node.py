@@ -46,7 +46,6 @@ from orchestrator.agileml.control import (
 from orchestrator.agileml.devices import DeviceGroup, DeviceLostError, node_devices
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, HandoffError, PartitionError, WorkerError
-from orchestrator.agileml.jobcode import load_job_code
 from orchestrator.agileml.loading import LoaderRows
 from orchestrator.agileml.lowprio import at_low_priority
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
@@ -106,8 +105,13 @@ class AgileMLNode:
         low_priority_load: bool = False,
         devices: int | None = None,
         first_device: int = 0,
+        hold: Callable[[], bool] | None = None,
     ) -> None:
         self.node_id = node_id
+        # a held node (`train --inject join@N`) loads and warms up, then waits for `hold()`
+        # before it says ready, so that it joins when asked, not a load later; False: never
+        # released (the job ended first)
+        self._hold = hold
         # the devices this node has (`node_devices`: every GPU, or this many CPU processes)
         self._devices_requested = devices
         self._first_device = first_device
@@ -194,6 +198,11 @@ class AgileMLNode:
             except JobCodeError as exc:  # deterministic: the job fails with it, not the node
                 self._report_failure(client, failure_report(exc))
                 raise
+            if self._hold is not None:
+                log.info("loaded; held until released", extra={"node": self.node_id})
+                if not self._hold():
+                    result.ended = "never released"
+                    return result
             self._ready(client)
             log.info("loaded and ready", extra={"node": self.node_id})
             result.ended = self._train(spec, spec_worker, result)
@@ -712,8 +721,9 @@ def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> i
     parser.add_argument("--tier", choices=[t.value for t in NodeTier], required=True)
     parser.add_argument("--controller", required=True, help="tcp://host:port of the controller")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve partitions on")
-    parser.add_argument("--hold", action="store_true", help="join once a line is on stdin")
-    parser.add_argument("--preload", help="the job's code, imported while held")
+    parser.add_argument(
+        "--hold", action="store_true", help="load, then say ready once a line is on stdin"
+    )
     parser.add_argument(
         "--devices", type=int, help="devices to train on (default: every GPU, else 1 CPU)"
     )
@@ -742,12 +752,8 @@ def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> i
         low_priority_load=low_priority_load and not args.hold,
         devices=args.devices,
         first_device=args.first_device,
+        hold=(lambda: bool(sys.stdin.readline())) if args.hold else None,  # EOF: not released
     )
-    if args.hold:
-        if args.preload:
-            load_job_code(args.preload)  # a module's imports are the slow part of a join
-        if not sys.stdin.readline():
-            return 0  # released by nobody: the job ended first
     exit_with_parent()  # a SIGKILLed launcher leaves no node behind
     signal.signal(signal.SIGUSR1, lambda *_: node.leave())  # the eviction notice
     signal.signal(signal.SIGTERM, lambda *_: node.stop())

@@ -349,6 +349,7 @@ def _run(
             job.add_node(f"j{k}", NodeTier.TRANSIENT, held=True)
         events = _drive(job, plan, transient, on_progress, started, watch)
         params, outcomes = job.finish(_finish_timeout(plan))
+    events += _joins_that_computed_nothing(plan, events, outcomes)
     model = parts.model_with(params)
     losses = _mean_losses(outcomes)
     gaps = _steady_gaps(outcomes, plan, events)
@@ -448,6 +449,26 @@ def _drive(
             {"iteration": injection.at, "kind": f"skipped_{injection.kind}", "reason": why}
         )
     return injected
+
+
+def _joins_that_computed_nothing(
+    plan: TrainPlan, injected: list[dict[str, Any]], outcomes: dict[str, NodeOutcome]
+) -> list[dict[str, Any]]:
+    """A `skipped_join` for each node released to join (`j1` for the first `join@N`, ...)
+    that computed no iteration before the job ended: `injected_join` says only that it was
+    let go."""
+    asked = [i.at for i in plan.injections if i.kind == "join"]
+    skipped = []
+    for e in injected:
+        if e["kind"] != "injected_join":
+            continue
+        node = e["node"]
+        outcome = outcomes.get(node)
+        if outcome is not None and not outcome.losses:
+            why = f"{node} computed no iteration before the job ended ({outcome.ended})"
+            at = asked[int(node.removeprefix("j")) - 1]
+            skipped.append({"iteration": at, "kind": "skipped_join", "reason": why})
+    return skipped
 
 
 def _victim(job: LocalJob, alive: list[str], clock: int) -> str:

@@ -70,6 +70,7 @@ def test_the_readmes_train_command_writes_the_weights_it_promises(
     kinds = [e["kind"] for e in summary["events"]]
     # the faults happened: injected (data-parallel), or recovered from (a pipeline)
     assert any(k.startswith("injected_") or k == "recovered" for k in kinds), kinds
+    assert not [k for k in kinds if k.startswith("skipped_")], kinds  # all of them happened
     assert f"wrote {Path('out') / 'model.safetensors'}" in run.stdout
     if "--pipeline" in command:  # its stages, and the stage its kill took, said so
         assert "pipeline: stages" in run.stdout and "lost stage" in run.stdout, run.stdout

@@ -1,12 +1,13 @@
 """LocalJob starts a job's first nodes at normal priority and joiners at the lowest; a held
-joiner never released ends with the job."""
+joiner loads before its release and trains after it, and one never released ends with the
+job."""
 
 from __future__ import annotations
 
 import time
 
 from orchestrator.agileml.control import ModelSpec, TrainingSpec
-from orchestrator.agileml.elasticity import NodeTier
+from orchestrator.agileml.elasticity import NodeState, NodeTier
 from orchestrator.agileml.local import LocalJob
 
 
@@ -45,3 +46,29 @@ def test_a_held_node_never_released_ends_with_the_job_at_once() -> None:
     assert outcomes["h1"].ended == "never released"
     assert outcomes["r0"].ended == "done" and len(outcomes["r0"].ends) == 30
     assert time.monotonic() - started < 5.0
+
+
+def test_a_held_node_loads_before_its_release_and_trains_after_it() -> None:
+    """A held joiner (`train --inject join@N`) joins and loads with the job's start, then
+    waits, loaded, for its release: the join is a `ready`, not a load. Its load once came
+    after the release and outlasted short runs: the README's `join@35` in 80 iterations
+    never computed, and the `kill@50` after it was skipped."""
+    spec = TrainingSpec(job_id="held", model=ModelSpec(kind="additive", features=16), lr=1.0,
+                        global_batch=8, iterations=100_000, num_partitions=2,
+                        min_nodes=2)  # fmt: skip
+    with LocalJob(spec) as job:
+        job.add_node("r0", NodeTier.RELIABLE)
+        job.add_node("t0", NodeTier.TRANSIENT)
+        job.add_node("h1", NodeTier.TRANSIENT, held=True)
+        log = job.log_dir / "h1.log"
+        deadline = time.monotonic() + 120
+        while "loaded; held until released" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)
+        job.wait_clock(job.max_clock() + 5, timeout_s=120)
+        assert job.coordinator.node_state("h1") is NodeState.JOINING  # loaded, not ready
+        assert "h1" not in job.coordinator.view().roster.members(job.max_clock())
+        job.release("h1")
+        while job.coordinator.node_work().get("h1", (0, 0.0))[0] == 0:  # rows it computed
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)

@@ -3,6 +3,8 @@ write (a data-parallel join once crashed the printing after a full run, losing t
 
 from __future__ import annotations
 
+from orchestrator.agileml.local import NodeOutcome
+from orchestrator.agileml.trainrun import TrainPlan, _joins_that_computed_nothing, parse_injections
 from orchestrator.cli.train import _event_line
 
 
@@ -32,4 +34,24 @@ def test_a_pipeline_on_nodes_of_several_devices_prints_where_each_stage_runs() -
     assert _event_line(event) == (
         "pipeline: stages [[0, 2, 2], [3, 6, 2]] ([first, last layer, replicas]), "
         "4 microbatches per iteration\n  on nodes [[0, 1], [0, 1]] (each stage's replicas)"
+    )
+
+
+def test_a_join_whose_node_computed_nothing_is_reported_not_done() -> None:
+    """`injected_join` says a node was let go; if it computed no iteration before the end
+    (a short run), the run says so rather than leave the join looking done."""
+    plan = TrainPlan(code="job.py", nodes=2, iterations=80,
+                     injections=tuple(parse_injections("join@35,join@60")))  # fmt: skip
+    injected = [
+        {"iteration": 37, "kind": "injected_join", "node": "j1"},
+        {"iteration": 61, "kind": "injected_join", "node": "j2"},
+    ]
+    outcomes = {
+        "j1": NodeOutcome("j1", "done", [(40, 0.5)], [(40, 1.0)], {}, {}),
+        "j2": NodeOutcome("j2", "still joining at the end", [], [], {}, {}),
+    }
+    (skipped,) = _joins_that_computed_nothing(plan, injected, outcomes)
+    assert _event_line(skipped) == (
+        "warning: join@60 not done: j2 computed no iteration before the job ended "
+        "(still joining at the end)"
     )
