@@ -31,6 +31,8 @@ from orchestrator.agileml.token import AGILEML_TOKEN_ENV
 from orchestrator.lifecycle import remove_run_dir
 
 STOP_GRACE_SECONDS = 10.0
+#: The longest a held node waits for the nodes added before it to join (`add_node`).
+JOINED_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,11 @@ class LocalJob:
 
         `held`: the process starts, joins and loads (the job's code, data and model, warmed
         up) but says ready only on `release`, so that a join happens when it is asked for, not
-        a load later.
+        a load later. It starts once the nodes added before it have joined, so that it is
+        younger than they are (the oldest transient nodes are the ActivePSs).
         """
+        if held:
+            self._wait_joined(list(self._procs))
         env = {**os.environ, AGILEML_TOKEN_ENV: self._token.hex()}
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -125,6 +130,16 @@ class LocalJob:
         self._procs[node_id] = forked.start(
             entry, cmd, env=env, stdout=stdout, stderr=stderr, stdin=held
         )
+
+    def _wait_joined(self, nodes: list[str]) -> None:
+        """Until the controller has heard each of `nodes` join (or its process ended), at most
+        `JOINED_WAIT_S`: a forked node joins within milliseconds of its start."""
+        deadline = time.monotonic() + JOINED_WAIT_S
+        for node_id in nodes:
+            while self.coordinator.node_state(node_id) is None:
+                if self._procs[node_id].poll() is not None or time.monotonic() > deadline:
+                    return  # `crashed` reports it; a slow one leaves the order to chance
+                time.sleep(0.01)
 
     def _out_path(self, node_id: str) -> Path:
         """Where the node's standard output (its result, JSON) goes."""

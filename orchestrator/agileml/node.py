@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -70,6 +71,8 @@ LOST_CONTROLLER_HEARTBEATS = 50
 LEFT_ATTEMPTS = 3  # heartbeats without an answer before the node gives up
 #: The longest a loading node waits for its rows loader's processes to start (`loading`).
 LOADER_START_S = 120.0
+#: How often a held node's wait for its release looks at whether it was stopped.
+RELEASE_POLL_S = 0.2
 
 
 @dataclass
@@ -105,13 +108,12 @@ class AgileMLNode:
         low_priority_load: bool = False,
         devices: int | None = None,
         first_device: int = 0,
-        hold: Callable[[], bool] | None = None,
     ) -> None:
         self.node_id = node_id
         # a held node (`train --inject join@N`) loads and warms up, then waits for `hold()`
         # before it says ready, so that it joins when asked, not a load later; False: never
-        # released (the job ended first)
-        self._hold = hold
+        # released (the job ended first, or the node was stopped)
+        self.hold: Callable[[], bool] | None = None
         # the devices this node has (`node_devices`: every GPU, or this many CPU processes)
         self._devices_requested = devices
         self._first_device = first_device
@@ -145,6 +147,11 @@ class AgileMLNode:
         self._reassigner: Reassigner | None = None
         self._link: PeerLink | None = None
         self._refresh = threading.Event()  # the trainer wants a heartbeat (and view) now
+
+    @property
+    def stopping(self) -> bool:
+        """`stop` was called (SIGTERM)."""
+        return self._stop.is_set()
 
     def leave(self) -> None:
         """An eviction notice: finish the current clock, hand partitions off, then exit."""
@@ -198,11 +205,13 @@ class AgileMLNode:
             except JobCodeError as exc:  # deterministic: the job fails with it, not the node
                 self._report_failure(client, failure_report(exc))
                 raise
-            if self._hold is not None:
+            if self.hold is not None:
                 log.info("loaded; held until released", extra={"node": self.node_id})
-                if not self._hold():
+                if not self.hold():
                     result.ended = "never released"
                     return result
+                if self._scale_hint is not None:  # fp16: the scale the others reached since
+                    spec_worker.start_loss_scale_at(self._scale_hint)
             self._ready(client)
             log.info("loaded and ready", extra={"node": self.node_id})
             result.ended = self._train(spec, spec_worker, result)
@@ -711,10 +720,20 @@ def hand_off(
     return {"versions": versions, "refused": refused, "unknown": unknown}
 
 
+def _released_on_stdin(node: AgileMLNode) -> bool:
+    """A held node's release: a line on stdin (True); EOF, or the node stopped (SIGTERM), is
+    False. Polled, so that a stop ends the wait (a blocking read outlived SIGTERM)."""
+    while not node.stopping:
+        ready, _, _ = select.select([sys.stdin], [], [], RELEASE_POLL_S)
+        if ready:
+            return bool(sys.stdin.readline())
+    return False
+
+
 def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> int:
     """Run one node until its job is done or it leaves; prints its result as JSON.
-    `low_priority_load`: see `AgileMLNode` (`node_process` sets it; a held node is released
-    when it is needed and loads at normal priority)."""
+    `low_priority_load`: see `AgileMLNode` (`node_process` sets it; a held node, `--hold`,
+    loads at normal priority with the job's start and says ready when a line comes on stdin)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--node-id", required=True)
     parser.add_argument("--job-id", required=True)
@@ -752,8 +771,9 @@ def main(argv: list[str] | None = None, *, low_priority_load: bool = False) -> i
         low_priority_load=low_priority_load and not args.hold,
         devices=args.devices,
         first_device=args.first_device,
-        hold=(lambda: bool(sys.stdin.readline())) if args.hold else None,  # EOF: not released
     )
+    if args.hold:
+        node.hold = lambda: _released_on_stdin(node)
     exit_with_parent()  # a SIGKILLed launcher leaves no node behind
     signal.signal(signal.SIGUSR1, lambda *_: node.leave())  # the eviction notice
     signal.signal(signal.SIGTERM, lambda *_: node.stop())

@@ -349,7 +349,10 @@ def _run(
             job.add_node(f"j{k}", NodeTier.TRANSIENT, held=True)
         events = _drive(job, plan, transient, on_progress, started, watch)
         params, outcomes = job.finish(_finish_timeout(plan))
-    events += _joins_that_computed_nothing(plan, events, outcomes)
+    # what each node computed: its result, or (one killed here has none) its heartbeats
+    heard = {n for n, losses in job.coordinator.node_losses().items() if losses}
+    computed = heard | {n for n, o in outcomes.items() if o.losses}
+    events += _joins_that_computed_nothing(plan, events, computed, outcomes)
     model = parts.model_with(params)
     losses = _mean_losses(outcomes)
     gaps = _steady_gaps(outcomes, plan, events)
@@ -366,7 +369,7 @@ def _run(
         phase_seconds=mean_phase_seconds(outcomes),
         precision=spec.precision,
         clip_grad_norm=spec.clip_grad_norm,
-        devices=job.coordinator.node_devices(),
+        devices={n: k for n, k in job.coordinator.node_devices().items() if n in computed},
         skipped_steps=sorted({c for o in outcomes.values() for c in o.skipped_clocks}),
         wire=wire_bytes(
             parts.layout.total, spec.wire_precision, _buffer_partition_values(parts.layout)
@@ -452,22 +455,24 @@ def _drive(
 
 
 def _joins_that_computed_nothing(
-    plan: TrainPlan, injected: list[dict[str, Any]], outcomes: dict[str, NodeOutcome]
+    plan: TrainPlan,
+    injected: list[dict[str, Any]],
+    computed: set[str],
+    outcomes: dict[str, NodeOutcome],
 ) -> list[dict[str, Any]]:
     """A `skipped_join` for each node released to join (`j1` for the first `join@N`, ...)
-    that computed no iteration before the job ended: `injected_join` says only that it was
-    let go."""
+    that is not in `computed` (the job ended while it was still joining): `injected_join`
+    says only that it was let go."""
     asked = [i.at for i in plan.injections if i.kind == "join"]
     skipped = []
     for e in injected:
-        if e["kind"] != "injected_join":
+        node = e.get("node", "")
+        if e["kind"] != "injected_join" or node in computed:
             continue
-        node = e["node"]
-        outcome = outcomes.get(node)
-        if outcome is not None and not outcome.losses:
-            why = f"{node} computed no iteration before the job ended ({outcome.ended})"
-            at = asked[int(node.removeprefix("j")) - 1]
-            skipped.append({"iteration": at, "kind": "skipped_join", "reason": why})
+        ended = outcomes[node].ended if node in outcomes else "no result"
+        why = f"{node} computed no iteration before the job ended ({ended})"
+        at = asked[int(node.removeprefix("j")) - 1]
+        skipped.append({"iteration": at, "kind": "skipped_join", "reason": why})
     return skipped
 
 

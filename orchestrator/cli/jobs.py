@@ -4,7 +4,7 @@ They talk to the controller's HTTP API (`orchestrator.api.client.ApiClient`); th
 token come from `--api`/`--token`, else `Settings` (`ORCHESTRATOR_API__URL`,
 `ORCHESTRATOR_API__TOKEN`), else the local world of `orchestrator local up`. Importing this
 module registers them on `orchestrator.cli.app`
-(`orchestrator.cli` does so). Heavy imports (httpx, FastAPI, the catalog) happen inside the
+(`orchestrator.cli.console` does so). Heavy imports (httpx, FastAPI, the catalog) happen inside the
 commands, so the rest of the CLI starts as fast as before.
 
 Exit codes: 0 ok; 1 `--wait` saw the job end in another state than the one hoped for;

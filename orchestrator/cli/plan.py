@@ -1,6 +1,6 @@
 """The `plan` command of the `orchestrator` CLI: PipeDream's partitioner on a PROFILE.json.
 
-Importing this module registers it on `orchestrator.cli.app` (`orchestrator.cli` does so).
+Importing this module registers it on `orchestrator.cli.app` (`orchestrator.cli.console` does so).
 numpy and the planner are imported inside the command. Exit codes: 0 ok; 2 user errors
 (missing or invalid profile, bad --workers/--bandwidth/--levels/--stages), printed as
 `error: ...` and `To fix: ...` without a traceback.

@@ -72,3 +72,24 @@ def test_a_held_node_loads_before_its_release_and_trains_after_it() -> None:
         while job.coordinator.node_work().get("h1", (0, 0.0))[0] == 0:  # rows it computed
             assert time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.05)
+
+
+def test_a_held_node_ends_at_sigterm() -> None:
+    """SIGTERM ends a held node at once (its wait for the release polls whether it was
+    stopped; a blocking read of stdin outlived SIGTERM, and the launcher's stop waited out its
+    10 s grace)."""
+    spec = TrainingSpec(job_id="held", model=ModelSpec(kind="additive", features=16), lr=1.0,
+                        global_batch=8, iterations=100_000, num_partitions=2,
+                        min_nodes=2)  # fmt: skip
+    with LocalJob(spec) as job:
+        job.add_node("r0", NodeTier.RELIABLE)
+        job.add_node("t0", NodeTier.TRANSIENT)
+        job.add_node("h1", NodeTier.TRANSIENT, held=True)
+        log = job.log_dir / "h1.log"
+        deadline = time.monotonic() + 120
+        while "loaded; held until released" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)
+        node = job._procs["h1"]  # noqa: SLF001 - the held node's process
+        node.terminate()
+        assert node.wait(5) == 0  # ended as a node that was never released

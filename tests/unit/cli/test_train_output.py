@@ -47,10 +47,11 @@ def test_a_join_whose_node_computed_nothing_is_reported_not_done() -> None:
         {"iteration": 61, "kind": "injected_join", "node": "j2"},
     ]
     outcomes = {
-        "j1": NodeOutcome("j1", "done", [(40, 0.5)], [(40, 1.0)], {}, {}),
+        "j1": NodeOutcome("j1", "killed", [], [], {}, {}),
         "j2": NodeOutcome("j2", "still joining at the end", [], [], {}, {}),
     }
-    (skipped,) = _joins_that_computed_nothing(plan, injected, outcomes)
+    computed = {"t0", "j1"}  # j1 from its result, or from its heartbeats if it was killed
+    (skipped,) = _joins_that_computed_nothing(plan, injected, computed, outcomes)
     assert _event_line(skipped) == (
         "warning: join@60 not done: j2 computed no iteration before the job ended "
         "(still joining at the end)"
