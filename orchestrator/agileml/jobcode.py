@@ -335,10 +335,13 @@ def _check_dataset(code: JobCode, global_batch: int) -> DatasetRows:
         )
     with job_code_call("dataset()[0]"):
         item = rows.dataset[0]
-    if not isinstance(item, (tuple, list)) or len(item) != 2:
+    # items of any shape (a dict, say) go through the job's own collate, which the check
+    # below holds to (inputs, targets); PyTorch's default one needs the pairs themselves
+    if code.collate is None and (not isinstance(item, (tuple, list)) or len(item) != 2):
         raise JobCodeError(
             f"dataset()[0] is a {type(item).__name__}, not an (input, target) pair. To fix: "
-            f"make __getitem__ return (input, target)."
+            f"make __getitem__ return (input, target), or define collate(items) that returns "
+            f"(inputs, targets)."
         )
     who = "collate(items)" if code.collate is not None else "collating dataset items"
     with job_code_call(who, verb="failed:"):

@@ -211,6 +211,26 @@ def test_the_good_job_passes_the_checks(tmp_path: Path, pipeline: bool) -> None:
     _check(path, pipeline=pipeline)
 
 
+DICT_ITEMS = "return {'features': torch.full((4,), float(i)), 'label': torch.tensor(i % 3)}"
+COLLATE_DICTS = (
+    "def collate(items):\n"
+    "    return (torch.stack([i['features'] for i in items]),\n"
+    "            torch.stack([i['label'] for i in items]))\n"
+)
+
+
+def test_items_of_any_shape_pass_with_a_collate_that_makes_pairs(tmp_path: Path) -> None:
+    """Dict items (as many PyTorch datasets have) with the job's own collate: the collated
+    batch is the (inputs, targets) pair, not each item (once refused as not a pair)."""
+    path = tmp_path / "dicts.py"
+    path.write_text(_items("64", DICT_ITEMS) + "\n" + COLLATE_DICTS)
+    _check(path, pipeline=False)
+    bare = tmp_path / "dicts_bare.py"  # PyTorch's default collate makes a dict of them
+    bare.write_text(_items("64", DICT_ITEMS))
+    with pytest.raises(JobCodeError, match="or define collate"):
+        _check(bare, pipeline=False)
+
+
 def test_broken_job_code_is_refused_naming_what_is_wrong(tmp_path: Path) -> None:
     tally = Tally("job code fuzz")
     started = time.monotonic()
