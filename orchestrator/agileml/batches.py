@@ -3,14 +3,15 @@
 A worker asks for the rows of its share of a clock's global batch (`RowSource.take`) and gets
 one collated (inputs, targets) batch. The examples keep their data as two tensors
 (`TensorRows`); a user's job gives a map-style `torch.utils.data.Dataset` whose items are
-(input, target) pairs, collated by its own collate function or PyTorch's default
-(`DatasetRows`). Inputs may be a tensor or any nesting of tuples (named too), lists and
-mappings of tensors.
+(input, target) pairs collated by PyTorch's default collate function, or items of any shape
+its own collate function makes into (inputs, targets) (`DatasetRows`). Inputs may be a tensor
+or any nesting of tuples (named too), lists and mappings of tensors.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections import UserDict
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -49,8 +50,13 @@ class TensorRows:
         return self.x[rows], self.y[rows]
 
 
+#: The most items `share_read_seconds` reads to time a dataset's items.
+READ_SAMPLE_ITEMS = 16
+
+
 class DatasetRows:
-    """Rows of a map-style dataset of (input, target) pairs, collated into one batch."""
+    """Rows of a map-style dataset of (input, target) pairs (or of items the job's collate
+    makes into (inputs, targets)), collated into one batch."""
 
     def __init__(self, dataset: Dataset[Any], collate: Collate | None = None) -> None:
         self.dataset = dataset
@@ -84,6 +90,25 @@ class DatasetRows:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError("a collated batch must be an (inputs, targets) pair")
         return batch[0], batch[1]
+
+
+def share_read_seconds(rows: DatasetRows, share_rows: int, *, enough_s: float = 1.0) -> float:
+    """About how long reading `share_rows` items of `rows` one by one takes, from reading up
+    to `READ_SAMPLE_ITEMS` items spread over the dataset (fewer once they took `enough_s`).
+    An item that raises ends the sample (the worker meets the error when it reads its rows);
+    0 if none was read."""
+    n = len(rows)
+    picks = [k * n // READ_SAMPLE_ITEMS for k in range(min(READ_SAMPLE_ITEMS, n))]
+    started, read = time.perf_counter(), 0
+    for i in picks:
+        try:
+            rows.dataset[i]
+        except Exception:  # noqa: BLE001 - the job's own error: its worker reports it
+            break
+        read += 1
+        if time.perf_counter() - started >= enough_s:
+            break
+    return (time.perf_counter() - started) / read * share_rows if read else 0.0
 
 
 def micro_batches(rows: int, parts: int) -> list[tuple[int, int]]:

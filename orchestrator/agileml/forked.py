@@ -209,8 +209,24 @@ def _become(
         os.dup2(stdin.fileno(), 0)
         stdin.close()
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own, for its life
+    _own_resource_tracker()
     _limit_threads(env)
     sys.argv = [module, *args]
+
+
+def _own_resource_tracker() -> None:
+    """A resource tracker of the child's own, started when it first needs one, instead of the
+    launcher's: the semaphores of a child SIGKILLed with a DataLoader running (a killed node)
+    are then cleaned up by its tracker, which warns into the child's log, not on the
+    launcher's console at its exit ("14 leaked semaphore objects")."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # noqa: SLF001 - the module's one instance
+    with contextlib.suppress(AttributeError, OSError):
+        if tracker._fd is not None:  # noqa: SLF001 - the launcher's, passed by the server
+            os.close(tracker._fd)  # noqa: SLF001
+        tracker._fd = None  # noqa: SLF001 - ensure_running starts one for this process
+        tracker._pid = None  # noqa: SLF001
 
 
 def _limit_threads(env: Mapping[str, str]) -> None:

@@ -1,6 +1,7 @@
 """A module for `forked`'s tests to fork (`tests/integration/agileml/test_forked.py`):
 `main(args)` reports what the child got, sleeps, raises, waits for its parent to go, reads
-a line of its stdin, registers an exit handler, or says which of some modules it has."""
+a line of its stdin, registers an exit handler, says which of some modules it has, or holds
+a semaphore."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def main(args: list[str]) -> int:
         return 0
     if args[0] == "modules":  # which of these modules the child has imported
         print(json.dumps([m for m in args[1:] if m in sys.modules]))
+        return 0
+    if args[0] == "semaphore":  # a named semaphore (the resource tracker's), then sleeps
+        import multiprocessing
+
+        held = multiprocessing.get_context("spawn").Semaphore()
+        print(os.getpid(), flush=True)
+        time.sleep(600)
+        del held
         return 0
     if args[0] == "orphan":
         from orchestrator.lifecycle import exit_with_parent

@@ -197,6 +197,40 @@ def test_a_child_of_the_console_script_does_not_import_the_command_line(tmp_path
     assert json.loads(out.read_text()) == ["orchestrator.cli"]  # the package, not a command
 
 
+def test_a_killed_childs_semaphores_are_its_own_trackers_not_the_launchers(
+    tmp_path: Path,
+) -> None:
+    """A child SIGKILLed holding a named semaphore (a node's DataLoader): its own resource
+    tracker cleans it up and warns into the child's stderr; the launcher's tracker once
+    printed "leaked semaphore objects" on the user's console at `train`'s exit."""
+    out, err = _files(tmp_path)
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from pathlib import Path\n"
+        "from orchestrator.agileml import forked\n"
+        "if __name__ == '__main__':\n"
+        f"    proc = forked.start({PROBE!r}, ['semaphore'], env={{}}, stdout=Path(sys.argv[1]),"
+        " stderr=Path(sys.argv[2]))\n"
+        "    deadline = time.monotonic() + 120\n"
+        "    while not Path(sys.argv[1]).read_text().strip():\n"
+        "        assert time.monotonic() < deadline, 'the child never started'\n"
+        "        time.sleep(0.05)\n"
+        "    proc.kill()\n"
+        "    proc.wait(60)\n"
+    )
+    tests_dir = str(Path(__file__).parents[2])
+    run = subprocess.run([sys.executable, str(script), str(out), str(err)],
+                         env={**os.environ, "PYTHONPATH": tests_dir}, capture_output=True,
+                         text=True, timeout=180)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "leaked" not in run.stderr, run.stderr[-2000:]
+    deadline = time.monotonic() + 30
+    while "leaked semaphore" not in err.read_text():  # its own tracker saw it die
+        assert time.monotonic() < deadline, err.read_text()[-2000:]
+        time.sleep(0.2)
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"

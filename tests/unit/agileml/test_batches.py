@@ -3,6 +3,7 @@ the rows one by one gives."""
 
 from __future__ import annotations
 
+import time
 from collections import UserDict, defaultdict
 from collections.abc import MutableMapping
 from typing import NamedTuple
@@ -11,7 +12,13 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset, default_collate
 
-from orchestrator.agileml.batches import DatasetRows, batch_rows, micro_batch
+from orchestrator.agileml.batches import (
+    DatasetRows,
+    batch_rows,
+    micro_batch,
+    share_read_seconds,
+)
+from orchestrator.agileml.node import LOADER_MIN_SHARE_S
 from orchestrator.agileml.usercode import JobCodeError
 
 
@@ -122,3 +129,35 @@ def test_slicing_never_changes_the_users_batch_and_a_leading_scalar_has_no_rows(
     inputs = {"t": torch.tensor(0.5), "x": torch.zeros(8, 3)}  # a 0-dim tensor first
     got, y = micro_batch((inputs, rows), 4, 8)
     assert got["x"].shape == (4, 3) and got["t"] is inputs["t"] and y.tolist() == [4, 5, 6, 7]
+
+
+class _Items(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Items read one by one, each taking `item_s` (a decode), or raising from `bad` on."""
+
+    def __init__(self, n: int, item_s: float = 0.0, bad: int | None = None) -> None:
+        self.n, self.item_s, self.bad = n, item_s, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.bad is not None and i >= self.bad:
+            raise KeyError(i)
+        if self.item_s:
+            time.sleep(self.item_s)
+        return torch.zeros(3), torch.tensor(i)
+
+
+def test_a_shares_read_time_comes_from_a_sample_of_items() -> None:
+    """What decides whether a node reads its rows ahead (`node.LOADER_MIN_SHARE_S`): items
+    indexed in Python take microseconds (a loader costs more than it saves), a decode of a few
+    milliseconds adds up over a share."""
+    cheap = share_read_seconds(DatasetRows(_Items(1000)), 32)
+    slow = share_read_seconds(DatasetRows(_Items(1000, item_s=0.002)), 32)
+    assert cheap < LOADER_MIN_SHARE_S <= 0.064 <= slow
+    # an item that raises ends the sample: the worker meets the error reading its rows
+    assert share_read_seconds(DatasetRows(_Items(1000, bad=0)), 32) == 0.0
+    assert share_read_seconds(DatasetRows(_Items(1000, item_s=0.002, bad=500)), 32) >= 0.064
+    started = time.monotonic()  # a very slow dataset is sampled for about `enough_s`
+    assert share_read_seconds(DatasetRows(_Items(50, item_s=0.1)), 8, enough_s=0.2) >= 0.8
+    assert time.monotonic() - started < 1.0
