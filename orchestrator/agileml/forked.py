@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 #: What the fork server imports once (each child then starts with it imported).
 PRELOAD = ["torch", "orchestrator.agileml.pipeline.stage", "orchestrator.agileml.node"]
@@ -221,12 +221,15 @@ def _own_resource_tracker() -> None:
     launcher's console at its exit ("14 leaked semaphore objects")."""
     from multiprocessing import resource_tracker
 
-    tracker = resource_tracker._resource_tracker  # noqa: SLF001 - the module's one instance
+    # the module's one instance; its private fields (typeshed has none of them): the
+    # launcher's tracker's pipe, passed by the server, and no pid: `ensure_running` then
+    # starts one for this process
+    tracker: Any = resource_tracker._resource_tracker  # noqa: SLF001
     with contextlib.suppress(AttributeError, OSError):
-        if tracker._fd is not None:  # noqa: SLF001 - the launcher's, passed by the server
-            os.close(tracker._fd)  # noqa: SLF001
-        tracker._fd = None  # noqa: SLF001 - ensure_running starts one for this process
-        tracker._pid = None  # noqa: SLF001
+        if tracker._fd is not None:
+            os.close(tracker._fd)
+        tracker._fd = None
+        tracker._pid = None
 
 
 def _limit_threads(env: Mapping[str, str]) -> None:
