@@ -48,6 +48,7 @@ from orchestrator.agileml.control import (
 from orchestrator.agileml.devices import DeviceGroup, DeviceLostError, node_devices
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.errors import AgileMLError, HandoffError, PartitionError, WorkerError
+from orchestrator.agileml.jobcode import uses_batch_statistics
 from orchestrator.agileml.loading import LoaderRows
 from orchestrator.agileml.lowprio import at_low_priority
 from orchestrator.agileml.partitions import PartitionLayout, PartitionTable
@@ -336,8 +337,14 @@ class AgileMLNode:
         if self._scale_hint is not None:  # fp16: a joiner starts at the others' scale
             self._worker.start_loss_scale_at(self._scale_hint)
         straggler = spec.straggler
-        # fp16: a helper's gradients would be scaled by its own loss scale (`precision`)
-        flexrr = straggler.flexrr and spec.precision != "fp16"
+        # fp16: a helper's gradients would be scaled by its own loss scale (`precision`);
+        # BatchNorm: a chunk's batch statistics are not the share's (and a chunk of one row
+        # fails in train mode: a user's job through the controller failed on it)
+        flexrr = (
+            straggler.flexrr
+            and spec.precision != "fp16"
+            and not uses_batch_statistics(parts.initial_model)
+        )
         if flexrr or straggler.injected is not None:
             self._reassigner = Reassigner(
                 straggler,

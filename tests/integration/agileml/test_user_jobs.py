@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from orchestrator.agileml import checkpoints
+from orchestrator.agileml.control import TrainingSpec
 from orchestrator.agileml.elasticity import NodeTier
 from orchestrator.agileml.event_files import read_scalars
 from orchestrator.agileml.jobcode import load_job_code
@@ -92,6 +93,51 @@ def test_clipping_by_the_global_norm_equals_the_single_process_loop() -> None:
     unclipped, _ = train_reference(code, iterations=25, global_batch=48)
     assert relative_error(result.model, clipped) <= 1e-5
     assert relative_error(result.model, unclipped) > 1e-3
+
+
+BATCHNORM_1D_JOB = """
+import torch
+from torch import nn
+
+
+def model():
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def dataset():
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(96, 6, generator=g),
+                                          torch.randint(0, 3, (96,), generator=g))
+
+
+def loss(output, target):
+    return nn.functional.cross_entropy(output, target)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.05)
+"""
+
+
+def test_a_batchnorm_job_with_the_controllers_default_spec_trains(tmp_path: Path) -> None:
+    """A job spec's training section leaves FlexRR on (the default); a node turns it off for a
+    model with BatchNorm, as `train` does. FlexRR's chunks of one row made BatchNorm1d raise
+    ("Expected more than 1 value per channel"): a user's job through the controller failed."""
+    path = tmp_path / "bn_job.py"
+    path.write_text(BATCHNORM_1D_JOB)
+    spec = TrainingSpec(job_id="bn", code=str(path), global_batch=48, iterations=15,
+                        num_partitions=2, min_nodes=3)  # fmt: skip
+    assert spec.straggler.flexrr  # what a job spec gives
+    with LocalJob(spec) as job:
+        for node_id, tier in (
+            ("r0", NodeTier.RELIABLE),
+            ("t0", NodeTier.TRANSIENT),
+            ("t1", NodeTier.TRANSIENT),
+        ):
+            job.add_node(node_id, tier)
+        _, outcomes = job.finish(timeout_s=120)
+    assert job.coordinator.error is None
+    assert all(len(o.ends) == 15 for o in outcomes.values()), outcomes
 
 
 def test_accumulation_without_flexrr_equals_the_single_process_loop(
