@@ -98,17 +98,19 @@ def share_read_seconds(rows: DatasetRows, share_rows: int, *, enough_s: float = 
     An item that raises ends the sample (the worker meets the error when it reads its rows);
     0 if none was read."""
     n = len(rows)
-    picks = [k * n // READ_SAMPLE_ITEMS for k in range(min(READ_SAMPLE_ITEMS, n))]
-    started, read = time.perf_counter(), 0
-    for i in picks:
+    count = min(READ_SAMPLE_ITEMS, n)
+    spent, read = 0.0, 0
+    for i in (k * n // count for k in range(count)):
+        started = time.perf_counter()
         try:
             rows.dataset[i]
         except Exception:  # noqa: BLE001 - the job's own error: its worker reports it
             break
+        spent += time.perf_counter() - started
         read += 1
-        if time.perf_counter() - started >= enough_s:
+        if spent >= enough_s:
             break
-    return (time.perf_counter() - started) / read * share_rows if read else 0.0
+    return spent / read * share_rows if read else 0.0
 
 
 def micro_batches(rows: int, parts: int) -> list[tuple[int, int]]:

@@ -226,10 +226,12 @@ def _own_resource_tracker() -> None:
     # starts one for this process
     tracker: Any = resource_tracker._resource_tracker  # noqa: SLF001
     with contextlib.suppress(AttributeError, OSError):
-        if tracker._fd is not None:
-            os.close(tracker._fd)
-        tracker._fd = None
-        tracker._pid = None
+        try:
+            if tracker._fd is not None:
+                os.close(tracker._fd)
+        finally:
+            tracker._fd = None
+            tracker._pid = None
 
 
 def _limit_threads(env: Mapping[str, str]) -> None:

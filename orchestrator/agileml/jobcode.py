@@ -1,7 +1,8 @@
 """A user's training job: a Python file (or a directory with `job.py`) that defines
 
     def model() -> torch.nn.Module                  # called on every node under the same seed
-    def dataset() -> torch.utils.data.Dataset       # map-style; items are (input, target)
+    def dataset() -> torch.utils.data.Dataset       # map-style; (input, target) items, or any
+                                                    # shape with collate()
     def loss(output, target) -> torch.Tensor        # the mean over the batch (a scalar)
     def optimizer(params) -> torch.optim.Optimizer  # as in plain PyTorch
     def scheduler(optimizer, total_iterations) -> LRScheduler

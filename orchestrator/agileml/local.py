@@ -137,8 +137,10 @@ class LocalJob:
         deadline = time.monotonic() + JOINED_WAIT_S
         for node_id in nodes:
             while self.coordinator.node_state(node_id) is None:
-                if self._procs[node_id].poll() is not None or time.monotonic() > deadline:
-                    return  # `crashed` reports it; a slow one leaves the order to chance
+                if self._procs[node_id].poll() is not None:
+                    break  # ended: `crashed` reports it
+                if time.monotonic() > deadline:
+                    return  # a slow one leaves the order to chance
                 time.sleep(0.01)
 
     def _out_path(self, node_id: str) -> Path:

@@ -374,17 +374,28 @@ class AgileMLNode:
             and not rows.indexed_at_once
             and self._devices is None
         ):
-            share_s = share_read_seconds(rows, math.ceil(spec.global_batch / spec.min_nodes))
+            share_s = share_read_seconds(rows, math.ceil(spec.global_batch / self._workers(spec)))
             if share_s < LOADER_MIN_SHARE_S:
                 log.info("rows read here: a share is too quick to read for a loader to pay",
                          extra={"node": self.node_id,
                                 "share_read_ms": round(share_s * 1000, 3)})  # fmt: skip
                 return rows
             self._loader = LoaderRows(rows, spec.model_dump_json(), spec.loader_workers)
-            log.info("rows read ahead", extra={"node": self.node_id,
-                                               "loader_workers": spec.loader_workers})  # fmt: skip
+            log.info("rows read ahead", extra={
+                "node": self.node_id, "loader_workers": spec.loader_workers,
+                "share_read_ms": round(share_s * 1000, 3)})  # fmt: skip
             return self._loader
         return rows
+
+    def _workers(self, spec: TrainingSpec) -> int:
+        """The workers this node expects to share a global batch with, itself included, as it
+        loads: the roster's (a node joining a running job), else the nodes the job starts
+        with (`min_nodes`, which a job spec may leave at 1: the share is then overrated)."""
+        roster = self._view.roster
+        if roster is None:
+            return spec.min_nodes
+        latest = roster.entries[-1].workers  # the membership last scheduled
+        return len(set(latest) | {self.node_id})
 
     def _low_priority(self, work: Callable[[], T]) -> T:
         """`work()` at nice 19 if this node loads at low priority, on a CPU-only machine (CUDA
