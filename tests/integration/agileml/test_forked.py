@@ -189,10 +189,7 @@ def test_a_child_of_the_console_script_does_not_import_the_command_line(tmp_path
         " stderr=Path(sys.argv[2]))\n"
         "    sys.exit(proc.wait(120))\n"
     )
-    tests_dir = str(Path(__file__).parents[2])
-    run = subprocess.run([sys.executable, str(script), str(out), str(err)],
-                         env={**os.environ, "PYTHONPATH": tests_dir}, capture_output=True,
-                         text=True, timeout=180)  # fmt: skip
+    run = _launch(script, out, err)
     assert run.returncode == 0, run.stderr[-2000:] + err.read_text()[-2000:]
     assert json.loads(out.read_text()) == ["orchestrator.cli"]  # the package, not a command
 
@@ -219,16 +216,21 @@ def test_a_killed_childs_semaphores_are_its_own_trackers_not_the_launchers(
         "    proc.kill()\n"
         "    proc.wait(60)\n"
     )
-    tests_dir = str(Path(__file__).parents[2])
-    run = subprocess.run([sys.executable, str(script), str(out), str(err)],
-                         env={**os.environ, "PYTHONPATH": tests_dir}, capture_output=True,
-                         text=True, timeout=180)  # fmt: skip
+    run = _launch(script, out, err)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "leaked" not in run.stderr, run.stderr[-2000:]
     deadline = time.monotonic() + 30
     while "leaked semaphore" not in err.read_text():  # its own tracker saw it die
         assert time.monotonic() < deadline, err.read_text()[-2000:]
         time.sleep(0.2)
+
+
+def _launch(script: Path, out: Path, err: Path) -> subprocess.CompletedProcess[str]:
+    """`python script out err`, with tests/ on its path (for the probe)."""
+    tests_dir = str(Path(__file__).parents[2])
+    return subprocess.run([sys.executable, str(script), str(out), str(err)],
+                          env={**os.environ, "PYTHONPATH": tests_dir}, capture_output=True,
+                          text=True, timeout=180)  # fmt: skip
 
 
 def _zombie(pid: int) -> bool:

@@ -48,29 +48,38 @@ def test_a_held_node_never_released_ends_with_the_job_at_once() -> None:
     assert time.monotonic() - started < 5.0
 
 
+#: A job that outlasts any test: it is left running, and closed by `LocalJob`'s exit.
+LONG = TrainingSpec(job_id="held", model=ModelSpec(kind="additive", features=16), lr=1.0,
+                    global_batch=8, iterations=100_000, num_partitions=2,
+                    min_nodes=2)  # fmt: skip
+
+
+def _start_with_held_node(job: LocalJob) -> float:
+    """r0, t0 and a held h1, until h1 has loaded; returns the tests' deadline."""
+    job.add_node("r0", NodeTier.RELIABLE)
+    job.add_node("t0", NodeTier.TRANSIENT)
+    job.add_node("h1", NodeTier.TRANSIENT, held=True)
+    log = job.log_dir / "h1.log"
+    deadline = time.monotonic() + 120
+    while "loaded; held until released" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.05)
+    return deadline
+
+
 def test_a_held_node_loads_before_its_release_and_trains_after_it() -> None:
     """A held joiner (`train --inject join@N`) joins and loads with the job's start, then
     waits, loaded, for its release: the join is a `ready`, not a load. Its load once came
     after the release and outlasted short runs: the README's `join@35` in 80 iterations
     never computed, and the `kill@50` after it was skipped."""
-    spec = TrainingSpec(job_id="held", model=ModelSpec(kind="additive", features=16), lr=1.0,
-                        global_batch=8, iterations=100_000, num_partitions=2,
-                        min_nodes=2)  # fmt: skip
-    with LocalJob(spec) as job:
-        job.add_node("r0", NodeTier.RELIABLE)
-        job.add_node("t0", NodeTier.TRANSIENT)
-        job.add_node("h1", NodeTier.TRANSIENT, held=True)
-        log = job.log_dir / "h1.log"
-        deadline = time.monotonic() + 120
-        while "loaded; held until released" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.05)
+    with LocalJob(LONG) as job:
+        deadline = _start_with_held_node(job)
         job.wait_clock(job.max_clock() + 5, timeout_s=120)
         assert job.coordinator.node_state("h1") is NodeState.JOINING  # loaded, not ready
         assert "h1" not in job.coordinator.view().roster.members(job.max_clock())
         job.release("h1")
         while job.coordinator.node_work().get("h1", (0, 0.0))[0] == 0:  # rows it computed
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, (job.log_dir / "h1.log").read_text()[-2000:]
             time.sleep(0.05)
 
 
@@ -78,18 +87,8 @@ def test_a_held_node_ends_at_sigterm() -> None:
     """SIGTERM ends a held node at once (its wait for the release polls whether it was
     stopped; a blocking read of stdin outlived SIGTERM, and the launcher's stop waited out its
     10 s grace)."""
-    spec = TrainingSpec(job_id="held", model=ModelSpec(kind="additive", features=16), lr=1.0,
-                        global_batch=8, iterations=100_000, num_partitions=2,
-                        min_nodes=2)  # fmt: skip
-    with LocalJob(spec) as job:
-        job.add_node("r0", NodeTier.RELIABLE)
-        job.add_node("t0", NodeTier.TRANSIENT)
-        job.add_node("h1", NodeTier.TRANSIENT, held=True)
-        log = job.log_dir / "h1.log"
-        deadline = time.monotonic() + 120
-        while "loaded; held until released" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.05)
+    with LocalJob(LONG) as job:
+        _start_with_held_node(job)
         node = job._procs["h1"]  # noqa: SLF001 - the held node's process
         node.terminate()
         assert node.wait(5) == 0  # ended as a node that was never released

@@ -119,6 +119,13 @@ def optimizer(params):
 """
 
 
+def _start_three_nodes(job: LocalJob) -> None:
+    """The reliable r0 and the transient t0 and t1."""
+    job.add_node("r0", NodeTier.RELIABLE)
+    job.add_node("t0", NodeTier.TRANSIENT)
+    job.add_node("t1", NodeTier.TRANSIENT)
+
+
 def test_a_batchnorm_job_with_the_controllers_default_spec_trains(tmp_path: Path) -> None:
     """A job spec's training section leaves FlexRR on (the default); a node turns it off for a
     model with BatchNorm, as `train` does. FlexRR's chunks of one row made BatchNorm1d raise
@@ -129,12 +136,7 @@ def test_a_batchnorm_job_with_the_controllers_default_spec_trains(tmp_path: Path
                         num_partitions=2, min_nodes=3)  # fmt: skip
     assert spec.straggler.flexrr  # what a job spec gives
     with LocalJob(spec) as job:
-        for node_id, tier in (
-            ("r0", NodeTier.RELIABLE),
-            ("t0", NodeTier.TRANSIENT),
-            ("t1", NodeTier.TRANSIENT),
-        ):
-            job.add_node(node_id, tier)
+        _start_three_nodes(job)
         _, outcomes = job.finish(timeout_s=120)
     assert job.coordinator.error is None
     assert all(len(o.ends) == 15 for o in outcomes.values()), outcomes
@@ -154,12 +156,7 @@ def test_accumulation_without_flexrr_equals_the_single_process_loop(
         update={"accumulate": 4, "straggler": StragglerSpec(flexrr=False)}
     )
     with LocalJob(spec) as job:
-        for node_id, tier in (
-            ("r0", NodeTier.RELIABLE),
-            ("t0", NodeTier.TRANSIENT),
-            ("t1", NodeTier.TRANSIENT),
-        ):
-            job.add_node(node_id, tier)
+        _start_three_nodes(job)
         params, _ = job.finish(timeout_s=120)
     seen = [line.split() for line in rows_log.read_text().splitlines()]
     trained = [int(rows) for pid, rows, _ in seen if int(pid) != os.getpid()]  # the nodes'
@@ -246,12 +243,7 @@ def test_a_job_stopped_whole_resumes_from_its_checkpoint_with_the_same_weights(
         base.model_copy(update={"checkpoint_dir": str(tmp_path), "checkpoint_every": 10})
     )
     with LocalJob(spec, log_dir=tmp_path) as job:
-        for node_id, tier in (
-            ("r0", NodeTier.RELIABLE),
-            ("t0", NodeTier.TRANSIENT),
-            ("t1", NodeTier.TRANSIENT),
-        ):
-            job.add_node(node_id, tier)
+        _start_three_nodes(job)
         job.wait_clock(35, timeout_s=120)
     # leaving the block stopped the controller and every node
     newest = checkpoints.latest(tmp_path)
